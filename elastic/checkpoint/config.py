@@ -1,0 +1,20 @@
+"""Configuration of checkpointing (spec key ``checkpoint``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class CheckpointConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    uri: str | None = Field(None, description="default: <run_dir>/checkpoints")
+    every_steps: int = Field(20, ge=0, description="storage-tier period in steps; 0 disables")
+    memory_every_steps: int = Field(1, ge=0, description="memory-tier period in steps; 0 disables")
+    async_: bool = Field(True, alias="async", description="upload in the background")
+    keep: int = Field(3, ge=1, description="committed checkpoints kept in storage")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec options (e.g. S3 endpoint_url, key, secret)"
+    )

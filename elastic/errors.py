@@ -1,0 +1,84 @@
+"""One typed exception hierarchy for the whole runtime.
+
+Policies and the controller switch on these types, never on message text.
+"""
+
+from __future__ import annotations
+
+
+class ElasticError(Exception):
+    """Base of every error raised on purpose by this project."""
+
+
+class SpecError(ElasticError):
+    """Invalid user input. ``field`` is the dotted spec key at fault (exit code 2)."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}" if field else message)
+
+
+class InfeasibleError(SpecError):
+    """The request cannot be placed on the given topology or cluster (exit code 2)."""
+
+
+class JobFailed(ElasticError):
+    """The job ended without finishing its steps (exit code 1)."""
+
+
+# ----- failures seen while training: each maps to one DESIGN.md `failure.cause` -----
+
+
+class WorkerFailure(ElasticError):
+    """A failure of one or more ranks observed while training."""
+
+    cause: str = "worker_error"
+
+    def __init__(self, detail: str, ranks: list[int] | None = None, nodes: list[str] | None = None):
+        self.detail = detail
+        self.ranks = sorted(ranks or [])
+        self.nodes = sorted(nodes or [])
+        super().__init__(detail)
+
+
+class ActorDied(WorkerFailure):
+    cause = "actor_died"
+
+
+class NodeLost(WorkerFailure):
+    cause = "node_lost"
+
+
+class HeartbeatTimeout(WorkerFailure):
+    cause = "heartbeat_timeout"
+
+
+class CollectiveTimeout(WorkerFailure):
+    cause = "collective_timeout"
+
+
+class NanLoss(WorkerFailure):
+    cause = "nan_loss"
+
+
+class LossSpike(WorkerFailure):
+    cause = "loss_spike"
+
+
+class WorkerError(WorkerFailure):
+    cause = "worker_error"
+
+
+class PeerCollectiveError(ElasticError):
+    """Raised inside a worker when a collective fails because a peer went away.
+
+    It is a symptom on a survivor, not a cause: the controller attributes the failure
+    to the rank that actually died or hung.
+    """
+
+
+FAILURE_TYPES: dict[str, type[WorkerFailure]] = {
+    cls.cause: cls
+    for cls in (ActorDied, NodeLost, HeartbeatTimeout, CollectiveTimeout, NanLoss, LossSpike, WorkerError)
+}

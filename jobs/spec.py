@@ -1,0 +1,145 @@
+"""The job spec: one pydantic model composed from the config of each owner.
+
+``JobSpec`` fields mirror DESIGN.md section 4 exactly. Every check that spans several
+owners (``tp`` divides ``n_heads``, a reachable ``global_batch``...) lives here, and every
+error names the dotted field at fault.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from elastic.checkpoint.config import CheckpointConfig
+from elastic.data import DataConfig
+from elastic.errors import SpecError
+from elastic.model import ModelConfig
+from elastic.optim import TrainConfig
+from elastic.parallel.config import ParallelConfig
+from elastic.placement import ResourcesConfig
+from elastic.policies import ElasticConfig
+
+
+class JobSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("job", min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    seed: int = 0
+    run_dir: str | None = None
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    elastic: ElasticConfig = Field(default_factory=ElasticConfig)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "JobSpec":
+        try:
+            spec = cls.model_validate(raw)
+        except ValidationError as exc:
+            raise _first_error(exc) from None
+        spec.check()
+        return spec
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> "JobSpec":
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise SpecError("config", f"cannot read {path}: {exc.strerror}") from None
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise SpecError("config", f"{path} is not valid YAML: {_one_line(exc)}") from None
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise SpecError("config", f"{path} must hold a mapping at the top level")
+        apply_overrides(raw, overrides or [])
+        return cls.from_dict(raw)
+
+    # ------------------------------------------------------------------ checks
+    def check(self) -> None:
+        m, p, e, t = self.model, self.parallel, self.elastic, self.train
+        if m.d_model % m.n_heads:
+            raise SpecError("model.n_heads", f"{m.n_heads} does not divide model.d_model ({m.d_model})")
+        if m.n_heads % p.tp:
+            raise SpecError("parallel.tp", f"{p.tp} does not divide model.n_heads ({m.n_heads})")
+        if m.d_model % p.tp:
+            raise SpecError("parallel.tp", f"{p.tp} does not divide model.d_model ({m.d_model})")
+        if m.n_layers % p.pp:
+            raise SpecError("parallel.pp", f"{p.pp} does not divide model.n_layers ({m.n_layers})")
+        if m.tie_embeddings and p.pp > 1:
+            raise SpecError("model.tie_embeddings", "tied embeddings need parallel.pp=1 (embedding and head sit on different stages)")
+        if e.min_dp > e.max_dp:
+            raise SpecError("elastic.min_dp", f"{e.min_dp} is larger than elastic.max_dp ({e.max_dp})")
+        if self.resources.device == "cuda" and self.resources.gpus_per_worker <= 0:
+            raise SpecError("resources.gpus_per_worker", "must be > 0 when resources.device is cuda")
+        if not self.allowed_dps():
+            raise SpecError(
+                "train.global_batch",
+                f"{t.global_batch} is not reachable: no DP degree in [{e.min_dp}, {e.max_dp}] divides "
+                f"global_batch / parallel.micro_batch ({t.global_batch} / {p.micro_batch})",
+            )
+
+    def allowed_dps(self) -> list[int]:
+        """DP degrees that keep ``global_batch`` exact (DeepSpeed-style elasticity)."""
+        per_step = self.train.global_batch
+        mb = self.parallel.micro_batch
+        if per_step % mb:
+            return []
+        micro = per_step // mb
+        return [dp for dp in range(self.elastic.min_dp, self.elastic.max_dp + 1) if micro % dp == 0]
+
+    def grad_accum(self, dp: int) -> int:
+        return self.train.global_batch // (self.parallel.micro_batch * dp)
+
+    # ------------------------------------------------------------------ schema
+    @classmethod
+    def json_schema(cls) -> str:
+        return json.dumps(cls.model_json_schema(by_alias=True), indent=2, sort_keys=True)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> None:
+    """Apply dotted ``key=value`` overrides; values are parsed as YAML."""
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise SpecError("--set", f"expected KEY=VALUE, got {item!r}")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise SpecError(key, f"value {text!r} is not valid YAML: {_one_line(exc)}") from None
+        node = raw
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise SpecError(".".join(parts[: i + 1]), "is not a mapping, cannot set a sub-key")
+            node = child
+        node[parts[-1]] = value
+
+
+def _first_error(exc: ValidationError) -> SpecError:
+    err = exc.errors()[0]
+    field = ".".join(str(p) for p in err["loc"]) or "spec"
+    if err["type"] == "extra_forbidden":
+        return SpecError(field, "unknown key")
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    if "input" in err and err["type"] not in ("missing",) and not isinstance(err["input"], (dict, list)):
+        msg = f"{msg} (got {err['input']!r})"
+    return SpecError(field, msg)
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
