@@ -1,10 +1,38 @@
-"""Training data (placeholder; the streaming implementation follows)."""
+"""Training data: a corpus of fixed-length token rows read in a DP-independent order.
+
+The order is defined by a *global sample index*. Batch ``b`` (the b-th optimizer step's
+data, counted from 0) is samples ``[b*G, (b+1)*G)`` of the corpus in file order, wrapping
+around at the end (epochs repeat the same pre-shuffled order, as Megatron-style
+preprocessed corpora do). DP rank ``r`` of ``dp`` takes the contiguous slice
+``[r*G/dp, (r+1)*G/dp)`` of that batch, split into ``grad_accum`` micro-batches.
+
+So batch ``b`` is the same set of samples whatever ``dp`` is, and each micro-batch's loss,
+scaled by ``1/grad_accum`` and averaged by DP, is exactly the mean over the global batch.
+The only training-state a resume needs is ``batch_index``: the next batch to read.
+
+Reading is per DP rank with a bounded background prefetch (``prefetch_steps`` batches
+ahead). Hosts start their first read ``stagger_s * host_index`` apart so that a job start or
+a recovery does not hit storage with every host at once.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import queue
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+TOKENS = "tokens"
 
 
 class DataConfig(BaseModel):
@@ -13,7 +41,7 @@ class DataConfig(BaseModel):
     source: str = Field("synthetic", description="'synthetic' or a parquet URI (file://, s3://, memory://)")
     num_samples: int = Field(20000, ge=1, description="corpus size for the synthetic source")
     cache_dir: str | None = Field(None, description="where the synthetic corpus is written; default <run_dir>/data")
-    prefetch_steps: int = Field(2, ge=0, description="steps of batches read ahead per rank")
+    prefetch_steps: int = Field(2, ge=0, description="batches read ahead per rank")
     stagger_s: float = Field(0.05, ge=0, description="delay between hosts' first reads")
     storage_options: dict[str, Any] = Field(default_factory=dict)
 
@@ -23,3 +51,202 @@ class DataConfig(BaseModel):
         if v == "synthetic" or "://" in v:
             return v
         raise ValueError("must be 'synthetic' or a URI such as file:///data/corpus or s3://bucket/corpus")
+
+
+# --------------------------------------------------------------------------- order (pure)
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Which global samples a DP rank trains on; pure arithmetic, no I/O."""
+
+    global_batch: int
+    micro_batch: int
+    dp: int
+
+    @property
+    def grad_accum(self) -> int:
+        return self.global_batch // (self.micro_batch * self.dp)
+
+    @property
+    def per_rank(self) -> int:
+        return self.global_batch // self.dp
+
+    def rank_samples(self, batch_index: int, dp_rank: int) -> np.ndarray:
+        """Global sample indices of ``dp_rank``'s share of batch ``batch_index``."""
+        start = batch_index * self.global_batch + dp_rank * self.per_rank
+        return np.arange(start, start + self.per_rank, dtype=np.int64)
+
+    def micro_batches(self, batch_index: int, dp_rank: int) -> list[np.ndarray]:
+        return np.split(self.rank_samples(batch_index, dp_rank), self.grad_accum)
+
+
+# --------------------------------------------------------------------------- corpus
+
+
+def synthetic_corpus(cache_dir: str, num_samples: int, seq_len: int, vocab_size: int, seed: int) -> str:
+    """Write (once) a deterministic, learnable token corpus as parquet; return its URI.
+
+    Rows follow a sparse random Markov chain (each token has a few likely successors), so a
+    model can learn it and the loss falls well below ln(vocab) within a short run.
+    """
+    params = dict(n=num_samples, seq=seq_len, vocab=vocab_size, seed=seed, v=1)
+    key = hashlib.sha1(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
+    uri = f"{cache_dir.rstrip('/')}/synthetic-{key}"
+    fs, path = fsspec.core.url_to_fs(uri)
+    if fs.exists(f"{path}/_SUCCESS"):
+        return uri
+    rng = np.random.default_rng(seed)
+    branching = 4
+    successors = rng.integers(0, vocab_size, size=(vocab_size, branching))
+    probs = rng.dirichlet(np.full(branching, 0.5), size=vocab_size)
+    cum = probs.cumsum(axis=1)
+    rows = np.empty((num_samples, seq_len + 1), dtype=np.int32)
+    rows[:, 0] = rng.integers(0, vocab_size, size=num_samples)
+    for t in range(1, seq_len + 1):
+        u = rng.random(num_samples)[:, None]
+        choice = (u > cum[rows[:, t - 1]]).sum(axis=1).clip(max=branching - 1)
+        rows[:, t] = successors[rows[:, t - 1], choice]
+    fs.makedirs(path, exist_ok=True)
+    rows_per_file = 8192
+    for i, start in enumerate(range(0, num_samples, rows_per_file)):
+        chunk = rows[start : start + rows_per_file]
+        table = pa.table({TOKENS: pa.FixedSizeListArray.from_arrays(pa.array(chunk.reshape(-1)), seq_len + 1)})
+        tmp, final = f"{path}/.part-{i:05d}.parquet.tmp", f"{path}/part-{i:05d}.parquet"
+        with fs.open(tmp, "wb") as f:
+            pq.write_table(table, f, row_group_size=1024)
+        fs.mv(tmp, final)
+    with fs.open(f"{path}/_SUCCESS", "wb") as f:
+        f.write(json.dumps(params).encode())
+    return uri
+
+
+class ParquetCorpus:
+    """Random access by global row index over a directory of parquet files (via fsspec)."""
+
+    def __init__(self, uri: str, storage_options: dict[str, Any] | None = None, cache_row_groups: int = 8):
+        self.fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+        if self.fs.isdir(root):
+            files = sorted(p for p in self.fs.ls(root, detail=False) if p.endswith(".parquet"))
+        else:
+            files = [root]
+        if not files:
+            raise FileNotFoundError(f"no parquet files under {uri}")
+        self._groups: list[tuple[str, int, int]] = []  # (file, row_group, first_row)
+        starts = []
+        total = 0
+        for path in files:
+            with self.fs.open(path, "rb") as f:
+                pf = pq.ParquetFile(f)
+                meta, names = pf.metadata, pf.schema_arrow.names
+            if TOKENS not in names:
+                raise ValueError(f"{path} has no '{TOKENS}' column")
+            for g in range(meta.num_row_groups):
+                self._groups.append((path, g, total))
+                starts.append(total)
+                total += meta.row_group(g).num_rows
+        self.num_rows = total
+        self._starts = np.asarray(starts, dtype=np.int64)
+        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._cache_size = cache_row_groups
+        self.bytes_read = 0
+
+    def _row_group(self, gi: int) -> np.ndarray:
+        if gi in self._cache:
+            self._cache.move_to_end(gi)
+            return self._cache[gi]
+        path, g, _ = self._groups[gi]
+        with self.fs.open(path, "rb") as f:
+            pf = pq.ParquetFile(f)
+            col = pf.read_row_group(g, columns=[TOKENS]).column(TOKENS).combine_chunks()
+            self.bytes_read += pf.metadata.row_group(g).total_byte_size
+        width = col.type.list_size if pa.types.is_fixed_size_list(col.type) else None
+        if width is None:
+            arr = np.stack([np.asarray(x, dtype=np.int64) for x in col.to_pylist()])
+        else:
+            arr = col.flatten().to_numpy().astype(np.int64).reshape(-1, width)
+        self._cache[gi] = arr
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return arr
+
+    def rows(self, sample_indices: np.ndarray) -> np.ndarray:
+        rows = np.asarray(sample_indices, dtype=np.int64) % self.num_rows
+        out = None
+        groups = np.searchsorted(self._starts, rows, side="right") - 1
+        for gi in np.unique(groups):
+            mask = groups == gi
+            block = self._row_group(int(gi))
+            picked = block[rows[mask] - self._starts[gi]]
+            if out is None:
+                out = np.empty((len(rows), picked.shape[1]), dtype=np.int64)
+            out[mask] = picked
+        return out
+
+
+# --------------------------------------------------------------------------- per-rank stream
+
+
+class RankStream:
+    """Yields ``(batch_index, [(inputs, targets), ...])`` for one DP rank, prefetched.
+
+    A background thread reads up to ``prefetch`` batches ahead; the first read waits
+    ``start_delay_s`` (the host's stagger slot).
+    """
+
+    def __init__(
+        self,
+        corpus: ParquetCorpus,
+        layout: BatchLayout,
+        dp_rank: int,
+        start_batch: int,
+        prefetch: int = 2,
+        start_delay_s: float = 0.0,
+    ):
+        import torch  # local: keeps `elastic.data` importable for pure planning code
+
+        self._torch = torch
+        self.corpus, self.layout, self.dp_rank = corpus, layout, dp_rank
+        self.next_batch = start_batch
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(start_batch, start_delay_s), daemon=True)
+        self._thread.start()
+
+    def _read(self, batch_index: int):
+        torch = self._torch
+        out = []
+        for idx in self.layout.micro_batches(batch_index, self.dp_rank):
+            rows = torch.from_numpy(self.corpus.rows(idx))
+            out.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
+        return out
+
+    def _run(self, batch_index: int, delay: float) -> None:
+        if delay > 0 and self._stop.wait(delay):
+            return
+        while not self._stop.is_set():
+            try:
+                item = (batch_index, self._read(batch_index))
+            except Exception as exc:  # surfaced to the consumer, never swallowed
+                item = (batch_index, exc)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item[1], Exception):
+                return
+            batch_index += 1
+
+    def next(self, timeout: float = 120.0):
+        batch_index, payload = self._queue.get(timeout=timeout)
+        if isinstance(payload, Exception):
+            raise payload
+        assert batch_index == self.next_batch, (batch_index, self.next_batch)
+        self.next_batch += 1
+        return batch_index, payload
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import logging
+import time
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+logger = logging.getLogger(__name__)
 
 
 class ResourcesConfig(BaseModel):
@@ -14,3 +18,79 @@ class ResourcesConfig(BaseModel):
     cpus_per_worker: float = Field(1, ge=0)
     gpus_per_worker: float = Field(0, ge=0)
     custom: dict[str, float] = Field(default_factory=dict, description="extra Ray resources per worker")
+
+
+class ReplicaSlots:
+    """Capacity for model replicas, held as one Ray placement group per replica.
+
+    Each group has ``replica_size`` worker bundles (tp x pp workers). The controller keeps
+    ``max_dp`` groups requested at all times: groups that Ray cannot place yet stay
+    *pending*, and they are the standing request for capacity. A pending group that
+    becomes ready means a node (re)joined, which is the signal to grow back.
+
+    The strategy is PACK (a replica's workers as close together as the cluster allows);
+    the topology-aware planner replaces this with STRICT_PACK groups per node.
+    """
+
+    def __init__(self, resources: ResourcesConfig, replica_size: int):
+        self.resources = resources
+        self.replica_size = replica_size
+        self._groups: list[Any] = []
+
+    def bundle(self) -> dict[str, float]:
+        r = self.resources
+        bundle = {"CPU": float(r.cpus_per_worker)}
+        if r.gpus_per_worker:
+            bundle["GPU"] = float(r.gpus_per_worker)
+        bundle.update({k: float(v) for k, v in r.custom.items()})
+        return {k: v for k, v in bundle.items() if v > 0} or {"CPU": 0.001}
+
+    def request(self, total: int) -> None:
+        from ray.util.placement_group import placement_group
+
+        while len(self._groups) < total:
+            self._groups.append(placement_group([self.bundle()] * self.replica_size, strategy="PACK"))
+
+    def ready(self, timeout: float = 0.0) -> list[Any]:
+        """Placement groups whose bundles are all placed now."""
+        import ray
+
+        if not self._groups:
+            return []
+        refs = {g.ready(): g for g in self._groups}
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+        return [refs[r] for r in done]
+
+    def wait_ready(self, count: int, timeout: float) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            ready = self.ready(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+            if len(ready) >= count or time.monotonic() >= deadline:
+                return ready
+
+    def release(self, group: Any) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        if group in self._groups:
+            self._groups.remove(group)
+            try:
+                remove_placement_group(group)
+            except Exception as exc:  # already gone with its node
+                logger.debug("placement group removal failed: %s", exc)
+
+    def release_all(self) -> None:
+        for g in list(self._groups):
+            self.release(g)
+
+    def actor_options(self, group: Any, bundle_index: int) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        r = self.resources
+        return {
+            "num_cpus": r.cpus_per_worker,
+            "num_gpus": r.gpus_per_worker,
+            "resources": dict(r.custom),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=group, placement_group_bundle_index=bundle_index, placement_group_capture_child_tasks=False
+            ),
+        }

@@ -1,6 +1,22 @@
-"""Pure decision code for the elastic controller (placeholder: filled in by the controller work)."""
+"""Pure decision code for the elastic controller.
+
+Policies take plain inputs (counts, the time, a snapshot of what the cluster offers) and
+return decisions; they never act and do no I/O. The controller carries decisions out.
+They are unit-tested without Ray.
+
+Batch policy (documented choice): DP is restricted to degrees that divide
+``global_batch / micro_batch``, as DeepSpeed's elasticity does. Every rank then gets the
+same number of whole micro-batches, ``grad_accum = global_batch / (micro_batch * dp)``, and
+the loss needs no per-rank weighting: the global batch and the loss scale are exact at
+every DP degree.
+"""
 
 from __future__ import annotations
+
+import enum
+import math
+from collections import deque
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -14,5 +30,89 @@ class ElasticConfig(BaseModel):
     collective_timeout_s: float = Field(30.0, gt=0)
     max_failures: int = Field(10, ge=0)
     min_dp_wait_s: float = Field(60.0, gt=0, description="how long to wait for capacity to reach min_dp")
-    loss_spike_factor: float = Field(6.0, gt=0, description="spike = loss > mean + factor*std of recent steps")
-    on_bad_loss: str = Field("skip", pattern="^(skip|retry)$", description="skip the batch or retry it")
+    loss_spike_factor: float = Field(6.0, gt=0, description="spike = loss > mean + factor * std of recent steps")
+    on_bad_loss: str = Field("skip", pattern="^(skip|retry)$", description="after a NaN/spike: skip the batch or retry it")
+    grow_check_s: float = Field(1.0, gt=0, description="how often to look for returned capacity")
+
+
+# --------------------------------------------------------------------------- failure policy
+
+
+class FailureDecision(enum.Enum):
+    RETRY = "retry"
+    RAISE = "raise"
+
+
+def failure_decision(failures_so_far: int, max_failures: int) -> FailureDecision:
+    """Retry while the budget lasts; ``failures_so_far`` includes the one just seen."""
+    return FailureDecision.RETRY if failures_so_far <= max_failures else FailureDecision.RAISE
+
+
+# --------------------------------------------------------------------------- batch policy
+
+
+def allowed_dps(global_batch: int, micro_batch: int, min_dp: int, max_dp: int) -> list[int]:
+    if global_batch % micro_batch:
+        return []
+    micro = global_batch // micro_batch
+    return [dp for dp in range(min_dp, max_dp + 1) if micro % dp == 0]
+
+
+def grad_accum(global_batch: int, micro_batch: int, dp: int) -> int:
+    per = micro_batch * dp
+    if global_batch % per:
+        raise ValueError(f"dp={dp} does not keep global_batch={global_batch} exact with micro_batch={micro_batch}")
+    return global_batch // per
+
+
+# --------------------------------------------------------------------------- scaling policy
+
+
+@dataclass(frozen=True)
+class ResizeDecision:
+    dp: int
+
+
+@dataclass(frozen=True)
+class NoopDecision:
+    pass
+
+
+def target_dp(replicas_available: int, allowed: list[int]) -> int | None:
+    """Largest allowed DP that fits in the whole replicas available, or None."""
+    fitting = [dp for dp in allowed if dp <= replicas_available]
+    return max(fitting) if fitting else None
+
+
+def scaling_decision(current_dp: int, replicas_available: int, allowed: list[int]) -> ResizeDecision | NoopDecision:
+    """Grow (or shrink) to the best allowed DP the capacity supports; no-op if unchanged."""
+    best = target_dp(replicas_available, allowed)
+    if best is None or best == current_dp:
+        return NoopDecision()
+    return ResizeDecision(best)
+
+
+# --------------------------------------------------------------------------- loss anomalies
+
+
+class LossMonitor:
+    """Flags a non-finite loss, or one far above the running statistics (silent corruption)."""
+
+    def __init__(self, spike_factor: float, window: int = 20, min_history: int = 8):
+        self.spike_factor = spike_factor
+        self.min_history = min_history
+        self._history: deque[float] = deque(maxlen=window)
+
+    def check(self, loss: float) -> str | None:
+        if not math.isfinite(loss):
+            return "nan_loss"
+        if len(self._history) >= self.min_history:
+            mean = sum(self._history) / len(self._history)
+            var = sum((x - mean) ** 2 for x in self._history) / len(self._history)
+            spread = max(math.sqrt(var), 0.02 * abs(mean))
+            if loss > mean + self.spike_factor * spread:
+                return "loss_spike"
+        return None
+
+    def accept(self, loss: float) -> None:
+        self._history.append(loss)

@@ -1,0 +1,134 @@
+"""The ``elastic`` command line (DESIGN.md section 5).
+
+Exit codes: 0 ok, 1 the job failed, 2 bad input. Bad input is reported as one line naming
+the field, with no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Sequence
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own errors: one line, exit 2
+        self.exit(EXIT_BAD_INPUT, f"error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="elastic", description="Elastic, topology-aware training on Ray")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    run = sub.add_parser("run", help="run a training job from a YAML spec")
+    run.add_argument("config")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    run.add_argument("--address", default=None, help="Ray cluster address (default: join a running one, else embedded)")
+    run.add_argument("--run-dir", default=None)
+    run.add_argument("--resume", action="store_true", help="start from the newest valid checkpoint in checkpoint.uri")
+
+    demo = sub.add_parser("demo", help="the quickstart job with a node failure and recovery")
+    demo.add_argument("--run-dir", default=None)
+    demo.add_argument("--no-fault", action="store_true", help="run the quickstart without injecting a failure")
+
+    plan = sub.add_parser("plan", help="print the rank placement plan")
+    plan.add_argument("config")
+    plan.add_argument("--topology", default=None)
+    plan.add_argument("--json", action="store_true")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+    ckpt = sub.add_parser("ckpt", help="inspect checkpoints")
+    csub = ckpt.add_subparsers(dest="ckpt_command", required=True, parser_class=_Parser)
+    cl = csub.add_parser("list")
+    cl.add_argument("uri")
+    cl.add_argument("--json", action="store_true")
+    cv = csub.add_parser("verify")
+    cv.add_argument("uri")
+    cv.add_argument("--step", type=int, default=None)
+
+    sub.add_parser("schema", help="print the JSON Schema of job specs")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from elastic.errors import JobFailed, SpecError
+
+    try:
+        return _dispatch(args)
+    except SpecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except JobFailed as exc:
+        print(f"job failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "run":
+        return cmd_run(args.config, args.overrides, args.address, args.run_dir, args.resume)
+    if args.command == "demo":
+        from elastic.demo import run_demo
+
+        return run_demo(args.run_dir, inject_fault=not args.no_fault)
+    if args.command == "plan":
+        return cmd_plan(args.config, args.topology, args.json, args.overrides)
+    if args.command == "ckpt":
+        return cmd_ckpt(args)
+    if args.command == "schema":
+        from jobs.spec import JobSpec
+
+        print(JobSpec.json_schema())
+        return EXIT_OK
+    raise AssertionError(args.command)
+
+
+def cmd_run(config: str, overrides: list[str], address: str | None, run_dir: str | None, resume: bool) -> int:
+    from jobs.spec import JobSpec
+
+    spec = JobSpec.from_yaml(config, overrides=overrides)  # validates before anything starts
+    from elastic.trainer import ElasticTrainer
+
+    trainer = ElasticTrainer(spec, run_dir=run_dir, address=address, resume=resume, progress=True)
+    result = trainer.fit()
+    return EXIT_OK if result.status == "succeeded" else EXIT_FAILED
+
+
+def cmd_plan(config: str, topology: str | None, as_json: bool, overrides: list[str]) -> int:
+    from jobs.spec import JobSpec
+
+    spec = JobSpec.from_yaml(config, overrides=overrides)
+    from elastic.planner import plan_from_spec
+    from elastic.topology import load_topology_file, topology_from_ray
+
+    if topology:
+        topo = load_topology_file(topology)
+    else:
+        import ray
+
+        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False, logging_level=logging.ERROR)
+        topo = topology_from_ray(ray.nodes())
+    plan = plan_from_spec(spec, topo)
+    print(json.dumps(plan.to_json()) if as_json else plan.to_table())
+    return EXIT_OK
+
+
+def cmd_ckpt(args: argparse.Namespace) -> int:
+    from elastic.checkpoint.cli import ckpt_list, ckpt_verify
+
+    if args.ckpt_command == "list":
+        return ckpt_list(args.uri, args.json)
+    return ckpt_verify(args.uri, args.step)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

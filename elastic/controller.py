@@ -1,0 +1,364 @@
+"""The elastic controller: an explicit state machine that drives a run.
+
+Where it runs: in the driver process (the process of ``elastic run``, of the Python API,
+or of a ``ray job submit`` entrypoint). The driver already owns the run's lifetime, the
+terminal display and the run directory; an extra controller actor would add one hop to
+every poll and a second thing that can die. Workers are Ray actors and outlive process
+groups; the controller only talks to them through ``WorkerGroup``.
+
+States (one small class each, carrying its own data) and one ``_step`` that moves on::
+
+    Starting ──> Running ──> Finished
+                  │  ▲ │
+        failure   ▼  │ ▼  capacity returned
+              Recovering  Resizing
+                  │
+                  ▼
+                Failed
+
+Decisions come from the pure functions in ``elastic.policies``; this module carries them
+out and writes the events. ``worker_group_cls`` is the test seam: controller tests swap in
+a scripted fake group and step one transition at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from elastic import policies
+from elastic.errors import JobFailed, WorkerFailure
+from elastic.events import EventLog, Recovery, RunResult
+from elastic.worker_group import WorkerGroup
+
+logger = logging.getLogger(__name__)
+
+
+class Callback(Protocol):
+    """Typed lifecycle hook; every method is optional."""
+
+    def on_step(self, step: int, group: Any) -> None: ...
+
+
+# --------------------------------------------------------------------------- states
+
+
+class State:
+    name = "state"
+    is_terminal = False
+
+
+@dataclass
+class Starting(State):
+    name = "starting"
+
+
+@dataclass
+class Running(State):
+    name = "running"
+    launched: bool = False
+
+
+@dataclass
+class Recovering(State):
+    name = "recovering"
+    failure: WorkerFailure
+    detected_at: float
+    last_seen_step: int
+
+
+@dataclass
+class Resizing(State):
+    name = "resizing"
+    reason: str
+    groups: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class Finished(State):
+    name = "finished"
+    is_terminal = True
+
+
+@dataclass
+class Failed(State):
+    name = "failed"
+    reason: str
+    is_terminal = True
+
+
+# --------------------------------------------------------------------------- controller
+
+
+class Controller:
+    worker_group_cls = WorkerGroup
+
+    def __init__(self, spec: Any, events: EventLog, corpus_uri: str, *, callbacks: list[Any] | None = None,
+                 worker_faults: list[dict] | None = None, resume: dict[str, Any] | None = None, storage_uri: str = ""):
+        self.spec = spec
+        self.events = events
+        self.callbacks = list(callbacks or [])
+        self.group = self.worker_group_cls(spec, corpus_uri, worker_faults)
+        self.group.storage_uri = storage_uri
+        self.resume = resume  # {"step": N} from the storage tier, or None
+        self.allowed = spec.allowed_dps()
+        self.state: State = Starting()
+        self.step = 0  # optimizer steps committed by every rank
+        self.failures = 0
+        self.dp_history: list[list[int]] = []
+        self.recoveries: list[Recovery] = []
+        self.losses: dict[int, float] = {}
+        self.tokens_per_s: list[float] = []
+        self._pending: dict[int, dict[int, dict]] = {}  # step -> rank -> result
+        self._pending_recovery: dict[str, Any] | None = None
+        self._last_grow_check = 0.0
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> RunResult:
+        t0 = time.time()
+        try:
+            while not self.state.is_terminal:
+                self.state = self._step(self.state)
+        finally:
+            self.group.shutdown()
+        status = "succeeded" if isinstance(self.state, Finished) else "failed"
+        reason = getattr(self.state, "reason", None)
+        self.events.emit("job_end", status=status, steps=self.step, **({"reason": reason} if reason else {}))
+        result = RunResult(
+            status=status,
+            steps=self.step,
+            final_loss=self.losses.get(self.step),
+            wall_s=time.time() - t0,
+            mean_tokens_per_s=sum(self.tokens_per_s) / len(self.tokens_per_s) if self.tokens_per_s else 0.0,
+            failures=self.failures,
+            dp_history=self.dp_history,
+            recoveries=self.recoveries,
+        )
+        if status == "failed":
+            raise _attach(JobFailed(reason or "job failed"), result)
+        return result
+
+    def _step(self, state: State) -> State:
+        handler = getattr(self, f"_on_{state.name}")
+        return handler(state)
+
+    # ------------------------------------------------------------------ starting
+    def _on_starting(self, state: Starting) -> State:
+        e = self.spec.elastic
+        self.group.request_capacity()
+        spare = self.group.wait_spare(e.max_dp, timeout=min(e.min_dp_wait_s, 10.0))
+        dp = policies.target_dp(len(spare), self.allowed)
+        if dp is None or dp < e.min_dp:
+            spare = self.group.wait_spare(e.min_dp, timeout=e.min_dp_wait_s)
+            dp = policies.target_dp(len(spare), self.allowed)
+        if dp is None:
+            return Failed(f"capacity for min_dp={e.min_dp} replicas did not appear within {e.min_dp_wait_s:g}s")
+        members = self.group.spawn(spare[:dp])
+        start = {"step": 0, "batch_index": 0}
+        source = None
+        if self.resume is not None:
+            start, source = {"step": self.resume["step"], "batch_index": 0}, "storage"
+        t = self.group.configure(members, dp, start, self.resume["step"] if self.resume else None, source or "none")
+        self.step = t["step"]
+        logger.info("process group init %.3fs for world size %d", t["init_s"], len(members))
+        self.events.emit("job_start", dp=dp, tp=self.spec.parallel.tp, pp=self.spec.parallel.pp, nodes=len({m.node_id for m in members}))
+        if source == "storage":
+            self.events.emit("restore", step=self.step, source="storage", duration_s=t["restore_s"])
+        self.dp_history.append([self.step, dp])
+        return Running()
+
+    # ------------------------------------------------------------------ running
+    def _on_running(self, state: Running) -> State:
+        if not state.launched:
+            self.group.launch(self.spec.train.steps)
+            state.launched = True
+        obs = self.group.observe()
+        try:
+            for rank, result in obs.results:
+                self._collect(rank, result)
+        except _BudgetExhausted:
+            return Failed(f"failure budget exhausted: {self.failures} failures > elastic.max_failures={self.spec.elastic.max_failures}")
+        if obs.failure is not None:
+            return Recovering(obs.failure, time.monotonic(), self._last_seen_step())
+        if obs.finished:
+            return Finished()
+        if obs.stopped:  # stopped at a boundary without a resize request: restart the loop
+            return Running()
+        grow = self._grow_check()
+        return grow or state
+
+    def _collect(self, rank: int, result: dict[str, Any]) -> None:
+        kind = result["type"]
+        if kind == "anomaly":
+            self._on_anomaly(rank, result)
+            return
+        step = result["step"]
+        if step <= self.step:
+            return  # a replay after a rollback: already committed
+        per_step = self._pending.setdefault(step, {})
+        per_step[rank] = result
+        if len(per_step) == len(self.group.members):
+            self._commit_step(step, self._pending.pop(step))
+
+    def _commit_step(self, step: int, results: dict[int, dict]) -> None:
+        r0 = results[min(results)]
+        dp, tp, pp = self.group.dp, self.spec.parallel.tp, self.spec.parallel.pp
+        step_time = max(r["step_time_s"] for r in results.values())
+        tokens = self.spec.train.global_batch * self.spec.model.seq_len
+        tps = tokens / step_time if step_time > 0 else 0.0
+        self.step = step
+        self.losses[step] = r0["loss"]
+        self.tokens_per_s.append(tps)
+        fields = dict(step=step, loss=r0["loss"], dp=dp, tp=tp, pp=pp, grad_accum=self.spec.grad_accum(dp),
+                      world_size=len(results), step_time_s=step_time, tokens_per_s=tps)
+        fields["peak_mem_bytes"] = max(r.get("peak_mem_bytes", 0) for r in results.values())
+        self.events.emit("step", **fields)
+        snaps = [r["snapshot"] for r in results.values() if "snapshot" in r]
+        if snaps:
+            self.events.emit("checkpoint", step=snaps[0]["step"], tier="memory", blocking_s=max(s["blocking_s"] for s in snaps),
+                             duration_s=max(s["duration_s"] for s in snaps), bytes=sum(s["bytes"] for s in snaps))
+        if self._pending_recovery is not None:
+            self._finish_recovery()
+        for cb in self.callbacks:
+            if hasattr(cb, "on_step"):
+                cb.on_step(step, self.group)
+
+    def _on_anomaly(self, rank: int, result: dict[str, Any]) -> None:
+        """NaN/spike: every rank rolled back in place; record it once (from rank 0)."""
+        if rank != 0:
+            return
+        self.failures += 1
+        self.events.emit("failure", cause=result["cause"], ranks=list(range(len(self.group.members))), nodes=[],
+                         detail=f"step {result['step']} loss {result['loss']}: rolled back to step {result['restored_step']}, {result['action']} batch {result['batch_index']}")
+        self.events.emit("restore", step=result["restored_step"], source="memory", duration_s=0.0)
+        lost = max(0, result["step"] - 1 - result["restored_step"])
+        self.recoveries.append(Recovery(cause=result["cause"], detect_s=0.0, recover_s=0.0, lost_steps=lost))
+        self.step = min(self.step, result["restored_step"])
+        if policies.failure_decision(self.failures, self.spec.elastic.max_failures) is policies.FailureDecision.RAISE:
+            self.group.request_stop()
+            raise _BudgetExhausted()
+
+    def _last_seen_step(self) -> int:
+        return max([self.step] + [m.step for m in self.group.members] + list(self._pending))
+
+    # ------------------------------------------------------------------ recovering
+    def _on_recovering(self, state: Recovering) -> State:
+        f = state.failure
+        self.failures += 1
+        self.events.emit("failure", cause=f.cause, ranks=f.ranks, nodes=f.nodes, detail=f.detail)
+        logger.warning("failure: %s ranks=%s (%s)", f.cause, f.ranks, f.detail)
+        if policies.failure_decision(self.failures, self.spec.elastic.max_failures) is policies.FailureDecision.RAISE:
+            return Failed(f"failure budget exhausted: {self.failures} failures > elastic.max_failures={self.spec.elastic.max_failures} (last: {f.cause})")
+        group = self.group
+        culprits = [m for m in group.members if m.rank in f.ranks and f.cause not in ("worker_error",)]
+        group.kill(culprits)
+        survivors = [m for m in group.members if m not in culprits and not m.dead]
+        stuck = group.wait_runs(survivors, timeout=self.spec.elastic.collective_timeout_s + 5)
+        if stuck:
+            group.kill(stuck)
+            survivors = [m for m in survivors if m not in stuck]
+        replicas = group.complete_replicas(survivors)
+        keep = [m for r in replicas for m in r]
+        group.kill([m for m in survivors if m not in keep])
+        for m in group.members:
+            if m.dead and all(o.group is not m.group or o.dead for o in group.members):
+                group.release_group(m.group)
+        group.request_capacity()
+        spare = group.spare_groups()
+        dp = policies.target_dp(len(replicas) + len(spare), self.allowed)
+        if dp is None:
+            spare = group.wait_spare(self.spec.elastic.min_dp - len(replicas), timeout=self.spec.elastic.min_dp_wait_s)
+            dp = policies.target_dp(len(replicas) + len(spare), self.allowed)
+        if dp is None:
+            return Failed(f"only {len(replicas)} whole replica(s) left and no capacity for min_dp={self.spec.elastic.min_dp} within {self.spec.elastic.min_dp_wait_s:g}s")
+        old_dp = group.dp
+        kept = [m for r in replicas[:dp] for m in r]
+        group.kill([m for r in replicas[dp:] for m in r])
+        new_groups = spare[: max(0, dp - len(replicas))]
+        newcomers = group.spawn(new_groups) if new_groups else []
+        restore_step = group.common_snapshot_step(kept)
+        source = "memory"
+        if restore_step is None:
+            restore_step, source = self._storage_fallback()
+        t = group.configure(kept + newcomers, dp, {"step": restore_step or 0, "batch_index": 0}, restore_step, source)
+        self.step = t["step"]
+        self._pending.clear()
+        if dp != old_dp:
+            self.events.emit("resize", old_dp=old_dp, new_dp=dp, grad_accum=self.spec.grad_accum(dp), reason=f.cause)
+            self.dp_history.append([self.step, dp])
+        if source != "none":
+            self.events.emit("restore", step=self.step, source=source, duration_s=t["restore_s"])
+        self._pending_recovery = {"cause": f.cause, "detected_at": state.detected_at, "detect_s": self._detect_latency(f, state),
+                                  "lost_steps": max(0, state.last_seen_step - self.step)}
+        return Running()
+
+    def _detect_latency(self, f: WorkerFailure, state: Recovering) -> float:
+        """From the culprits' last sign of health to detection."""
+        seen = [m.last_ok for m in self.group.members if m.rank in f.ranks]
+        return max(0.0, state.detected_at - max(seen)) if seen else 0.0
+
+    def _finish_recovery(self) -> None:
+        p, self._pending_recovery = self._pending_recovery, None
+        self.recoveries.append(Recovery(cause=p["cause"], detect_s=round(p["detect_s"], 3),
+                                        recover_s=round(time.monotonic() - p["detected_at"], 3), lost_steps=p["lost_steps"]))
+
+    def _storage_fallback(self) -> tuple[int | None, str]:
+        from elastic.checkpoint.restore import latest_storage_step
+
+        step = latest_storage_step(self.spec, self.group.storage_uri)
+        return (step, "storage") if step is not None else (None, "none")
+
+    # ------------------------------------------------------------------ growing back
+    def _grow_check(self) -> State | None:
+        now = time.monotonic()
+        if now - self._last_grow_check < self.spec.elastic.grow_check_s or self.group.dp >= self.spec.elastic.max_dp:
+            return None
+        self._last_grow_check = now
+        spare = self.group.spare_groups()
+        decision = policies.scaling_decision(self.group.dp, self.group.dp + len(spare), self.allowed)
+        if isinstance(decision, policies.ResizeDecision) and decision.dp > self.group.dp:
+            return Resizing("capacity returned", spare[: decision.dp - self.group.dp])
+        return None
+
+    def _on_resizing(self, state: Resizing) -> State:
+        group = self.group
+        group.request_stop()
+        stuck = group.wait_runs(group.members, timeout=self.spec.elastic.collective_timeout_s + 5)
+        obs = group.observe(timeout=0)
+        for rank, result in obs.results:
+            self._collect(rank, result)
+        if stuck or obs.failure is not None:
+            failure = obs.failure or WorkerFailure("workers did not stop at a step boundary", ranks=[m.rank for m in stuck])
+            return Recovering(failure, time.monotonic(), self._last_seen_step())
+        t_start = time.monotonic()
+        old_dp = group.dp
+        newcomers = group.spawn(state.groups)
+        dp = old_dp + len(state.groups)
+        restore_step = group.common_snapshot_step(group.members)
+        if restore_step != self.step:
+            logger.warning("newest common snapshot is step %s, live step %s", restore_step, self.step)
+        t = group.configure(list(group.members) + newcomers, dp, {"step": self.step, "batch_index": 0}, restore_step, "memory")
+        self.step = t["step"]
+        self._pending.clear()
+        self.events.emit("resize", old_dp=old_dp, new_dp=dp, grad_accum=self.spec.grad_accum(dp), reason=state.reason)
+        self.events.emit("restore", step=self.step, source="memory", duration_s=t["restore_s"])
+        self.dp_history.append([self.step, dp])
+        logger.info("grew from dp=%d to dp=%d in %.2fs", old_dp, dp, time.monotonic() - t_start)
+        return Running()
+
+    def _on_finished(self, state: Finished) -> State:
+        return state
+
+    def _on_failed(self, state: Failed) -> State:
+        return state
+
+
+class _BudgetExhausted(Exception):
+    pass
+
+
+def _attach(exc: JobFailed, result: RunResult) -> JobFailed:
+    exc.result = result  # type: ignore[attr-defined]
+    return exc

@@ -1,0 +1,89 @@
+"""Run artefacts: ``events.jsonl`` (one JSON object per line) and ``summary.json``.
+
+Field names are the public contract of DESIGN.md section 6. Every event has ``ts`` (unix
+seconds) and ``kind``; a few events carry extra fields (``step`` may add
+``peak_mem_bytes`` and ``mfu``; ``job_end`` adds ``reason`` when the job failed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from typing import Any, Callable
+
+from pydantic import BaseModel, Field
+
+EVENT_KINDS = ("job_start", "step", "checkpoint", "failure", "resize", "restore", "job_end")
+
+
+class Recovery(BaseModel):
+    cause: str
+    detect_s: float
+    recover_s: float
+    lost_steps: int
+
+
+class RunResult(BaseModel):
+    """The outcome of a run; the same fields as ``summary.json``."""
+
+    status: str
+    steps: int
+    final_loss: float | None
+    wall_s: float
+    mean_tokens_per_s: float
+    failures: int
+    dp_history: list[list[int]] = Field(default_factory=list)
+    recoveries: list[Recovery] = Field(default_factory=list)
+
+
+class EventLog:
+    """Append-only, thread-safe writer of ``events.jsonl`` with in-process listeners."""
+
+    def __init__(self, run_dir: str):
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, "events.jsonl")
+        self._file = open(self.path, "a", buffering=1)
+        self._lock = threading.Lock()
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
+
+    def subscribe(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        self._listeners.append(listener)
+
+    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
+        if kind not in EVENT_KINDS:
+            raise ValueError(f"unknown event kind {kind!r}")
+        event = {"ts": time.time(), "kind": kind, **{k: _plain(v) for k, v in fields.items()}}
+        with self._lock:
+            self._file.write(json.dumps(event, allow_nan=False) + "\n")
+        for listener in self._listeners:
+            listener(event)
+        return event
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def write_summary(run_dir: str, result: RunResult) -> str:
+    path = os.path.join(run_dir, "summary.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result.model_dump(), f, indent=2, allow_nan=False)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_events(run_dir: str) -> list[dict[str, Any]]:
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _plain(value: Any) -> Any:
+    """JSON has no NaN: a non-finite float (a NaN loss) is written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

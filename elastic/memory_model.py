@@ -1,0 +1,192 @@
+"""Analytical per-rank memory of the reference GPT (``elastic/model.py``), in bytes.
+
+Used to prune parallel configurations before measuring them (step 1 of the search:
+fit the model in memory). Pure arithmetic; every figure is an integer number of bytes.
+
+**Parameters** of ``GPT`` (d = d_model, r = mlp_ratio, V = vocab, T = seq_len)::
+
+    tok_emb V*d   pos_emb T*d   per layer (4 + 2r) d^2 + 4d (two LayerNorms)
+    final norm 2d   head V*d unless tied (tying needs pp = 1)
+
+Under TP the linears and the embedding/head (vocab-parallel) are split ``tp`` ways; the
+LayerNorms and the position embedding are replicated. Under PP each stage holds its
+layers; stage 0 adds the embeddings, the last stage the final norm and the head. The
+estimate is the worst stage (largest total).
+
+**Training state** per parameter, ``k = dtype_bytes``:
+
+* params ``k`` and grads ``k``;
+* AdamW: two fp32 moments (8 bytes), plus a 4-byte fp32 master copy when ``k < 4``
+  (mixed precision, the ``2 + 2 + 12`` bytes of the ZeRO paper); SGD: one momentum;
+* ZeRO-1 divides the optimizer state by ``dp``, ZeRO-2 also the grads, ZeRO-3 also the
+  params. Transient all-gather buffers of ZeRO-3 and communication buckets are left out.
+
+**Activations** per layer and micro-batch (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", Table 2), for 16-bit activations::
+
+    s*b*h * (34 + 5*a*s/h)                     no TP, or TP with sequence parallelism: / t
+    s*b*h * (10 + 24/t + 5*a*s/(h*t))          TP without sequence parallelism
+    2*s*b*h                                    full recompute (only each layer's input; / t with SP)
+
+The 34 splits into 10 bytes kept whole by TP without SP (LayerNorm inputs, the inputs of
+the QKV and first MLP matmuls, two dropout masks) and 24 split by TP; the MLP part of
+the 24 is ``4r`` (16 at r = 4), so the code uses ``10 + 8 + 4r``. The reference GPT has
+no dropout and uses fused attention, so the formula over-counts by the masks (2 sbh) and
+the ``5as/h`` softmax term: a deliberate safety margin. Activations in ``dtype_bytes``
+other than 2 scale the whole formula by ``dtype_bytes / 2`` (fp32 doubles it).
+
+**Pipeline**: with 1F1B, stage ``i`` of ``pp`` holds the activations of up to ``pp - i``
+micro-batches at once (stage 0 the most); with GPipe every stage holds all of them.
+**Logits**: the last stage materialises ``s*b*V`` fp32 logits for the loss
+(``lm_loss`` casts to float), not split by TP (the loss sees the full vocabulary).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from elastic.errors import SpecError
+
+_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank on the worst pipeline stage (``stage``)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    logits: int
+    total: int
+    stage: int = 0
+
+    def fits(self, capacity_bytes: float, headroom: float = 0.9) -> bool:
+        """True if ``total`` stays under ``headroom`` of the device memory."""
+        return self.total <= capacity_bytes * headroom
+
+    def __str__(self) -> str:
+        gib = 1 << 30
+        parts = ", ".join(f"{k}={getattr(self, k) / gib:.3f}" for k in ("params", "grads", "optimizer", "activations", "logits"))
+        return f"{self.total / gib:.3f} GiB (stage {self.stage}: {parts})"
+
+
+def layers_per_stage(n_layers: int, pp: int) -> list[int]:
+    """Layers of each pipeline stage; the first ``n_layers % pp`` stages get one more."""
+    base, extra = divmod(n_layers, pp)
+    return [base + (1 if i < extra else 0) for i in range(pp)]
+
+
+def stage_param_count(cfg: Any, tp: int, pp: int, stage: int) -> int:
+    """Parameters held by one rank of ``stage`` (split by TP, not by ZeRO)."""
+    d, r, V, T = cfg.d_model, cfg.mlp_ratio, cfg.vocab_size, cfg.seq_len
+    per_layer = _ceil((4 + 2 * r) * d * d, tp) + 4 * d
+    n = layers_per_stage(cfg.n_layers, pp)[stage] * per_layer
+    if stage == 0:
+        n += _ceil(V * d, tp) + T * d
+    if stage == pp - 1:
+        n += 2 * d
+        if not getattr(cfg, "tie_embeddings", False):
+            n += _ceil(V * d, tp)
+    return n
+
+
+def total_param_count(cfg: Any) -> int:
+    """All parameters of the unsplit model (equals ``GPT(cfg)``'s parameter count)."""
+    return stage_param_count(cfg, 1, 1, 0)
+
+
+def activation_bytes_per_layer(
+    cfg: Any, micro_batch: int, tp: int = 1, *, recompute: bool = False,
+    sequence_parallel: bool = True, dtype_bytes: int = 4,
+) -> int:
+    """Stored activations of one transformer layer for one micro-batch on one rank."""
+    s, b, h, a = cfg.seq_len, micro_batch, cfg.d_model, cfg.n_heads
+    sbh = s * b * h
+    sp = sequence_parallel or tp == 1
+    if recompute:
+        num, den = 2 * sbh, (tp if sp else 1)
+    else:
+        kept_whole = 10 * sbh
+        split = (8 + 4 * cfg.mlp_ratio) * sbh + 5 * a * s * s * b  # (5as/h) * sbh = 5 a s^2 b
+        num, den = (kept_whole + split, tp) if sp else (kept_whole * tp + split, tp)
+    # num / den bytes at 16 bits; scale by dtype_bytes / 2.
+    return _ceil(num * dtype_bytes, den * 2)
+
+
+def estimate_memory(
+    model_cfg: Any,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    zero: int = 0,
+    micro_batch: int = 1,
+    activation_checkpointing: bool = False,
+    dtype_bytes: int = 4,
+    optimizer: str = "adamw",
+    *,
+    sequence_parallel: bool = True,
+    pp_schedule: str = "1f1b",
+    num_microbatches: int | None = None,
+) -> MemoryEstimate:
+    """Per-rank memory of the worst pipeline stage; see the module doc for the model.
+
+    ``num_microbatches`` (gradient accumulation steps) caps the micro-batches in flight;
+    ``None`` assumes at least ``pp`` of them (the steady state of 1F1B).
+    """
+    _check(model_cfg, tp, pp, dp, zero, micro_batch, dtype_bytes, optimizer, pp_schedule)
+    state_bytes = _STATE_BYTES[optimizer] + (4 if dtype_bytes < 4 else 0)
+    per_layer = activation_bytes_per_layer(
+        model_cfg, micro_batch, tp, recompute=activation_checkpointing,
+        sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes,
+    )
+    layers = layers_per_stage(model_cfg.n_layers, pp)
+    micro = num_microbatches if num_microbatches is not None else pp
+    worst: MemoryEstimate | None = None
+    for stage in range(pp):
+        n = stage_param_count(model_cfg, tp, pp, stage)
+        params = _ceil(n * dtype_bytes, dp if zero >= 3 else 1)
+        grads = _ceil(n * dtype_bytes, dp if zero >= 2 else 1)
+        opt = _ceil(n * state_bytes, dp if zero >= 1 else 1)
+        in_flight = min(pp - stage, micro) if pp_schedule == "1f1b" else micro
+        acts = layers[stage] * per_layer * in_flight
+        logits = model_cfg.seq_len * micro_batch * model_cfg.vocab_size * 4 if stage == pp - 1 else 0
+        est = MemoryEstimate(params, grads, opt, acts, logits, params + grads + opt + acts + logits, stage)
+        if worst is None or est.total > worst.total:
+            worst = est
+    assert worst is not None
+    return worst
+
+
+def estimate_for_spec(spec: Any, dp: int, dtype_bytes: int = 4, **kwargs: Any) -> MemoryEstimate:
+    """``estimate_memory`` for a ``jobs.JobSpec``-like object (duck-typed) at a DP degree."""
+    p = spec.parallel
+    if "num_microbatches" not in kwargs and hasattr(spec, "grad_accum"):
+        kwargs["num_microbatches"] = max(1, spec.grad_accum(dp))
+    kwargs.setdefault("pp_schedule", getattr(p, "pp_schedule", "1f1b"))
+    return estimate_memory(
+        spec.model, tp=p.tp, pp=p.pp, dp=dp, zero=p.zero, micro_batch=p.micro_batch,
+        activation_checkpointing=p.activation_checkpointing, dtype_bytes=dtype_bytes, **kwargs,
+    )
+
+
+def _check(cfg, tp, pp, dp, zero, micro_batch, dtype_bytes, optimizer, pp_schedule) -> None:
+    for name, value in (("parallel.tp", tp), ("parallel.pp", pp), ("dp", dp), ("parallel.micro_batch", micro_batch)):
+        if value < 1:
+            raise SpecError(name, f"must be >= 1, got {value}")
+    if pp > cfg.n_layers:
+        raise SpecError("parallel.pp", f"{pp} stages for {cfg.n_layers} layers")
+    if zero not in (0, 1, 2, 3):
+        raise SpecError("parallel.zero", f"must be 0, 1, 2 or 3, got {zero}")
+    if dtype_bytes not in (2, 4):
+        raise SpecError("dtype_bytes", f"must be 2 (bf16/fp16) or 4 (fp32), got {dtype_bytes}")
+    if optimizer not in _STATE_BYTES:
+        raise SpecError("optimizer", f"must be one of {sorted(_STATE_BYTES)}, got {optimizer!r}")
+    if pp_schedule not in ("1f1b", "gpipe"):
+        raise SpecError("parallel.pp_schedule", f"must be '1f1b' or 'gpipe', got {pp_schedule!r}")
+
+
+def _ceil(num: int, den: int) -> int:
+    return -(-num // den)

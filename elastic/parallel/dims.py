@@ -1,0 +1,160 @@
+"""The parallel topology of one training run: degrees, validation and the device mesh.
+
+One ``ParallelDims`` object describes the layout and is passed explicitly to everything
+that needs it (torchtitan's pattern). It holds no process-group state until
+``build_mesh()`` is called, and that state lives on the instance only: after an elastic
+resize the caller destroys the process group, re-initialises it at the new world size and
+builds a fresh ``ParallelDims``. Nothing here is cached at module level.
+
+Rank order. The mesh dimensions are ``("dp", "pp", "tp")`` in row-major order, so::
+
+    global_rank = ((dp_rank * pp) + pp_rank) * tp + tp_rank
+
+TP is the fastest-varying dimension (TP peers are adjacent ranks, hence on the same node
+once the placement planner packs consecutive ranks per node), PP next, DP slowest. The
+placement planner relies on exactly this order; ``coords`` and ``rank_of`` are its pure
+form and need no process group.
+
+Context (cp) and expert (ep) parallelism have a slot in the constructor so the signature
+will not change when they arrive, but only degree 1 is accepted today.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+from elastic.errors import SpecError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from elastic.model import ModelConfig
+
+MESH_DIM_NAMES = ("dp", "pp", "tp")
+
+
+class RankCoords(NamedTuple):
+    dp_rank: int
+    pp_rank: int
+    tp_rank: int
+
+
+@dataclass
+class ParallelDims:
+    dp: int
+    tp: int
+    pp: int
+    world_size: int
+    cp: int = 1
+    ep: int = 1
+    _world_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "cp", "ep"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise SpecError(f"parallel.{name}", f"must be a positive integer, got {value!r}")
+        if self.cp != 1 or self.ep != 1:
+            raise SpecError("parallel.cp" if self.cp != 1 else "parallel.ep", "context/expert parallelism is not implemented yet")
+        if self.dp * self.pp * self.tp != self.world_size:
+            raise SpecError(
+                "parallel",
+                f"dp*pp*tp = {self.dp}*{self.pp}*{self.tp} = {self.dp * self.pp * self.tp} "
+                f"does not match world size {self.world_size}",
+            )
+
+    @classmethod
+    def from_world(cls, world_size: int, tp: int = 1, pp: int = 1) -> ParallelDims:
+        """DP is what is left of the world once whole tp x pp replicas are formed."""
+        if world_size % (tp * pp):
+            raise SpecError("parallel", f"world size {world_size} is not a multiple of tp*pp = {tp * pp}")
+        return cls(dp=world_size // (tp * pp), tp=tp, pp=pp, world_size=world_size)
+
+    # ----- validation against the model -----------------------------------------------
+
+    def validate_model(self, cfg: ModelConfig) -> None:
+        if cfg.n_heads % self.tp:
+            raise SpecError("parallel.tp", f"tp={self.tp} does not divide model.n_heads={cfg.n_heads}")
+        if cfg.d_model % self.tp:
+            raise SpecError("parallel.tp", f"tp={self.tp} does not divide model.d_model={cfg.d_model}")
+        if cfg.n_layers % self.pp:
+            raise SpecError("parallel.pp", f"pp={self.pp} does not divide model.n_layers={cfg.n_layers}")
+        if self.pp > 1 and cfg.tie_embeddings:
+            raise SpecError("model.tie_embeddings", "tied embeddings cannot be split across pipeline stages")
+
+    def grad_accum(self, global_batch: int, micro_batch: int) -> int:
+        """Micro-batches per DP rank per optimizer step; the global batch must be exact."""
+        per_step = self.dp * micro_batch
+        if global_batch % per_step:
+            raise SpecError(
+                "train.global_batch",
+                f"global_batch={global_batch} is not a multiple of dp*micro_batch = {self.dp}*{micro_batch}",
+            )
+        return global_batch // per_step
+
+    # ----- pure rank arithmetic ---------------------------------------------------------
+
+    def coords(self, rank: int) -> RankCoords:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of size {self.world_size}")
+        tp_rank = rank % self.tp
+        pp_rank = (rank // self.tp) % self.pp
+        dp_rank = rank // (self.tp * self.pp)
+        return RankCoords(dp_rank, pp_rank, tp_rank)
+
+    def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
+        return ((dp_rank * self.pp) + pp_rank) * self.tp + tp_rank
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    # ----- the device mesh (needs an initialised default process group) ---------------
+
+    def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if not dist.is_initialized():
+            raise RuntimeError("build_mesh needs an initialised default process group")
+        if dist.get_world_size() != self.world_size:
+            raise SpecError(
+                "parallel", f"process group has {dist.get_world_size()} ranks, layout expects {self.world_size}"
+            )
+        self._world_mesh = init_device_mesh(device_type, (self.dp, self.pp, self.tp), mesh_dim_names=MESH_DIM_NAMES)
+        return self._world_mesh
+
+    @property
+    def mesh_built(self) -> bool:
+        return self._world_mesh is not None
+
+    @property
+    def world_mesh(self) -> DeviceMesh:
+        if self._world_mesh is None:
+            raise RuntimeError("call build_mesh() first")
+        return self._world_mesh
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        return self.world_mesh["dp"]
+
+    @property
+    def pp_mesh(self) -> DeviceMesh:
+        return self.world_mesh["pp"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.world_mesh["tp"]
+
+    def local_coords(self) -> RankCoords:
+        mesh = self.world_mesh
+        return RankCoords(mesh.get_local_rank("dp"), mesh.get_local_rank("pp"), mesh.get_local_rank("tp"))

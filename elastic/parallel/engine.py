@@ -1,0 +1,182 @@
+"""``TrainEngine``: the one object a worker trains with, whatever the parallel layout.
+
+A worker hands it the micro-batches of its DP rank; the engine decides what each rank
+does with them (the first pipeline stage reads the inputs, the last the targets), and
+returns the loss as the mean over the whole global batch on every rank. After a resize,
+construct a new engine with the new ``ParallelDims`` (after re-initialising the process
+group) and load the resharded state into it; nothing here outlives the engine.
+
+Loss and gradient scaling. Every micro-batch loss is the mean over its tokens and all
+micro-batches have ``micro_batch * seq_len`` tokens, so the global mean is the mean of
+micro-batch means. Each micro-batch contributes ``grad(loss) / grad_accum`` (the
+pipeline schedule does the same division itself), and DDP/FSDP average over the DP
+degree: the accumulated gradient is that of the global mean.
+"""
+
+from __future__ import annotations
+
+import resource
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from elastic.model import ModelConfig, build_model, flops_per_token, lm_loss
+from elastic.optim import TrainConfig, build_optimizer
+from elastic.parallel import ddp, fsdp, pp
+from elastic.parallel.clip import clip_grad_norm
+from elastic.parallel.config import ParallelConfig
+from elastic.parallel.dims import ParallelDims
+from elastic.parallel.parallelize import parallelize
+from elastic.parallel.tp import loss_context, to_local_value
+
+MicroBatch = tuple[torch.Tensor, torch.Tensor]
+
+
+class TrainEngine:
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        parallel_cfg: ParallelConfig,
+        train_cfg: TrainConfig,
+        dims: ParallelDims,
+        seed: int,
+        device: str | torch.device = "cpu",
+    ):
+        if (parallel_cfg.tp, parallel_cfg.pp) != (dims.tp, dims.pp):
+            raise ValueError(f"parallel config tp/pp {parallel_cfg.tp}/{parallel_cfg.pp} != dims {dims.tp}/{dims.pp}")
+        dims.validate_model(model_cfg)
+        self.model_cfg, self.parallel_cfg, self.train_cfg, self.dims = model_cfg, parallel_cfg, train_cfg, dims
+        self.grad_accum = dims.grad_accum(train_cfg.global_batch, parallel_cfg.micro_batch)
+        self.device = _resolve_device(device)
+        if not dims.mesh_built:
+            dims.build_mesh(self.device.type)
+        self.coords = dims.local_coords()
+
+        # Full seeded model on every rank, then cut and shard it: same weights in any layout.
+        model = build_model(model_cfg, seed, device=self.device)
+        if dims.pp_enabled:
+            model = pp.build_stage_module(model, dims.pp, self.coords.pp_rank)
+        self.gpt = model  # the (stage of the) GPT itself; ``model`` may be a DDP wrapper around it
+        self.model = parallelize(model, dims, parallel_cfg)
+        self.model.train()
+        self.optimizer, self.scheduler = build_optimizer(self.model, train_cfg)
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+
+        self.schedule = None
+        if dims.pp_enabled:
+            self.schedule = pp.build_schedule(
+                self.model, dims.pp_mesh, self.device, self.grad_accum, lm_loss, parallel_cfg.pp_schedule
+            )
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    # ----- properties a worker reports ----------------------------------------------------
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords.pp_rank == self.dims.pp - 1
+
+    @property
+    def bubble_fraction(self) -> float:
+        return pp.bubble_fraction(self.dims.pp, self.grad_accum) if self.dims.pp_enabled else 0.0
+
+    @property
+    def flops_per_step(self) -> float:
+        """Model FLOPs (forward + backward, no recompute) of one global step, all ranks."""
+        return flops_per_token(self.model_cfg) * self.train_cfg.global_batch * self.model_cfg.seq_len
+
+    def peak_mem_bytes(self) -> int:
+        """Peak accelerator memory allocated by this process, or its peak RSS on CPU."""
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+    # ----- one step ---------------------------------------------------------------------
+
+    def forward_backward(self, micro_batches: Sequence[MicroBatch]) -> float:
+        """Accumulate the gradients of this DP rank's micro-batches; return the global mean loss."""
+        if len(micro_batches) != self.grad_accum:
+            raise ValueError(f"expected {self.grad_accum} micro-batches, got {len(micro_batches)}")
+        with loss_context(self.model_cfg, self.dims.tp):
+            if self.schedule is not None:
+                local = self._pipeline_forward_backward(micro_batches)
+            else:
+                local = self._local_forward_backward(micro_batches)
+        return self._global_mean(local)
+
+    def _local_forward_backward(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
+        total = torch.zeros((), device=self.device)
+        for i, (inputs, targets) in enumerate(micro_batches):
+            is_last = i == len(micro_batches) - 1
+            fsdp.prepare_micro_batch(self.model, self.parallel_cfg.zero, is_last)
+            with ddp.micro_batch_context(self.model, is_last):
+                logits = self.model(inputs.to(self.device))
+                loss = lm_loss(logits, targets.to(self.device))
+                (loss / self.grad_accum).backward()
+            total += to_local_value(loss.detach())
+        return total / self.grad_accum
+
+    def _pipeline_forward_backward(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
+        # The schedule re-splits the concatenation along dim 0 into the same micro-batches.
+        args = (torch.cat([x for x, _ in micro_batches]).to(self.device),) if self.is_first_stage else ()
+        target = torch.cat([y for _, y in micro_batches]).to(self.device) if self.is_last_stage else None
+        losses: list[torch.Tensor] = []
+        self.schedule.step(*args, target=target, losses=losses if self.is_last_stage else None, return_outputs=False)
+        if not self.is_last_stage:
+            return torch.zeros((), device=self.device)
+        return torch.stack([to_local_value(loss.detach()) for loss in losses]).mean()
+
+    def _global_mean(self, local: torch.Tensor) -> float:
+        value = local.detach().float().reshape(1).clone()
+        if self.dims.pp_enabled:
+            dist.broadcast(value, group=self.dims.pp_mesh.get_group(), group_src=self.dims.pp - 1)
+        if self.dims.dp_enabled:
+            dist.all_reduce(value, group=self.dims.dp_mesh.get_group())
+            value /= self.dims.dp
+        return float(value)
+
+    def optimizer_step(self) -> float:
+        """Clip to the global grad norm, step optimizer and LR schedule, drop the grads.
+
+        Returns the pre-clip global gradient norm (identical on every rank).
+        """
+        pp_group = self.dims.pp_mesh.get_group() if self.dims.pp_enabled else None
+        norm = clip_grad_norm(self._params, self.train_cfg.grad_clip, pp_group, self.device)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.zero_grad()
+        return norm
+
+    def zero_grad(self) -> None:
+        """Drop the accumulated gradients without stepping (an uncommitted step)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ----- state ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Model and optimizer keyed by full-model FQN (DTensors where sharded), scheduler."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (restored with the scheduler state)."""
+        return self.scheduler.last_epoch
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+

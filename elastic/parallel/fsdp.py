@@ -1,0 +1,67 @@
+"""ZeRO sharding (Rajbhandari et al. 2020) with FSDP2 ``fully_shard``.
+
+``fully_shard`` is applied to every block (one all-gather / reduce-scatter group each, so
+communication overlaps the neighbouring block's compute), then to the root, which groups
+what is left: embeddings, final norm and head. Parameters, gradients and optimizer state
+are sharded on dim 0 over the DP mesh between steps under every level; the levels differ
+in how long full parameters and full gradients live *during* a step:
+
+====  ===========================================  ============================================  ================
+zero  parameters during the step                   gradients during accumulation                 comm per step
+====  ===========================================  ============================================  ================
+3     resharded after each forward and backward    reduce-scattered each micro-batch (sharded)   2m AG + m RS
+      (``reshard_after_forward=True``)
+2     gathered once, kept until the last backward  reduce-scattered each micro-batch (sharded)   1 AG + m RS
+      (``reshard_after_forward=False`` and
+      ``set_reshard_after_backward`` only on the
+      last micro-batch)
+1     as ZeRO-2                                    accumulated unsharded locally, one            1 AG + 1 RS
+                                                   reduce-scatter on the last micro-batch
+                                                   (``set_requires_gradient_sync``)
+====  ===========================================  ============================================  ================
+
+(m = micro-batches per step.) Honest caveat: FSDP2 has no "replicated parameters, sharded
+optimizer state only" mode. DeepSpeed's ZeRO-1/2 keep a full parameter replica at all
+times and all-gather the updated partitions after the optimizer step; here the optimizer
+always steps the sharded DTensors and the full parameters are all-gathered at the start of
+the next forward. Communication volume is the same (one all-gather plus one reduction of
+the gradients per step for ZeRO-1), and the peak memory inside a step is that of ZeRO-1/2;
+only between steps is it lower.
+
+The root keeps ``reshard_after_forward=False`` at every level: its parameters are the
+first needed when backward begins, so resharding them would only add an all-gather.
+
+Under pipeline parallelism the stage drives these flags itself (``PipelineStage`` turns
+off gradient sync and resharding for all but the last micro-batch), so every level
+reduces gradients once per step there; ``reshard_after_forward`` still differs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero: int) -> nn.Module:
+    """Shard ``model`` (a GPT or a pipeline stage, possibly TP-sharded) over ``dp_mesh``."""
+    if zero not in (1, 2, 3):
+        raise ValueError(f"apply_fsdp needs zero in 1..3, got {zero}")
+    for block in model.blocks.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=zero == 3)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
+    return model
+
+
+def prepare_micro_batch(model: nn.Module, zero: int, is_last: bool) -> None:
+    """Set the FSDP flags for the next micro-batch's backward (see the table above)."""
+    if not isinstance(model, FSDPModule):
+        return
+    if zero <= 2:
+        model.set_reshard_after_backward(is_last)
+    if zero == 1:
+        model.set_requires_gradient_sync(is_last)

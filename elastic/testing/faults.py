@@ -1,0 +1,149 @@
+"""Fault injection: a tool of the project, used by the tests, the demo and the benchmarks.
+
+Two halves:
+
+* ``WorkerFaults`` runs inside a worker, at the start of a step: corrupt the weights with
+  NaN (silent data corruption), blow a weight up (a loss spike), raise inside the step, or
+  hang the training thread (a collective that never completes for its peers). Each fault
+  fires once per worker process, so the replayed step after a recovery runs clean.
+* ``FaultInjector`` runs in the driver as a controller callback and acts on processes
+  with real signals when step ``k`` completes: SIGKILL a worker, SIGSTOP a worker, or kill a
+  whole node of a ``ray.cluster_utils.Cluster`` (SIGKILL its worker processes, then
+  ``remove_node``), and optionally bring a node back later.
+
+Driver-side signals need the workers on the driver's machine: that is the case for the
+embedded and ``Cluster``-based local clusters these faults are made for.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+WORKER_FAULT_KINDS = ("nan", "spike", "raise", "hang")
+
+
+class InjectedError(RuntimeError):
+    """The exception a ``raise`` fault throws inside a training step."""
+
+
+def worker_fault(kind: str, step: int, rank: int = 0, seconds: float = 0.0) -> dict[str, Any]:
+    if kind not in WORKER_FAULT_KINDS:
+        raise ValueError(f"unknown worker fault {kind!r}; expected one of {WORKER_FAULT_KINDS}")
+    return {"kind": kind, "step": step, "rank": rank, "seconds": seconds}
+
+
+class WorkerFaults:
+    def __init__(self, faults: list[dict[str, Any]]):
+        self._pending = list(faults)
+
+    def before_step(self, step: int, rank: int, engine: Any) -> None:
+        for fault in list(self._pending):
+            if fault["step"] != step or fault["rank"] != rank:
+                continue
+            self._pending.remove(fault)
+            kind = fault["kind"]
+            if kind == "raise":
+                raise InjectedError(f"injected failure in step {step} on rank {rank}")
+            if kind == "hang":
+                time.sleep(fault["seconds"])
+            elif kind in ("nan", "spike"):
+                import torch
+
+                with torch.no_grad():
+                    param = next(p for p in engine.model.parameters() if p.dim() >= 2)
+                    local = param.to_local() if hasattr(param, "to_local") else param
+                    if kind == "nan":
+                        local.fill_(float("nan"))
+                    else:
+                        local.mul_(60.0)
+
+
+# --------------------------------------------------------------------------- driver side
+
+
+@dataclass
+class Fault:
+    """A driver-side fault fired after step ``at_step`` completes."""
+
+    kind: str  # kill_worker | stop_worker | kill_node
+    at_step: int
+    rank: int | None = None  # kill_worker / stop_worker: the rank at that moment
+    node_index: int | None = None  # kill_node: index into the cluster's worker nodes
+    return_after_s: float | None = None  # kill_node: add an equal node back after this delay
+    fired_at: float | None = field(default=None, init=False)
+
+
+class FaultInjector:
+    """Controller callback that fires driver-side faults with real signals."""
+
+    def __init__(self, faults: list[Fault], cluster: Any = None, node_args: dict[str, Any] | None = None):
+        self.faults = list(faults)
+        self.cluster = cluster
+        self.node_args = node_args or {}
+        self.returned_nodes: list[Any] = []
+        self._stopped_pids: list[int] = []
+        self._threads: list[threading.Thread] = []
+
+    def on_step(self, step: int, group: Any) -> None:
+        for fault in self.faults:
+            if fault.fired_at is None and step >= fault.at_step:
+                fault.fired_at = time.time()
+                getattr(self, f"_{fault.kind}")(fault, group)
+
+    def _kill_worker(self, fault: Fault, group: Any) -> None:
+        os.kill(group.pid_of(fault.rank), signal.SIGKILL)
+
+    def _stop_worker(self, fault: Fault, group: Any) -> None:
+        pid = group.pid_of(fault.rank)
+        self._stopped_pids.append(pid)
+        os.kill(pid, signal.SIGSTOP)
+
+    def _kill_node(self, fault: Fault, group: Any) -> None:
+        node = kill_node(self.cluster, fault.node_index, group)
+        if fault.return_after_s is not None:
+            args = dict(self.node_args)
+            t = threading.Timer(fault.return_after_s, lambda: self.returned_nodes.append(self.cluster.add_node(**args)))
+            t.daemon = True
+            t.start()
+            self._threads.append(t)
+        return node
+
+    def close(self) -> None:
+        for t in self._threads:
+            t.join(timeout=30)
+        for pid in self._stopped_pids:  # never leave a stopped process behind
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+
+
+def kill_node(cluster: Any, node_index: int, group: Any = None) -> Any:
+    """SIGKILL every worker process on a worker node, then remove the node from the cluster.
+
+    Removing the node alone would leave its worker processes alive (DESIGN.md section 7).
+    """
+    from ray.util.state import list_actors
+
+    node = worker_nodes(cluster)[node_index]
+    node_id = node.node_id
+    pids = {a.pid for a in list_actors(filters=[("node_id", "=", node_id), ("state", "=", "ALIVE")], detail=True) if a.pid}
+    if group is not None:
+        pids |= set(group.pids_on_node(node_id))
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    cluster.remove_node(node, allow_graceful=False)
+    return node
+
+
+def worker_nodes(cluster: Any) -> list[Any]:
+    return [n for n in cluster.list_all_nodes() if n is not cluster.head_node]

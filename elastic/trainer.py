@@ -1,0 +1,119 @@
+"""The Python API: ``ElasticTrainer(spec).fit() -> RunResult``."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import sys
+from typing import Any
+
+import ray
+
+from elastic.controller import Controller
+from elastic.data import synthetic_corpus
+from elastic.errors import JobFailed
+from elastic.events import EventLog, RunResult, write_summary
+from elastic.progress import ProgressDisplay, format_summary
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ElasticTrainer", "RunResult"]
+
+
+class ElasticTrainer:
+    """Runs one elastic training job described by a ``jobs.JobSpec``."""
+
+    controller_cls = Controller
+
+    def __init__(self, spec: Any, *, run_dir: str | None = None, address: str | None = None, resume: bool = False,
+                 callbacks: list[Any] | None = None, worker_faults: list[dict] | None = None, progress: bool = False):
+        self.spec = spec
+        self.run_dir = os.path.abspath(run_dir or spec.run_dir or _default_run_dir(spec.name))
+        self.address = address
+        self.resume = resume
+        self.callbacks = list(callbacks or [])
+        self.worker_faults = worker_faults
+        self.progress = progress
+        self.result: RunResult | None = None
+
+    @property
+    def checkpoint_uri(self) -> str:
+        return self.spec.checkpoint.uri or os.path.join(self.run_dir, "checkpoints")
+
+    def fit(self) -> RunResult:
+        os.makedirs(self.run_dir, exist_ok=True)
+        started_ray = ensure_ray(self.address, self.spec)
+        events = EventLog(self.run_dir)
+        if self.progress:
+            events.subscribe(ProgressDisplay(self.spec.train.steps))
+        try:
+            corpus = self._prepare_data()
+            resume = self._resume_point() if self.resume else None
+            controller = self.controller_cls(self.spec, events, corpus, callbacks=self.callbacks,
+                                             worker_faults=self.worker_faults, resume=resume, storage_uri=self.checkpoint_uri)
+            try:
+                self.result = controller.run()
+            except JobFailed as exc:
+                self.result = getattr(exc, "result", None)
+                raise
+            finally:
+                if self.result is not None:
+                    write_summary(self.run_dir, self.result)
+                    if self.progress:
+                        print(format_summary(self.result, self.run_dir), file=sys.stderr if self.result.status != "succeeded" else sys.stdout)
+        finally:
+            events.close()
+            for cb in self.callbacks:
+                if hasattr(cb, "close"):
+                    cb.close()
+            if started_ray:
+                ray.shutdown()
+        return self.result
+
+    def _prepare_data(self) -> str:
+        d = self.spec.data
+        if d.source != "synthetic":
+            return d.source
+        cache = d.cache_dir or os.path.join(self.run_dir, "data")
+        m = self.spec.model
+        return synthetic_corpus(cache, d.num_samples, m.seq_len, m.vocab_size, self.spec.seed)
+
+    def _resume_point(self) -> dict[str, Any] | None:
+        from elastic.checkpoint.restore import latest_storage_step
+
+        step = latest_storage_step(self.spec, self.checkpoint_uri)
+        if step is None:
+            logger.warning("--resume: no valid checkpoint under %s; starting from step 0", self.checkpoint_uri)
+            return None
+        return {"step": step}
+
+
+def ensure_ray(address: str | None, spec: Any) -> bool:
+    """Connect to Ray; returns True when this call started an embedded local instance.
+
+    With ``address`` it joins that cluster. Without, it joins a running cluster if one is
+    reachable (``RAY_ADDRESS`` or a local head), and otherwise starts an embedded Ray
+    sized to the job: enough logical CPUs for ``max_dp`` replicas even on a 2-core laptop.
+    """
+    if ray.is_initialized():
+        return False
+    quiet = {"log_to_driver": False, "logging_level": logging.WARNING}
+    if address:
+        ray.init(address=address, **quiet)
+        return False
+    try:
+        ray.init(address="auto", **quiet)
+        return False
+    except (ConnectionError, RuntimeError, ValueError):
+        pass
+    workers = spec.elastic.max_dp * spec.parallel.replica_size
+    cpus = max(os.cpu_count() or 1, workers * max(spec.resources.cpus_per_worker, 1) + 1)
+    resources = {k: v * workers for k, v in spec.resources.custom.items()}
+    ray.init(num_cpus=int(cpus), resources=resources or None, include_dashboard=False, **quiet)
+    return True
+
+
+def _default_run_dir(name: str) -> str:
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return os.path.join("runs", f"{name}-{stamp}")

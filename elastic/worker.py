@@ -1,0 +1,354 @@
+"""The worker: one Ray actor per rank, hosting a torch.distributed process.
+
+The actor outlives process groups. On an elastic resize the controller calls
+``configure`` again: the actor destroys its process group, joins a fresh one with the
+survivors, rebuilds its mesh and wrappers (a new ``TrainEngine``) and restores state from
+the memory tier. Process, imports and CPU buffers survive; nothing is restarted.
+
+Two concurrency groups keep the actor observable while it trains:
+
+* ``train`` (one thread): ``configure`` and ``run``, the only code that touches the model
+  or the process group;
+* ``control``: ``poll`` (heartbeat + drained per-step results), ``request_stop``,
+  snapshot queries and transfers. A worker stopped with SIGSTOP answers none of these,
+  which is how the controller tells a silent worker from a slow collective.
+
+Errors inside ``run`` are recorded and returned, never raised mid-collective: after any
+error the worker destroys its process group, which frees peers blocked in a collective
+within milliseconds (gloo reports "Connection closed by peer").
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import random
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+import torch.distributed as dist
+
+from elastic.checkpoint.memory_tier import MemoryTier, Snapshot
+from elastic.data import BatchLayout, ParquetCorpus, RankStream
+from elastic.errors import PeerCollectiveError
+from elastic.parallel.dims import ParallelDims
+from elastic.parallel.engine import TrainEngine
+from elastic.policies import LossMonitor
+from elastic.testing.faults import WorkerFaults
+
+CONCURRENCY_GROUPS = {"train": 1, "control": 4}
+
+
+def _is_collective_error(exc: BaseException) -> bool:
+    text = str(exc)
+    return isinstance(exc, (RuntimeError, dist.DistBackendError)) and any(
+        marker in text
+        for marker in ("Connection closed", "Connection reset", "Timed out", "timed out", "Broken pipe", "gloo", "NCCL")
+    )
+
+
+@ray.remote(concurrency_groups=CONCURRENCY_GROUPS, max_restarts=0)
+class TrainWorker:
+    def __init__(self, spec: Any, corpus_uri: str, faults: list[dict] | None = None):
+        self.spec = spec
+        self.corpus_uri = corpus_uri
+        self.faults = WorkerFaults(faults or [])
+        self.rank = -1
+        self.dims: ParallelDims | None = None
+        self.engine: TrainEngine | None = None
+        self.stream: RankStream | None = None
+        self.corpus: ParquetCorpus | None = None
+        self.tier: MemoryTier | None = None
+        self.step = 0
+        self.batch_index = 0
+        self.skip_batches: set[int] = set()
+        self.monitor = LossMonitor(spec.elastic.loss_spike_factor)
+        self._snapshot_blocking = 0.0
+        self._results: collections.deque = collections.deque()
+        self._beat = time.monotonic()
+        self._phase = "idle"
+        self._stop = threading.Event()
+        self.device = self._pick_device()
+
+    # ------------------------------------------------------------------ control group
+    @ray.method(concurrency_group="control")
+    def info(self) -> dict[str, Any]:
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
+
+    @ray.method(concurrency_group="control")
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    @ray.method(concurrency_group="control")
+    def poll(self) -> dict[str, Any]:
+        """Heartbeat: progress counters plus the per-step results produced since last poll."""
+        drained = []
+        while self._results:
+            drained.append(self._results.popleft())
+        return {
+            "rank": self.rank,
+            "step": self.step,
+            "phase": self._phase,
+            "idle_s": time.monotonic() - self._beat,
+            "results": drained,
+        }
+
+    @ray.method(concurrency_group="control")
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    @ray.method(concurrency_group="control")
+    def snapshot_steps(self) -> dict[str, Any]:
+        tier = self.tier
+        if tier is None:
+            return {"own": [], "replicas": {}}
+        return {"own": tier.steps(), "replicas": tier.replica_steps()}
+
+    @ray.method(concurrency_group="control")
+    def fetch_snapshot(self, owner: int, step: int) -> Snapshot:
+        """A snapshot this worker holds: its own (owner == its old rank) or a peer replica."""
+        if owner == self.rank:
+            return self.tier.get(step)
+        return self.tier.get_replica(owner, step)
+
+    @ray.method(concurrency_group="control")
+    def store_replica(self, snap: Snapshot) -> None:
+        self._ensure_tier()
+        self.tier.store_replica(snap)
+
+    # ------------------------------------------------------------------ train group
+    @ray.method(concurrency_group="train")
+    def configure(self, rank: int, dims: tuple[int, int, int], master: tuple[str, int], start: dict[str, Any], restore: dict[str, Any] | None, host_index: int) -> dict[str, Any]:
+        """Join a (new) process group and get ready to train from ``start['step']``."""
+        self._phase = "configure"
+        self._beat = time.monotonic()
+        self._teardown()
+        dp, tp, pp = dims
+        world = dp * tp * pp
+        old_rank, self.rank = self.rank, rank
+        t0 = time.perf_counter()
+        dist.init_process_group(
+            backend="nccl" if self.device.type == "cuda" else "gloo",
+            init_method=f"tcp://{master[0]}:{master[1]}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=self.spec.elastic.collective_timeout_s),
+        )
+        init_s = time.perf_counter() - t0
+        self.dims = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=world)
+        t1 = time.perf_counter()
+        self.engine = TrainEngine(self.spec.model, self.spec.parallel, self.spec.train, self.dims, self.spec.seed, device=str(self.device))
+        build_s = time.perf_counter() - t1
+        self._ensure_tier()
+        restore_s = 0.0
+        self.step, self.batch_index = start["step"], start["batch_index"]
+        if restore is not None:
+            t2 = time.perf_counter()
+            self._restore(restore, old_rank)
+            restore_s = time.perf_counter() - t2
+        self.skip_batches = set(start.get("skip_batches", []))
+        if self.corpus is None:
+            self.corpus = ParquetCorpus(self.corpus_uri, self.spec.data.storage_options)
+        layout = BatchLayout(self.spec.train.global_batch, self.spec.parallel.micro_batch, dp)
+        self.stream = RankStream(
+            self.corpus,
+            layout,
+            self.dims.coords(rank).dp_rank,
+            self.batch_index,
+            prefetch=self.spec.data.prefetch_steps,
+            start_delay_s=host_index * self.spec.data.stagger_s,
+        )
+        self._stop.clear()
+        self._phase = "ready"
+        self._beat = time.monotonic()
+        return {"rank": rank, "init_s": init_s, "build_s": build_s, "restore_s": restore_s, "step": self.step}
+
+    @ray.method(concurrency_group="train")
+    def run(self, last_step: int) -> dict[str, Any]:
+        """Train until ``last_step`` or an agreed stop; errors are returned, not raised."""
+        self._phase = "train"
+        try:
+            while self.step < last_step:
+                if self._train_one_step():
+                    self._snapshot_now()
+                    return {"status": "stopped", "step": self.step}
+            return {"status": "done", "step": self.step}
+        except Exception as exc:
+            kind = "peer" if _is_collective_error(exc) or isinstance(exc, PeerCollectiveError) else "worker_error"
+            if kind == "peer" and ("Timed out" in str(exc) or "timed out" in str(exc)):
+                kind = "timeout"
+            self._abort_group()
+            return {"status": "error", "kind": kind, "detail": f"{type(exc).__name__}: {str(exc)[:300]}", "step": self.step}
+        finally:
+            self._phase = "idle"
+            self._beat = time.monotonic()
+
+    # ------------------------------------------------------------------ the step
+    def _train_one_step(self) -> bool:
+        """One optimizer step; returns True when the group agreed to stop after it."""
+        step = self.step + 1
+        t0 = time.perf_counter()
+        batch_index, micro_batches = self.stream.next(timeout=self.spec.elastic.collective_timeout_s)
+        while batch_index in self.skip_batches:
+            batch_index, micro_batches = self.stream.next(timeout=self.spec.elastic.collective_timeout_s)
+        self.faults.before_step(step, self.rank, self.engine)
+        self._beat = time.monotonic()
+        loss = self.engine.forward_backward(micro_batches)
+        self._beat = time.monotonic()
+        stop = self._agree_stop()
+        anomaly = self.monitor.check(loss)
+        if anomaly is not None:
+            self._roll_back(step, batch_index, loss, anomaly)
+            return stop
+        wait_s = self.tier.wait()
+        self.engine.optimizer_step()
+        self.monitor.accept(loss)
+        self.step, self.batch_index = step, batch_index + 1
+        step_time = time.perf_counter() - t0
+        result = {
+            "type": "step",
+            "step": step,
+            "loss": loss,
+            "step_time_s": step_time,
+            "batch_index": batch_index,
+            "peak_mem_bytes": self.engine.peak_mem_bytes(),
+        }
+        self._report_snapshots(result, wait_s)
+        ck = self.spec.checkpoint
+        if ck.memory_every_steps and step % ck.memory_every_steps == 0:
+            self._snapshot_blocking = self.tier.snapshot_async(step, self._full_state(), self._layout())
+        self._results.append(result)
+        self._beat = time.monotonic()
+        return stop
+
+    def _report_snapshots(self, result: dict[str, Any], wait_s: float) -> None:
+        """Attach the memory-tier snapshots that completed since the last step.
+
+        ``blocking_s`` is what the training loop was held for: starting the copy, plus any
+        wait for it to finish before the next optimizer step.
+        """
+        done = self.tier.unreported()
+        if done:
+            s = done[-1]
+            result["snapshot"] = {"step": s.step, "blocking_s": self._snapshot_blocking + wait_s, "duration_s": s.copy_s, "bytes": s.nbytes}
+
+    def _snapshot_now(self) -> None:
+        """Make sure the memory tier holds the live step (a resize restores from it)."""
+        self.tier.wait()
+        if self.step not in self.tier.steps():
+            self.tier.snapshot_async(self.step, self._full_state(), self._layout())
+            self.tier.wait()
+
+    def _agree_stop(self) -> bool:
+        flag = torch.tensor([1.0 if self._stop.is_set() else 0.0], device=self.device)
+        dist.all_reduce(flag)
+        return bool(flag.item() > 0)
+
+    def _roll_back(self, step: int, batch_index: int, loss: float, cause: str) -> None:
+        """A NaN or spiking loss: do not commit; restore the newest own snapshot."""
+        self.engine.zero_grad()
+        self.tier.wait()
+        steps = self.tier.steps()
+        if steps:
+            snap = self.tier.get(steps[-1])
+            self._load_snapshots({self.rank: snap})
+            self.step = snap.step
+            resume_batch = snap.objects["train/batch_index"]
+        else:  # nothing to roll back to: the live state is still the last committed one
+            resume_batch = batch_index
+        if self.spec.elastic.on_bad_loss == "skip":
+            self.skip_batches.add(batch_index)
+        if resume_batch != self.stream.next_batch and not (resume_batch == batch_index and batch_index in self.skip_batches):
+            layout, dp_rank = self.stream.layout, self.stream.dp_rank
+            self.stream.close()
+            self.stream = RankStream(self.corpus, layout, dp_rank, resume_batch, self.spec.data.prefetch_steps)
+        self.batch_index = resume_batch
+        self._results.append(
+            {
+                "type": "anomaly",
+                "cause": cause,
+                "step": step,
+                "loss": loss if math.isfinite(loss) else None,
+                "batch_index": batch_index,
+                "restored_step": self.step,
+                "action": self.spec.elastic.on_bad_loss,
+            }
+        )
+
+    # ------------------------------------------------------------------ state
+    def _layout(self) -> dict[str, int]:
+        d = self.dims
+        return {"dp": d.dp, "tp": d.tp, "pp": d.pp, "zero": self.spec.parallel.zero}
+
+    def _full_state(self) -> dict[str, Any]:
+        return {
+            "app": self.engine.state_dict(),
+            "train": {
+                "step": self.step,
+                "batch_index": self.batch_index,
+                "skip_batches": sorted(self.skip_batches),
+                "rng": {"torch": torch.get_rng_state().tolist(), "numpy": np.random.get_state()[1].tolist(), "python": list(random.getstate()[1])},
+            },
+        }
+
+    def _restore(self, restore: dict[str, Any], old_rank: int) -> None:
+        source = restore["source"]
+        if source == "memory":
+            snaps: dict[int, Snapshot] = {}
+            for owner, holder in restore["holders"].items():
+                if holder is None:  # this worker holds it itself
+                    snaps[owner] = self.tier.get(restore["step"]) if owner == old_rank else self.tier.get_replica(owner, restore["step"])
+                else:
+                    snaps[owner] = ray.get(holder.fetch_snapshot.remote(owner, restore["step"]), timeout=120)
+            self._load_snapshots(snaps)
+            obj = next(iter(snaps.values())).objects
+        else:
+            from elastic.checkpoint.restore import load_from_storage
+
+            obj = load_from_storage(self, restore)
+        self.step = int(obj["train/step"])
+        self.batch_index = int(obj["train/batch_index"])
+        self.skip_batches = set(obj.get("train/skip_batches", []))
+        if "train/rng/torch" in obj:
+            torch.set_rng_state(torch.tensor(obj["train/rng/torch"], dtype=torch.uint8))
+        self.tier.drop_all()
+
+    def _load_snapshots(self, snaps: dict[int, Snapshot]) -> None:
+        from elastic.checkpoint.restore import load_snapshots_into
+
+        load_snapshots_into(self.engine, snaps)
+
+    def _ensure_tier(self) -> None:
+        if self.tier is None:
+            self.tier = MemoryTier(self.rank, self.device.type)
+
+    def _pick_device(self) -> torch.device:
+        if self.spec.resources.device == "cuda":
+            ids = ray.get_gpu_ids()
+            torch.cuda.set_device(0 if not ids else 0)
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _teardown(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+        self._abort_group()
+        self.engine = None
+
+    def _abort_group(self) -> None:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a broken group may fail to tear down; it is gone either way
+                pass

@@ -1,0 +1,357 @@
+"""The worker group: the Ray-effectful half of the controller.
+
+It owns the actors and their placement groups, launches training, turns what it sees
+(polls, returned errors, dead actors, Ray's node table) into typed ``WorkerFailure``s, and
+carries out the controller's decisions: evict ranks, re-rendezvous the survivors on a fresh
+port, add new replicas and restore state. It decides nothing about *whether* to retry or
+*what* DP to run at; that is the pure policies' job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from elastic.errors import ActorDied, CollectiveTimeout, HeartbeatTimeout, NodeLost, WorkerError, WorkerFailure
+from elastic.placement import ReplicaSlots
+from elastic.worker import TrainWorker
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.1
+RPC_TIMEOUT_S = 120.0
+
+
+@dataclass
+class Member:
+    actor: Any
+    group: Any  # placement group
+    bundle: int
+    node_id: str
+    ip: str
+    pid: int
+    rank: int = -1
+    last_ok: float = field(default_factory=time.monotonic)
+    poll_ref: Any = None
+    run_ref: Any = None
+    run_result: dict[str, Any] | None = None
+    dead: bool = False
+    step: int = 0
+
+
+@dataclass
+class Observation:
+    """What one look at the group found."""
+
+    results: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (rank, result)
+    failure: WorkerFailure | None = None
+    finished: bool = False
+    stopped: bool = False
+
+
+class WorkerGroup:
+    def __init__(self, spec: Any, corpus_uri: str, worker_faults: list[dict] | None = None):
+        self.spec = spec
+        self.corpus_uri = corpus_uri
+        self.worker_faults = worker_faults or []
+        self.replica_size = spec.parallel.replica_size
+        self.slots = ReplicaSlots(spec.resources, self.replica_size)
+        self.members: list[Member] = []  # ordered by rank
+        self.dp = 0
+
+    # ------------------------------------------------------------------ capacity
+    def request_capacity(self) -> None:
+        self.slots.request(self.spec.elastic.max_dp)
+
+    def spare_groups(self, timeout: float = 0.0) -> list[Any]:
+        """Ready placement groups that host no member: capacity to grow into."""
+        used = {id(m.group) for m in self.members}
+        return [g for g in self.slots.ready(timeout) if id(g) not in used]
+
+    def wait_spare(self, count: int, timeout: float) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            spare = self.spare_groups(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+            if len(spare) >= count or time.monotonic() >= deadline:
+                return spare
+
+    def spawn(self, groups: list[Any]) -> list[Member]:
+        """Create one actor per bundle of each placement group (a whole replica each)."""
+        actors = []
+        for g in groups:
+            for b in range(self.replica_size):
+                opts = self.slots.actor_options(g, b)
+                actors.append((g, b, TrainWorker.options(**opts).remote(self.spec, self.corpus_uri, self.worker_faults)))
+        infos = ray.get([a.info.remote() for _, _, a in actors], timeout=RPC_TIMEOUT_S)
+        return [Member(a, g, b, i["node_id"], i["ip"], i["pid"]) for (g, b, a), i in zip(actors, infos)]
+
+    # ------------------------------------------------------------------ (re)configuration
+    def configure(self, members: list[Member], dp: int, start: dict[str, Any], restore_step: int | None, source: str) -> dict[str, float]:
+        """Give ``members`` ranks 0..n-1, rendezvous on a fresh port and restore state."""
+        tp, pp = self.spec.parallel.tp, self.spec.parallel.pp
+        old_holders = self._snapshot_holders(restore_step) if source == "memory" else {}
+        for rank, m in enumerate(members):
+            m.rank, m.run_ref, m.run_result, m.poll_ref = rank, None, None, None
+        port = ray.get(members[0].actor.free_port.remote(), timeout=RPC_TIMEOUT_S)
+        hosts = _host_indices(members)
+        refs = []
+        for m in members:
+            restore = None
+            if source == "memory":
+                restore = {"source": "memory", "step": restore_step, "holders": self._holders_for(m, old_holders)}
+            elif source == "storage":
+                restore = {"source": "storage", "step": restore_step, "uri": self.storage_uri, "storage_options": self.spec.checkpoint.storage_options}
+            refs.append(m.actor.configure.remote(m.rank, (dp, tp, pp), (members[0].ip, port), start, restore, hosts[m.node_id]))
+        replies = ray.get(refs, timeout=RPC_TIMEOUT_S)
+        self.members, self.dp = list(members), dp
+        now = time.monotonic()
+        for m, r in zip(members, replies):
+            m.last_ok, m.step = now, r["step"]
+        return {
+            "init_s": max(r["init_s"] for r in replies),
+            "build_s": max(r["build_s"] for r in replies),
+            "restore_s": max(r["restore_s"] for r in replies),
+            "step": replies[0]["step"],
+        }
+
+    storage_uri: str = ""
+
+    def _snapshot_holders(self, step: int | None) -> dict[int, Member]:
+        """Old rank -> a live member holding that rank's snapshot at ``step``."""
+        held: dict[int, Member] = {}
+        for m, info in zip(self.members, self._query_snapshots(self.members)):
+            if info is None:
+                continue
+            if step in info["own"]:
+                held.setdefault(m.rank, m)
+            for owner, steps in info["replicas"].items():
+                if step in steps:
+                    held.setdefault(int(owner), m)
+        return held
+
+    def _holders_for(self, m: Member, holders: dict[int, Member]) -> dict[int, Any]:
+        """Old ranks whose snapshots ``m`` must read (None where it holds one itself).
+
+        ``m`` needs the shards of its own (pp, tp) coordinate: one DP replica's copy under
+        DDP (its own if it has one), every DP shard under FSDP (to reshard them).
+        """
+        tp, pp = self.spec.parallel.tp, self.spec.parallel.pp
+
+        def coord(rank: int) -> tuple[int, int]:
+            return ((rank // tp) % pp, rank % tp)
+
+        mine = {o: h for o, h in holders.items() if coord(o) == coord(m.rank)}
+        if self.spec.parallel.zero == 0 and mine:
+            owner = next((o for o, h in mine.items() if h is m), next(iter(mine)))
+            mine = {owner: mine[owner]}
+        return {owner: (None if h is m else h.actor) for owner, h in mine.items()}
+
+    def _query_snapshots(self, members: list[Member]) -> list[dict[str, Any] | None]:
+        refs = [m.actor.snapshot_steps.remote() for m in members]
+        out = []
+        for ref in refs:
+            try:
+                out.append(ray.get(ref, timeout=10))
+            except (RayActorError, GetTimeoutError):
+                out.append(None)
+        return out
+
+    def common_snapshot_step(self, members: list[Member]) -> int | None:
+        """Newest step whose snapshots cover every shard of the old layout."""
+        infos = self._query_snapshots(members)
+        coverage: dict[int, set[int]] = {}
+        for m, info in zip(members, infos):
+            if info is None:
+                continue
+            for s in info["own"]:
+                coverage.setdefault(s, set()).add(m.rank)
+            for owner, steps in info["replicas"].items():
+                for s in steps:
+                    coverage.setdefault(s, set()).add(int(owner))
+        needed = self.needed_owners()
+        good = [s for s, owners in coverage.items() if needed(owners)]
+        return max(good) if good else None
+
+    def needed_owners(self):
+        """A predicate: do these old ranks' snapshots hold the whole training state?
+
+        Under DDP (zero 0) DP replicas hold identical state, so one owner per (pp, tp)
+        coordinate suffices; under FSDP every old rank's shard is unique.
+        """
+        tp, pp, dp, zero = self.spec.parallel.tp, self.spec.parallel.pp, self.dp, self.spec.parallel.zero
+
+        def coord(rank: int) -> tuple[int, int]:
+            return ((rank // tp) % pp, rank % tp)
+
+        if zero == 0:
+            want = {(p, t) for p in range(pp) for t in range(tp)}
+            return lambda owners: want <= {coord(r) for r in owners}
+        return lambda owners: set(range(dp * tp * pp)) <= set(owners)
+
+    # ------------------------------------------------------------------ running
+    def launch(self, last_step: int) -> None:
+        for m in self.members:
+            m.run_ref = m.actor.run.remote(last_step)
+            m.run_result = None
+
+    def observe(self, timeout: float = POLL_INTERVAL_S) -> Observation:
+        obs = Observation()
+        now = time.monotonic()
+        for m in self.members:
+            if m.poll_ref is None and not m.dead:
+                m.poll_ref = m.actor.poll.remote()
+        pending = [m.poll_ref for m in self.members if m.poll_ref is not None]
+        pending += [m.run_ref for m in self.members if m.run_ref is not None and m.run_result is None]
+        if pending:
+            ray.wait(pending, num_returns=len(pending), timeout=timeout)
+        now = time.monotonic()
+        for m in self.members:
+            self._read_poll(m, obs, now)
+            self._read_run(m)
+        obs.failure = self._diagnose(now)
+        if obs.failure is None and self.members and all(m.run_result is not None for m in self.members):
+            self._drain(obs)
+            statuses = {m.run_result["status"] for m in self.members}
+            obs.finished = statuses == {"done"}
+            obs.stopped = "stopped" in statuses and statuses <= {"stopped", "done"}
+        return obs
+
+    def _drain(self, obs: Observation) -> None:
+        """Every run() returned: collect the results produced since the last poll."""
+        for m in self.members:
+            if m.poll_ref is not None:
+                ray.wait([m.poll_ref], timeout=RPC_TIMEOUT_S)
+                self._read_poll(m, obs, time.monotonic())
+            m.poll_ref = m.actor.poll.remote()
+            ray.wait([m.poll_ref], timeout=RPC_TIMEOUT_S)
+            self._read_poll(m, obs, time.monotonic())
+
+    def _read_poll(self, m: Member, obs: Observation, now: float) -> None:
+        if m.poll_ref is None:
+            return
+        ready, _ = ray.wait([m.poll_ref], timeout=0)
+        if not ready:
+            return
+        ref, m.poll_ref = m.poll_ref, None
+        try:
+            reply = ray.get(ref)
+        except RayActorError:
+            m.dead = True
+            return
+        m.last_ok, m.step = now, reply["step"]
+        obs.results.extend((m.rank, r) for r in reply["results"])
+
+    def _read_run(self, m: Member) -> None:
+        if m.run_ref is None or m.run_result is not None:
+            return
+        ready, _ = ray.wait([m.run_ref], timeout=0)
+        if ready:
+            try:
+                m.run_result = ray.get(m.run_ref)
+            except RayActorError:
+                m.dead = True
+                m.run_result = {"status": "dead"}
+
+    def _diagnose(self, now: float) -> WorkerFailure | None:
+        """Turn evidence into one typed failure, attributed to the ranks at fault."""
+        dead = [m for m in self.members if m.dead]
+        if dead:
+            lost_nodes = _dead_nodes({m.node_id for m in dead})
+            cls = NodeLost if lost_nodes else ActorDied
+            return cls(
+                f"{len(dead)} worker(s) died" + (f"; node(s) {sorted(lost_nodes)} left the cluster" if lost_nodes else ""),
+                ranks=[m.rank for m in dead],
+                nodes=sorted({m.node_id for m in dead}),
+            )
+        hb = self.spec.elastic.heartbeat_timeout_s
+        silent = [m for m in self.members if now - m.last_ok > hb]
+        if silent:
+            return HeartbeatTimeout(
+                f"no heartbeat for more than {hb:g}s", ranks=[m.rank for m in silent], nodes=sorted({m.node_id for m in silent})
+            )
+        errors = {m.rank: m.run_result for m in self.members if m.run_result and m.run_result["status"] == "error"}
+        own = [r for r, res in errors.items() if res["kind"] == "worker_error"]
+        if own:
+            return WorkerError(errors[own[0]]["detail"], ranks=own, nodes=self._nodes_of(own))
+        timeouts = [r for r, res in errors.items() if res["kind"] == "timeout"]
+        if timeouts:
+            hung = [m.rank for m in self.members if m.run_result is None]
+            return CollectiveTimeout(
+                f"a collective did not finish within {self.spec.elastic.collective_timeout_s:g}s",
+                ranks=hung or timeouts,
+                nodes=self._nodes_of(hung or timeouts),
+            )
+        return None
+
+    def _nodes_of(self, ranks: list[int]) -> list[str]:
+        return sorted({m.node_id for m in self.members if m.rank in ranks})
+
+    def request_stop(self) -> None:
+        for m in self.members:
+            m.actor.request_stop.remote()
+
+    def wait_runs(self, members: list[Member], timeout: float) -> list[Member]:
+        """Wait for ``members``' run() calls to return; returns those that did not."""
+        refs = {m.run_ref: m for m in members if m.run_ref is not None and m.run_result is None}
+        if refs:
+            ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+        for m in members:
+            self._read_run(m)
+        return [m for m in members if m.run_ref is not None and m.run_result is None]
+
+    def kill(self, members: list[Member]) -> None:
+        for m in members:
+            m.dead = True
+            try:
+                ray.kill(m.actor, no_restart=True)
+            except Exception as exc:  # already dead
+                logger.debug("kill of rank %s failed: %s", m.rank, exc)
+
+    def complete_replicas(self, members: list[Member]) -> list[list[Member]]:
+        """Survivors grouped into whole replicas (old DP rank), each in rank order."""
+        size = self.replica_size
+        by_replica: dict[int, list[Member]] = {}
+        for m in members:
+            by_replica.setdefault(m.rank // size, []).append(m)
+        return [sorted(ms, key=lambda m: m.rank) for _, ms in sorted(by_replica.items()) if len(ms) == size]
+
+    def release_group(self, group: Any) -> None:
+        self.slots.release(group)
+
+    def pid_of(self, rank: int) -> int:
+        return next(m.pid for m in self.members if m.rank == rank)
+
+    def pids_on_node(self, node_id: str) -> list[int]:
+        return [m.pid for m in self.members if m.node_id == node_id]
+
+    def shutdown(self) -> None:
+        self.kill([m for m in self.members if not m.dead])
+        self.slots.release_all()
+
+
+def _host_indices(members: list[Member]) -> dict[str, int]:
+    order: dict[str, int] = {}
+    for m in members:
+        order.setdefault(m.node_id, len(order))
+    return order
+
+
+def _dead_nodes(node_ids: set[str], wait_s: float = 1.0) -> set[str]:
+    """Nodes among ``node_ids`` that Ray's node table reports dead, waiting briefly.
+
+    The node table can lag behind a node's loss (DESIGN.md section 8), so a short bounded
+    wait tells a lost node from a single dead process in most cases without holding up
+    recovery.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        dead = {n for n in node_ids if n not in alive}
+        if dead or time.monotonic() >= deadline:
+            return dead
+        time.sleep(0.1)

@@ -1,0 +1,19 @@
+"""Entry point for Ray Jobs: ``ray job submit --working-dir . -- python -m jobs.train CONFIG``.
+
+Behaves exactly like ``elastic run`` (same flags, same exit codes). Inside a Ray job the
+driver joins the job's cluster (``RAY_ADDRESS`` is set by Ray).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from elastic.cli import main
+
+
+def run(argv: list[str] | None = None) -> int:
+    return main(["run", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(run())

@@ -1,0 +1,115 @@
+"""Multi-rank gloo harness for the parallel engine tests, and the single-process reference.
+
+``run_ranks`` spawns N processes (torch.multiprocessing, spawn), each joins a gloo group
+rendezvousing on a FileStore, runs a worker function and pickles its result; the parent
+gets the list of per-rank results. Workers are module-level functions so spawn can
+import them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from elastic.model import ModelConfig, build_model, lm_loss
+from elastic.optim import TrainConfig, build_optimizer
+
+SEED = 7
+MODEL = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=64, seq_len=16)
+TRAIN = TrainConfig(steps=20, global_batch=8, lr=1e-2, warmup_steps=1, grad_clip=0.5)
+STEPS = 4
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    micro_batch: int = 1
+    ac: bool = False
+    schedule: str = "1f1b"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+# ----- data: a learnable, deterministic batch per step ----------------------------------
+
+
+def global_batch(step: int, n: int = TRAIN.global_batch, cfg: ModelConfig = MODEL) -> tuple[torch.Tensor, torch.Tensor]:
+    """Arithmetic token sequences (random start and stride): a model can learn them fast."""
+    gen = torch.Generator().manual_seed(10_000 + step)
+    start = torch.randint(0, cfg.vocab_size, (n, 1), generator=gen)
+    stride = torch.randint(1, 4, (n, 1), generator=gen)
+    tokens = (start + stride * torch.arange(cfg.seq_len + 1)) % cfg.vocab_size
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def dp_micro_batches(step: int, dp: int, dp_rank: int, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """DP rank r takes samples [r*G/dp, (r+1)*G/dp) of the step's batch, in micro-batches."""
+    inputs, targets = global_batch(step)
+    per_rank = inputs.shape[0] // dp
+    lo = dp_rank * per_rank
+    return [
+        (inputs[i : i + micro_batch], targets[i : i + micro_batch]) for i in range(lo, lo + per_rank, micro_batch)
+    ]
+
+
+def reference_run(steps: int = STEPS) -> tuple[list[float], list[float]]:
+    """Single process, whole global batch in one forward, torch's own clip_grad_norm_."""
+    torch.manual_seed(0)
+    model = build_model(MODEL, SEED)
+    opt, sched = build_optimizer(model, TRAIN)
+    losses, norms = [], []
+    for step in range(steps):
+        inputs, targets = global_batch(step)
+        loss = lm_loss(model(inputs), targets)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), TRAIN.grad_clip)))
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses, norms
+
+
+# ----- process spawning -----------------------------------------------------------------
+
+
+def init_group(rank: int, world: int, store_file: str) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
+
+
+def _entry(rank: int, world: int, out_dir: str, fn, args: tuple) -> None:
+    torch.set_num_threads(1)
+    result = fn(rank, world, out_dir, *args)
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_ranks(world: int, fn, args: tuple, tmp_dir: Path) -> list:
+    """Run ``fn(rank, world, out_dir, *args)`` on ``world`` spawned ranks; their results."""
+    out = Path(tmp_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_entry, args=(world, str(out), fn, args), nprocs=world, join=True, start_method="spawn")
+    results = []
+    for rank in range(world):
+        with open(out / f"rank{rank}.pkl", "rb") as f:
+            results.append(pickle.load(f))
+    return results

@@ -1,0 +1,122 @@
+"""Per-rank bodies for the parallel engine tests (module level so spawn can import them)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from elastic.model import build_model
+from elastic.parallel.config import ParallelConfig
+from elastic.parallel.dims import ParallelDims
+from elastic.parallel.engine import TrainEngine
+from parallel_harness import MODEL, SEED, STEPS, TRAIN, Layout, dp_micro_batches, init_group
+
+
+def make_engine(layout: Layout, world: int) -> TrainEngine:
+    dims = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, world_size=world)
+    pcfg = ParallelConfig(
+        tp=layout.tp,
+        pp=layout.pp,
+        zero=layout.zero,
+        micro_batch=layout.micro_batch,
+        activation_checkpointing=layout.ac,
+        pp_schedule=layout.schedule,
+    )
+    return TrainEngine(MODEL, pcfg, TRAIN, dims, SEED)
+
+
+def train_steps(engine: TrainEngine, layout: Layout, steps: range) -> tuple[list[float], list[float]]:
+    dp_rank = engine.coords.dp_rank
+    losses, norms = [], []
+    for step in steps:
+        loss = engine.forward_backward(dp_micro_batches(step, layout.dp, dp_rank, layout.micro_batch))
+        norms.append(engine.optimizer_step())
+        losses.append(loss)
+    return losses, norms
+
+
+def initial_weight_diffs(engine: TrainEngine) -> dict[str, float]:
+    """Max |full parameter - single-process seeded init| for each FQN this rank holds."""
+    full = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True))
+    reference = build_model(MODEL, SEED).state_dict()
+    return {fqn: float((value.cpu() - reference[fqn]).abs().max()) for fqn, value in full.items()}
+
+
+def param_placements(engine: TrainEngine) -> dict[str, str]:
+    """How each parameter is held: 'tensor' or its DTensor placements, e.g. '(Shard(dim=0),)'."""
+    return {
+        fqn.removeprefix("module."): str(getattr(p, "placements", "tensor"))
+        for fqn, p in engine.model.named_parameters()
+    }
+
+
+def count_block_forwards(engine: TrainEngine) -> list[int]:
+    """Attach a counter to the MLP of this rank's first block; recompute runs it twice."""
+    calls = [0]
+    block = next(iter(engine.gpt.blocks.values()))
+    block.mlp.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def train_layouts(rank: int, world: int, out_dir: str, layouts: list[Layout]) -> dict:
+    """Train every layout in turn on one world-sized process group."""
+    init_group(rank, world, os.path.join(out_dir, "store"))
+    results = {}
+    for layout in layouts:
+        t0 = time.perf_counter()
+        engine = make_engine(layout, world)
+        init_diffs = initial_weight_diffs(engine)
+        placements = param_placements(engine)
+        mlp_calls = count_block_forwards(engine)
+        losses, norms = train_steps(engine, layout, range(STEPS))
+        results[layout.name] = {
+            "losses": losses,
+            "norms": norms,
+            "init_diffs": init_diffs,
+            "placements": placements,
+            "coords": tuple(engine.coords),
+            "expected_coords": tuple(engine.dims.coords(rank)),
+            "grad_accum": engine.grad_accum,
+            "bubble": engine.bubble_fraction,
+            "schedule": type(engine.schedule).__name__ if engine.schedule else None,
+            "mlp_forwards_per_micro_batch": mlp_calls[0] / (STEPS * engine.grad_accum),
+            "peak_mem_bytes": engine.peak_mem_bytes(),
+            "flops_per_step": engine.flops_per_step,
+            "seconds": time.perf_counter() - t0,
+        }
+        del engine
+    dist.destroy_process_group()
+    return results
+
+
+def resize_and_resume(rank: int, world: int, out_dir: str, before: Layout, after: Layout, split: int) -> dict:
+    """Train ``before`` on the full world, checkpoint, shrink the group in-process, resume.
+
+    The process group is destroyed and re-created with ``after.world`` ranks in the same
+    processes (as the elastic controller does), then a new engine loads the DCP checkpoint
+    through its own (resharded) state dict and keeps training.
+    """
+    ckpt = os.path.join(out_dir, "ckpt")
+    init_group(rank, world, os.path.join(out_dir, "store_a"))
+    engine = make_engine(before, world)
+    losses, norms = train_steps(engine, before, range(split))
+    dcp.save(engine.state_dict(), checkpoint_id=ckpt)
+    del engine
+    dist.destroy_process_group()
+    if rank >= after.world:
+        return {"losses": losses, "norms": norms}
+
+    init_group(rank, after.world, os.path.join(out_dir, "store_b"))
+    engine = make_engine(after, after.world)
+    state = engine.state_dict()
+    dcp.load(state, checkpoint_id=ckpt)
+    engine.load_state_dict(state)
+    resumed_at = engine.step
+    more_losses, more_norms = train_steps(engine, after, range(split, STEPS))
+    dist.destroy_process_group()
+    return {"losses": losses + more_losses, "norms": norms + more_norms, "resumed_at": resumed_at}
