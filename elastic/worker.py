@@ -76,6 +76,8 @@ class TrainWorker:
         self._phase = "idle"
         self._stop = threading.Event()
         self.device = self._pick_device()
+        # Ray sizes the actor's CPU share; torch would otherwise use every core per worker.
+        torch.set_num_threads(max(1, int(spec.resources.cpus_per_worker)))
 
     # ------------------------------------------------------------------ control group
     @ray.method(concurrency_group="control")

@@ -54,10 +54,12 @@ class TrainEngine:
             dims.build_mesh(self.device.type)
         self.coords = dims.local_coords()
 
-        # Full seeded model on every rank, then cut and shard it: same weights in any layout.
-        model = build_model(model_cfg, seed, device=self.device)
+        # Full seeded model on every rank (on the host, so the accelerator only ever holds
+        # this rank's stage), then cut and shard it: the same weights under any layout.
+        model = build_model(model_cfg, seed, device="cpu")
         if dims.pp_enabled:
             model = pp.build_stage_module(model, dims.pp, self.coords.pp_rank)
+        model = model.to(self.device)
         self.gpt = model  # the (stage of the) GPT itself; ``model`` may be a DDP wrapper around it
         self.model = parallelize(model, dims, parallel_cfg)
         self.model.train()

@@ -1,0 +1,89 @@
+"""Shared fixtures: one Ray runtime at a time, reused across tests.
+
+A process can be connected to one Ray cluster at a time, so the fixtures below switch
+between a single-node local Ray (most tests) and a multi-node ``ray.cluster_utils.Cluster``
+(elastic tests) only when a test needs the other kind. Test files are ordered so that each
+kind is started once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+
+
+class _RayState:
+    kind: str | None = None
+    cluster = None
+
+
+def _shutdown() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    if _RayState.cluster is not None:
+        _RayState.cluster.shutdown()
+        _RayState.cluster = None
+    _RayState.kind = None
+
+
+@pytest.fixture
+def ray_local():
+    """A single-node Ray with 6 logical CPUs (enough for 4 workers on 2 real cores)."""
+    import ray
+
+    if _RayState.kind != "local" or not ray.is_initialized():
+        _shutdown()
+        ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
+        _RayState.kind = "local"
+    yield ray
+
+
+@pytest.fixture
+def ray_cluster():
+    """A fresh 4-node local cluster: a CPU-less head and 4 one-worker nodes.
+
+    Fresh per test because tests remove and add nodes.
+    """
+    import ray
+    from ray.cluster_utils import Cluster
+
+    _shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(4):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    _RayState.kind, _RayState.cluster = "cluster", cluster
+    yield cluster
+    _shutdown()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _shutdown()
+
+
+@pytest.fixture
+def tiny_spec_dict():
+    """A spec small enough for a step in milliseconds on one core."""
+    return {
+        "name": "tiny",
+        "seed": 0,
+        "model": {"n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64, "seq_len": 16},
+        "data": {"num_samples": 4000},
+        "parallel": {"micro_batch": 2},
+        "elastic": {"min_dp": 1, "max_dp": 2, "heartbeat_timeout_s": 5, "collective_timeout_s": 10},
+        "train": {"steps": 8, "global_batch": 8, "lr": 3.0e-3},
+        "checkpoint": {"every_steps": 0},
+    }
+
+
+@pytest.fixture
+def python():
+    return sys.executable

@@ -1,0 +1,102 @@
+"""Spec validation: every malformed spec is refused by the CLI with exit 2, one line naming the field."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from jobs import JobSpec
+from elastic.errors import SpecError
+
+pytestmark = pytest.mark.timeout(120)
+
+QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "quickstart.yaml")
+
+# (override list, the field the one-line error must name)
+MALFORMED = [
+    (["bogus=1"], "bogus"),
+    (["model.bogus=1"], "model.bogus"),
+    (["parallel.tp=3"], "parallel.tp"),
+    (["parallel.pp=3"], "parallel.pp"),
+    (["model.n_heads=3"], "model.n_heads"),
+    (["train.global_batch=7"], "train.global_batch"),
+    (["train.global_batch=48", "parallel.micro_batch=5"], "train.global_batch"),
+    (["train.steps=0"], "train.steps"),
+    (["train.lr=-1"], "train.lr"),
+    (["elastic.min_dp=5"], "elastic.min_dp"),
+    (["elastic.max_dp=0"], "elastic.max_dp"),
+    (["parallel.zero=4"], "parallel.zero"),
+    (["resources.device=tpu"], "resources.device"),
+    (["resources.device=cuda", "resources.gpus_per_worker=0"], "resources.gpus_per_worker"),
+    (["model.kind=llama"], "model.kind"),
+    (["data.source=not-a-uri"], "data.source"),
+    (["checkpoint.keep=0"], "checkpoint.keep"),
+    (["model.n_layers=abc"], "model.n_layers"),
+    (["elastic.heartbeat_timeout_s=-2"], "elastic.heartbeat_timeout_s"),
+    (["name=has space"], "name"),
+    (["model.tie_embeddings=true", "parallel.pp=2"], "model.tie_embeddings"),
+    (["noequals"], "--set"),
+]
+
+
+@pytest.mark.parametrize("overrides,field", MALFORMED, ids=[f for _, f in MALFORMED])
+def test_python_api_names_field(overrides, field):
+    with pytest.raises(SpecError) as info:
+        JobSpec.from_yaml(QUICKSTART, overrides=overrides)
+    assert info.value.field == field
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "elastic.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_cli_refuses_malformed_specs_with_one_line(tmp_path):
+    # One subprocess per bad spec would cost ~2 s each; the CLI entry is exercised on a
+    # handful, covering the three error sources (pydantic, cross-field, YAML/file).
+    for overrides, field in [MALFORMED[0], MALFORMED[2], MALFORMED[5], MALFORMED[17]]:
+        args = ["run", QUICKSTART]
+        for o in overrides:
+            args += ["--set", o]
+        proc = _cli(*args)
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and field in lines[0], proc.stderr
+        assert "Traceback" not in proc.stderr
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("model: {n_layers: [\n")
+    proc = _cli("run", str(bad_yaml))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    proc = _cli("run", str(tmp_path / "missing.yaml"))
+    assert proc.returncode == 2 and "config" in proc.stderr
+
+
+def test_overrides_are_yaml_parsed():
+    spec = JobSpec.from_yaml(QUICKSTART, overrides=["parallel.tp=2", "resources.custom={trainer: 1}", "train.lr=1e-3"])
+    assert spec.parallel.tp == 2
+    assert spec.resources.custom == {"trainer": 1.0}
+    assert spec.train.lr == pytest.approx(1e-3)
+
+
+def test_fields_match_design_yaml():
+    raw = yaml.safe_load(open(QUICKSTART))
+    spec = JobSpec.from_dict(raw)
+    dumped = spec.model_dump(by_alias=True)
+    for section, values in raw.items():
+        if isinstance(values, dict):
+            for key, value in values.items():
+                assert dumped[section][key] == value, (section, key)
+    assert spec.allowed_dps() == [1, 2, 3, 4]
+    assert spec.grad_accum(4) == 3
+
+
+def test_schema_is_exported():
+    proc = _cli("schema")
+    assert proc.returncode == 0
+    schema = json.loads(proc.stdout)
+    assert set(schema["properties"]) == {"name", "seed", "run_dir", "model", "data", "parallel", "elastic", "resources", "train", "checkpoint"}
+    assert "async" in json.dumps(schema)
