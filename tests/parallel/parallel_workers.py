@@ -56,10 +56,14 @@ def param_placements(engine: TrainEngine) -> dict[str, str]:
 
 
 def count_block_forwards(engine: TrainEngine) -> list[int]:
-    """Attach a counter to the MLP of this rank's first block; recompute runs it twice."""
+    """Count the MLP forwards of this rank's first block; recompute starts it twice.
+
+    A pre-hook: checkpoint's early stop may end the recomputation inside the MLP, before
+    a post-hook would fire.
+    """
     calls = [0]
     block = next(iter(engine.gpt.blocks.values()))
-    block.mlp.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    block.mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     return calls
 
 
@@ -72,8 +76,10 @@ def train_layouts(rank: int, world: int, out_dir: str, layouts: list[Layout]) ->
         engine = make_engine(layout, world)
         init_diffs = initial_weight_diffs(engine)
         placements = param_placements(engine)
-        mlp_calls = count_block_forwards(engine)
-        losses, norms = train_steps(engine, layout, range(STEPS))
+        losses, norms = train_steps(engine, layout, range(1))
+        mlp_calls = count_block_forwards(engine)  # after step 0: PP's first step adds a shape-probing forward
+        more_losses, more_norms = train_steps(engine, layout, range(1, STEPS))
+        losses, norms = losses + more_losses, norms + more_norms
         results[layout.name] = {
             "losses": losses,
             "norms": norms,
@@ -84,7 +90,7 @@ def train_layouts(rank: int, world: int, out_dir: str, layouts: list[Layout]) ->
             "grad_accum": engine.grad_accum,
             "bubble": engine.bubble_fraction,
             "schedule": type(engine.schedule).__name__ if engine.schedule else None,
-            "mlp_forwards_per_micro_batch": mlp_calls[0] / (STEPS * engine.grad_accum),
+            "mlp_forwards_per_micro_batch": mlp_calls[0] / ((STEPS - 1) * engine.grad_accum),
             "peak_mem_bytes": engine.peak_mem_bytes(),
             "flops_per_step": engine.flops_per_step,
             "seconds": time.perf_counter() - t0,
