@@ -69,7 +69,8 @@ class MemoryEstimate:
 
     def __str__(self) -> str:
         gib = 1 << 30
-        parts = ", ".join(f"{k}={getattr(self, k) / gib:.3f}" for k in ("params", "grads", "optimizer", "activations", "logits"))
+        fields = ("params", "grads", "optimizer", "activations", "logits")
+        parts = ", ".join(f"{k}={getattr(self, k) / gib:.3f}" for k in fields)
         return f"{self.total / gib:.3f} GiB (stage {self.stage}: {parts})"
 
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, TypeVar
 
 from elastic.errors import InfeasibleError, SpecError
-from elastic.topology import ClusterTopology, NodeInfo
+from elastic.topology import NVLINK_DOMAIN, ClusterTopology, NodeInfo
 
 MESH_DIM_NAMES: tuple[str, str, str] = ("dp", "pp", "tp")
 
@@ -57,7 +57,14 @@ class RankPlacement:
     tp_rank: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "node": self.node, "dp_rank": self.dp_rank, "pp_rank": self.pp_rank, "tp_rank": self.tp_rank}
+        # Key order is part of the `elastic plan --json` contract.
+        return {
+            "rank": self.rank,
+            "node": self.node,
+            "dp_rank": self.dp_rank,
+            "pp_rank": self.pp_rank,
+            "tp_rank": self.tp_rank,
+        }
 
 
 @dataclass(frozen=True)
@@ -170,7 +177,8 @@ class LayoutPlan:
         return "\n".join(lines)
 
     def _replica_groups(self) -> list[list[TPGroup]]:
-        return [[tuple(r.node for r in g) for g in self.tp_groups()[d * self.pp : (d + 1) * self.pp]] for d in range(self.dp)]
+        groups = [tuple(r.node for r in g) for g in self.tp_groups()]
+        return [groups[d * self.pp : (d + 1) * self.pp] for d in range(self.dp)]
 
 
 # ---------------------------------------------------------------------- planning
@@ -286,7 +294,7 @@ def drop_nodes(target: LayoutPlan | ClusterTopology, lost_nodes: Iterable[str]) 
 # ---------------------------------------------------------------------- internals
 
 
-def _check_request(tp, pp, min_dp, max_dp, allowed_dps, device, cross) -> list[int]:
+def _check_request(tp, pp, min_dp, max_dp, allowed_dps, device, cross) -> None:
     for name, value in (("parallel.tp", tp), ("parallel.pp", pp), ("elastic.min_dp", min_dp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise SpecError(name, f"must be an integer >= 1, got {value!r}")
@@ -352,7 +360,7 @@ def _tp_groups(nodes: list[NodeInfo], slots: dict[str, int], tp: int, device: st
     items = [n.name for n in nodes for _ in range(slots[n.name])]
     levels: list[Callable[[str], Hashable | None]] = [lambda name: name]
     if device == "cuda":
-        levels.append(lambda name: by_name[name].labels.get("nvlink_domain"))
+        levels.append(lambda name: by_name[name].labels.get(NVLINK_DOMAIN))
     elif cross:
         levels += [lambda name: ("rack", by_name[name].rack), lambda name: "*"]
     position = {name: i for i, name in enumerate(by_name)}
@@ -412,7 +420,8 @@ def _build(replicas, tp, pp, device, racks, max_replicas, min_dp, max_dp, allowe
     if crossing:
         notes.append(f"dp_rank(s) {crossing} span racks: not enough room inside one rack")
     if plan.cross_node_tp:
-        notes.append("TP groups span nodes (allow_cross_node_tp)")
+        why = "inside shared NVLink domains" if device == "cuda" else "allow_cross_node_tp"
+        notes.append(f"TP groups span nodes ({why})")
     return replace(plan, notes=tuple(notes))
 
 
@@ -422,8 +431,11 @@ def _tp_too_big(nodes, slots, tp, device, cross) -> str:
         return f"tp={tp} needs {tp} {unit} but the whole cluster has {sum(slots.values())}"
     domains: dict[str, int] = {}
     for n in nodes:
-        key = n.labels.get("nvlink_domain", f"node {n.name}") if device == "cuda" else n.name
+        key = n.labels.get(NVLINK_DOMAIN, f"node {n.name}") if device == "cuda" else n.name
         domains[key] = domains.get(key, 0) + slots[n.name]
     best = max(domains, key=domains.get)
     where = "NVLink domain" if device == "cuda" else "node"
-    return f"tp={tp} is larger than any {where}'s {unit} (largest: {domains[best]} on {best}); TP groups must stay inside one {where}"
+    return (
+        f"tp={tp} is larger than any {where}'s {unit} (largest: {domains[best]} on {best}); "
+        f"TP groups must stay inside one {where}"
+    )

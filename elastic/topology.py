@@ -29,6 +29,9 @@ On a live cluster a label comes, in order of precedence, from:
 2. a custom resource named ``<key>:<value>`` or ``<key>_<value>`` for a key in
    ``TOPOLOGY_LABELS`` (``ray start --resources '{"rack:r0": 1}'``), for clusters that
    predate node labels.
+
+A live node is named by its ``name`` label when it has one (``--labels name=w0``), which
+gives readable, stable names to the many Ray nodes of a one-machine test cluster.
 """
 
 from __future__ import annotations
@@ -256,12 +259,14 @@ def _resources(value: Any, where: str) -> dict[str, float]:
 # Ray's own resources that are not topology facts.
 _RAY_BUILTIN = {"CPU", "GPU", "memory", "object_store_memory"}
 _RAY_BUILTIN_PREFIXES = ("node:", "accelerator_type:")
+_NODE_ID_LABEL = "ray.io/node-id"  # already in NodeInfo.node_id
 
 
 def topology_from_ray(ray_nodes: Iterable[Mapping[str, Any]]) -> ClusterTopology:
     """Build a topology from ``ray.nodes()``-style dicts. Pure: pass the list in.
 
-    Only alive nodes count. A node is named, in order of preference, by its ``name`` label,
+    Only alive nodes count, sorted by name (``ray.nodes()`` has no stable order; names
+    compare digit runs as numbers, so w2 < w10). A node is named, in order of preference, by its ``name`` label,
     by its ``NodeName`` when that is unique among alive nodes, and otherwise by
     ``NodeName`` plus the first 8 characters of its node id (on one machine every
     ``NodeName`` is the same IP).
@@ -271,7 +276,7 @@ def topology_from_ray(ray_nodes: Iterable[Mapping[str, Any]]) -> ClusterTopology
     nodes = []
     for node, base in zip(alive, base_names):
         resources = {str(k): float(v) for k, v in (node.get("Resources") or {}).items()}
-        labels = {str(k): str(v) for k, v in (node.get("Labels") or {}).items()}
+        labels = {str(k): str(v) for k, v in (node.get("Labels") or {}).items() if k != _NODE_ID_LABEL}
         for key, value in _labels_from_resources(resources).items():
             labels.setdefault(key, value)
         node_id = node.get("NodeID")
@@ -297,7 +302,11 @@ def topology_from_ray(ray_nodes: Iterable[Mapping[str, Any]]) -> ClusterTopology
                 resources=custom,
             )
         )
-    return ClusterTopology(nodes)
+    return ClusterTopology(sorted(nodes, key=lambda n: _natural_key(n.name)))
+
+
+def _natural_key(name: str) -> list[Any]:
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]
 
 
 def _labels_from_resources(resources: Mapping[str, float]) -> dict[str, str]:

@@ -120,14 +120,21 @@ def test_topology_from_ray_labels_resources_and_names():
         _ray_node("eeee" * 14, alive=False),
     ]
     topo = topology_from_ray(nodes)
-    assert topo.names == ["127.0.0.1-aaaaaaaa", "w1", "127.0.0.1-cccccccc", "127.0.0.1-dddddddd"]
-    head, w1, c, d = topo.nodes
+    # Sorted by name: ray.nodes() has no stable order.
+    assert topo.names == ["127.0.0.1-aaaaaaaa", "127.0.0.1-cccccccc", "127.0.0.1-dddddddd", "w1"]
+    head, c, d, w1 = topo.nodes
     assert head.cpus == 0 and head.worker_slots("cpu") == 0
     assert (w1.rack, w1.nvlink_domain, w1.cpus, w1.gpus) == ("r0", "d0", 1, 0)
     assert (c.rack, c.nvlink_domain, c.resources["trainer"]) == ("r1", "d1", 2.0)
     assert "node:127.0.0.1" not in c.resources and "CPU" not in c.resources
     assert d.rack == "r9"
     assert w1.node_id == "bbbb" * 14 and w1.ip == "127.0.0.1"
+    assert "ray.io/node-id" not in w1.labels  # kept as node_id instead
+
+
+def test_topology_from_ray_natural_name_order():
+    nodes = [_ray_node(f"{i:056x}", labels={"name": f"w{i}"}) for i in (10, 2, 1)]
+    assert topology_from_ray(nodes).names == ["w1", "w2", "w10"]
 
 
 def test_topology_from_ray_unique_node_names_kept():
