@@ -47,7 +47,8 @@ class _ReaderBase(StorageReader):
     """The parts of ``StorageReader`` that need no storage: we plan locally, alone."""
 
     metadata: Metadata
-    bytes_read: int = 0
+    bytes_read: int = 0  # everything fetched: metadata, objects and tensor data
+    data_bytes_read: int = 0  # tensor data only
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
@@ -100,7 +101,7 @@ class CheckpointReader(_ReaderBase):
                 raise CheckpointNotFound(f"no committed checkpoint under {store!r}")
             step = latest.step
         self.store, self.step, self.max_request_bytes = store, step, max_request_bytes
-        self.bytes_read = 0
+        self.bytes_read = self.data_bytes_read = 0
         try:
             marker = Marker.from_bytes(self._get(MARKER))
         except FileNotFoundError:
@@ -130,6 +131,7 @@ class CheckpointReader(_ReaderBase):
         boxes = sorted(wanted, key=lambda idx: (self._where[idx]["file"], self._where[idx]["offset"]))
         for file, start, end, group in self._coalesce(boxes):
             blob = memoryview(self._get(file, start, end))
+            self.data_bytes_read += len(blob)
             for idx in group:
                 box = self._where[idx]
                 part = blob[box["offset"] - start: box["offset"] - start + box["length"]]
@@ -194,7 +196,7 @@ class SnapshotReader(_ReaderBase):
                     t["chunks"].append({"offsets": list(box.offsets), "sizes": list(box.sizes)})
                     self._source[key] = (rank, box.local)
         self.metadata, _ = to_torch_metadata(tensors)
-        self.bytes_read = 0
+        self.bytes_read = self.data_bytes_read = 0
         self.bytes_by_rank: dict[int, int] = defaultdict(int)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
@@ -202,6 +204,7 @@ class SnapshotReader(_ReaderBase):
             rank, tensor = self._source[req.storage_index]
             copied = _copy_into(planner, req, tensor)
             self.bytes_read += copied
+            self.data_bytes_read += copied
             self.bytes_by_rank[rank] += copied
         return _done()
 
@@ -235,6 +238,7 @@ class LoadResult:
 
     objects: dict[str, Any] = field(default_factory=dict)
     bytes_read: int = 0
+    data_bytes_read: int = 0
     duration_s: float = 0.0
     step: int | None = None
 
@@ -250,7 +254,7 @@ def load_into(source: CheckpointStore | _ReaderBase, state_dict: dict[str, Any],
     """
     begin = time.monotonic()
     reader = CheckpointReader(source, step) if isinstance(source, CheckpointStore) else source
-    already = reader.bytes_read
+    already, already_data = reader.bytes_read, reader.data_bytes_read
     planner = ReshardPlanner(strict=strict)
     metadata = reader.read_metadata()
     planner.set_up_planner(state_dict, metadata, True)
@@ -260,4 +264,5 @@ def load_into(source: CheckpointStore | _ReaderBase, state_dict: dict[str, Any],
     reader.read_data(planner.finish_plan(plan), planner).wait()
     objects = reader.read_objects()
     return LoadResult(objects=objects, bytes_read=reader.bytes_read - already,
+                      data_bytes_read=reader.data_bytes_read - already_data,
                       duration_s=time.monotonic() - begin, step=getattr(reader, "step", None))

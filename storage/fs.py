@@ -14,6 +14,7 @@ argument). Use :func:`redact` / :func:`redact_uri` before logging any of them.
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import logging
 import os
@@ -83,7 +84,7 @@ class FsspecStorage:
     def _discard(self, f: Any, uri: str) -> None:
         """Drop a half-written file: abort the multipart upload / remove the local file."""
         try:
-            if hasattr(f, "discard") and not self._local:
+            if isinstance(f, fsspec.spec.AbstractBufferedFile):
                 f.discard()  # s3fs: abort the multipart upload, drop the buffer
                 f.closed = True  # so that close()/__del__ does not publish the partial buffer
             else:
@@ -138,7 +139,7 @@ class FsspecStorage:
 def open_storage(uri: str, storage_options: dict[str, Any] | None = None) -> FsspecStorage:
     """Storage for ``uri``'s scheme, configured from ``storage_options`` and AWS env vars."""
     protocol = fsspec.core.split_protocol(uri)[0] or "file"
-    options = dict(storage_options or {})
+    options = copy.deepcopy(dict(storage_options or {}))  # botocore mutates nested config dicts
     if protocol in ("s3", "s3a"):
         options = s3_options(options)
     elif protocol == "file":
@@ -185,7 +186,8 @@ def redact(options: Any) -> Any:
     return options
 
 
-_USERINFO = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@]*@")
+# Secrets may contain "/" (AWS secret keys often do), so user info runs to the "@", not to a "/".
+_USERINFO = re.compile(r"([a-zA-Z][a-zA-Z0-9+.-]*://)[^@\s]*@")
 
 
 def redact_uri(uri: str) -> str:

@@ -1,0 +1,81 @@
+"""Body of the multi-process gloo test (importable by spawned children).
+
+Four ranks hold real DTensors. They save with the runtime's recipe (``ShardRecord.from_dtensor``
+on a CPU snapshot, collective-free ``write_rank_shard``; only gathering the plain-data results
+for the commit uses the process group), then load into other meshes and placements. Every
+rank checks ``full_tensor()`` against the full tensors built from the same seed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from storage import CheckpointStore, ShardRecord, commit_checkpoint, load_into, primary_replica, write_rank_shard
+
+
+def full_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    return {"w": torch.randn(10, 6, generator=g), "b": torch.randn(8, generator=g), "e": torch.randn(6, 4, generator=g)}
+
+
+def _save(store: CheckpointStore, step: int, dtensors: dict, rank: int, extra_objects: dict, dedup: bool):
+    snapshot = {}
+    for k, dt in dtensors.items():
+        rec = ShardRecord.from_dtensor(dt)
+        snapshot[k] = ShardRecord(rec.local.detach().clone(), rec.global_shape, rec.offsets)  # the CPU snapshot
+    snapshot.update(extra_objects)
+
+    def owns(fqn: str) -> bool:
+        if fqn in dtensors:
+            return primary_replica(dtensors[fqn]) if dedup else True
+        return rank == 0 or fqn.endswith(f".rank{rank}")  # shared objects once, own objects always
+    result = write_rank_shard(store, step, snapshot, rank, owns=owns)
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if rank == 0:
+        commit_checkpoint(store, step, gathered, extra={"world": len(gathered)})
+    dist.barrier()
+    return result
+
+
+def _check(tag: str, got: dict, want: dict) -> None:
+    for k, v in want.items():
+        value = got[k].full_tensor() if hasattr(got[k], "full_tensor") else got[k]
+        assert torch.equal(value, v), f"{tag}: {k} differs"
+
+
+def run(rank: int, world: int, port: int, root: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        full = full_state()
+        store = CheckpointStore(root)
+        mesh1 = init_device_mesh("cpu", (world,))
+        mesh2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "fsdp"))
+
+        # A: FSDP-like dp=4, Shard(0); rank-specific objects are named per rank
+        saved = {k: distribute_tensor(v, mesh1, [Shard(0)]) for k, v in full.items()}
+        _save(store, 1, saved, rank, {"train.step": 7, f"rng.rank{rank}": {"cpu": torch.get_rng_state()}}, dedup=False)
+
+        # load A into HSDP-like [Replicate, Shard(0)] on a 2x2 mesh
+        hsdp = {k: distribute_tensor(torch.zeros_like(v), mesh2, [Replicate(), Shard(0)]) for k, v in full.items()}
+        out = load_into(store, hsdp, step=1)
+        _check("A->hsdp", hsdp, full)
+        assert out.objects["train.step"] == 7 and set(out.objects) == {"train.step"} | {f"rng.rank{r}" for r in range(world)}
+        # load A into Shard on the last dim (a TP-like column split, uneven for w)
+        cols = {k: distribute_tensor(torch.zeros_like(v), mesh1, [Shard(v.dim() - 1)]) for k, v in full.items()}
+        load_into(store, cols, step=1)
+        _check("A->cols", cols, full)
+
+        # B: save from the HSDP layout, one replica writes; load into plain full tensors
+        res = _save(store, 2, hsdp, rank, {"train.step": 8}, dedup=True)
+        if mesh2.get_coordinate()[0] == 1:
+            assert res.files == [] and res.chunks == [], "replica 1 must not write"
+        plain = {k: torch.zeros_like(v) for k, v in full.items()}
+        out = load_into(store, plain, step=2)
+        _check("B->plain", plain, full)
+        assert out.objects == {"train.step": 8}
+    finally:
+        dist.destroy_process_group()
