@@ -11,7 +11,7 @@ Layers, bottom up (``storage`` imports neither Ray nor ``elastic``/``jobs``):
 """
 
 from storage.dcp import (
-    CheckpointReader, LoadResult, RankWriteResult, ShardRecord, SnapshotReader, chunk_boxes, commit_checkpoint,
+    CheckpointReader, LoadResult, RankWriteResult, ShardRecord, SnapshotReader, chunk_boxes, commit_checkpoint, cpu_snapshot,
     load_into, primary_replica, write_rank_shard,
 )
 from storage.errors import (
@@ -27,7 +27,7 @@ __all__ = [
     "RetryPolicy", "call_with_retry", "is_transient",
     "CheckpointStore", "CheckpointInfo", "PruneReport", "Damage", "FileRecord", "Manifest",
     "ShardRecord", "RankWriteResult", "write_rank_shard", "commit_checkpoint", "load_into", "LoadResult",
-    "CheckpointReader", "SnapshotReader", "chunk_boxes", "primary_replica",
+    "CheckpointReader", "SnapshotReader", "chunk_boxes", "cpu_snapshot", "primary_replica",
     "StorageError", "StorageUnavailable", "CheckpointNotFound", "ChecksumMismatch", "IncompleteCheckpoint",
     "LayoutMismatch",
 ]

@@ -2,7 +2,8 @@
 
 Write side (per rank, no collectives, fine in a background thread)::
 
-    res = write_rank_shard(store, step, snapshot, rank, owns=lambda fqn: ...)
+    snapshot, owned = cpu_snapshot(flat_state, rank)          # blocking part: a CPU copy
+    res = write_rank_shard(store, step, snapshot, rank, owns=owned.__contains__)
     # ... gather every rank's ``res`` (plain data) to one process, then:
     commit_checkpoint(store, step, results, extra={"dp": 4})
 
@@ -17,10 +18,12 @@ Read side (per rank, no collectives)::
 from storage.dcp_planner import ReshardPlanner
 from storage.dcp_read import CheckpointReader, LoadResult, SnapshotReader, load_into
 from storage.dcp_write import METADATA_JSON, STOCK_METADATA, commit_checkpoint, data_file, objects_file, write_rank_shard
-from storage.records import ChunkRecord, ObjectRecord, RankWriteResult, ShardRecord, chunk_boxes, primary_replica
+from storage.records import (
+    ChunkRecord, ObjectRecord, RankWriteResult, ShardRecord, chunk_boxes, cpu_snapshot, primary_replica,
+)
 
 __all__ = [
-    "ShardRecord", "RankWriteResult", "ChunkRecord", "ObjectRecord", "chunk_boxes", "primary_replica",
+    "ShardRecord", "RankWriteResult", "ChunkRecord", "ObjectRecord", "chunk_boxes", "cpu_snapshot", "primary_replica",
     "write_rank_shard", "commit_checkpoint", "load_into", "LoadResult", "CheckpointReader", "SnapshotReader",
     "ReshardPlanner", "METADATA_JSON", "STOCK_METADATA", "data_file", "objects_file",
 ]

@@ -104,8 +104,10 @@ class CheckpointReader(_ReaderBase):
         self.bytes_read = self.data_bytes_read = 0
         try:
             marker = Marker.from_bytes(self._get(MARKER))
-        except FileNotFoundError:
-            raise CheckpointNotFound(f"step {step} is not committed in {store!r}") from None
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            marker = None
+        if marker is None or marker.step != step:
+            raise CheckpointNotFound(f"step {step} is not committed in {store!r}")
         raw = self._get(MANIFEST)
         if crc32(raw) != marker.manifest_crc32:
             raise ChecksumMismatch(MANIFEST, "crc32 does not match the commit marker")

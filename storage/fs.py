@@ -26,7 +26,7 @@ import fsspec
 
 log = logging.getLogger(__name__)
 
-_SECRET_WORDS = ("secret", "token", "password", "passwd", "credential", "key", "auth", "signature")
+_SECRET_WORDS = ("secret", "token", "password", "passwd", "credential", "key", "signature")
 
 
 @runtime_checkable
@@ -72,14 +72,14 @@ class FsspecStorage:
         f = self.fs.open(uri, "wb")
         try:
             yield f
+            f.flush()
+            if self._local:
+                with contextlib.suppress(AttributeError, io.UnsupportedOperation, OSError):
+                    os.fsync(f.fileno())
+            f.close()  # publishes the object (single PUT or multipart completion)
         except BaseException:
             self._discard(f, uri)
             raise
-        f.flush()
-        if self._local:
-            with contextlib.suppress(AttributeError, io.UnsupportedOperation, OSError):
-                os.fsync(f.fileno())
-        f.close()
 
     def _discard(self, f: Any, uri: str) -> None:
         """Drop a half-written file: abort the multipart upload / remove the local file."""
@@ -174,11 +174,13 @@ def _is_secret_name(name: str) -> bool:
 def redact(options: Any) -> Any:
     """Copy of ``options`` with every credential-like value replaced by ``'***'``.
 
-    Any mapping key containing secret/token/password/credential/key/auth is a credential;
-    nested mappings and lists are walked, and URIs with user info are redacted too.
+    A string/bytes/container value under a key containing secret/token/password/credential/key
+    is a credential (numbers are not, so ``tokens_per_s`` survives); nested mappings and lists
+    are walked, and URIs with user info (``s3://KEY:SECRET@bucket``) are redacted anywhere.
     """
     if isinstance(options, dict):
-        return {k: ("***" if _is_secret_name(str(k)) and v is not None else redact(v)) for k, v in options.items()}
+        return {k: ("***" if _is_secret_name(str(k)) and isinstance(v, (str, bytes, dict, list, tuple)) else redact(v))
+                for k, v in options.items()}
     if isinstance(options, (list, tuple)):
         return type(options)(redact(v) for v in options)
     if isinstance(options, str):

@@ -13,6 +13,8 @@ so it can travel through Ray or a queue to whichever process commits.
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -82,6 +84,36 @@ def primary_replica(dtensor: Any) -> bool:
     if coord is None:
         return False
     return all(c == 0 for c, p in zip(coord, dtensor.placements) if isinstance(p, Replicate))
+
+
+def cpu_snapshot(state: Mapping[str, Any], rank: int, *, rank_local: Iterable[str] = ()) -> tuple[dict[str, Any], frozenset[str]]:
+    """CPU copy of a flat state dict in snapshot form, and the fqns this rank should write.
+
+    DTensor -> :class:`ShardRecord` (written by its primary replica only), Tensor -> Tensor
+    copy, anything else -> deep copy. Replicated tensors and objects are written by rank 0,
+    except the fqns in ``rank_local`` (say ``f"rng.rank{rank}"``), which are written by this
+    rank: give per-rank state per-rank names, the commit refuses two different values under
+    one name. Pass the second value as ``owns=owned.__contains__`` to ``write_rank_shard``.
+    """
+    from torch.distributed.tensor import DTensor
+
+    local_names = set(rank_local)
+    snapshot: dict[str, Any] = {}
+    owned = set()
+    for fqn, value in state.items():
+        if isinstance(value, DTensor):
+            rec = ShardRecord.from_dtensor(value)
+            snapshot[fqn] = ShardRecord(rec.local.detach().to("cpu", copy=True), rec.global_shape, rec.offsets)
+            mine = primary_replica(value)
+        elif isinstance(value, torch.Tensor):
+            snapshot[fqn] = value.detach().to("cpu", copy=True)
+            mine = rank == 0
+        else:
+            snapshot[fqn] = copy.deepcopy(value)
+            mine = rank == 0
+        if mine or fqn in local_names:
+            owned.add(fqn)
+    return snapshot, frozenset(owned)
 
 
 def chunk_boxes(global_shape, parts: int, dim: int = 0) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

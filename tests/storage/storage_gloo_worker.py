@@ -1,7 +1,7 @@
 """Body of the multi-process gloo test (importable by spawned children).
 
-Four ranks hold real DTensors. They save with the runtime's recipe (``ShardRecord.from_dtensor``
-on a CPU snapshot, collective-free ``write_rank_shard``; only gathering the plain-data results
+Four ranks hold real DTensors. They save with the runtime's recipe (``cpu_snapshot``: DTensor -> ShardRecord
+on CPU, collective-free ``write_rank_shard``; only gathering the plain-data results
 for the commit uses the process group), then load into other meshes and placements. Every
 rank checks ``full_tensor()`` against the full tensors built from the same seed.
 """
@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from storage import CheckpointStore, ShardRecord, commit_checkpoint, load_into, primary_replica, write_rank_shard
+from storage import CheckpointStore, commit_checkpoint, cpu_snapshot, load_into, write_rank_shard
 
 
 def full_state() -> dict[str, torch.Tensor]:
@@ -21,20 +21,12 @@ def full_state() -> dict[str, torch.Tensor]:
     return {"w": torch.randn(10, 6, generator=g), "b": torch.randn(8, generator=g), "e": torch.randn(6, 4, generator=g)}
 
 
-def _save(store: CheckpointStore, step: int, dtensors: dict, rank: int, extra_objects: dict, dedup: bool):
-    snapshot = {}
-    for k, dt in dtensors.items():
-        rec = ShardRecord.from_dtensor(dt)
-        snapshot[k] = ShardRecord(rec.local.detach().clone(), rec.global_shape, rec.offsets)  # the CPU snapshot
-    snapshot.update(extra_objects)
-
-    def owns(fqn: str) -> bool:
-        if fqn in dtensors:
-            return primary_replica(dtensors[fqn]) if dedup else True
-        return rank == 0 or fqn.endswith(f".rank{rank}")  # shared objects once, own objects always
-    result = write_rank_shard(store, step, snapshot, rank, owns=owns)
+def _save(store: CheckpointStore, step: int, state: dict, rank: int, rank_local=()):
+    """The runtime's recipe: CPU snapshot, collective-free upload, commit of gathered results."""
+    snapshot, owned = cpu_snapshot(state, rank, rank_local=rank_local)
+    result = write_rank_shard(store, step, snapshot, rank, owns=owned.__contains__)
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, result)
+    dist.all_gather_object(gathered, result)  # test transport only; the runtime uses Ray
     if rank == 0:
         commit_checkpoint(store, step, gathered, extra={"world": len(gathered)})
     dist.barrier()
@@ -57,7 +49,8 @@ def run(rank: int, world: int, port: int, root: str) -> None:
 
         # A: FSDP-like dp=4, Shard(0); rank-specific objects are named per rank
         saved = {k: distribute_tensor(v, mesh1, [Shard(0)]) for k, v in full.items()}
-        _save(store, 1, saved, rank, {"train.step": 7, f"rng.rank{rank}": {"cpu": torch.get_rng_state()}}, dedup=False)
+        rng = f"rng.rank{rank}"
+        _save(store, 1, {**saved, "train.step": 7, rng: {"cpu": torch.get_rng_state()}}, rank, rank_local=[rng])
 
         # load A into HSDP-like [Replicate, Shard(0)] on a 2x2 mesh
         hsdp = {k: distribute_tensor(torch.zeros_like(v), mesh2, [Replicate(), Shard(0)]) for k, v in full.items()}
@@ -70,7 +63,7 @@ def run(rank: int, world: int, port: int, root: str) -> None:
         _check("A->cols", cols, full)
 
         # B: save from the HSDP layout, one replica writes; load into plain full tensors
-        res = _save(store, 2, hsdp, rank, {"train.step": 8}, dedup=True)
+        res = _save(store, 2, {**hsdp, "train.step": 8}, rank)
         if mesh2.get_coordinate()[0] == 1:
             assert res.files == [] and res.chunks == [], "replica 1 must not write"
         plain = {k: torch.zeros_like(v) for k, v in full.items()}

@@ -1,15 +1,75 @@
-"""Shared builders for storage tests: a small model + AdamW state, FSDP-like dim-0 shards.
+"""Shared helpers for storage tests: a moto S3 server, model + AdamW state, dim-0 shards.
 
 Known answers come from the full, unsharded state: every resharded load must reproduce it.
+(A uniquely named module rather than ``conftest`` imports, which other test folders share.)
 """
 
 from __future__ import annotations
+
+import socket
+import uuid
 
 import torch
 
 from storage import ShardRecord, chunk_boxes
 
 WORLD = 4
+
+FAKE_KEY = "AKIAFAKEKEY0TESTONLY"
+FAKE_SECRET = "fAkE/SeCrEt+0nly4Tests0000000000000000000"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MotoS3:
+    """A moto S3 server that can be stopped and restarted on the same loopback port."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._server = None
+
+    def start(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        with socket.socket() as probe:  # moto's start() would wait forever on a bind failure
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(("127.0.0.1", self.port))
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self._server.start()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+    def options(self) -> dict:
+        """storage_options for this server; one botocore attempt so *our* retries are tested."""
+        return {"endpoint_url": self.endpoint, "key": FAKE_KEY, "secret": FAKE_SECRET, "region": "us-east-1",
+                "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 10},
+                "skip_instance_cache": True}
+
+    def new_bucket(self) -> str:
+        import boto3
+
+        name = f"ckpt-{uuid.uuid4().hex[:12]}"
+        client = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=FAKE_KEY,
+                              aws_secret_access_key=FAKE_SECRET, region_name="us-east-1")
+        client.create_bucket(Bucket=name)
+        return name
+
+    def all_objects(self, bucket: str) -> dict[str, bytes]:
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=FAKE_KEY,
+                              aws_secret_access_key=FAKE_SECRET, region_name="us-east-1")
+        keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+                for o in page.get("Contents", [])]
+        return {k: client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys}
 
 
 def model_and_optimizer_state(seed: int = 0) -> tuple[dict[str, torch.Tensor], dict]:

@@ -11,8 +11,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from storage import (
-    ChecksumMismatch, CheckpointStore, IncompleteCheckpoint, LayoutMismatch, ShardRecord, SnapshotReader,
-    commit_checkpoint, load_into,
+    CheckpointNotFound, ChecksumMismatch, CheckpointStore, IncompleteCheckpoint, LayoutMismatch, ShardRecord, SnapshotReader,
+    commit_checkpoint, cpu_snapshot, load_into, write_rank_shard,
 )
 from storage import codec
 from storage_testlib import (
@@ -133,6 +133,15 @@ def test_commit_refuses_a_missing_rank(tmp_path, state):
     assert [i.step for i in store.list_committed()] == [1]
 
 
+def test_only_committed_steps_load(tmp_path):
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    with pytest.raises(CheckpointNotFound):
+        load_into(store, {"w": torch.empty(4)})
+    write_rank_shard(store, 3, {"w": torch.ones(4)}, 0)  # uploaded, never committed
+    with pytest.raises(CheckpointNotFound):
+        load_into(store, {"w": torch.empty(4)}, step=3)
+
+
 def test_layout_errors_are_typed(saved, state):
     store, _ = saved
     with pytest.raises(LayoutMismatch, match="not in the checkpoint"):
@@ -181,3 +190,18 @@ def test_codec_round_trip_known_answer():
         assert back[k].dtype == value[k].dtype and torch.equal(back[k], value[k])
     with pytest.raises(TypeError, match="opt"):
         codec.encode({"opt": object()})
+
+
+def test_cpu_snapshot_copies_and_assigns_writers():
+    w, step = torch.arange(6.0), torch.tensor(3.0)
+
+    def state(rank):
+        return {"w": w, "step": step, "cursor": cursor, f"rng.rank{rank}": {"cpu": torch.zeros(3)}}
+
+    cursor = {"offsets": [1, 2]}
+    snap0, owned0 = cpu_snapshot(state(0), 0, rank_local=["rng.rank0"])
+    snap1, owned1 = cpu_snapshot(state(1), 1, rank_local=["rng.rank1"])
+    w.add_(100)  # training goes on after the snapshot
+    cursor["offsets"].append(3)
+    assert torch.equal(snap0["w"], torch.arange(6.0)) and snap0["cursor"] == {"offsets": [1, 2]}
+    assert owned0 == {"w", "step", "cursor", "rng.rank0"} and owned1 == {"rng.rank1"}

@@ -54,11 +54,13 @@ def test_failed_streaming_write_publishes_nothing(base_uri):
 def test_redact_replaces_every_credential():
     opts = {"endpoint_url": "http://127.0.0.1:9000", "key": "AK", "secret": "SK", "token": "T",
             "client_kwargs": {"aws_secret_access_key": "SK2", "region_name": "us-east-1"},
-            "password": "pw", "sse_kms_key_id": "kms", "listings": [{"auth_token": "x"}], "anon": False}
+            "password": "pw", "sse_kms_key_id": "kms", "listings": [{"auth_token": "x"}], "anon": False,
+            "tokens_per_s": 812.5, "credentials": {"user": "u"}, "key_count": 3, "note": "s3://K:S@b/x"}
     assert redact(opts) == {
         "endpoint_url": "http://127.0.0.1:9000", "key": "***", "secret": "***", "token": "***",
         "client_kwargs": {"aws_secret_access_key": "***", "region_name": "us-east-1"},
-        "password": "***", "sse_kms_key_id": "***", "listings": [{"auth_token": "***"}], "anon": False}
+        "password": "***", "sse_kms_key_id": "***", "listings": [{"auth_token": "***"}], "anon": False,
+        "tokens_per_s": 812.5, "credentials": "***", "key_count": 3, "note": "s3://***@b/x"}
     assert opts["key"] == "AK"  # a copy, not in place
     assert redact_uri("s3://AK:SK@bucket/x") == "s3://***@bucket/x"
     assert redact_uri("s3://bucket/x") == "s3://bucket/x"

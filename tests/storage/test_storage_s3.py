@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from storage import CheckpointStore, StorageUnavailable, commit_checkpoint, load_into, write_rank_shard
-from storage_testlib import assemble, assert_same_objects, model_and_optimizer_state, save_sharded, target
-
-from conftest import FAKE_KEY, FAKE_SECRET
+from storage_testlib import (
+    FAKE_KEY, FAKE_SECRET, assemble, assert_same_objects, model_and_optimizer_state, save_sharded, target,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

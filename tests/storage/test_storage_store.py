@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from storage import CheckpointStore, IncompleteCheckpoint, commit_checkpoint, load_into, write_rank_shard
+from storage import CheckpointStore, FsspecStorage, IncompleteCheckpoint, commit_checkpoint, load_into, open_storage, write_rank_shard
 from storage.manifest import MANIFEST, MARKER, Manifest
 
 
@@ -51,6 +51,35 @@ def test_only_committed_checkpoints_are_listed(store):
     assert everything[0].to_dict() == {"step": 10, "uri": store.step_uri(10), "committed": True,
                                        "bytes": everything[0].bytes}
     assert everything[1].bytes == os.path.getsize(os.path.join(store.step_uri(20), "__0_0.distcp"))
+
+
+class WriteOrder(FsspecStorage):
+    """Real local storage that remembers the order in which files were finished."""
+
+    def __init__(self, inner: FsspecStorage):
+        super().__init__(inner.fs)
+        self.finished: list[str] = []
+
+    def open(self, uri, mode="rb"):
+        ctx = super().open(uri, mode)
+        if mode == "wb":
+            class Recorder:
+                def __enter__(_):
+                    return ctx.__enter__()
+
+                def __exit__(_, *exc):
+                    out = ctx.__exit__(*exc)
+                    self.finished.append(uri.rsplit("/", 1)[-1])
+                    return out
+            return Recorder()
+        return ctx
+
+
+def test_commit_writes_data_then_manifest_then_marker(tmp_path):
+    storage = WriteOrder(open_storage(str(tmp_path)))
+    save(CheckpointStore(str(tmp_path / "ckpt"), storage), 1)
+    assert storage.finished[-2:] == [MANIFEST, MARKER]
+    assert set(storage.finished[:-2]) == {"__0_0.distcp", "__1_0.distcp", "metadata.json", ".metadata"}
 
 
 def test_manifest_records_every_file_with_crc32(store):
