@@ -118,7 +118,7 @@ def cmd_plan(config: str, topology: str | None, as_json: bool, overrides: list[s
         ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False, logging_level=logging.ERROR)
         topo = topology_from_ray(ray.nodes())
     plan = plan_from_spec(spec, topo)
-    print(json.dumps(plan.to_json()) if as_json else plan.to_table())
+    print(plan.to_json() if as_json else plan.to_table())
     return EXIT_OK
 
 

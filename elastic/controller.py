@@ -252,6 +252,8 @@ class Controller:
         if policies.failure_decision(self.failures, self.spec.elastic.max_failures) is policies.FailureDecision.RAISE:
             return Failed(f"failure budget exhausted: {self.failures} failures > elastic.max_failures={self.spec.elastic.max_failures} (last: {f.cause})")
         group = self.group
+        detect_s = self._detect_latency(f, state)
+        marks = [("start", time.monotonic())]
         culprits = [m for m in group.members if m.rank in f.ranks and f.cause not in ("worker_error",)]
         group.kill(culprits)
         survivors = [m for m in group.members if m not in culprits and not m.dead]
@@ -259,6 +261,8 @@ class Controller:
         if stuck:
             group.kill(stuck)
             survivors = [m for m in survivors if m not in stuck]
+        marks.append(("survivors_freed", time.monotonic()))
+        logger.info("survivor run results: %s", [(m.rank, m.run_result) for m in survivors])
         replicas = group.complete_replicas(survivors)
         keep = [m for r in replicas for m in r]
         group.kill([m for m in survivors if m not in keep])
@@ -273,16 +277,21 @@ class Controller:
             dp = policies.target_dp(len(replicas) + len(spare), self.allowed)
         if dp is None:
             return Failed(f"only {len(replicas)} whole replica(s) left and no capacity for min_dp={self.spec.elastic.min_dp} within {self.spec.elastic.min_dp_wait_s:g}s")
+        marks.append(("capacity", time.monotonic()))
         old_dp = group.dp
         kept = [m for r in replicas[:dp] for m in r]
         group.kill([m for r in replicas[dp:] for m in r])
         new_groups = spare[: max(0, dp - len(replicas))]
         newcomers = group.spawn(new_groups) if new_groups else []
+        marks.append(("spawned", time.monotonic()))
         restore_step = group.common_snapshot_step(kept)
+        marks.append(("snapshot_query", time.monotonic()))
         source = "memory"
         if restore_step is None:
             restore_step, source = self._storage_fallback()
         t = group.configure(kept + newcomers, dp, {"step": restore_step or 0, "batch_index": 0}, restore_step, source)
+        marks.append(("configured", time.monotonic()))
+        logger.info("recovery phases: %s; configure: %s", _phases(marks), {k: round(v, 3) for k, v in t.items() if k.endswith("_s")})
         self.step = t["step"]
         self._pending.clear()
         if dp != old_dp:
@@ -290,7 +299,7 @@ class Controller:
             self.dp_history.append([self.step, dp])
         if source != "none":
             self.events.emit("restore", step=self.step, source=source, duration_s=t["restore_s"])
-        self._pending_recovery = {"cause": f.cause, "detected_at": state.detected_at, "detect_s": self._detect_latency(f, state),
+        self._pending_recovery = {"cause": f.cause, "detected_at": state.detected_at, "detect_s": detect_s,
                                   "lost_steps": max(0, state.last_seen_step - self.step)}
         return Running()
 
@@ -317,6 +326,7 @@ class Controller:
             return None
         self._last_grow_check = now
         spare = self.group.spare_groups()
+        logger.debug("grow check: dp=%d spare=%d", self.group.dp, len(spare))
         decision = policies.scaling_decision(self.group.dp, self.group.dp + len(spare), self.allowed)
         if isinstance(decision, policies.ResizeDecision) and decision.dp > self.group.dp:
             return Resizing("capacity returned", spare[: decision.dp - self.group.dp])
@@ -353,6 +363,10 @@ class Controller:
 
     def _on_failed(self, state: Failed) -> State:
         return state
+
+
+def _phases(marks: list[tuple[str, float]]) -> str:
+    return ", ".join(f"{name} +{t - marks[i][1]:.3f}s" for i, (name, t) in enumerate(marks[1:]))
 
 
 class _BudgetExhausted(Exception):

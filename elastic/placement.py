@@ -52,14 +52,15 @@ class ReplicaSlots:
             self._groups.append(placement_group([self.bundle()] * self.replica_size, strategy="PACK"))
 
     def ready(self, timeout: float = 0.0) -> list[Any]:
-        """Placement groups whose bundles are all placed now."""
-        import ray
+        """Placement groups whose bundles are all placed now (polls the GCS table)."""
+        from ray.util.placement_group import placement_group_table
 
-        if not self._groups:
-            return []
-        refs = {g.ready(): g for g in self._groups}
-        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
-        return [refs[r] for r in done]
+        deadline = time.monotonic() + timeout
+        while True:
+            created = [g for g in self._groups if placement_group_table(g).get("state") == "CREATED"]
+            if created or time.monotonic() >= deadline:
+                return created
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
     def wait_ready(self, count: int, timeout: float) -> list[Any]:
         deadline = time.monotonic() + timeout

@@ -21,6 +21,7 @@ within milliseconds (gloo reports "Connection closed by peer").
 from __future__ import annotations
 
 import collections
+import gc
 import math
 import os
 import random
@@ -110,18 +111,14 @@ class TrainWorker:
         self._stop.set()
 
     @ray.method(concurrency_group="control")
-    def snapshot_steps(self) -> dict[str, Any]:
-        tier = self.tier
-        if tier is None:
-            return {"own": [], "replicas": {}}
-        return {"own": tier.steps(), "replicas": tier.replica_steps()}
+    def snapshot_holdings(self) -> dict[int, list[int]]:
+        """Owner rank -> steps this worker can serve from memory."""
+        return {} if self.tier is None else self.tier.holdings()
 
     @ray.method(concurrency_group="control")
     def fetch_snapshot(self, owner: int, step: int) -> Snapshot:
-        """A snapshot this worker holds: its own (owner == its old rank) or a peer replica."""
-        if owner == self.rank:
-            return self.tier.get(step)
-        return self.tier.get_replica(owner, step)
+        """A snapshot this worker holds: taken by itself as rank ``owner``, or a peer replica."""
+        return self.tier.get(owner, step)
 
     @ray.method(concurrency_group="control")
     def store_replica(self, snap: Snapshot) -> None:
@@ -137,7 +134,7 @@ class TrainWorker:
         self._teardown()
         dp, tp, pp = dims
         world = dp * tp * pp
-        old_rank, self.rank = self.rank, rank
+        self.rank = rank
         t0 = time.perf_counter()
         dist.init_process_group(
             backend="nccl" if self.device.type == "cuda" else "gloo",
@@ -156,7 +153,7 @@ class TrainWorker:
         self.step, self.batch_index = start["step"], start["batch_index"]
         if restore is not None:
             t2 = time.perf_counter()
-            self._restore(restore, old_rank)
+            self._restore(restore)
             restore_s = time.perf_counter() - t2
         self.skip_batches = set(start.get("skip_batches", []))
         if self.corpus is None:
@@ -179,21 +176,33 @@ class TrainWorker:
     def run(self, last_step: int) -> dict[str, Any]:
         """Train until ``last_step`` or an agreed stop; errors are returned, not raised."""
         self._phase = "train"
+        self.tier.keep_layout(self._layout())  # every peer has restored by now
+        failure = None
         try:
             while self.step < last_step:
                 if self._train_one_step():
                     self._snapshot_now()
                     return {"status": "stopped", "step": self.step}
+            self.tier.wait()
             return {"status": "done", "step": self.step}
         except Exception as exc:
-            kind = "peer" if _is_collective_error(exc) or isinstance(exc, PeerCollectiveError) else "worker_error"
-            if kind == "peer" and ("Timed out" in str(exc) or "timed out" in str(exc)):
-                kind = "timeout"
-            self._abort_group()
-            return {"status": "error", "kind": kind, "detail": f"{type(exc).__name__}: {str(exc)[:300]}", "step": self.step}
+            failure = self._classify(exc)
         finally:
             self._phase = "idle"
             self._beat = time.monotonic()
+        # Outside the except block, so the traceback no longer pins the frames that hold
+        # the process group: dropping every reference closes its connections, and peers
+        # blocked in a collective with this rank fail at once instead of timing out.
+        self._abort_group()
+        failure["aborted_at"] = time.time()
+        return failure
+
+    @staticmethod
+    def _classify(exc: Exception) -> dict[str, Any]:
+        kind = "peer" if _is_collective_error(exc) or isinstance(exc, PeerCollectiveError) else "worker_error"
+        if kind == "peer" and ("Timed out" in str(exc) or "timed out" in str(exc)):
+            kind = "timeout"
+        return {"status": "error", "kind": kind, "detail": f"{type(exc).__name__}: {str(exc)[:300]}", "error_at": time.time()}
 
     # ------------------------------------------------------------------ the step
     def _train_one_step(self) -> bool:
@@ -228,7 +237,7 @@ class TrainWorker:
         self._report_snapshots(result, wait_s)
         ck = self.spec.checkpoint
         if ck.memory_every_steps and step % ck.memory_every_steps == 0:
-            self._snapshot_blocking = self.tier.snapshot_async(step, self._full_state(), self._layout())
+            self._snapshot_blocking = self.tier.snapshot_async(step, self.rank, self._full_state(), self._layout())
         self._results.append(result)
         self._beat = time.monotonic()
         return stop
@@ -248,7 +257,7 @@ class TrainWorker:
         """Make sure the memory tier holds the live step (a resize restores from it)."""
         self.tier.wait()
         if self.step not in self.tier.steps():
-            self.tier.snapshot_async(self.step, self._full_state(), self._layout())
+            self.tier.snapshot_async(self.step, self.rank, self._full_state(), self._layout())
             self.tier.wait()
 
     def _agree_stop(self) -> bool:
@@ -260,9 +269,8 @@ class TrainWorker:
         """A NaN or spiking loss: do not commit; restore the newest own snapshot."""
         self.engine.zero_grad()
         self.tier.wait()
-        steps = self.tier.steps()
-        if steps:
-            snap = self.tier.get(steps[-1])
+        snap = self.tier.newest()
+        if snap is not None:
             self._load_snapshots({self.rank: snap})
             self.step = snap.step
             resume_batch = snap.objects["train/batch_index"]
@@ -303,13 +311,13 @@ class TrainWorker:
             },
         }
 
-    def _restore(self, restore: dict[str, Any], old_rank: int) -> None:
+    def _restore(self, restore: dict[str, Any]) -> None:
         source = restore["source"]
         if source == "memory":
             snaps: dict[int, Snapshot] = {}
             for owner, holder in restore["holders"].items():
                 if holder is None:  # this worker holds it itself
-                    snaps[owner] = self.tier.get(restore["step"]) if owner == old_rank else self.tier.get_replica(owner, restore["step"])
+                    snaps[owner] = self.tier.get(owner, restore["step"])
                 else:
                     snaps[owner] = ray.get(holder.fetch_snapshot.remote(owner, restore["step"]), timeout=120)
             self._load_snapshots(snaps)
@@ -323,7 +331,6 @@ class TrainWorker:
         self.skip_batches = set(obj.get("train/skip_batches", []))
         if "train/rng/torch" in obj:
             torch.set_rng_state(torch.tensor(obj["train/rng/torch"], dtype=torch.uint8))
-        self.tier.drop_all()
 
     def _load_snapshots(self, snaps: dict[int, Snapshot]) -> None:
         from elastic.checkpoint.restore import load_snapshots_into
@@ -332,7 +339,7 @@ class TrainWorker:
 
     def _ensure_tier(self) -> None:
         if self.tier is None:
-            self.tier = MemoryTier(self.rank, self.device.type)
+            self.tier = MemoryTier(self.device.type)
 
     def _pick_device(self) -> torch.device:
         if self.spec.resources.device == "cuda":
@@ -349,6 +356,9 @@ class TrainWorker:
         self.engine = None
 
     def _abort_group(self) -> None:
+        self.engine = None
+        self.dims = None
+        gc.collect()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

@@ -10,6 +10,7 @@ port, add new replicas and restore state. It decides nothing about *whether* to 
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.1
 RPC_TIMEOUT_S = 120.0
+PEER_GRACE_S = 0.5  # after a peer error, how long a silent rank has to answer before it counts as dead
+NODE_PROBE_S = 1.0  # how long a dead rank's raylet is probed before the loss counts as one process
 
 
 @dataclass
@@ -63,6 +66,7 @@ class WorkerGroup:
         self.slots = ReplicaSlots(spec.resources, self.replica_size)
         self.members: list[Member] = []  # ordered by rank
         self.dp = 0
+        self._raylets: dict[str, tuple[str, int]] = {}  # node id -> raylet address, for liveness probes
 
     # ------------------------------------------------------------------ capacity
     def request_capacity(self) -> None:
@@ -88,6 +92,9 @@ class WorkerGroup:
                 opts = self.slots.actor_options(g, b)
                 actors.append((g, b, TrainWorker.options(**opts).remote(self.spec, self.corpus_uri, self.worker_faults)))
         infos = ray.get([a.info.remote() for _, _, a in actors], timeout=RPC_TIMEOUT_S)
+        self._raylets.update(
+            {n["NodeID"]: (n["NodeManagerAddress"], n["NodeManagerPort"]) for n in ray.nodes() if n.get("Alive")}
+        )
         return [Member(a, g, b, i["node_id"], i["ip"], i["pid"]) for (g, b, a), i in zip(actors, infos)]
 
     # ------------------------------------------------------------------ (re)configuration
@@ -124,14 +131,11 @@ class WorkerGroup:
     def _snapshot_holders(self, step: int | None) -> dict[int, Member]:
         """Old rank -> a live member holding that rank's snapshot at ``step``."""
         held: dict[int, Member] = {}
-        for m, info in zip(self.members, self._query_snapshots(self.members)):
-            if info is None:
-                continue
-            if step in info["own"]:
-                held.setdefault(m.rank, m)
-            for owner, steps in info["replicas"].items():
-                if step in steps:
-                    held.setdefault(int(owner), m)
+        live = [m for m in self.members if not m.dead]
+        for m, info in zip(live, self._query_snapshots(live)):
+            for owner, steps in (info or {}).items():
+                if step in steps and (int(owner) not in held or int(owner) == m.rank):
+                    held[int(owner)] = m
         return held
 
     def _holders_for(self, m: Member, holders: dict[int, Member]) -> dict[int, Any]:
@@ -151,8 +155,8 @@ class WorkerGroup:
             mine = {owner: mine[owner]}
         return {owner: (None if h is m else h.actor) for owner, h in mine.items()}
 
-    def _query_snapshots(self, members: list[Member]) -> list[dict[str, Any] | None]:
-        refs = [m.actor.snapshot_steps.remote() for m in members]
+    def _query_snapshots(self, members: list[Member]) -> list[dict[int, list[int]] | None]:
+        refs = [m.actor.snapshot_holdings.remote() for m in members]
         out = []
         for ref in refs:
             try:
@@ -162,15 +166,10 @@ class WorkerGroup:
         return out
 
     def common_snapshot_step(self, members: list[Member]) -> int | None:
-        """Newest step whose snapshots cover every shard of the old layout."""
-        infos = self._query_snapshots(members)
+        """Newest step whose snapshots, held by ``members``, cover the whole old layout."""
         coverage: dict[int, set[int]] = {}
-        for m, info in zip(members, infos):
-            if info is None:
-                continue
-            for s in info["own"]:
-                coverage.setdefault(s, set()).add(m.rank)
-            for owner, steps in info["replicas"].items():
+        for info in self._query_snapshots(members):
+            for owner, steps in (info or {}).items():
                 for s in steps:
                     coverage.setdefault(s, set()).add(int(owner))
         needed = self.needed_owners()
@@ -258,10 +257,21 @@ class WorkerGroup:
                 m.run_result = {"status": "dead"}
 
     def _diagnose(self, now: float) -> WorkerFailure | None:
-        """Turn evidence into one typed failure, attributed to the ranks at fault."""
+        """Turn evidence into one typed failure, attributed to the ranks at fault.
+
+        A rank that dies is usually seen first by its peers: their collective fails with
+        "Connection closed" within milliseconds, long before Ray marks the actor dead.
+        So once a peer error is seen, the ranks still inside ``run()`` that also stopped
+        answering polls for ``PEER_GRACE_S`` are the dead ones.
+        """
         dead = [m for m in self.members if m.dead]
+        peer_errors = [m for m in self.members if m.run_result and m.run_result.get("kind") == "peer"]
+        if peer_errors and not dead:
+            first = min(m.run_result["error_at"] for m in peer_errors)
+            if time.time() - first >= PEER_GRACE_S:
+                dead = [m for m in self.members if m.run_result is None and now - m.last_ok >= PEER_GRACE_S]
         if dead:
-            lost_nodes = _dead_nodes({m.node_id for m in dead})
+            lost_nodes = self._lost_nodes(dead)
             cls = NodeLost if lost_nodes else ActorDied
             return cls(
                 f"{len(dead)} worker(s) died" + (f"; node(s) {sorted(lost_nodes)} left the cluster" if lost_nodes else ""),
@@ -287,6 +297,14 @@ class WorkerGroup:
                 nodes=self._nodes_of(hung or timeouts),
             )
         return None
+
+    def _lost_nodes(self, dead: list[Member]) -> set[str]:
+        """Nodes whose every member died and whose raylet no longer accepts connections."""
+        candidates = {m.node_id for m in dead}
+        candidates = {n for n in candidates if all(m.dead or m in dead for m in self.members if m.node_id == n)}
+        if not candidates:
+            return set()
+        return _probe_dead_nodes(candidates, self._raylets, wait_s=NODE_PROBE_S)
 
     def _nodes_of(self, ranks: list[int]) -> list[str]:
         return sorted({m.node_id for m in self.members if m.rank in ranks})
@@ -341,17 +359,24 @@ def _host_indices(members: list[Member]) -> dict[str, int]:
     return order
 
 
-def _dead_nodes(node_ids: set[str], wait_s: float = 1.0) -> set[str]:
-    """Nodes among ``node_ids`` that Ray's node table reports dead, waiting briefly.
+def _probe_dead_nodes(node_ids: set[str], raylets: dict[str, tuple[str, int]], wait_s: float) -> set[str]:
+    """Nodes whose raylet refuses (or does not answer) a TCP connection, probed up to ``wait_s``.
 
-    The node table can lag behind a node's loss (DESIGN.md section 8), so a short bounded
-    wait tells a lost node from a single dead process in most cases without holding up
-    recovery.
+    Ray's node table can report a lost node alive for tens of seconds (DESIGN.md section 8);
+    a refused connection to its raylet is immediate evidence that the node is gone.
     """
     deadline = time.monotonic() + wait_s
     while True:
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        dead = {n for n in node_ids if n not in alive}
+        dead = set()
+        for n in node_ids:
+            addr = raylets.get(n)
+            if addr is None:
+                continue
+            try:
+                with socket.create_connection(addr, timeout=0.2):
+                    pass
+            except OSError:
+                dead.add(n)
         if dead or time.monotonic() >= deadline:
             return dead
-        time.sleep(0.1)
+        time.sleep(0.05)

@@ -87,8 +87,7 @@ def unflatten_state(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 class MemoryTier:
-    def __init__(self, rank: int, device: str = "cpu"):
-        self.rank = rank
+    def __init__(self, device: str = "cpu"):
         self._pin = device == "cuda" and torch.cuda.is_available()
         self._own: list[Snapshot] = []  # complete or in-progress own snapshots, oldest first
         self._free: list[Snapshot] = []  # buffers available for reuse
@@ -98,13 +97,16 @@ class MemoryTier:
         self._error: BaseException | None = None
 
     # ------------------------------------------------------------------ own snapshots
-    def snapshot_async(self, step: int, state: dict[str, Any], layout: dict[str, int]) -> float:
-        """Start copying ``state`` into a free buffer; returns the seconds spent blocking."""
+    def snapshot_async(self, step: int, rank: int, state: dict[str, Any], layout: dict[str, int]) -> float:
+        """Start copying ``state`` (``rank``'s, at ``step``) into a free buffer.
+
+        Returns the seconds the caller was blocked.
+        """
         t0 = time.perf_counter()
         self.wait()
         tensors, objects = flatten_state(state)
         buf = self._buffer_for(tensors)
-        buf.step, buf.layout, buf.complete = step, dict(layout), False
+        buf.step, buf.rank, buf.layout, buf.complete = step, rank, dict(layout), False
         buf.objects = copy.deepcopy(objects)
         with self._lock:
             self._own.append(buf)
@@ -151,7 +153,7 @@ class MemoryTier:
                 if _same_structure(cand.tensors, tensors):
                     return self._free.pop(i)
             self._free.clear()  # layout changed: old buffers can never be reused
-        return Snapshot(-1, self.rank, {k: _alloc_like(v, self._pin) for k, v in tensors.items()}, {})
+        return Snapshot(-1, -1, {k: _alloc_like(v, self._pin) for k, v in tensors.items()}, {})
 
     def _retire_old(self) -> None:
         """Keep the two newest complete snapshots; recycle older unleased buffers."""
@@ -170,28 +172,46 @@ class MemoryTier:
             return out
 
     def steps(self) -> list[int]:
+        """Steps of the complete own snapshots, oldest first."""
         with self._lock:
             return sorted(s.step for s in self._own if s.complete)
 
-    def get(self, step: int, lease: bool = False) -> Snapshot:
+    def newest(self) -> Snapshot | None:
+        with self._lock:
+            done = [s for s in self._own if s.complete]
+            return max(done, key=lambda s: s.step) if done else None
+
+    def holdings(self) -> dict[int, list[int]]:
+        """Owner rank -> steps this process can serve (own snapshots and peer replicas)."""
+        with self._lock:
+            out: dict[int, set[int]] = {}
+            for s in self._own:
+                if s.complete:
+                    out.setdefault(s.rank, set()).add(s.step)
+            for owner, held in self._replicas.items():
+                out.setdefault(owner, set()).update(held)
+            return {owner: sorted(steps) for owner, steps in out.items()}
+
+    def get(self, owner: int, step: int, lease: bool = False) -> Snapshot:
+        """``owner``'s snapshot of ``step``: an own one taken as that rank, or a peer replica."""
         with self._lock:
             for s in self._own:
-                if s.step == step and s.complete:
+                if s.step == step and s.rank == owner and s.complete:
                     s.leases += int(lease)
                     return s
-        raise KeyError(f"rank {self.rank} holds no complete snapshot of step {step}")
+            if step in self._replicas.get(owner, {}):
+                return self._replicas[owner][step]
+        raise KeyError(f"no complete snapshot of rank {owner} at step {step} here")
+
+    def keep_layout(self, layout: dict[str, int]) -> None:
+        """Forget own snapshots taken under another layout (after a resize has settled)."""
+        with self._lock:
+            self._own = [s for s in self._own if s.layout == layout or s.leases > 0]
 
     def release(self, snap: Snapshot) -> None:
         with self._lock:
             snap.leases = max(0, snap.leases - 1)
             self._retire_old()
-
-    def drop_all(self) -> None:
-        """Forget every snapshot and buffer (after a restore into a new layout)."""
-        self.wait()
-        with self._lock:
-            self._own = [s for s in self._own if s.leases > 0]
-            self._free.clear()
 
     # ------------------------------------------------------------------ peer replicas
     def store_replica(self, snap: Snapshot) -> None:
@@ -200,14 +220,6 @@ class MemoryTier:
             held[snap.step] = snap
             for old in sorted(held)[:-2]:
                 del held[old]
-
-    def replica_steps(self) -> dict[int, list[int]]:
-        with self._lock:
-            return {owner: sorted(steps) for owner, steps in self._replicas.items()}
-
-    def get_replica(self, owner: int, step: int) -> Snapshot:
-        with self._lock:
-            return self._replicas[owner][step]
 
     def drop_replicas(self) -> None:
         with self._lock:

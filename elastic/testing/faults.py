@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,9 +86,10 @@ class FaultInjector:
         self.node_args = node_args or {}
         self.returned_nodes: list[Any] = []
         self._stopped_pids: list[int] = []
-        self._threads: list[threading.Thread] = []
+        self._due: list[float] = []  # monotonic times at which to add a node back
 
     def on_step(self, step: int, group: Any) -> None:
+        self._return_due_nodes()
         for fault in self.faults:
             if fault.fired_at is None and step >= fault.at_step:
                 fault.fired_at = time.time()
@@ -106,16 +106,18 @@ class FaultInjector:
     def _kill_node(self, fault: Fault, group: Any) -> None:
         node = kill_node(self.cluster, fault.node_index, group)
         if fault.return_after_s is not None:
-            args = dict(self.node_args)
-            t = threading.Timer(fault.return_after_s, lambda: self.returned_nodes.append(self.cluster.add_node(**args)))
-            t.daemon = True
-            t.start()
-            self._threads.append(t)
+            self._due.append(time.monotonic() + fault.return_after_s)
         return node
 
+    def _return_due_nodes(self) -> None:
+        """Add nodes back once due. Ray's ``add_node`` must run on the main thread, which is
+        where the controller calls its callbacks."""
+        now = time.monotonic()
+        for due in [d for d in self._due if d <= now]:
+            self._due.remove(due)
+            self.returned_nodes.append(self.cluster.add_node(**self.node_args))
+
     def close(self) -> None:
-        for t in self._threads:
-            t.join(timeout=30)
         for pid in self._stopped_pids:  # never leave a stopped process behind
             for sig in (signal.SIGCONT, signal.SIGKILL):
                 try:
@@ -129,13 +131,16 @@ def kill_node(cluster: Any, node_index: int, group: Any = None) -> Any:
 
     Removing the node alone would leave its worker processes alive (DESIGN.md section 7).
     """
-    from ray.util.state import list_actors
-
     node = worker_nodes(cluster)[node_index]
     node_id = node.node_id
-    pids = {a.pid for a in list_actors(filters=[("node_id", "=", node_id), ("state", "=", "ALIVE")], detail=True) if a.pid}
-    if group is not None:
-        pids |= set(group.pids_on_node(node_id))
+    pids = set(group.pids_on_node(node_id)) if group is not None else set()
+    try:  # the state API needs Ray's dashboard; the group's own record suffices without it
+        from ray.util.state import list_actors
+
+        alive = list_actors(filters=[("node_id", "=", node_id), ("state", "=", "ALIVE")], detail=True, raise_on_missing_output=False)
+        pids |= {a.pid for a in alive if a.pid}
+    except Exception:
+        pass
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
