@@ -102,18 +102,43 @@ def ensure_ray(address: str | None, spec: Any) -> bool:
     if address:
         ray.init(address=address, **quiet)
         return False
-    try:
-        ray.init(address="auto", **quiet)
+    running = running_cluster_address()
+    if running:
+        ray.init(address=running, **quiet)
         return False
-    except (ConnectionError, RuntimeError, ValueError):
-        pass
     workers = spec.elastic.max_dp * spec.parallel.replica_size
     cpus = max(os.cpu_count() or 1, workers * max(spec.resources.cpus_per_worker, 1) + 1)
     resources = {k: v * workers for k, v in spec.resources.custom.items()}
-    ray.init(num_cpus=int(cpus), resources=resources or None, include_dashboard=False, **quiet)
+    ray.init(address="local", num_cpus=int(cpus), resources=resources or None, include_dashboard=False, **quiet)
     return True
 
 
 def _default_run_dir(name: str) -> str:
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     return os.path.join("runs", f"{name}-{stamp}")
+
+
+def running_cluster_address(probe_timeout_s: float = 0.5) -> str | None:
+    """The address of a reachable running Ray cluster, or None.
+
+    ``RAY_ADDRESS`` wins; otherwise the head recorded by the last ``ray start`` on this
+    machine, but only if its GCS accepts a connection: a stale record of a dead cluster
+    would make ``ray.init(address="auto")`` wait for minutes.
+    """
+    import socket
+    import tempfile
+
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        return address
+    path = os.path.join(tempfile.gettempdir(), "ray", "ray_current_cluster")
+    try:
+        recorded = open(path).read().strip()
+    except OSError:
+        return None
+    host, _, port = recorded.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=probe_timeout_s):
+            return recorded
+    except (OSError, ValueError):
+        return None

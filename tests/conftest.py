@@ -40,7 +40,7 @@ def ray_local():
 
     if _RayState.kind != "local" or not ray.is_initialized():
         _shutdown()
-        ray.init(num_cpus=6, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=6, include_dashboard=False, log_to_driver=False)
         _RayState.kind = "local"
     yield ray
 
