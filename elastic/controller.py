@@ -202,6 +202,16 @@ class Controller:
         if len(per_step) == len(self.group.members):
             self._commit_step(step, self._pending.pop(step))
 
+    def _commit_survivors_steps(self, upto: int) -> None:
+        """After a failure: commit the steps up to ``upto`` that survivors completed.
+
+        A step's last collective precedes its optimizer update, so if any survivor finished
+        step s, every rank (the lost ones too) took part in all of it: its loss is the
+        global one and the survivors' snapshots of it are consistent.
+        """
+        for step in sorted(s for s in self._pending if self.step < s <= upto):
+            self._commit_step(step, self._pending.pop(step))
+
     def _commit_step(self, step: int, results: dict[int, dict]) -> None:
         r0 = results[min(results)]
         dp, tp, pp = self.group.dp, self.spec.parallel.tp, self.spec.parallel.pp
@@ -212,7 +222,7 @@ class Controller:
         self.losses[step] = r0["loss"]
         self.tokens_per_s.append(tps)
         fields = dict(step=step, loss=r0["loss"], dp=dp, tp=tp, pp=pp, grad_accum=self.spec.grad_accum(dp),
-                      world_size=len(results), step_time_s=step_time, tokens_per_s=tps)
+                      world_size=dp * tp * pp, step_time_s=step_time, tokens_per_s=tps)
         fields["peak_mem_bytes"] = max(r.get("peak_mem_bytes", 0) for r in results.values())
         self.events.emit("step", **fields)
         snaps = [r["snapshot"] for r in results.values() if "snapshot" in r]
@@ -262,7 +272,9 @@ class Controller:
             group.kill(stuck)
             survivors = [m for m in survivors if m not in stuck]
         marks.append(("survivors_freed", time.monotonic()))
-        logger.info("survivor run results: %s", [(m.rank, m.run_result) for m in survivors])
+        for rank, result in group.drain_results(survivors):
+            if result["type"] == "step" and result["step"] > self.step:
+                self._pending.setdefault(result["step"], {})[rank] = result
         replicas = group.complete_replicas(survivors)
         keep = [m for r in replicas for m in r]
         group.kill([m for m in survivors if m not in keep])
@@ -289,6 +301,8 @@ class Controller:
         source = "memory"
         if restore_step is None:
             restore_step, source = self._storage_fallback()
+        else:
+            self._commit_survivors_steps(restore_step)
         t = group.configure(kept + newcomers, dp, {"step": restore_step or 0, "batch_index": 0}, restore_step, source)
         marks.append(("configured", time.monotonic()))
         logger.info("recovery phases: %s; configure: %s", _phases(marks), {k: round(v, 3) for k, v in t.items() if k.endswith("_s")})

@@ -212,7 +212,11 @@ class TrainWorker:
         batch_index, micro_batches = self.stream.next(timeout=self.spec.elastic.collective_timeout_s)
         while batch_index in self.skip_batches:
             batch_index, micro_batches = self.stream.next(timeout=self.spec.elastic.collective_timeout_s)
-        self.faults.before_step(step, self.rank, self.engine)
+        if self.faults.pending(step, self.rank):
+            # Corrupt the weights only once the last snapshot is complete: the snapshot
+            # copy overlaps the forward pass, which never writes the weights.
+            self.tier.wait()
+            self.faults.before_step(step, self.rank, self.engine)
         self._beat = time.monotonic()
         loss = self.engine.forward_backward(micro_batches)
         self._beat = time.monotonic()

@@ -87,10 +87,13 @@ class WorkerGroup:
     def spawn(self, groups: list[Any]) -> list[Member]:
         """Create one actor per bundle of each placement group (a whole replica each)."""
         actors = []
+        # Injected worker faults go to the first workers only: each fires once per job,
+        # not again in a replacement that replays the step.
+        faults, self.worker_faults = self.worker_faults, []
         for g in groups:
             for b in range(self.replica_size):
                 opts = self.slots.actor_options(g, b)
-                actors.append((g, b, TrainWorker.options(**opts).remote(self.spec, self.corpus_uri, self.worker_faults)))
+                actors.append((g, b, TrainWorker.options(**opts).remote(self.spec, self.corpus_uri, faults)))
         infos = ray.get([a.info.remote() for _, _, a in actors], timeout=RPC_TIMEOUT_S)
         self._raylets.update(
             {n["NodeID"]: (n["NodeManagerAddress"], n["NodeManagerPort"]) for n in ray.nodes() if n.get("Alive")}
@@ -220,15 +223,24 @@ class WorkerGroup:
             obs.stopped = "stopped" in statuses and statuses <= {"stopped", "done"}
         return obs
 
-    def _drain(self, obs: Observation) -> None:
-        """Every run() returned: collect the results produced since the last poll."""
-        for m in self.members:
-            if m.poll_ref is not None:
-                ray.wait([m.poll_ref], timeout=RPC_TIMEOUT_S)
+    def _drain(self, obs: Observation, members: list[Member] | None = None, timeout: float = RPC_TIMEOUT_S) -> None:
+        """Collect the results ``members`` (default: all) produced since their last poll."""
+        for m in members if members is not None else self.members:
+            if m.dead:
+                continue
+            for _ in range(2):  # the poll in flight, then a fresh one
+                if m.poll_ref is None:
+                    m.poll_ref = m.actor.poll.remote()
+                ray.wait([m.poll_ref], timeout=timeout)
                 self._read_poll(m, obs, time.monotonic())
-            m.poll_ref = m.actor.poll.remote()
-            ray.wait([m.poll_ref], timeout=RPC_TIMEOUT_S)
-            self._read_poll(m, obs, time.monotonic())
+                if m.poll_ref is not None:  # no answer in time
+                    break
+
+    def drain_results(self, members: list[Member], timeout: float = 10.0) -> list[tuple[int, dict[str, Any]]]:
+        """Results that survivors reported but the controller has not seen yet."""
+        obs = Observation()
+        self._drain(obs, members, timeout)
+        return obs.results
 
     def _read_poll(self, m: Member, obs: Observation, now: float) -> None:
         if m.poll_ref is None:

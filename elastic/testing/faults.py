@@ -40,6 +40,9 @@ class WorkerFaults:
     def __init__(self, faults: list[dict[str, Any]]):
         self._pending = list(faults)
 
+    def pending(self, step: int, rank: int) -> bool:
+        return any(f["step"] == step and f["rank"] == rank for f in self._pending)
+
     def before_step(self, step: int, rank: int, engine: Any) -> None:
         for fault in list(self._pending):
             if fault["step"] != step or fault["rank"] != rank:
@@ -54,7 +57,8 @@ class WorkerFaults:
                 import torch
 
                 with torch.no_grad():
-                    param = next(p for p in engine.model.parameters() if p.dim() >= 2)
+                    # The output head (the last matrix): scaling it is a sure loss spike.
+                    param = [p for p in engine.model.parameters() if p.dim() >= 2][-1]
                     local = param.to_local() if hasattr(param, "to_local") else param
                     if kind == "nan":
                         local.fill_(float("nan"))

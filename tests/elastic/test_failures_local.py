@@ -1,0 +1,118 @@
+"""Every failure cause on a real single-node Ray: detected, recovered in place, loss kept.
+
+Each test runs the shared spec with one injected fault and compares the per-step losses
+with the fault-free run of the same spec (same seed, global batch and data).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic import ElasticTrainer
+from elastic.testing.faults import Fault, FaultInjector, worker_fault
+
+from elastic_testlib import FAULT_STEP, STEPS, assert_matches_reference, elastic_spec, events_of, step_losses
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _run(tmp_path, spec, **kwargs):
+    trainer = ElasticTrainer(spec, run_dir=str(tmp_path / "run"), **kwargs)
+    result = trainer.fit()
+    return trainer.run_dir, result
+
+
+def _check_recovery(run_dir, result, cause, reference, max_lost=1):
+    assert result.status == "succeeded" and result.steps == STEPS
+    failures = events_of(run_dir, "failure")
+    assert [f["cause"] for f in failures] == [cause]
+    assert len(result.recoveries) == 1 and result.recoveries[0].cause == cause
+    assert result.recoveries[0].lost_steps <= max_lost
+    assert events_of(run_dir, "restore"), "no restore event"
+    assert_matches_reference(step_losses(run_dir), reference)
+    return failures[0]
+
+
+def test_worker_process_killed(ray_local, reference_losses, tmp_path):
+    spec = elastic_spec(min_dp=2, max_dp=2)
+    injector = FaultInjector([Fault("kill_worker", at_step=FAULT_STEP, rank=1)])
+    run_dir, result = _run(tmp_path, spec, callbacks=[injector])
+    failure = _check_recovery(run_dir, result, "actor_died", reference_losses)
+    assert failure["ranks"] == [1]
+    # The node is alive, so the replica is replaced in place: DP stays 2.
+    assert all(e["dp"] == 2 for e in events_of(run_dir, "step"))
+    assert result.recoveries[0].detect_s < 2.0
+
+
+def test_stopped_worker_heartbeat_timeout(ray_local, reference_losses, tmp_path):
+    spec = elastic_spec(min_dp=2, max_dp=2, heartbeat_timeout_s=2, collective_timeout_s=30)
+    injector = FaultInjector([Fault("stop_worker", at_step=FAULT_STEP, rank=0)])
+    try:
+        run_dir, result = _run(tmp_path, spec, callbacks=[injector])
+    finally:
+        injector.close()
+    failure = _check_recovery(run_dir, result, "heartbeat_timeout", reference_losses)
+    assert failure["ranks"] == [0]
+
+
+def test_hung_collective_times_out(ray_local, reference_losses, tmp_path):
+    spec = elastic_spec(min_dp=2, max_dp=2, heartbeat_timeout_s=30, collective_timeout_s=3)
+    faults = [worker_fault("hang", step=FAULT_STEP, rank=1, seconds=8)]
+    run_dir, result = _run(tmp_path, spec, worker_faults=faults)
+    failure = _check_recovery(run_dir, result, "collective_timeout", reference_losses)
+    assert failure["ranks"] == [1]
+
+
+@pytest.mark.parametrize("kind,cause", [("nan", "nan_loss"), ("spike", "loss_spike")])
+def test_bad_loss_rolls_back(ray_local, reference_losses, tmp_path, kind, cause):
+    spec = elastic_spec(min_dp=2, max_dp=2)
+    faults = [worker_fault(kind, step=FAULT_STEP + 4, rank=0)]
+    run_dir, result = _run(tmp_path, spec, worker_faults=faults)
+    _check_recovery(run_dir, result, cause, reference_losses, max_lost=0)
+    # The corrupted step was never committed: no step event carries a non-finite loss.
+    assert all(e["loss"] is not None for e in events_of(run_dir, "step"))
+
+
+def test_exception_in_step(ray_local, reference_losses, tmp_path):
+    spec = elastic_spec(min_dp=2, max_dp=2)
+    faults = [worker_fault("raise", step=FAULT_STEP, rank=1)]
+    run_dir, result = _run(tmp_path, spec, worker_faults=faults)
+    failure = _check_recovery(run_dir, result, "worker_error", reference_losses)
+    assert failure["ranks"] == [1] and "injected failure" in failure["detail"]
+
+
+def test_skip_policy_skips_the_bad_batch(ray_local, tmp_path):
+    spec = elastic_spec(min_dp=2, max_dp=2, on_bad_loss="skip")
+    faults = [worker_fault("nan", step=FAULT_STEP, rank=0)]
+    run_dir, result = _run(tmp_path, spec, worker_faults=faults)
+    assert result.status == "succeeded" and result.steps == STEPS
+    failure = events_of(run_dir, "failure")[0]
+    assert failure["cause"] == "nan_loss" and "skip batch 7" in failure["detail"]
+
+
+def test_failure_budget_exhausted_exits_1(ray_local, tmp_path, tiny_spec_dict):
+    import subprocess
+    import sys
+
+    import yaml
+
+    raw = dict(tiny_spec_dict, elastic=dict(tiny_spec_dict["elastic"], max_failures=1, on_bad_loss="retry"))
+    raw["train"] = dict(raw["train"], steps=12)
+    config = tmp_path / "spec.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    # Two NaN faults, one budgeted failure: the second ends the job.
+    script = (
+        "import sys; from elastic.cli import main; from elastic import trainer;"
+        "from elastic.testing.faults import worker_fault;"
+        "orig = trainer.ElasticTrainer.__init__\n"
+        "def init(self, spec, **kw):\n"
+        "    kw['worker_faults'] = [worker_fault('nan', 4, 0), worker_fault('nan', 7, 0)]\n"
+        "    orig(self, spec, **kw)\n"
+        "trainer.ElasticTrainer.__init__ = init\n"
+        f"sys.exit(main(['run', {str(config)!r}, '--run-dir', {str(tmp_path / 'run')!r}, '--address', {ray_local.get_runtime_context().gcs_address!r}]))"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "failure budget exhausted" in proc.stderr
+    summary = __import__("json").load(open(tmp_path / "run" / "summary.json"))
+    assert summary["status"] == "failed" and summary["failures"] == 2
