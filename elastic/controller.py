@@ -107,12 +107,13 @@ class Controller:
         self.state: State = Starting()
         self.step = 0  # optimizer steps committed by every rank
         self.failures = 0
+        self._recovered_at_step = 0
         self.dp_history: list[list[int]] = []
         self.recoveries: list[Recovery] = []
         self.losses: dict[int, float] = {}
         self.tokens_per_s: list[float] = []
         self._pending: dict[int, dict[int, dict]] = {}  # step -> rank -> result
-        self._pending_recovery: dict[str, Any] | None = None
+        self._pending_recoveries: list[dict[str, Any]] = []  # recovered, waiting for the first step
         self._last_grow_check = 0.0
 
     # ------------------------------------------------------------------ main loop
@@ -142,7 +143,15 @@ class Controller:
 
     def _step(self, state: State) -> State:
         handler = getattr(self, f"_on_{state.name}")
-        return handler(state)
+        try:
+            return handler(state)
+        except WorkerFailure as failure:  # a failure while recovering or resizing: recover again
+            if isinstance(state, Recovering):
+                self._pending_recoveries.append({"cause": state.failure.cause, "detected_at": state.detected_at,
+                                                 "detect_s": 0.0, "lost_steps": max(0, state.last_seen_step - self.step)})
+            if isinstance(state, Starting):
+                return Failed(f"could not start the worker group: {failure.cause}: {failure.detail}")
+            return Recovering(failure, time.monotonic(), self._last_seen_step())
 
     # ------------------------------------------------------------------ starting
     def _on_starting(self, state: Starting) -> State:
@@ -191,6 +200,11 @@ class Controller:
 
     def _collect(self, rank: int, result: dict[str, Any]) -> None:
         kind = result["type"]
+        if kind == "upload":  # storage tier: a rank's part of a checkpoint (may trail its step)
+            from elastic.checkpoint.committer import committer_for
+
+            committer_for(self).add(rank, result)
+            return
         if kind == "anomaly":
             self._on_anomaly(rank, result)
             return
@@ -229,8 +243,12 @@ class Controller:
         if snaps:
             self.events.emit("checkpoint", step=snaps[0]["step"], tier="memory", blocking_s=max(s["blocking_s"] for s in snaps),
                              duration_s=max(s["duration_s"] for s in snaps), bytes=sum(s["bytes"] for s in snaps))
-        if self._pending_recovery is not None:
-            self._finish_recovery()
+        if step >= self.spec.train.steps:  # the last step: its checkpoint must be committed before job_end
+            from elastic.checkpoint.committer import join_committer
+
+            join_committer(self)
+        if self._pending_recoveries and step > self._recovered_at_step:
+            self._finish_recoveries()
         for cb in self.callbacks:
             if hasattr(cb, "on_step"):
                 cb.on_step(step, self.group)
@@ -313,8 +331,11 @@ class Controller:
             self.dp_history.append([self.step, dp])
         if source != "none":
             self.events.emit("restore", step=self.step, source=source, duration_s=t["restore_s"])
-        self._pending_recovery = {"cause": f.cause, "detected_at": state.detected_at, "detect_s": detect_s,
-                                  "lost_steps": max(0, state.last_seen_step - self.step)}
+        self._recovered_at_step = self.step
+        for p in self._pending_recoveries:  # a recovery interrupted by this failure lost nothing more
+            p.setdefault("lost_steps", 0)
+        self._pending_recoveries.append({"cause": f.cause, "detected_at": state.detected_at, "detect_s": detect_s,
+                                         "lost_steps": max(0, state.last_seen_step - self.step)})
         return Running()
 
     def _detect_latency(self, f: WorkerFailure, state: Recovering) -> float:
@@ -322,14 +343,19 @@ class Controller:
         seen = [m.last_ok for m in self.group.members if m.rank in f.ranks]
         return max(0.0, state.detected_at - max(seen)) if seen else 0.0
 
-    def _finish_recovery(self) -> None:
-        p, self._pending_recovery = self._pending_recovery, None
-        self.recoveries.append(Recovery(cause=p["cause"], detect_s=round(p["detect_s"], 3),
-                                        recover_s=round(time.monotonic() - p["detected_at"], 3), lost_steps=p["lost_steps"]))
+    def _finish_recoveries(self) -> None:
+        """The first step at the new size is done: close every recovery that led here."""
+        now = time.monotonic()
+        for p in self._pending_recoveries:
+            self.recoveries.append(Recovery(cause=p["cause"], detect_s=round(p["detect_s"], 3),
+                                            recover_s=round(now - p["detected_at"], 3), lost_steps=p["lost_steps"]))
+        self._pending_recoveries = []
 
     def _storage_fallback(self) -> tuple[int | None, str]:
+        from elastic.checkpoint.committer import join_committer
         from elastic.checkpoint.restore import latest_storage_step
 
+        join_committer(self, timeout=60.0)  # a commit in flight may be the newest checkpoint
         step = latest_storage_step(self.spec, self.group.storage_uri)
         return (step, "storage") if step is not None else (None, "none")
 

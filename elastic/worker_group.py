@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from elastic.errors import ActorDied, CollectiveTimeout, HeartbeatTimeout, NodeLost, WorkerError, WorkerFailure
 from elastic.placement import ReplicaSlots
@@ -116,9 +116,11 @@ class WorkerGroup:
                 restore = {"source": "memory", "step": restore_step, "holders": self._holders_for(m, old_holders)}
             elif source == "storage":
                 restore = {"source": "storage", "step": restore_step, "uri": self.storage_uri, "storage_options": self.spec.checkpoint.storage_options}
-            refs.append(m.actor.configure.remote(m.rank, (dp, tp, pp), (members[0].ip, port), start, restore, hosts[m.node_id]))
-        replies = ray.get(refs, timeout=RPC_TIMEOUT_S)
-        self.members, self.dp = list(members), dp
+            start_m = dict(start, storage_uri=self.storage_uri)  # where the storage tier writes
+            refs.append(m.actor.configure.remote(m.rank, (dp, tp, pp), (members[0].ip, port), start_m, restore, hosts[m.node_id]))
+        self.members = list(members)
+        replies = self._gather_configure(members, refs)
+        self.dp = dp
         now = time.monotonic()
         for m, r in zip(members, replies):
             m.last_ok, m.step = now, r["step"]
@@ -126,10 +128,38 @@ class WorkerGroup:
             "init_s": max(r["init_s"] for r in replies),
             "build_s": max(r["build_s"] for r in replies),
             "restore_s": max(r["restore_s"] for r in replies),
+            "restore_bytes_read": sum(r.get("restore_bytes_read", 0) for r in replies),  # from storage, all ranks
             "step": replies[0]["step"],
         }
 
     storage_uri: str = ""
+
+    def _gather_configure(self, members: list[Member], refs: list[Any]) -> list[dict[str, Any]]:
+        """Wait for every configure; a member lost meanwhile becomes a new typed failure.
+
+        Peers of a lost member wait in the rendezvous until its timeout
+        (``collective_timeout_s``) and then fail too; they stay members, so the next
+        recovery reconfigures them.
+        """
+        timeout = self.spec.elastic.collective_timeout_s + RPC_TIMEOUT_S
+        ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        replies, lost, failed = [], [], []
+        for m, ref in zip(members, refs):
+            try:
+                replies.append(ray.get(ref, timeout=0))
+            except (RayActorError, ActorUnavailableError):
+                m.dead = True
+                lost.append(m)
+            except Exception as exc:  # an error inside configure, or no answer in time
+                failed.append((m, exc))
+        if lost:
+            raise ActorDied(f"{len(lost)} worker(s) lost while reconfiguring", ranks=[m.rank for m in lost],
+                            nodes=sorted({m.node_id for m in lost}))
+        if failed:
+            m, exc = failed[0]
+            raise WorkerError(f"configure failed: {type(exc).__name__}: {str(exc)[:300]}", ranks=[m.rank for m, _ in failed],
+                              nodes=sorted({m.node_id for m, _ in failed}))
+        return replies
 
     def _snapshot_holders(self, step: int | None) -> dict[int, Member]:
         """Old rank -> a live member holding that rank's snapshot at ``step``."""
@@ -164,7 +194,7 @@ class WorkerGroup:
         for ref in refs:
             try:
                 out.append(ray.get(ref, timeout=10))
-            except (RayActorError, GetTimeoutError):
+            except (RayActorError, ActorUnavailableError, GetTimeoutError):
                 out.append(None)
         return out
 
@@ -251,6 +281,8 @@ class WorkerGroup:
         ref, m.poll_ref = m.poll_ref, None
         try:
             reply = ray.get(ref)
+        except ActorUnavailableError:  # unreachable for now: silence counts, death is confirmed later
+            return
         except RayActorError:
             m.dead = True
             return
@@ -264,6 +296,8 @@ class WorkerGroup:
         if ready:
             try:
                 m.run_result = ray.get(m.run_ref)
+            except ActorUnavailableError:
+                return
             except RayActorError:
                 m.dead = True
                 m.run_result = {"status": "dead"}
