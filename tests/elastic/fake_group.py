@@ -1,0 +1,115 @@
+"""A scripted stand-in for ``WorkerGroup``: the controller's test seam.
+
+It holds no actors. Capacity is a number, observations come from a script, and every
+call the controller makes is recorded, so a test can step the state machine one
+transition at a time and check each decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from elastic.worker_group import Observation
+
+
+@dataclass
+class FakeMember:
+    rank: int
+    group: Any
+    node_id: str
+    dead: bool = False
+    step: int = 0
+    last_ok: float = 0.0
+    pid: int = 0
+
+
+@dataclass
+class FakeWorkerGroup:
+    spec: Any
+    corpus_uri: str
+    worker_faults: Any = None
+    capacity: int = 4  # replicas Ray could place now
+    script: list[Observation] = field(default_factory=list)
+    snapshot_step: int | None = None
+    calls: list[tuple] = field(default_factory=list)
+    storage_uri: str = ""
+
+    def __post_init__(self):
+        self.members: list[FakeMember] = []
+        self.dp = 0
+        self._next_group = 0
+
+    # capacity -------------------------------------------------------------
+    def _groups(self, n):
+        out = []
+        for _ in range(n):
+            out.append(f"pg{self._next_group}")
+            self._next_group += 1
+        return out
+
+    def request_capacity(self):
+        self.calls.append(("request_capacity",))
+
+    def spare_groups(self, timeout=0.0):
+        used = len({m.group for m in self.members if not m.dead})
+        return self._groups(max(0, self.capacity - used))
+
+    def wait_spare(self, count, timeout):
+        self.calls.append(("wait_spare", count))
+        return self.spare_groups()
+
+    def spawn(self, groups):
+        self.calls.append(("spawn", len(groups)))
+        return [FakeMember(-1, g, f"node-{g}") for g in groups]
+
+    # configuration --------------------------------------------------------
+    def configure(self, members, dp, start, restore_step, source):
+        self.calls.append(("configure", dp, restore_step, source))
+        for rank, m in enumerate(members):
+            m.rank = rank
+        self.members, self.dp = list(members), dp
+        step = restore_step if restore_step is not None else start["step"]
+        for m in members:
+            m.step = step
+        return {"init_s": 0.01, "build_s": 0.01, "restore_s": 0.02, "step": step}
+
+    def common_snapshot_step(self, members):
+        return self.snapshot_step
+
+    # running --------------------------------------------------------------
+    def launch(self, last_step):
+        self.calls.append(("launch", last_step))
+
+    def observe(self, timeout=0.1):
+        return self.script.pop(0) if self.script else Observation()
+
+    def drain_results(self, members, timeout=10.0):
+        return []
+
+    def kill(self, members):
+        for m in members:
+            m.dead = True
+        self.calls.append(("kill", sorted(m.rank for m in members)))
+
+    def wait_runs(self, members, timeout):
+        return []
+
+    def complete_replicas(self, members):
+        return [[m] for m in sorted(members, key=lambda m: m.rank)]
+
+    def release_group(self, group):
+        self.calls.append(("release", group))
+
+    def request_stop(self):
+        self.calls.append(("request_stop",))
+
+    def shutdown(self):
+        self.calls.append(("shutdown",))
+
+    def pid_of(self, rank):
+        return 0
+
+
+def step_results(step: int, ranks: int, loss: float = 1.0) -> list[tuple[int, dict]]:
+    return [(r, {"type": "step", "step": step, "loss": loss, "step_time_s": 0.01, "batch_index": step - 1}) for r in range(ranks)]

@@ -1,0 +1,137 @@
+"""The controller state machine, stepped one transition at a time over a scripted fake group."""
+
+from __future__ import annotations
+
+import pytest
+from fake_group import FakeWorkerGroup, step_results
+
+from elastic.controller import Controller, Failed, Finished, Recovering, Resizing, Running, Starting
+from elastic.errors import JobFailed, NodeLost, WorkerError
+from elastic.events import EventLog, read_events
+from elastic.worker_group import Observation
+from jobs import JobSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _spec(**elastic):
+    return JobSpec.from_dict({
+        "model": {"n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64, "seq_len": 16},
+        "parallel": {"micro_batch": 1},
+        "elastic": {"min_dp": 1, "max_dp": 4, "max_failures": 2, "min_dp_wait_s": 1, "grow_check_s": 0.01, **elastic},
+        "train": {"steps": 3, "global_batch": 12},
+    })
+
+
+class _Controller(Controller):
+    worker_group_cls = FakeWorkerGroup
+
+
+def _controller(tmp_path, spec=None, capacity=4):
+    ctl = _Controller(spec or _spec(), EventLog(str(tmp_path)), "memory://corpus")
+    ctl.group.capacity = capacity
+    return ctl
+
+
+def _advance(ctl, expected):
+    ctl.state = ctl._step(ctl.state)
+    assert type(ctl.state) is expected, f"expected {expected.__name__}, got {type(ctl.state).__name__}"
+    return ctl.state
+
+
+def test_start_run_finish(tmp_path):
+    ctl = _controller(tmp_path)
+    assert isinstance(ctl.state, Starting)
+    _advance(ctl, Running)
+    assert ctl.group.dp == 4 and ctl.dp_history == [[0, 4]]
+    ctl.group.script = [Observation(results=step_results(1, 4) + step_results(2, 4)), Observation(results=step_results(3, 4), finished=True)]
+    _advance(ctl, Running)
+    assert ctl.step == 2
+    _advance(ctl, Finished)
+    steps = [e for e in read_events(str(tmp_path)) if e["kind"] == "step"]
+    assert [e["step"] for e in steps] == [1, 2, 3] and all(e["grad_accum"] == 3 for e in steps)
+
+
+def test_start_uses_largest_allowed_dp(tmp_path):
+    # global_batch 12 / micro 1: dp 1,2,3,4 allowed; with max_dp 4 but 3 replicas of room -> 3.
+    ctl = _controller(tmp_path, capacity=3)
+    _advance(ctl, Running)
+    assert ctl.group.dp == 3
+
+
+def test_node_lost_shrinks_in_whole_replicas(tmp_path):
+    ctl = _controller(tmp_path)
+    _advance(ctl, Running)
+    ctl.group.script = [Observation(results=step_results(1, 4)), Observation(failure=NodeLost("gone", ranks=[3], nodes=["n3"]))]
+    _advance(ctl, Running)
+    state = _advance(ctl, Recovering)
+    assert state.failure.cause == "node_lost"
+    ctl.group.capacity = 3  # the node did not come back
+    ctl.group.snapshot_step = 1
+    _advance(ctl, Running)
+    assert ("kill", [3]) in ctl.group.calls
+    assert ("configure", 3, 1, "memory") in ctl.group.calls
+    kinds = [(e["kind"], e.get("old_dp"), e.get("new_dp"), e.get("source")) for e in read_events(str(tmp_path))]
+    assert ("resize", 4, 3, None) in kinds and ("restore", None, None, "memory") in kinds
+    # The recovery is recorded once the first step at the new size is done.
+    assert ctl.recoveries == []
+    ctl.group.script = [Observation(results=step_results(2, 3))]
+    _advance(ctl, Running)
+    assert [(r.cause, r.lost_steps) for r in ctl.recoveries] == [("node_lost", 0)]
+    assert ctl.dp_history == [[0, 4], [1, 3]]
+
+
+def test_worker_error_retries_in_place_without_eviction(tmp_path):
+    ctl = _controller(tmp_path)
+    _advance(ctl, Running)
+    ctl.group.script = [Observation(failure=WorkerError("boom", ranks=[1]))]
+    _advance(ctl, Recovering)
+    ctl.group.snapshot_step = 0
+    _advance(ctl, Running)
+    assert not any(c[0] == "kill" and c[1] for c in ctl.group.calls)
+    assert ctl.group.dp == 4
+    assert not [e for e in read_events(str(tmp_path)) if e["kind"] == "resize"]
+
+
+def test_failure_budget_exhausted(tmp_path):
+    ctl = _controller(tmp_path, spec=_spec(max_failures=1))
+    _advance(ctl, Running)
+    for expected in (Running, Failed):
+        ctl.group.script = [Observation(failure=WorkerError("boom", ranks=[0]))]
+        _advance(ctl, Recovering)
+        ctl.group.snapshot_step = 0
+        _advance(ctl, expected)
+    assert "failure budget exhausted" in ctl.state.reason
+
+
+def test_no_capacity_for_min_dp_fails_with_reason(tmp_path):
+    ctl = _controller(tmp_path, spec=_spec(min_dp=2))
+    _advance(ctl, Running)
+    ctl.group.script = [Observation(failure=NodeLost("gone", ranks=[0, 1, 2], nodes=["a", "b", "c"]))]
+    _advance(ctl, Recovering)
+    ctl.group.capacity = 1
+    _advance(ctl, Failed)
+    assert "min_dp=2" in ctl.state.reason
+
+
+def test_returned_capacity_grows_back(tmp_path):
+    ctl = _controller(tmp_path, capacity=2)
+    _advance(ctl, Running)
+    assert ctl.group.dp == 2
+    ctl.group.capacity = 4
+    ctl.group.snapshot_step = 0
+    ctl._last_grow_check = 0.0
+    state = _advance(ctl, Resizing)
+    assert len(state.groups) == 2
+    _advance(ctl, Running)
+    assert ctl.group.dp == 4 and ("request_stop",) in ctl.group.calls
+    assert ctl.dp_history[-1] == [0, 4]
+
+
+def test_run_raises_job_failed_with_result(tmp_path):
+    ctl = _controller(tmp_path, spec=_spec(max_failures=0))
+    ctl.group.script = [Observation(failure=WorkerError("boom", ranks=[0]))]
+    with pytest.raises(JobFailed) as info:
+        ctl.run()
+    assert info.value.result.status == "failed" and info.value.result.failures == 1
+    assert read_events(str(tmp_path))[-1]["kind"] == "job_end"

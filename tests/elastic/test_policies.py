@@ -1,0 +1,54 @@
+"""Pure policies: no Ray, no torch.distributed."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from elastic import policies
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.mark.parametrize("failures,budget,expected", [(1, 0, "raise"), (1, 1, "retry"), (3, 3, "retry"), (4, 3, "raise")])
+def test_failure_decision(failures, budget, expected):
+    assert policies.failure_decision(failures, budget).value == expected
+
+
+@pytest.mark.parametrize(
+    "global_batch,micro,lo,hi,expected",
+    [(48, 4, 1, 4, [1, 2, 3, 4]), (48, 4, 1, 8, [1, 2, 3, 4, 6]), (40, 4, 1, 4, [1, 2]), (7, 4, 1, 4, []), (16, 2, 3, 8, [4, 8])],
+)
+def test_allowed_dps_keep_global_batch_exact(global_batch, micro, lo, hi, expected):
+    allowed = policies.allowed_dps(global_batch, micro, lo, hi)
+    assert allowed == expected
+    for dp in allowed:
+        assert dp * micro * policies.grad_accum(global_batch, micro, dp) == global_batch
+
+
+def test_grad_accum_refuses_inexact_dp():
+    with pytest.raises(ValueError):
+        policies.grad_accum(48, 4, 5)
+
+
+@pytest.mark.parametrize("available,allowed,expected", [(4, [1, 2, 3, 4], 4), (3, [1, 2, 4], 2), (0, [1, 2], None), (9, [1, 2, 4, 8], 8)])
+def test_target_dp_whole_replicas(available, allowed, expected):
+    assert policies.target_dp(available, allowed) == expected
+
+
+def test_scaling_decision():
+    assert policies.scaling_decision(2, 4, [1, 2, 4]) == policies.ResizeDecision(4)
+    assert policies.scaling_decision(2, 3, [1, 2, 4]) == policies.NoopDecision()
+    assert policies.scaling_decision(4, 3, [1, 2, 3, 4]) == policies.ResizeDecision(3)
+
+
+def test_loss_monitor_flags_nan_and_spikes_but_not_descent():
+    mon = policies.LossMonitor(spike_factor=6.0, min_history=4)
+    assert mon.check(float("nan")) == "nan_loss" and mon.check(math.inf) == "nan_loss"
+    for loss in (4.0, 3.8, 3.7, 3.6, 3.5):
+        assert mon.check(loss) is None
+        mon.accept(loss)
+    assert mon.check(3.0) is None  # falling fast is fine
+    assert mon.check(3.9) is None  # within the recent spread
+    assert mon.check(40.0) == "loss_spike"
