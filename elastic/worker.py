@@ -167,10 +167,17 @@ class TrainWorker:
             prefetch=self.spec.data.prefetch_steps,
             start_delay_s=host_index * self.spec.data.stagger_s,
         )
+        from elastic.checkpoint.storage_tier import StorageUploader
+
+        self.uploader = StorageUploader.create(self.spec, start.get("storage_uri"), rank, self.dims, self.tier, self._results, base_step=self.step)
         self._stop.clear()
         self._phase = "ready"
         self._beat = time.monotonic()
-        return {"rank": rank, "init_s": init_s, "build_s": build_s, "restore_s": restore_s, "step": self.step}
+        reply = {"rank": rank, "init_s": init_s, "build_s": build_s, "restore_s": restore_s, "step": self.step}
+        stats = self.__dict__.pop("_storage_restore", None)  # set by a restore from storage
+        if stats is not None:
+            reply["restore_bytes_read"] = stats["bytes_read"]
+        return reply
 
     @ray.method(concurrency_group="train")
     def run(self, last_step: int) -> dict[str, Any]:
@@ -240,8 +247,15 @@ class TrainWorker:
         }
         self._report_snapshots(result, wait_s)
         ck = self.spec.checkpoint
-        if ck.memory_every_steps and step % ck.memory_every_steps == 0:
-            self._snapshot_blocking = self.tier.snapshot_async(step, self.rank, self._full_state(), self._layout())
+        uploader = getattr(self, "uploader", None)  # storage tier: writes this snapshot's share
+        to_storage = uploader is not None and uploader.due(step)
+        if to_storage or (ck.memory_every_steps and step % ck.memory_every_steps == 0):
+            state = self._full_state()
+            self._snapshot_blocking = self.tier.snapshot_async(step, self.rank, state, self._layout())
+            if to_storage:
+                uploader.save(step, state, self._snapshot_blocking)
+        if uploader is not None:
+            uploader.secure(step)
         self._results.append(result)
         self._beat = time.monotonic()
         return stop
@@ -353,6 +367,9 @@ class TrainWorker:
         return torch.device("cpu")
 
     def _teardown(self) -> None:
+        if getattr(self, "uploader", None) is not None:
+            self.uploader.close()  # uploads of the old layout are dropped
+            self.uploader = None
         if self.stream is not None:
             self.stream.close()
             self.stream = None

@@ -1,15 +1,43 @@
-"""Restoring a worker's state from memory-tier snapshots or from the storage tier."""
+"""Restoring a worker's state from memory-tier snapshots or from the storage tier.
+
+Every path fills a state dict shaped by the *new* engine (``engine.state_dict()``: DTensors
+of the new mesh where sharded) and hands it to ``engine.load_state_dict``, so any saved
+layout loads into any new one: DCP's planner reshards (``storage.load_into``), whether the
+boxes come from peers' snapshots (``SnapshotReader``) or from storage (``CheckpointReader``).
+
+Two pieces of state are never taken from a checkpoint, because they describe the *new*
+run rather than the trained model: the optimizer's ``param_groups`` (they name each pipeline
+stage's own parameters, so they are not even saved) and the scheduler's ``base_lrs`` (the
+configured ``train.lr``). The learning rate is then recomputed from the restored scheduler
+position with the current schedule: exactly what a fault-free run has at that step.
+
+Staggered restore from storage: replicated state is read by DP rank 0 of each (pp, tp)
+coordinate only, and broadcast over the DP group of the freshly built mesh, so storage
+serves the state once (1x), not once per replica. DP-sharded state (FSDP) is read by its
+owner, again once in total.
+"""
 
 from __future__ import annotations
 
+import copy
+import logging
+import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from elastic.checkpoint.memory_tier import Snapshot, unflatten_state
+from elastic.checkpoint.storage_tier import open_store, scrub, walk_state
+from storage import CheckpointReader, SnapshotReader, load_into, redact_uri
+from storage.errors import LayoutMismatch
 from storage.records import ShardRecord
 
+log = logging.getLogger(__name__)
+
 APP = "app"
+FROM_TARGET = ("app/optim/param_groups", "app/scheduler/base_lrs")
+BATCH_BYTES = 64 << 20  # replicated state is read and broadcast in batches of this size
 
 
 def load_snapshots_into(engine: Any, snaps: dict[int, Snapshot]) -> None:
@@ -23,23 +51,174 @@ def load_snapshots_into(engine: Any, snaps: dict[int, Snapshot]) -> None:
     sharded = any(isinstance(v, ShardRecord) for s in snaps.values() for v in s.tensors.values())
     if len(snaps) == 1 and not sharded:
         # Clone: the optimizer would otherwise alias the snapshot buffers, which the
-        # memory tier reuses for later snapshots.
+        # memory tier reuses for later snapshots (and AdamW bumps ``step`` in place).
         flat = {k: v.clone() for k, v in first.tensors.items() if k.startswith(APP + "/")}
-        flat.update({k: v for k, v in first.objects.items() if k.startswith(APP + "/")})
+        flat.update({k: copy.deepcopy(v) for k, v in first.objects.items() if k.startswith(APP + "/")})
         engine.load_state_dict(unflatten_state(flat)[APP])
+        sync_lr(engine)
         return
     _load_resharded(engine, list(snaps.values()))
 
 
 def _load_resharded(engine: Any, snaps: list[Snapshot]) -> None:
-    from storage.dcp import SnapshotReader, load_into
+    tensors, target_objects = flat_target(engine)
+    load_into(SnapshotReader({s.rank: s.tensors for s in snaps}), tensors)
+    objects: dict[str, Any] = {}
+    for s in snaps:  # per-parameter optimizer objects differ per pipeline stage: take the union
+        for k, v in s.objects.items():
+            objects.setdefault(k, v)
+    finish_load(engine, tensors, target_objects, objects)
 
-    raise NotImplementedError("resharded restore from memory snapshots")
+
+def flat_target(engine: Any, scalars_are_tensors: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The new engine's state as ``(tensors, objects)`` by snapshot path; DTensors kept.
+
+    0-d tensors (AdamW's ``step``) are objects in memory snapshots but tensors in storage
+    (``write_rank_shard`` stores every tensor as one): ``scalars_are_tensors`` picks.
+    """
+    from torch.distributed.tensor import DTensor
+
+    tensors, objects = {}, {}
+    for path, value in walk_state({APP: engine.state_dict()}):
+        if isinstance(value, DTensor) or (isinstance(value, torch.Tensor) and (value.dim() > 0 or scalars_are_tensors)):
+            tensors[path] = value
+        else:
+            objects[path] = value
+    return tensors, objects
+
+
+def finish_load(engine: Any, tensors: dict[str, Any], target_objects: dict[str, Any], loaded: dict[str, Any]) -> None:
+    """Load filled ``tensors`` plus the saved objects (see the module docstring) into ``engine``."""
+    flat = dict(tensors)
+    for path, value in target_objects.items():
+        if path in FROM_TARGET:
+            flat[path] = value
+        elif path in loaded:
+            flat[path] = copy.deepcopy(loaded[path])
+        else:
+            raise LayoutMismatch(f"{path}: not in the checkpoint")
+    engine.load_state_dict(unflatten_state(flat)[APP])
+    sync_lr(engine)
+
+
+def sync_lr(engine: Any) -> None:
+    """Set every param group's lr from the restored scheduler position and current schedule."""
+    sched = engine.scheduler
+    lambdas = getattr(sched, "lr_lambdas", None)
+    if lambdas is None:
+        return
+    lrs = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, lambdas)]
+    for group, lr in zip(engine.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    sched._last_lr = lrs
+
+
+# ----------------------------------------------------------------------------- storage
+
+
+class _TensorReader(CheckpointReader):
+    """Tensors only: the plain objects are fetched once, by one rank, then broadcast."""
+
+    def read_objects(self) -> dict[str, Any]:
+        return {}
+
+
+def _replicated_over_dp(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(value, DTensor):
+        return True  # plain tensors are never sharded over DP
+    names = value.device_mesh.mesh_dim_names or ()
+    return "dp" not in names or isinstance(value.placements[names.index("dp")], Replicate)
+
+
+def _local(value: Any) -> torch.Tensor:
+    return value.to_local() if hasattr(value, "to_local") else value
+
+
+def _batches(tensors: dict[str, Any]) -> list[dict[str, Any]]:
+    out, size = [{}], 0
+    for path in sorted(tensors):
+        t = _local(tensors[path])
+        if out[-1] and size + t.numel() * t.element_size() > BATCH_BYTES:
+            out.append({})
+            size = 0
+        out[-1][path] = tensors[path]
+        size += t.numel() * t.element_size()
+    return [b for b in out if b]
+
+
+def _broadcast(batch: dict[str, Any], group: Any, lead: bool) -> int:
+    """Broadcast a batch of tensors from DP rank 0 (one flat buffer per dtype); returns bytes."""
+    moved = 0
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for path in sorted(batch):
+        t = _local(batch[path])
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for dtype, ts in by_dtype.items():
+        if lead:
+            flat = torch.cat([t.detach().reshape(-1) for t in ts])
+        else:
+            flat = torch.empty(sum(t.numel() for t in ts), dtype=dtype, device=ts[0].device)
+        dist.broadcast(flat, group=group, group_src=0)
+        if not lead:
+            offset = 0
+            for t in ts:
+                t.detach().copy_(flat[offset: offset + t.numel()].view_as(t))
+                offset += t.numel()
+        moved += flat.numel() * flat.element_size()
+    return moved
 
 
 def load_from_storage(worker: Any, restore: dict[str, Any]) -> dict[str, Any]:
-    raise NotImplementedError("restore from the storage tier")
+    """Staggered restore of ``restore['step']`` into ``worker.engine``; returns the objects.
+
+    Every rank of the new group calls this at the same time (it broadcasts over DP). It
+    records what it read in ``worker._storage_restore`` (``bytes_read`` from storage,
+    ``broadcast_bytes`` received from its DP leader) and logs it.
+    """
+    t0 = time.perf_counter()
+    engine, step = worker.engine, restore["step"]
+    store = open_store(restore["uri"], restore.get("storage_options"))
+    tensors, target_objects = flat_target(engine, scalars_are_tensors=True)
+    group = engine.dims.dp_mesh.get_group() if engine.dims.dp > 1 else None
+    lead = engine.coords.dp_rank == 0
+    shared = {k: v for k, v in tensors.items() if group is not None and _replicated_over_dp(v)}
+    own = {k: v for k, v in tensors.items() if k not in shared}
+    reader = _TensorReader(store, step) if lead or own else None
+    objects = CheckpointReader.read_objects(reader) if lead else None
+    if group is not None:
+        box = [objects]
+        dist.broadcast_object_list(box, group=group, group_src=0)
+        objects = box[0]
+    received = 0
+    for batch in _batches(shared):  # the leader reads a batch while the others wait for it
+        if lead:
+            load_into(reader, batch)
+        moved = _broadcast(batch, group, lead)
+        received += 0 if lead else moved
+    if own:
+        load_into(reader, own)
+    finish_load(engine, tensors, target_objects, objects)
+    stats = {"step": step, "bytes_read": reader.bytes_read if reader else 0,
+             "data_bytes_read": reader.data_bytes_read if reader else 0, "broadcast_bytes": received,
+             "duration_s": time.perf_counter() - t0}
+    worker._storage_restore = stats
+    log.info("restored step %d from %s: read %d bytes from storage (%d tensor data), %d bytes by DP broadcast, %.2fs",
+             step, redact_uri(restore["uri"]), stats["bytes_read"], stats["data_bytes_read"], received, stats["duration_s"])
+    return objects
 
 
 def latest_storage_step(spec: Any, uri: str) -> int | None:
-    return None
+    """Newest committed checkpoint under ``uri`` whose files all verify, or None.
+
+    Damaged checkpoints are skipped with a warning naming their bad files (by the store).
+    """
+    if not uri:
+        return None
+    try:
+        info = open_store(uri, spec.checkpoint.storage_options).latest_valid(verify=True)
+    except Exception as exc:  # noqa: BLE001 - unreadable storage means "nothing to resume from"
+        log.warning("cannot read checkpoints under %s: %s", redact_uri(uri), scrub(f"{type(exc).__name__}: {exc}", spec.checkpoint.storage_options))
+        return None
+    return None if info is None else info.step

@@ -1,0 +1,147 @@
+"""Storage tier, controller side: commit a step once every rank of its group wrote its part.
+
+Ranks report ``{"type": "upload", ...}`` results (see :mod:`elastic.checkpoint.storage_tier`)
+through ``poll``; the controller hands them to :class:`CheckpointCommitter`. Results are
+grouped by ``(gen, step)`` where ``gen = [base step, world size]`` identifies the
+configuration that produced them: a step commits only when ranks ``0..world-1`` of one
+configuration all reported, so parts written under two layouts are never mixed. Partial
+groups left behind by a resize or a failure are dropped.
+
+The commit (``commit_checkpoint``: metadata, manifest, marker) and the retention pass run on
+one background thread, in step order, so the controller's loop never waits for storage.
+Each step ends in exactly one ``checkpoint`` event with ``tier: "storage"`` and
+``committed`` true or false (with ``error``). :func:`join_committer` bounds the wait for
+in-flight commits at the end of a job and before a restore from storage.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from elastic.checkpoint.storage_tier import open_store, scrub
+from storage import RankWriteResult, commit_checkpoint, redact_uri
+
+log = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 300.0
+_ATTR = "_ckpt_committer"
+
+
+class CheckpointCommitter:
+    def __init__(self, spec: Any, uri: str, events: Any):
+        self.uri, self.events = uri, events
+        self.options = spec.checkpoint.storage_options
+        self.keep = spec.checkpoint.keep
+        self._store = None
+        self._groups: dict[tuple[int, int, int], dict[int, dict]] = {}  # (base, world, step) -> rank -> result
+        self._finished: set[tuple[int, int, int]] = set()  # groups already submitted
+        self._queue: queue.Queue = queue.Queue()
+        self._cond = threading.Condition()
+        self._inflight = 0
+        self._thread: threading.Thread | None = None
+
+    @property
+    def store(self):
+        if self._store is None:
+            self._store = open_store(self.uri, self.options)
+        return self._store
+
+    def add(self, rank: int, result: dict[str, Any]) -> None:
+        """One rank's upload report; submits the step once its group is complete."""
+        base, world = result["gen"]
+        step = result["step"]
+        key = (base, world, step)
+        if key in self._finished:
+            return
+        group = self._groups.setdefault(key, {})
+        group[rank] = result
+        if set(group) != set(range(world)):
+            return
+        del self._groups[key]
+        for other in [k for k in self._groups if k[2] <= step]:  # superseded, can never complete
+            log.info("dropping partial uploads of step %d (ranks %s of %d): interrupted by a resize",
+                     other[2], sorted(self._groups[other]), other[1])
+            del self._groups[other]
+        self._finished.add(key)
+        with self._cond:
+            self._inflight += 1
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="ckpt-commit", daemon=True)
+            self._thread.start()
+        self._queue.put((step, world, group))
+
+    def join(self, timeout: float = JOIN_TIMEOUT_S) -> bool:
+        """Wait (bounded) for every submitted commit; True when none is left in flight."""
+        with self._cond:
+            done = self._cond.wait_for(lambda: self._inflight == 0, timeout=timeout)
+        if not done:
+            log.warning("checkpoint commits still running after %.0fs; not waiting any longer", timeout)
+        return done
+
+    # ----- commit thread
+    def _loop(self) -> None:
+        while True:
+            step, world, group = self._queue.get()
+            try:
+                self._commit(step, world, group)
+            except Exception:  # noqa: BLE001 - never let the thread die with commits queued
+                log.exception("checkpoint commit of step %d crashed", step)
+            finally:
+                with self._cond:
+                    self._inflight -= 1
+                    self._cond.notify_all()
+
+    def _commit(self, step: int, world: int, group: dict[int, dict]) -> None:
+        results = [group[r] for r in range(world)]
+        first = min(r["started_at"] for r in results)
+        fields = {"step": step, "tier": "storage", "blocking_s": max(r["blocking_s"] for r in results)}
+        if any(r.get("already_committed") for r in results):
+            log.info("step %d is already committed (a replay after a restore); keeping the first commit", step)
+            return
+        errors = [f"rank {r['rank']}: {r['error']}" for r in results if r["error"]]
+        if errors:
+            self._emit(**fields, duration_s=time.time() - first, bytes=0, committed=False,
+                       error=scrub("; ".join(errors), self.options)[:1000])
+            return
+        try:
+            if self.store.read_marker(step) is not None:  # never rewrite a committed step's metadata
+                log.info("step %d is already committed; keeping the first commit", step)
+                return
+            info = commit_checkpoint(self.store, step, [RankWriteResult.from_dict(r["result"]) for r in results],
+                                     extra={"world": world, "layout": results[0]["layout"]})
+        except Exception as exc:  # noqa: BLE001 - storage down or parts missing: not committed
+            error = scrub(f"commit failed: {type(exc).__name__}: {exc}", self.options)[:1000]
+            log.error("checkpoint step %d not committed: %s", step, error)
+            self._emit(**fields, duration_s=time.time() - first, bytes=0, committed=False, error=error)
+            return
+        self._emit(**fields, duration_s=time.time() - first, bytes=info.bytes, committed=True, uri=redact_uri(info.uri))
+        try:
+            report = self.store.prune(self.keep)
+            if report.deleted or report.failed:
+                log.info("retention: deleted steps %s, kept %s, failed %s", report.deleted, report.kept, report.failed)
+        except Exception as exc:  # noqa: BLE001 - retention is best effort
+            log.warning("pruning checkpoints failed: %s", scrub(exc, self.options))
+
+    def _emit(self, **fields: Any) -> None:
+        try:
+            self.events.emit("checkpoint", **fields)
+        except Exception as exc:  # noqa: BLE001 - the event log may be closed when a failed job ends
+            log.warning("could not record checkpoint event %s: %s", fields, exc)
+
+
+def committer_for(controller: Any) -> CheckpointCommitter:
+    """The controller's committer, created on first use (it lives as long as the controller)."""
+    committer = controller.__dict__.get(_ATTR)
+    if committer is None:
+        committer = CheckpointCommitter(controller.spec, controller.group.storage_uri, controller.events)
+        setattr(controller, _ATTR, committer)
+    return committer
+
+
+def join_committer(controller: Any, timeout: float = JOIN_TIMEOUT_S) -> bool:
+    committer = controller.__dict__.get(_ATTR)
+    return True if committer is None else committer.join(timeout)

@@ -1,0 +1,35 @@
+"""Helpers of the checkpoint tests: tiny job specs and event queries."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from elastic.events import read_events
+from jobs import JobSpec
+
+
+def ckpt_raw(tiny: dict, uri: str, **sections: dict) -> dict:
+    """``tiny_spec_dict`` with a storage tier at ``uri``; ``sections`` update its sections.
+
+    The LR schedule does not depend on ``train.steps`` (warmup over 8 steps, then constant),
+    so a run extended with ``--resume`` can be compared with one that ran all steps.
+    """
+    raw = copy.deepcopy(tiny)
+    raw["train"].update({"warmup_steps": 8, "min_lr_ratio": 1.0})
+    raw["checkpoint"] = {"uri": uri, "every_steps": 3, "keep": 10}
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return raw
+
+
+def ckpt_spec(tiny: dict, uri: str, **sections: dict) -> JobSpec:
+    return JobSpec.from_dict(ckpt_raw(tiny, uri, **sections))
+
+
+def events(run_dir: str, kind: str, **match: Any) -> list[dict]:
+    return [e for e in read_events(run_dir) if e["kind"] == kind and all(e.get(k) == v for k, v in match.items())]
+
+
+def losses(run_dir: str) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in events(run_dir, "step")}

@@ -1,0 +1,83 @@
+"""``elastic run --resume``: the newest valid checkpoint, at whatever DP is allowed now."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+from ckpt_testlib import ckpt_raw, ckpt_spec, events, losses
+
+from elastic import ElasticTrainer
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def test_resume_at_another_dp_continues_with_the_next_samples(ray_local, tiny_spec_dict, tmp_path):
+    """6 steps at dp 1 (checkpoints 3, 6), then ``--resume`` to 9 steps at dp 2.
+
+    Steps 7..9 must match a 9-step run without interruption: that needs the same weights,
+    AdamW moments and step counts, the scheduler position (lr is still warming up) and
+    exactly the next samples (the data position is in the checkpoint).
+    """
+    uri = str(tmp_path / "ckpt")
+    ref_dir, first_dir, second_dir = (str(tmp_path / d) for d in ("ref", "first", "second"))
+    ref = ckpt_spec(tiny_spec_dict, str(tmp_path / "unused"), train={"steps": 9}, elastic={"max_dp": 1},
+                    checkpoint={"every_steps": 0})
+    assert ElasticTrainer(ref, run_dir=ref_dir).fit().status == "succeeded"
+
+    first = ckpt_spec(tiny_spec_dict, uri, train={"steps": 6}, elastic={"max_dp": 1})
+    assert ElasticTrainer(first, run_dir=first_dir).fit().steps == 6
+    assert [(e["step"], e["committed"]) for e in events(first_dir, "checkpoint", tier="storage")] == [(3, True), (6, True)]
+
+    config = tmp_path / "spec.yaml"
+    config.write_text(yaml.safe_dump(ckpt_raw(tiny_spec_dict, uri, train={"steps": 6}, elastic={"max_dp": 1})))
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic.cli", "run", str(config), "--run-dir", second_dir, "--resume",
+         "--set", "train.steps=9", "--set", "elastic.max_dp=2", "--address", ray_local.get_runtime_context().gcs_address],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [(e["source"], e["step"]) for e in events(second_dir, "restore")] == [("storage", 6)]
+    assert events(second_dir, "job_start")[0]["dp"] == 2
+    resumed, want = losses(second_dir), losses(ref_dir)
+    assert sorted(resumed) == [7, 8, 9]
+    for step in (7, 8, 9):
+        assert resumed[step] == pytest.approx(want[step], rel=1e-5), step
+    assert [(e["step"], e["committed"]) for e in events(second_dir, "checkpoint", tier="storage")] == [(9, True)]
+
+
+def test_resume_without_a_checkpoint_starts_from_scratch(ray_local, tiny_spec_dict, tmp_path):
+    spec = ckpt_spec(tiny_spec_dict, str(tmp_path / "empty"), train={"steps": 2}, elastic={"max_dp": 1},
+                     checkpoint={"every_steps": 0})
+    result = ElasticTrainer(spec, run_dir=str(tmp_path / "run"), resume=True).fit()
+    assert result.status == "succeeded" and result.dp_history == [[0, 1]]
+    assert events(str(tmp_path / "run"), "restore") == []
+
+
+def test_failure_without_a_full_memory_copy_restores_from_storage(ray_local, tiny_spec_dict, tmp_path):
+    """FSDP at dp 2, memory snapshots only at checkpoint steps: when rank 1 dies, the survivor
+    holds half the state, so the controller restores the newest committed checkpoint."""
+    from elastic.testing.faults import Fault, FaultInjector, worker_fault
+
+    steps = 12
+
+    def spec(uri):
+        return ckpt_spec(tiny_spec_dict, uri, parallel={"zero": 3}, train={"steps": steps},
+                         elastic={"min_dp": 2, "max_dp": 2}, checkpoint={"memory_every_steps": 0})
+
+    slow = [worker_fault("hang", s, rank=0, seconds=0.2) for s in range(1, steps + 1)]
+    ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
+    assert ElasticTrainer(spec(str(tmp_path / "ref_ckpt")), run_dir=ref_dir, worker_faults=slow).fit().status == "succeeded"
+    injector = FaultInjector([Fault("kill_worker", at_step=5, rank=1)])
+    result = ElasticTrainer(spec(str(tmp_path / "ckpt")), run_dir=run_dir, callbacks=[injector], worker_faults=slow).fit()
+    assert result.status == "succeeded" and result.steps == steps and result.failures == 1
+    (restore,) = events(run_dir, "restore")
+    assert restore["source"] == "storage" and restore["step"] in (3, 6)
+    committed = [e["step"] for e in events(run_dir, "checkpoint", tier="storage") if e["committed"]]
+    assert restore["step"] in committed and steps in committed
+    got, want = losses(run_dir), losses(ref_dir)
+    assert sorted(got) == list(range(1, steps + 1))
+    for step in range(1, steps + 1):
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
