@@ -21,10 +21,12 @@ within milliseconds (gloo reports "Connection closed by peer").
 from __future__ import annotations
 
 import collections
+import faulthandler
 import gc
 import math
 import os
 import random
+import signal
 import socket
 import threading
 import time
@@ -45,6 +47,17 @@ from elastic.policies import LossMonitor
 from elastic.testing.faults import WorkerFaults
 
 CONCURRENCY_GROUPS = {"train": 1, "control": 4}
+
+
+def _clear_dtensor_caches() -> None:
+    """DTensor's sharding-propagation caches key on device meshes, keeping their groups alive."""
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        cached = getattr(propagator, name, None)
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
 
 
 def _is_collective_error(exc: BaseException) -> bool:
@@ -76,6 +89,9 @@ class TrainWorker:
         self._beat = time.monotonic()
         self._phase = "idle"
         self._stop = threading.Event()
+        # `kill -USR1 <pid>` dumps every thread's stack to the worker's log: how to see
+        # where a hung rank is stuck.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         self.device = self._pick_device()
         # Ray sizes the actor's CPU share; torch would otherwise use every core per worker.
         torch.set_num_threads(max(1, int(spec.resources.cpus_per_worker)))
@@ -144,7 +160,7 @@ class TrainWorker:
             timeout=timedelta(seconds=self.spec.elastic.collective_timeout_s),
         )
         init_s = time.perf_counter() - t0
-        self.dims = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=world)
+        self.dims = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=world, timeout=timedelta(seconds=self.spec.elastic.collective_timeout_s))
         t1 = time.perf_counter()
         self.engine = TrainEngine(self.spec.model, self.spec.parallel, self.spec.train, self.dims, self.spec.seed, device=str(self.device))
         build_s = time.perf_counter() - t1
@@ -377,8 +393,14 @@ class TrainWorker:
         self.engine = None
 
     def _abort_group(self) -> None:
+        # Drop every reference to the process groups (engine, mesh, torch's mesh stack) so
+        # that their sockets close now: peers blocked on this rank then fail at once.
+        from torch.distributed.device_mesh import _mesh_resources
+
         self.engine = None
         self.dims = None
+        _mesh_resources.mesh_stack.clear()
+        _clear_dtensor_caches()
         gc.collect()
         if dist.is_initialized():
             try:

@@ -236,7 +236,12 @@ def _same_structure(buf: dict[str, Any], tensors: dict[str, Any]) -> bool:
     if buf.keys() != tensors.keys():
         return False
     for k, v in tensors.items():
-        a = buf[k].local if isinstance(buf[k], ShardRecord) else buf[k]
+        old = buf[k]
+        if isinstance(old, ShardRecord) != isinstance(v, ShardRecord):
+            return False
+        if isinstance(v, ShardRecord) and (old.global_shape != tuple(v.global_shape) or old.offsets != tuple(v.offsets)):
+            return False
+        a = old.local if isinstance(old, ShardRecord) else old
         b = v.local if isinstance(v, ShardRecord) else v
         if a.shape != b.shape or a.dtype != b.dtype:
             return False

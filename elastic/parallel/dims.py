@@ -22,6 +22,7 @@ will not change when they arrive, but only degree 1 is accepted today.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING, NamedTuple
 
 from elastic.errors import SpecError
@@ -48,6 +49,7 @@ class ParallelDims:
     world_size: int
     cp: int = 1
     ep: int = 1
+    timeout: timedelta | None = field(default=None, compare=False)  # for the mesh's sub-groups
     _world_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -130,8 +132,28 @@ class ParallelDims:
             raise SpecError(
                 "parallel", f"process group has {dist.get_world_size()} ranks, layout expects {self.world_size}"
             )
-        self._world_mesh = init_device_mesh(device_type, (self.dp, self.pp, self.tp), mesh_dim_names=MESH_DIM_NAMES)
+        self._world_mesh = init_device_mesh(
+            device_type, (self.dp, self.pp, self.tp), mesh_dim_names=MESH_DIM_NAMES, backend_override=self._backend_override(device_type)
+        )
         return self._world_mesh
+
+    def _backend_override(self, device_type: str) -> dict | None:
+        """Give the mesh's sub-groups the same timeout as the default group.
+
+        ``new_group`` would otherwise give them torch's 30-minute default, and a rank
+        blocked on a lost peer in a DP or TP sub-group would hang that long instead of
+        failing after ``elastic.collective_timeout_s``.
+        """
+        if self.timeout is None:
+            return None
+        import torch.distributed as dist
+
+        if device_type == "cuda":
+            opts, backend = dist.ProcessGroupNCCL.Options(), "nccl"
+        else:
+            opts, backend = dist.ProcessGroupGloo._Options(), "gloo"
+        opts._timeout = self.timeout
+        return {name: (backend, opts) for name in MESH_DIM_NAMES}
 
     @property
     def mesh_built(self) -> bool:

@@ -1,0 +1,42 @@
+"""Elasticity with model parallelism: a dp 2 x tp 2 job loses a node and goes on at dp 1 x tp 2."""
+
+from __future__ import annotations
+
+import pytest
+from elastic_testlib import assert_matches_reference, elastic_spec, events_of, step_losses
+
+from elastic import ElasticTrainer
+from elastic.testing.faults import Fault, FaultInjector
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS = 16
+
+
+def _spec(**elastic):
+    spec = elastic_spec(max_dp=2, **elastic)
+    spec.parallel.tp = 2
+    spec.train.steps = STEPS
+    return spec
+
+
+def test_dp2_tp2_loses_a_node_and_continues_at_dp1(ray_cluster, tmp_path):
+    # Fault-free reference on the same cluster first (same seed, data, global batch).
+    ref_dir = str(tmp_path / "ref")
+    ref = ElasticTrainer(_spec(min_dp=2), run_dir=ref_dir).fit()
+    assert ref.status == "succeeded" and ref.dp_history == [[0, 2]]
+    reference = step_losses(ref_dir)
+
+    injector = FaultInjector([Fault("kill_node", at_step=6, node_index=2)], cluster=ray_cluster)
+    trainer = ElasticTrainer(_spec(), run_dir=str(tmp_path / "run"), callbacks=[injector])
+    result = trainer.fit()
+    assert result.status == "succeeded" and result.steps == STEPS
+    assert [f["cause"] for f in events_of(trainer.run_dir, "failure")] == ["node_lost"]
+    assert [dp for _, dp in result.dp_history] == [2, 1]
+    steps = events_of(trainer.run_dir, "step")
+    assert {(e["tp"], e["world_size"]) for e in steps if e["dp"] == 1} == {(2, 2)}
+    assert result.recoveries[0].lost_steps <= 1
+    losses = step_losses(trainer.run_dir)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for step, loss in reference.items():
+        assert losses[step] == pytest.approx(loss, rel=0.01), step
