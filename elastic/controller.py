@@ -238,6 +238,8 @@ class Controller:
         fields = dict(step=step, loss=r0["loss"], dp=dp, tp=tp, pp=pp, grad_accum=self.spec.grad_accum(dp),
                       world_size=dp * tp * pp, step_time_s=step_time, tokens_per_s=tps)
         fields["peak_mem_bytes"] = max(r.get("peak_mem_bytes", 0) for r in results.values())
+        if "mfu" in r0:
+            fields["mfu"] = r0["mfu"]
         self.events.emit("step", **fields)
         snaps = [r["snapshot"] for r in results.values() if "snapshot" in r]
         if snaps:

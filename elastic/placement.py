@@ -28,13 +28,18 @@ class ReplicaSlots:
     *pending*, and they are the standing request for capacity. A pending group that
     becomes ready means a node (re)joined, which is the signal to grow back.
 
-    The strategy is PACK (a replica's workers as close together as the cluster allows);
-    the topology-aware planner replaces this with STRICT_PACK groups per node.
+    The strategy is STRICT_PACK for a GPU tensor-parallel replica (its TP group stays on
+    one node) and PACK otherwise (a replica's workers as close together as the cluster
+    allows). Replicas are then ranked rack by rack (``WorkerGroup.configure``), so the DP
+    ring crosses racks as few times as possible.
     """
 
-    def __init__(self, resources: ResourcesConfig, replica_size: int):
+    def __init__(self, resources: ResourcesConfig, replica_size: int, tp: int = 1, pp: int = 1):
         self.resources = resources
         self.replica_size = replica_size
+        # A GPU replica without pipeline stages is one TP group: it must share a node
+        # (NVLink), so its group is STRICT_PACK. Pipeline replicas may span nodes.
+        self.strategy = "STRICT_PACK" if resources.device == "cuda" and pp == 1 and tp > 1 else "PACK"
         self._groups: list[Any] = []
 
     def bundle(self) -> dict[str, float]:
@@ -49,7 +54,7 @@ class ReplicaSlots:
         from ray.util.placement_group import placement_group
 
         while len(self._groups) < total:
-            self._groups.append(placement_group([self.bundle()] * self.replica_size, strategy="PACK"))
+            self._groups.append(placement_group([self.bundle()] * self.replica_size, strategy=self.strategy))
 
     def ready(self, timeout: float = 0.0) -> list[Any]:
         """Placement groups whose bundles are all placed now (polls the GCS table)."""

@@ -49,6 +49,17 @@ from elastic.testing.faults import WorkerFaults
 CONCURRENCY_GROUPS = {"train": 1, "control": 4}
 
 
+# Dense fp32 (TF32 tensor-core) peak FLOP/s per device, for MFU; None where unknown (CPU).
+_PEAK_TF32 = {"H200": 494.7e12, "H100": 494.7e12, "A100": 156e12, "L40S": 183e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in _PEAK_TF32.items() if k in name), None)
+
+
 def _clear_dtensor_caches() -> None:
     """DTensor's sharding-propagation caches key on device meshes, keeping their groups alive."""
     from torch.distributed.tensor import DTensor
@@ -93,6 +104,7 @@ class TrainWorker:
         # where a hung rank is stuck.
         faulthandler.register(signal.SIGUSR1, all_threads=True)
         self.device = self._pick_device()
+        self._peak_flops = peak_flops(self.device)
         # Ray sizes the actor's CPU share; torch would otherwise use every core per worker.
         torch.set_num_threads(max(1, int(spec.resources.cpus_per_worker)))
 
@@ -261,6 +273,9 @@ class TrainWorker:
             "batch_index": batch_index,
             "peak_mem_bytes": self.engine.peak_mem_bytes(),
         }
+        if self._peak_flops:
+            # Model FLOPs of the whole global step over what every device could do meanwhile.
+            result["mfu"] = self.engine.flops_per_step / (step_time * self.dims.world_size * self._peak_flops)
         self._report_snapshots(result, wait_s)
         ck = self.spec.checkpoint
         uploader = getattr(self, "uploader", None)  # storage tier: writes this snapshot's share

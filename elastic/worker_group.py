@@ -63,10 +63,11 @@ class WorkerGroup:
         self.corpus_uri = corpus_uri
         self.worker_faults = worker_faults or []
         self.replica_size = spec.parallel.replica_size
-        self.slots = ReplicaSlots(spec.resources, self.replica_size)
+        self.slots = ReplicaSlots(spec.resources, self.replica_size, spec.parallel.tp, spec.parallel.pp)
         self.members: list[Member] = []  # ordered by rank
         self.dp = 0
         self._raylets: dict[str, tuple[str, int]] = {}  # node id -> raylet address, for liveness probes
+        self._node_labels: dict[str, dict[str, str]] = {}  # node id -> Ray node labels (rack, nvlink_domain)
 
     # ------------------------------------------------------------------ capacity
     def request_capacity(self) -> None:
@@ -95,9 +96,9 @@ class WorkerGroup:
                 opts = self.slots.actor_options(g, b)
                 actors.append((g, b, TrainWorker.options(**opts).remote(self.spec, self.corpus_uri, faults)))
         infos = ray.get([a.info.remote() for _, _, a in actors], timeout=RPC_TIMEOUT_S)
-        self._raylets.update(
-            {n["NodeID"]: (n["NodeManagerAddress"], n["NodeManagerPort"]) for n in ray.nodes() if n.get("Alive")}
-        )
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        self._raylets.update({n["NodeID"]: (n["NodeManagerAddress"], n["NodeManagerPort"]) for n in nodes})
+        self._node_labels.update({n["NodeID"]: dict(n.get("Labels") or {}) for n in nodes})
         return [Member(a, g, b, i["node_id"], i["ip"], i["pid"]) for (g, b, a), i in zip(actors, infos)]
 
     # ------------------------------------------------------------------ (re)configuration
@@ -105,6 +106,7 @@ class WorkerGroup:
         """Give ``members`` ranks 0..n-1, rendezvous on a fresh port and restore state."""
         tp, pp = self.spec.parallel.tp, self.spec.parallel.pp
         old_holders = self._snapshot_holders(restore_step) if source == "memory" else {}
+        members = self._rack_ordered(members)
         for rank, m in enumerate(members):
             m.rank, m.run_ref, m.run_result, m.poll_ref = rank, None, None, None
         port = ray.get(members[0].actor.free_port.remote(), timeout=RPC_TIMEOUT_S)
@@ -133,6 +135,24 @@ class WorkerGroup:
         }
 
     storage_uri: str = ""
+
+    def _rack_ordered(self, members: list[Member]) -> list[Member]:
+        """Whole replicas (consecutive chunks of ``members``) ordered rack by rack, then by node.
+
+        DP ranks follow replica order, so the DP ring visits each rack's replicas
+        together and crosses racks as few times as possible. Inside a replica the order is
+        kept (TP fastest, then PP), matching the mesh ``("dp", "pp", "tp")``.
+        """
+        size = self.replica_size
+        replicas = [members[i : i + size] for i in range(0, len(members), size)]
+        labels = self._node_labels
+
+        def key(replica: list[Member]) -> tuple[str, str]:
+            node = replica[0].node_id
+            return (labels.get(node, {}).get("rack", ""), node)
+
+        replicas.sort(key=key)
+        return [m for r in replicas for m in r]
 
     def _gather_configure(self, members: list[Member], refs: list[Any]) -> list[dict[str, Any]]:
         """Wait for every configure; a member lost meanwhile becomes a new typed failure.
