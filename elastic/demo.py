@@ -41,7 +41,7 @@ def run_demo(run_dir: str | None = None, inject_fault: bool = True) -> int:
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False, logging_level=logging.ERROR)
     injector = FaultInjector(
-        [Fault("kill_node", at_step=KILL_AT_STEP, node_index=nodes - 1, return_after_s=RETURN_AFTER_S)],
+        [Fault("kill_node", at_step=KILL_AT_STEP, node_index=nodes - 1, return_after_s=RETURN_AFTER_S, graceful_raylet=True)],
         cluster=cluster, node_args=node_args,
     )
     print(f"plan: kill a worker node after step {KILL_AT_STEP}, bring one back {RETURN_AFTER_S:g}s later\n", flush=True)

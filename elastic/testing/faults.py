@@ -78,6 +78,7 @@ class Fault:
     rank: int | None = None  # kill_worker / stop_worker: the rank at that moment
     node_index: int | None = None  # kill_node: index into the cluster's worker nodes
     return_after_s: float | None = None  # kill_node: add an equal node back after this delay
+    graceful_raylet: bool = False  # kill_node: SIGTERM the node's raylet instead of SIGKILL (quieter logs)
     fired_at: float | None = field(default=None, init=False)
 
 
@@ -108,7 +109,7 @@ class FaultInjector:
         os.kill(pid, signal.SIGSTOP)
 
     def _kill_node(self, fault: Fault, group: Any) -> None:
-        node = kill_node(self.cluster, fault.node_index, group)
+        node = kill_node(self.cluster, fault.node_index, group, graceful_raylet=fault.graceful_raylet)
         if fault.return_after_s is not None:
             self._due.append(time.monotonic() + fault.return_after_s)
         return node
@@ -130,7 +131,7 @@ class FaultInjector:
                     pass
 
 
-def kill_node(cluster: Any, node_index: int, group: Any = None) -> Any:
+def kill_node(cluster: Any, node_index: int, group: Any = None, graceful_raylet: bool = False) -> Any:
     """SIGKILL every worker process on a worker node, then remove the node from the cluster.
 
     Removing the node alone would leave its worker processes alive (DESIGN.md section 7).
@@ -150,7 +151,7 @@ def kill_node(cluster: Any, node_index: int, group: Any = None) -> Any:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    cluster.remove_node(node, allow_graceful=False)
+    cluster.remove_node(node, allow_graceful=graceful_raylet)
     return node
 
 
