@@ -174,7 +174,7 @@ class Controller:
         logger.info("process group init %.3fs for world size %d", t["init_s"], len(members))
         self.events.emit("job_start", dp=dp, tp=self.spec.parallel.tp, pp=self.spec.parallel.pp, nodes=len({m.node_id for m in members}))
         if source == "storage":
-            self.events.emit("restore", step=self.step, source="storage", duration_s=t["restore_s"])
+            self.events.emit("restore", step=self.step, source="storage", duration_s=t["restore_s"], bytes_read=t.get("restore_bytes_read", 0))
         self.dp_history.append([self.step, dp])
         return Running()
 
@@ -332,7 +332,8 @@ class Controller:
             self.events.emit("resize", old_dp=old_dp, new_dp=dp, grad_accum=self.spec.grad_accum(dp), reason=f.cause)
             self.dp_history.append([self.step, dp])
         if source != "none":
-            self.events.emit("restore", step=self.step, source=source, duration_s=t["restore_s"])
+            self.events.emit("restore", step=self.step, source=source, duration_s=t["restore_s"],
+                             **({"bytes_read": t.get("restore_bytes_read", 0)} if source == "storage" else {}))
         self._recovered_at_step = self.step
         for p in self._pending_recoveries:  # a recovery interrupted by this failure lost nothing more
             p.setdefault("lost_steps", 0)
