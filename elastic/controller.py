@@ -240,7 +240,8 @@ class Controller:
         fields["peak_mem_bytes"] = max(r.get("peak_mem_bytes", 0) for r in results.values())
         if "mfu" in r0:
             fields["mfu"] = r0["mfu"]
-        self.events.emit("step", **fields)
+        done_at = max((r["done_at"] for r in results.values() if "done_at" in r), default=None)
+        self.events.emit("step", ts=done_at, **fields)
         snaps = [r["snapshot"] for r in results.values() if "snapshot" in r]
         if snaps:
             self.events.emit("checkpoint", step=snaps[0]["step"], tier="memory", blocking_s=max(s["blocking_s"] for s in snaps),

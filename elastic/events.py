@@ -52,10 +52,11 @@ class EventLog:
     def subscribe(self, listener: Callable[[dict[str, Any]], None]) -> None:
         self._listeners.append(listener)
 
-    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
+    def emit(self, kind: str, ts: float | None = None, **fields: Any) -> dict[str, Any]:
+        """Write one event; ``ts`` defaults to now (a step passes when it actually finished)."""
         if kind not in EVENT_KINDS:
             raise ValueError(f"unknown event kind {kind!r}")
-        event = {"ts": time.time(), "kind": kind, **{k: _plain(v) for k, v in fields.items()}}
+        event = {"ts": time.time() if ts is None else ts, "kind": kind, **{k: _plain(v) for k, v in fields.items()}}
         with self._lock:
             self._file.write(json.dumps(event, allow_nan=False) + "\n")
         for listener in self._listeners:

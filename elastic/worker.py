@@ -253,9 +253,8 @@ class TrainWorker:
             self.tier.wait()
             self.faults.before_step(step, self.rank, self.engine)
         self._beat = time.monotonic()
-        loss = self.engine.forward_backward(micro_batches)
+        loss, stop = self.engine.forward_backward_agree(micro_batches, self._stop.is_set())
         self._beat = time.monotonic()
-        stop = self._agree_stop()
         anomaly = self.monitor.check(loss)
         if anomaly is not None:
             self._roll_back(step, batch_index, loss, anomaly)
@@ -272,6 +271,7 @@ class TrainWorker:
             "step_time_s": step_time,
             "batch_index": batch_index,
             "peak_mem_bytes": self.engine.peak_mem_bytes(),
+            "done_at": time.time(),
         }
         if self._peak_flops:
             # Model FLOPs of the whole global step over what every device could do meanwhile.
@@ -281,8 +281,10 @@ class TrainWorker:
         uploader = getattr(self, "uploader", None)  # storage tier: writes this snapshot's share
         to_storage = uploader is not None and uploader.due(step)
         if to_storage or (ck.memory_every_steps and step % ck.memory_every_steps == 0):
+            t_state = time.perf_counter()
             state = self._full_state()
-            self._snapshot_blocking = self.tier.snapshot_async(step, self.rank, state, self._layout())
+            gather_s = time.perf_counter() - t_state
+            self._snapshot_blocking = gather_s + self.tier.snapshot_async(step, self.rank, state, self._layout())
             if to_storage:
                 uploader.save(step, state, self._snapshot_blocking)
         if uploader is not None:
@@ -308,11 +310,6 @@ class TrainWorker:
         if self.step not in self.tier.steps():
             self.tier.snapshot_async(self.step, self.rank, self._full_state(), self._layout())
             self.tier.wait()
-
-    def _agree_stop(self) -> bool:
-        flag = torch.tensor([1.0 if self._stop.is_set() else 0.0], device=self.device)
-        dist.all_reduce(flag)
-        return bool(flag.item() > 0)
 
     def _roll_back(self, step: int, batch_index: int, loss: float, cause: str) -> None:
         """A NaN or spiking loss: do not commit; restore the newest own snapshot."""

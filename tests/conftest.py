@@ -8,10 +8,14 @@ kind is started once.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
 import pytest
+
+# Test folders are not packages: each imports its helpers by module name.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "storage"))
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -87,3 +91,25 @@ def tiny_spec_dict():
 @pytest.fixture
 def python():
     return sys.executable
+
+
+@pytest.fixture(scope="session")
+def moto_s3():
+    """A real S3 API server (moto, in-process) on loopback, shared by the whole session."""
+    from storage_testlib import MotoS3
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = MotoS3()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(moto_s3):
+    """A fresh bucket on the (running) server; restarts the server if a test left it down."""
+    if moto_s3._server is None:
+        moto_s3.start()
+    yield moto_s3.new_bucket()
+    if moto_s3._server is None:
+        moto_s3.start()

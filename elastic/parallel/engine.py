@@ -103,6 +103,14 @@ class TrainEngine:
 
     def forward_backward(self, micro_batches: Sequence[MicroBatch]) -> float:
         """Accumulate the gradients of this DP rank's micro-batches; return the global mean loss."""
+        return self.forward_backward_agree(micro_batches, False)[0]
+
+    def forward_backward_agree(self, micro_batches: Sequence[MicroBatch], flag: bool) -> tuple[float, bool]:
+        """``forward_backward`` that also agrees on a flag: True if any rank's ``flag`` is.
+
+        Under pure DP the flag rides in the loss all-reduce (one collective per step);
+        otherwise it takes one more all-reduce over the world.
+        """
         if len(micro_batches) != self.grad_accum:
             raise ValueError(f"expected {self.grad_accum} micro-batches, got {len(micro_batches)}")
         with loss_context(self.model_cfg, self.dims.tp):
@@ -110,7 +118,15 @@ class TrainEngine:
                 local = self._pipeline_forward_backward(micro_batches)
             else:
                 local = self._local_forward_backward(micro_batches)
-        return self._global_mean(local)
+        if self.dims.dp == self.dims.world_size:
+            value = torch.stack([local.detach().float().reshape(()), torch.tensor(float(flag), device=self.device)])
+            if self.dims.dp_enabled:
+                dist.all_reduce(value, group=self.dims.dp_mesh.get_group())
+            return float(value[0]) / self.dims.dp, bool(value[1] > 0)
+        loss = self._global_mean(local)
+        agreed = torch.tensor([float(flag)], device=self.device)
+        dist.all_reduce(agreed)
+        return loss, bool(agreed.item() > 0)
 
     def _local_forward_backward(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
         total = torch.zeros((), device=self.device)

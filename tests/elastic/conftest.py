@@ -10,25 +10,22 @@ from elastic import ElasticTrainer
 _REFERENCE: dict[str, dict[int, float]] = {}
 
 
-@pytest.fixture
-def reference_losses(ray_local, tmp_path_factory):
-    """The fault-free trajectory of ``elastic_spec()`` (computed once, at dp 2)."""
+def _reference(tmp_path_factory) -> dict[int, float]:
+    """The fault-free trajectory of ``elastic_spec()`` at dp 2, on whichever Ray is up."""
     if "ref" not in _REFERENCE:
-        spec = elastic_spec(min_dp=2, max_dp=2)
         run_dir = str(tmp_path_factory.mktemp("reference"))
-        result = ElasticTrainer(spec, run_dir=run_dir).fit()
+        result = ElasticTrainer(elastic_spec(min_dp=2, max_dp=2), run_dir=run_dir).fit()
         assert result.status == "succeeded"
         _REFERENCE["ref"] = step_losses(run_dir)
     return _REFERENCE["ref"]
+
+
+@pytest.fixture
+def reference_losses(ray_local, tmp_path_factory):
+    return _reference(tmp_path_factory)
 
 
 @pytest.fixture
 def reference_losses_cluster(tmp_path_factory):
-    """The same fault-free trajectory, for tests that own a Ray cluster (computed in-cluster if needed)."""
-    if "ref" not in _REFERENCE:
-        spec = elastic_spec(min_dp=2, max_dp=2)
-        run_dir = str(tmp_path_factory.mktemp("reference"))
-        result = ElasticTrainer(spec, run_dir=run_dir).fit()
-        assert result.status == "succeeded"
-        _REFERENCE["ref"] = step_losses(run_dir)
-    return _REFERENCE["ref"]
+    """For tests that own a Ray cluster: computed on it if no earlier test did."""
+    return _reference(tmp_path_factory)
