@@ -25,6 +25,10 @@ test: install
 
 bench: install
 	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/checkpoint_stall.py
+	$(BIN)/python benchmarks/recovery_vs_raytrain.py
+	$(BIN)/python benchmarks/parallel_layouts.py
+	$(BIN)/python benchmarks/tp_data_sharing.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
