@@ -11,7 +11,8 @@ scaled by ``1/grad_accum`` and averaged by DP, is exactly the mean over the glob
 The only training-state a resume needs is ``batch_index``: the next batch to read.
 
 Reading is per DP rank with a bounded background prefetch (``prefetch_steps`` batches
-ahead). Hosts start their first read ``stagger_s * host_index`` apart so that a job start or
+ahead), either by a thread that reads the parquet row groups itself (``loader: native``)
+or from a Ray Data pipeline per rank (``loader: ray_data``) with the same order. Hosts start their first read ``stagger_s * host_index`` apart so that a job start or
 a recovery does not hit storage with every host at once.
 """
 
@@ -23,8 +24,9 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import fsspec
 import numpy as np
@@ -42,6 +44,9 @@ class DataConfig(BaseModel):
     num_samples: int = Field(20000, ge=1, description="corpus size for the synthetic source")
     cache_dir: str | None = Field(None, description="where the synthetic corpus is written; default <run_dir>/data")
     prefetch_steps: int = Field(2, ge=0, description="batches read ahead per rank")
+    loader: Literal["native", "ray_data"] = Field(
+        "native", description="native: a prefetch thread per rank; ray_data: a Ray Data pipeline per rank"
+    )
     stagger_s: float = Field(0.05, ge=0, description="delay between hosts' first reads")
     storage_options: dict[str, Any] = Field(default_factory=dict)
 
@@ -202,11 +207,13 @@ class RankStream:
         start_batch: int,
         prefetch: int = 2,
         start_delay_s: float = 0.0,
+        source: Iterator[tuple[int, np.ndarray]] | None = None,
     ):
         import torch  # local: keeps `elastic.data` importable for pure planning code
 
         self._torch = torch
         self.corpus, self.layout, self.dp_rank = corpus, layout, dp_rank
+        self._source = source  # (batch_index, rank rows) from a Ray Data pipeline, or None
         self.next_batch = start_batch
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
         self._stop = threading.Event()
@@ -214,12 +221,14 @@ class RankStream:
         self._thread.start()
 
     def _read(self, batch_index: int):
-        torch = self._torch
-        out = []
-        for idx in self.layout.micro_batches(batch_index, self.dp_rank):
-            rows = torch.from_numpy(self.corpus.rows(idx))
-            out.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
-        return out
+        if self._source is not None:
+            got, rows = next(self._source)
+            if got != batch_index:
+                raise RuntimeError(f"Ray Data delivered batch {got}, expected {batch_index}")
+        else:
+            rows = np.concatenate([self.corpus.rows(idx) for idx in self.layout.micro_batches(batch_index, self.dp_rank)])
+        rows = self._torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+        return [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in rows.split(self.layout.micro_batch)]
 
     def _run(self, batch_index: int, delay: float) -> None:
         if delay > 0 and self._stop.wait(delay):
@@ -250,3 +259,47 @@ class RankStream:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+# --------------------------------------------------------------------------- Ray Data
+
+
+class _RankRowReader:
+    """Ray Data map stage: batch index -> this DP rank's rows of that batch.
+
+    A callable class, so the stage's actor opens the corpus once and keeps its row-group
+    cache across batches.
+    """
+
+    def __init__(self, uri: str, storage_options: dict[str, Any], layout: BatchLayout, dp_rank: int):
+        self.corpus = ParquetCorpus(uri, storage_options)
+        self.layout, self.dp_rank = layout, dp_rank
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        rows = [self.corpus.rows(self.layout.rank_samples(int(b), self.dp_rank)) for b in batch["batch_index"]]
+        return {"batch_index": batch["batch_index"], "rows": np.stack(rows)}
+
+
+def ray_data_batches(uri: str, storage_options: dict[str, Any], layout: BatchLayout, dp_rank: int,
+                     start_batch: int, num_batches: int, prefetch: int) -> Iterator[tuple[int, np.ndarray]]:
+    """Stream ``dp_rank``'s batches ``start_batch..`` through a Ray Data pipeline, in order.
+
+    The pipeline is defined by the same global sample order as the native reader, so a
+    resume at any DP degree starts it at ``batch_index`` and reads exactly the next
+    samples. Its reader runs as a zero-CPU actor: the training workers hold the CPUs.
+    """
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True
+    ctx.enable_progress_bars = False
+    items = [{"batch_index": b} for b in range(start_batch, start_batch + num_batches)]
+    ds = ray.data.from_items(items, override_num_blocks=max(1, min(len(items), 64))).map_batches(
+        _RankRowReader,
+        fn_constructor_kwargs={"uri": uri, "storage_options": storage_options, "layout": layout, "dp_rank": dp_rank},
+        batch_size=1,
+        concurrency=1,
+        num_cpus=0,
+    )
+    for batch in ds.iter_batches(batch_size=1, prefetch_batches=max(1, prefetch), batch_format="numpy"):
+        yield int(batch["batch_index"][0]), batch["rows"][0]

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.checkpoint.memory_tier import MemoryTier, Snapshot
-from elastic.data import BatchLayout, ParquetCorpus, RankStream
+from elastic.data import BatchLayout, ParquetCorpus, RankStream, ray_data_batches
 from elastic.errors import PeerCollectiveError
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
@@ -186,15 +186,7 @@ class TrainWorker:
         self.skip_batches = set(start.get("skip_batches", []))
         if self.corpus is None:
             self.corpus = ParquetCorpus(self.corpus_uri, self.spec.data.storage_options)
-        layout = BatchLayout(self.spec.train.global_batch, self.spec.parallel.micro_batch, dp)
-        self.stream = RankStream(
-            self.corpus,
-            layout,
-            self.dims.coords(rank).dp_rank,
-            self.batch_index,
-            prefetch=self.spec.data.prefetch_steps,
-            start_delay_s=host_index * self.spec.data.stagger_s,
-        )
+        self.stream = self._open_stream(self.batch_index, host_index * self.spec.data.stagger_s)
         from elastic.checkpoint.storage_tier import StorageUploader
 
         self.uploader = StorageUploader.create(self.spec, start.get("storage_uri"), rank, self.dims, self.tier, self._results, base_step=self.step)
@@ -304,6 +296,17 @@ class TrainWorker:
             s = done[-1]
             result["snapshot"] = {"step": s.step, "blocking_s": self._snapshot_blocking + wait_s, "duration_s": s.copy_s, "bytes": s.nbytes}
 
+    def _open_stream(self, start_batch: int, delay_s: float) -> RankStream:
+        d = self.spec.data
+        layout = BatchLayout(self.spec.train.global_batch, self.spec.parallel.micro_batch, self.dims.dp)
+        dp_rank = self.dims.coords(self.rank).dp_rank
+        source = None
+        if d.loader == "ray_data":
+            # Enough batches to finish the run, with room for skipped ones.
+            remaining = self.spec.train.steps - self.step + 64
+            source = ray_data_batches(self.corpus_uri, d.storage_options, layout, dp_rank, start_batch, remaining, d.prefetch_steps)
+        return RankStream(self.corpus, layout, dp_rank, start_batch, prefetch=d.prefetch_steps, start_delay_s=delay_s, source=source)
+
     def _snapshot_now(self) -> None:
         """Make sure the memory tier holds the live step (a resize restores from it)."""
         self.tier.wait()
@@ -325,9 +328,8 @@ class TrainWorker:
         if self.spec.elastic.on_bad_loss == "skip":
             self.skip_batches.add(batch_index)
         if resume_batch != self.stream.next_batch and not (resume_batch == batch_index and batch_index in self.skip_batches):
-            layout, dp_rank = self.stream.layout, self.stream.dp_rank
             self.stream.close()
-            self.stream = RankStream(self.corpus, layout, dp_rank, resume_batch, self.spec.data.prefetch_steps)
+            self.stream = self._open_stream(resume_batch, 0.0)
         self.batch_index = resume_batch
         self._results.append(
             {

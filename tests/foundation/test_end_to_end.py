@@ -84,3 +84,18 @@ def test_jobs_train_entry_point(ray_local, tiny_spec_dict, tmp_path):
     assert summary["steps"] == 3 and summary["status"] == "succeeded"
     bad = subprocess.run([sys.executable, "-m", "jobs.train", config, "--set", "parallel.tp=3"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "parallel.tp" in bad.stderr
+
+
+def test_ray_data_loader_streams_the_same_samples(ray_local, tiny_spec_dict, tmp_path):
+    """`data.loader: ray_data` feeds each DP rank from a Ray Data pipeline in the same order."""
+    losses = {}
+    for loader in ("native", "ray_data"):
+        raw = dict(tiny_spec_dict, elastic=dict(tiny_spec_dict["elastic"], min_dp=2, max_dp=2))
+        raw["data"] = dict(raw["data"], loader=loader)
+        raw["train"] = dict(raw["train"], steps=5)
+        trainer = ElasticTrainer(JobSpec.from_dict(raw), run_dir=str(tmp_path / loader))
+        assert trainer.fit().status == "succeeded"
+        losses[loader] = _losses(trainer.run_dir)
+    assert sorted(losses["ray_data"]) == [1, 2, 3, 4, 5]
+    for step, loss in losses["native"].items():
+        assert losses["ray_data"][step] == pytest.approx(loss, rel=1e-6), step
