@@ -20,6 +20,7 @@ from elastic.errors import SpecError
 from elastic.model import ModelConfig
 from elastic.optim import TrainConfig
 from elastic.parallel.config import ParallelConfig
+from elastic.parallel.dims import validate_layout
 from elastic.placement import ResourcesConfig
 from elastic.policies import ElasticConfig
 
@@ -70,14 +71,7 @@ class JobSpec(BaseModel):
         m, p, e, t = self.model, self.parallel, self.elastic, self.train
         if m.d_model % m.n_heads:
             raise SpecError("model.n_heads", f"{m.n_heads} does not divide model.d_model ({m.d_model})")
-        if m.n_heads % p.tp:
-            raise SpecError("parallel.tp", f"{p.tp} does not divide model.n_heads ({m.n_heads})")
-        if m.d_model % p.tp:
-            raise SpecError("parallel.tp", f"{p.tp} does not divide model.d_model ({m.d_model})")
-        if m.n_layers % p.pp:
-            raise SpecError("parallel.pp", f"{p.pp} does not divide model.n_layers ({m.n_layers})")
-        if m.tie_embeddings and p.pp > 1:
-            raise SpecError("model.tie_embeddings", "tied embeddings need parallel.pp=1 (embedding and head sit on different stages)")
+        validate_layout(m, p.tp, p.pp)
         if e.min_dp > e.max_dp:
             raise SpecError("elastic.min_dp", f"{e.min_dp} is larger than elastic.max_dp ({e.max_dp})")
         if self.resources.device == "cuda" and self.resources.gpus_per_worker <= 0:

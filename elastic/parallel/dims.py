@@ -41,6 +41,18 @@ class RankCoords(NamedTuple):
     tp_rank: int
 
 
+def validate_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
+    """TP splits heads and hidden size, PP splits layers: each must divide evenly."""
+    if cfg.n_heads % tp:
+        raise SpecError("parallel.tp", f"{tp} does not divide model.n_heads ({cfg.n_heads})")
+    if cfg.d_model % tp:
+        raise SpecError("parallel.tp", f"{tp} does not divide model.d_model ({cfg.d_model})")
+    if cfg.n_layers % pp:
+        raise SpecError("parallel.pp", f"{pp} does not divide model.n_layers ({cfg.n_layers})")
+    if pp > 1 and cfg.tie_embeddings:
+        raise SpecError("model.tie_embeddings", "tied embeddings need parallel.pp=1 (embedding and head sit on different stages)")
+
+
 @dataclass
 class ParallelDims:
     dp: int
@@ -76,14 +88,7 @@ class ParallelDims:
     # ----- validation against the model -----------------------------------------------
 
     def validate_model(self, cfg: ModelConfig) -> None:
-        if cfg.n_heads % self.tp:
-            raise SpecError("parallel.tp", f"tp={self.tp} does not divide model.n_heads={cfg.n_heads}")
-        if cfg.d_model % self.tp:
-            raise SpecError("parallel.tp", f"tp={self.tp} does not divide model.d_model={cfg.d_model}")
-        if cfg.n_layers % self.pp:
-            raise SpecError("parallel.pp", f"pp={self.pp} does not divide model.n_layers={cfg.n_layers}")
-        if self.pp > 1 and cfg.tie_embeddings:
-            raise SpecError("model.tie_embeddings", "tied embeddings cannot be split across pipeline stages")
+        validate_layout(cfg, self.tp, self.pp)
 
     def grad_accum(self, global_batch: int, micro_batch: int) -> int:
         """Micro-batches per DP rank per optimizer step; the global batch must be exact."""
