@@ -7,7 +7,6 @@ the field, with no traceback.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys

@@ -22,7 +22,6 @@ import hashlib
 import json
 import queue
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass

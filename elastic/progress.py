@@ -73,7 +73,7 @@ def format_summary(result: Any, run_dir: str) -> str:
         + ("n/a" if result.final_loss is None else f"{result.final_loss:.4f}"),
         f"  mean throughput   {result.mean_tokens_per_s:,.0f} tokens/s",
         f"  failures          {result.failures}",
-        f"  dp history        " + ", ".join(f"step {s}: dp {d}" for s, d in result.dp_history),
+        "  dp history        " + ", ".join(f"step {s}: dp {d}" for s, d in result.dp_history),
     ]
     for r in result.recoveries:
         lines.append(f"  recovery          {r.cause}: detected in {r.detect_s:.2f}s, training again after {r.recover_s:.2f}s, {r.lost_steps} step(s) lost")

@@ -10,7 +10,6 @@ port, add new replicas and restore state. It decides nothing about *whether* to 
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +17,8 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
-from elastic.errors import ActorDied, CollectiveTimeout, HeartbeatTimeout, NodeLost, WorkerError, WorkerFailure
+from elastic.diagnosis import diagnose
+from elastic.errors import ActorDied, WorkerError, WorkerFailure
 from elastic.placement import ReplicaSlots
 from elastic.worker import TrainWorker
 
@@ -26,8 +26,6 @@ logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.1
 RPC_TIMEOUT_S = 120.0
-PEER_GRACE_S = 0.5  # after a peer error, how long a silent rank has to answer before it counts as dead
-NODE_PROBE_S = 1.0  # how long a dead rank's raylet is probed before the loss counts as one process
 
 
 @dataclass
@@ -265,7 +263,7 @@ class WorkerGroup:
         for m in self.members:
             self._read_poll(m, obs, now)
             self._read_run(m)
-        obs.failure = self._diagnose(now)
+        obs.failure = diagnose(self.members, self.spec.elastic, now, self._raylets)
         if obs.failure is None and self.members and all(m.run_result is not None for m in self.members):
             self._drain(obs)
             statuses = {m.run_result["status"] for m in self.members}
@@ -322,59 +320,6 @@ class WorkerGroup:
                 m.dead = True
                 m.run_result = {"status": "dead"}
 
-    def _diagnose(self, now: float) -> WorkerFailure | None:
-        """Turn evidence into one typed failure, attributed to the ranks at fault.
-
-        A rank that dies is usually seen first by its peers: their collective fails with
-        "Connection closed" within milliseconds, long before Ray marks the actor dead.
-        So once a peer error is seen, the ranks still inside ``run()`` that also stopped
-        answering polls for ``PEER_GRACE_S`` are the dead ones.
-        """
-        dead = [m for m in self.members if m.dead]
-        peer_errors = [m for m in self.members if m.run_result and m.run_result.get("kind") == "peer"]
-        if peer_errors and not dead:
-            first = min(m.run_result["error_at"] for m in peer_errors)
-            if time.time() - first >= PEER_GRACE_S:
-                dead = [m for m in self.members if m.run_result is None and now - m.last_ok >= PEER_GRACE_S]
-        if dead:
-            lost_nodes = self._lost_nodes(dead)
-            cls = NodeLost if lost_nodes else ActorDied
-            return cls(
-                f"{len(dead)} worker(s) died" + (f"; node(s) {sorted(lost_nodes)} left the cluster" if lost_nodes else ""),
-                ranks=[m.rank for m in dead],
-                nodes=sorted({m.node_id for m in dead}),
-            )
-        hb = self.spec.elastic.heartbeat_timeout_s
-        silent = [m for m in self.members if now - m.last_ok > hb]
-        if silent:
-            return HeartbeatTimeout(
-                f"no heartbeat for more than {hb:g}s", ranks=[m.rank for m in silent], nodes=sorted({m.node_id for m in silent})
-            )
-        errors = {m.rank: m.run_result for m in self.members if m.run_result and m.run_result["status"] == "error"}
-        own = [r for r, res in errors.items() if res["kind"] == "worker_error"]
-        if own:
-            return WorkerError(errors[own[0]]["detail"], ranks=own, nodes=self._nodes_of(own))
-        timeouts = [r for r, res in errors.items() if res["kind"] == "timeout"]
-        if timeouts:
-            hung = [m.rank for m in self.members if m.run_result is None]
-            return CollectiveTimeout(
-                f"a collective did not finish within {self.spec.elastic.collective_timeout_s:g}s",
-                ranks=hung or timeouts,
-                nodes=self._nodes_of(hung or timeouts),
-            )
-        return None
-
-    def _lost_nodes(self, dead: list[Member]) -> set[str]:
-        """Nodes whose every member died and whose raylet no longer accepts connections."""
-        candidates = {m.node_id for m in dead}
-        candidates = {n for n in candidates if all(m.dead or m in dead for m in self.members if m.node_id == n)}
-        if not candidates:
-            return set()
-        return _probe_dead_nodes(candidates, self._raylets, wait_s=NODE_PROBE_S)
-
-    def _nodes_of(self, ranks: list[int]) -> list[str]:
-        return sorted({m.node_id for m in self.members if m.rank in ranks})
-
     def request_stop(self) -> None:
         for m in self.members:
             m.actor.request_stop.remote()
@@ -423,26 +368,3 @@ def _host_indices(members: list[Member]) -> dict[str, int]:
     for m in members:
         order.setdefault(m.node_id, len(order))
     return order
-
-
-def _probe_dead_nodes(node_ids: set[str], raylets: dict[str, tuple[str, int]], wait_s: float) -> set[str]:
-    """Nodes whose raylet refuses (or does not answer) a TCP connection, probed up to ``wait_s``.
-
-    Ray's node table can report a lost node alive for tens of seconds (DESIGN.md section 8);
-    a refused connection to its raylet is immediate evidence that the node is gone.
-    """
-    deadline = time.monotonic() + wait_s
-    while True:
-        dead = set()
-        for n in node_ids:
-            addr = raylets.get(n)
-            if addr is None:
-                continue
-            try:
-                with socket.create_connection(addr, timeout=0.2):
-                    pass
-            except OSError:
-                dead.add(n)
-        if dead or time.monotonic() >= deadline:
-            return dead
-        time.sleep(0.05)

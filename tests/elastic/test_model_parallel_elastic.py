@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from elastic_testlib import assert_matches_reference, elastic_spec, events_of, step_losses
+from elastic_testlib import elastic_spec, events_of, step_losses
 
 from elastic import ElasticTrainer
 from elastic.testing.faults import Fault, FaultInjector
