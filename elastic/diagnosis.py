@@ -30,7 +30,12 @@ def diagnose(members: list[Any], elastic: Any, now: float, raylets: dict[str, tu
     if peer_errors and not dead:
         first = min(m.run_result["error_at"] for m in peer_errors)
         if time.time() - first >= PEER_GRACE_S:
-            dead = [m for m in members if m.run_result is None and now - m.last_ok >= PEER_GRACE_S]
+            # Silence alone is not death: a loaded machine can delay a poll. A suspect
+            # counts as dead once its node's raylet is gone; a lone dead process on a live
+            # node is confirmed by Ray within moments, and a hung one by the heartbeat.
+            suspects = [m for m in members if m.run_result is None and now - m.last_ok >= PEER_GRACE_S]
+            gone = _probe_dead_nodes({m.node_id for m in suspects}, raylets, wait_s=0.0)
+            dead = [m for m in suspects if m.node_id in gone]
     if dead:
         lost_nodes = _lost_nodes(members, dead, raylets)
         cls = NodeLost if lost_nodes else ActorDied
