@@ -243,7 +243,7 @@ class TrainWorker:
             # Corrupt the weights only once the last snapshot is complete: the snapshot
             # copy overlaps the forward pass, which never writes the weights.
             self.tier.wait()
-            self.faults.before_step(step, self.rank, self.engine)
+        self.faults.before_step(step, self.rank, self.engine)
         self._beat = time.monotonic()
         loss, stop = self.engine.forward_backward_agree(micro_batches, self._stop.is_set())
         self._beat = time.monotonic()

@@ -4,8 +4,9 @@ Two halves:
 
 * ``WorkerFaults`` runs inside a worker, at the start of a step: corrupt the weights with
   NaN (silent data corruption), blow a weight up (a loss spike), raise inside the step, or
-  hang the training thread (a collective that never completes for its peers). Each fault
-  fires once per worker process, so the replayed step after a recovery runs clean.
+  hang the training thread (a collective that never completes for its peers). Each of these
+  fires once per job, so the replayed step after a recovery runs clean. ``slow`` makes a
+  rank a straggler for every step from ``step`` on.
 * ``FaultInjector`` runs in the driver as a controller callback and acts on processes
   with real signals when step ``k`` completes: SIGKILL a worker, SIGSTOP a worker, or kill a
   whole node of a ``ray.cluster_utils.Cluster`` (SIGKILL its worker processes, then
@@ -23,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-WORKER_FAULT_KINDS = ("nan", "spike", "raise", "hang")
+WORKER_FAULT_KINDS = ("nan", "spike", "raise", "hang", "slow")
 
 
 class InjectedError(RuntimeError):
@@ -41,10 +42,16 @@ class WorkerFaults:
         self._pending = list(faults)
 
     def pending(self, step: int, rank: int) -> bool:
-        return any(f["step"] == step and f["rank"] == rank for f in self._pending)
+        """A one-shot fault is due now (the worker then waits for its last snapshot)."""
+        return any(f["step"] == step and f["rank"] == rank and f["kind"] != "slow" for f in self._pending)
 
     def before_step(self, step: int, rank: int, engine: Any) -> None:
+        for fault in self._pending:
+            if fault["kind"] == "slow" and step >= fault["step"] and fault["rank"] == rank:
+                time.sleep(fault["seconds"])  # a straggler: every step from then on
         for fault in list(self._pending):
+            if fault["kind"] == "slow":
+                continue
             if fault["step"] != step or fault["rank"] != rank:
                 continue
             self._pending.remove(fault)

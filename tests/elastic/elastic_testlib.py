@@ -9,7 +9,7 @@ import pytest
 from elastic.events import read_events
 from jobs import JobSpec
 
-STEPS = 24
+STEPS = 32
 FAULT_STEP = 8
 
 

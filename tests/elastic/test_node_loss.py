@@ -6,7 +6,7 @@ import pytest
 from elastic_testlib import FAULT_STEP, STEPS, assert_matches_reference, elastic_spec, events_of, step_losses
 
 from elastic import ElasticTrainer
-from elastic.testing.faults import Fault, FaultInjector
+from elastic.testing.faults import Fault, FaultInjector, worker_fault
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -17,7 +17,9 @@ def test_node_lost_shrinks_then_grows_back(ray_cluster, reference_losses_cluster
     injector = FaultInjector(
         [Fault("kill_node", at_step=FAULT_STEP, node_index=1, return_after_s=1.0)], cluster=ray_cluster, node_args={"num_cpus": 1}
     )
-    trainer = ElasticTrainer(spec, run_dir=str(tmp_path / "run"), callbacks=[injector], worker_faults=[])
+    # Steps of 0.15 s leave time for the node to come back before the run ends.
+    slow = [worker_fault("slow", step=1, rank=r, seconds=0.15) for r in range(4)]
+    trainer = ElasticTrainer(spec, run_dir=str(tmp_path / "run"), callbacks=[injector], worker_faults=slow)
     result = trainer.fit()
     assert result.status == "succeeded" and result.steps == STEPS
     failures = events_of(trainer.run_dir, "failure")
