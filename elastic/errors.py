@@ -77,8 +77,3 @@ class PeerCollectiveError(ElasticError):
     to the rank that actually died or hung.
     """
 
-
-FAILURE_TYPES: dict[str, type[WorkerFailure]] = {
-    cls.cause: cls
-    for cls in (ActorDied, NodeLost, HeartbeatTimeout, CollectiveTimeout, NanLoss, LossSpike, WorkerError)
-}

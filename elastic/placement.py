@@ -67,13 +67,6 @@ class ReplicaSlots:
                 return created
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
-    def wait_ready(self, count: int, timeout: float) -> list[Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            ready = self.ready(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
-            if len(ready) >= count or time.monotonic() >= deadline:
-                return ready
-
     def release(self, group: Any) -> None:
         from ray.util.placement_group import remove_placement_group
 

@@ -43,8 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
+from elastic.yaml_io import read_yaml
 from elastic.errors import SpecError
 
 RACK = "rack"
@@ -179,14 +179,7 @@ class ClusterTopology:
 
 def load_topology_file(path: str | Path) -> ClusterTopology:
     """Read and validate a topology YAML file. Errors name the field (``nodes[2].gpus``)."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise SpecError("topology", f"cannot read {path}: {exc.strerror}") from None
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SpecError("topology", f"{path} is not valid YAML: {' '.join(str(exc).split())}") from None
+    raw = read_yaml(path, "topology")
     return topology_from_dict(raw)
 
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from elastic.checkpoint.config import CheckpointConfig
 from elastic.data import DataConfig
 from elastic.errors import SpecError
+from elastic.yaml_io import read_yaml
 from elastic.model import ModelConfig
 from elastic.optim import TrainConfig
 from elastic.parallel.config import ParallelConfig
@@ -51,14 +52,7 @@ class JobSpec(BaseModel):
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> "JobSpec":
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise SpecError("config", f"cannot read {path}: {exc.strerror}") from None
-        try:
-            raw = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise SpecError("config", f"{path} is not valid YAML: {_one_line(exc)}") from None
+        raw = read_yaml(path, "config")
         if raw is None:
             raw = {}
         if not isinstance(raw, dict):

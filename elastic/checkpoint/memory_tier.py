@@ -221,9 +221,6 @@ class MemoryTier:
             for old in sorted(held)[:-2]:
                 del held[old]
 
-    def drop_replicas(self) -> None:
-        with self._lock:
-            self._replicas.clear()
 
 
 def _alloc_like(value: Any, pin: bool) -> Any:
