@@ -41,6 +41,10 @@ class Callback(Protocol):
 
     def on_step(self, step: int, group: Any) -> None: ...
 
+    def on_reconfigure(self, recovery: int, group: Any, members: list[Any]) -> None:
+        """Recovery number ``recovery`` chose ``members`` (in new rank order) and is about
+        to re-rendezvous them."""
+
 
 # --------------------------------------------------------------------------- states
 
@@ -324,7 +328,11 @@ class Controller:
             restore_step, source = self._storage_fallback()
         else:
             self._commit_survivors_steps(restore_step)
-        t = group.configure(kept + newcomers, dp, {"step": restore_step or 0, "batch_index": 0}, restore_step, source)
+        members = group.rank_order(kept + newcomers)
+        for cb in self.callbacks:
+            if hasattr(cb, "on_reconfigure"):
+                cb.on_reconfigure(self.failures, group, members)
+        t = group.configure(members, dp, {"step": restore_step or 0, "batch_index": 0}, restore_step, source)
         marks.append(("configured", time.monotonic()))
         logger.info("recovery phases: %s; configure: %s", _phases(marks), {k: round(v, 3) for k, v in t.items() if k.endswith("_s")})
         self.step = t["step"]

@@ -34,7 +34,7 @@ def diagnose(members: list[Any], elastic: Any, now: float, raylets: dict[str, tu
             # counts as dead once its node's raylet is gone; a lone dead process on a live
             # node is confirmed by Ray within moments, and a hung one by the heartbeat.
             suspects = [m for m in members if m.run_result is None and now - m.last_ok >= PEER_GRACE_S]
-            gone = _probe_dead_nodes({m.node_id for m in suspects}, raylets, wait_s=0.0)
+            gone = probe_dead_nodes({m.node_id for m in suspects}, raylets, wait_s=0.0)
             dead = [m for m in suspects if m.node_id in gone]
     if dead:
         lost_nodes = _lost_nodes(members, dead, raylets)
@@ -71,14 +71,14 @@ def _lost_nodes(members: list[Any], dead: list[Any], raylets: dict[str, tuple[st
     candidates = {n for n in candidates if all(m.dead or m in dead for m in members if m.node_id == n)}
     if not candidates:
         return set()
-    return _probe_dead_nodes(candidates, raylets, wait_s=NODE_PROBE_S)
+    return probe_dead_nodes(candidates, raylets, wait_s=NODE_PROBE_S)
 
 
 def _nodes_of(members: list[Any], ranks: list[int]) -> list[str]:
     return sorted({m.node_id for m in members if m.rank in ranks})
 
 
-def _probe_dead_nodes(node_ids: set[str], raylets: dict[str, tuple[str, int]], wait_s: float) -> set[str]:
+def probe_dead_nodes(node_ids: set[str], raylets: dict[str, tuple[str, int]], wait_s: float) -> set[str]:
     """Nodes whose raylet refuses (or does not answer) a TCP connection, probed up to ``wait_s``.
 
     Ray's node table can report a lost node alive for tens of seconds (DESIGN.md section 8);

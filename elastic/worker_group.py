@@ -17,8 +17,8 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
-from elastic.diagnosis import diagnose
-from elastic.errors import ActorDied, WorkerError, WorkerFailure
+from elastic.diagnosis import NODE_PROBE_S, probe_dead_nodes, diagnose
+from elastic.errors import ActorDied, NodeLost, WorkerError, WorkerFailure
 from elastic.placement import ReplicaSlots
 from elastic.worker import TrainWorker
 
@@ -93,7 +93,16 @@ class WorkerGroup:
             for b in range(self.replica_size):
                 opts = self.slots.actor_options(g, b)
                 actors.append((g, b, TrainWorker.options(**opts).remote(self.spec, self.corpus_uri, faults)))
-        infos = ray.get([a.info.remote() for _, _, a in actors], timeout=RPC_TIMEOUT_S)
+        try:
+            infos = ray.get([a.info.remote() for _, _, a in actors], timeout=RPC_TIMEOUT_S)
+        except (RayActorError, ActorUnavailableError, GetTimeoutError) as exc:
+            # A new node died (or never started its workers): none of these become members.
+            for _, _, a in actors:
+                try:
+                    ray.kill(a, no_restart=True)
+                except Exception as kill_exc:  # already gone with its node
+                    logger.debug("kill of a new worker failed: %s", kill_exc)
+            raise ActorDied(f"a new worker was lost while starting: {type(exc).__name__}", ranks=[], nodes=[]) from None
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         self._raylets.update({n["NodeID"]: (n["NodeManagerAddress"], n["NodeManagerPort"]) for n in nodes})
         self._node_labels.update({n["NodeID"]: dict(n.get("Labels") or {}) for n in nodes})
@@ -104,10 +113,17 @@ class WorkerGroup:
         """Give ``members`` ranks 0..n-1, rendezvous on a fresh port and restore state."""
         tp, pp = self.spec.parallel.tp, self.spec.parallel.pp
         old_holders = self._snapshot_holders(restore_step) if source == "memory" else {}
-        members = self._rack_ordered(members)
+        members = self.rank_order(members)
         for rank, m in enumerate(members):
             m.rank, m.run_ref, m.run_result, m.poll_ref = rank, None, None, None
-        port = ray.get(members[0].actor.free_port.remote(), timeout=RPC_TIMEOUT_S)
+        # From here on these are the members: a loss below is a failure of this layout,
+        # and the next recovery evicts it by its new rank (newcomers are not leaked).
+        self.members = list(members)
+        try:
+            port = ray.get(members[0].actor.free_port.remote(), timeout=RPC_TIMEOUT_S)
+        except (RayActorError, ActorUnavailableError):
+            members[0].dead = True
+            raise self._lost_failure([members[0]], "lost before the rendezvous") from None
         hosts = _host_indices(members)
         refs = []
         for m in members:
@@ -118,7 +134,6 @@ class WorkerGroup:
                 restore = {"source": "storage", "step": restore_step, "uri": self.storage_uri, "storage_options": self.spec.checkpoint.storage_options}
             start_m = dict(start, storage_uri=self.storage_uri)  # where the storage tier writes
             refs.append(m.actor.configure.remote(m.rank, (dp, tp, pp), (members[0].ip, port), start_m, restore, hosts[m.node_id]))
-        self.members = list(members)
         replies = self._gather_configure(members, refs)
         self.dp = dp
         now = time.monotonic()
@@ -134,7 +149,7 @@ class WorkerGroup:
 
     storage_uri: str = ""
 
-    def _rack_ordered(self, members: list[Member]) -> list[Member]:
+    def rank_order(self, members: list[Member]) -> list[Member]:
         """Whole replicas (consecutive chunks of ``members``) ordered rack by rack, then by node.
 
         DP ranks follow replica order, so the DP ring visits each rack's replicas
@@ -171,13 +186,20 @@ class WorkerGroup:
             except Exception as exc:  # an error inside configure, or no answer in time
                 failed.append((m, exc))
         if lost:
-            raise ActorDied(f"{len(lost)} worker(s) lost while reconfiguring", ranks=[m.rank for m in lost],
-                            nodes=sorted({m.node_id for m in lost}))
+            raise self._lost_failure(lost, "lost while reconfiguring")
         if failed:
             m, exc = failed[0]
             raise WorkerError(f"configure failed: {type(exc).__name__}: {str(exc)[:300]}", ranks=[m.rank for m, _ in failed],
                               nodes=sorted({m.node_id for m, _ in failed}))
         return replies
+
+    def _lost_failure(self, lost: list[Member], when: str) -> WorkerFailure:
+        """``node_lost`` when the lost members' raylets are gone too, else ``actor_died``."""
+        nodes = {m.node_id for m in lost}
+        gone = probe_dead_nodes(nodes, self._raylets, wait_s=NODE_PROBE_S)
+        cls = NodeLost if gone else ActorDied
+        detail = f"{len(lost)} worker(s) {when}" + (f"; node(s) {sorted(gone)} left the cluster" if gone else "")
+        return cls(detail, ranks=[m.rank for m in lost], nodes=sorted(nodes))
 
     def _snapshot_holders(self, step: int | None) -> dict[int, Member]:
         """Old rank -> a live member holding that rank's snapshot at ``step``."""

@@ -78,12 +78,17 @@ class WorkerFaults:
 
 @dataclass
 class Fault:
-    """A driver-side fault fired after step ``at_step`` completes."""
+    """A driver-side fault fired after step ``at_step`` completes.
+
+    With ``during_recovery=n`` it fires instead inside the n-th failure's recovery, after
+    the survivors were chosen and before they re-rendezvous: a loss mid-reconfiguration.
+    """
 
     kind: str  # kill_worker | stop_worker | kill_node
-    at_step: int
+    at_step: int = 0
+    during_recovery: int | None = None
     rank: int | None = None  # kill_worker / stop_worker: the rank at that moment
-    node_index: int | None = None  # kill_node: index into the cluster's worker nodes
+    node_index: int | None = None  # kill_node: index into the cluster's worker nodes (else the node of ``rank``)
     return_after_s: float | None = None  # kill_node: add an equal node back after this delay
     graceful_raylet: bool = False  # kill_node: SIGTERM the node's raylet instead of SIGKILL (quieter logs)
     fired_at: float | None = field(default=None, init=False)
@@ -99,13 +104,27 @@ class FaultInjector:
         self.returned_nodes: list[Any] = []
         self._stopped_pids: list[int] = []
         self._due: list[float] = []  # monotonic times at which to add a node back
+        self._next_members: list[Any] | None = None  # during on_reconfigure: the layout to come
 
     def on_step(self, step: int, group: Any) -> None:
         self._return_due_nodes()
         for fault in self.faults:
-            if fault.fired_at is None and step >= fault.at_step:
-                fault.fired_at = time.time()
-                getattr(self, f"_{fault.kind}")(fault, group)
+            if fault.fired_at is None and fault.during_recovery is None and step >= fault.at_step:
+                self._fire(fault, group)
+
+    def on_reconfigure(self, recovery: int, group: Any, members: list[Any]) -> None:
+        """``rank`` in a fault fired here is a rank of the layout about to be configured."""
+        for fault in self.faults:
+            if fault.fired_at is None and fault.during_recovery == recovery:
+                self._next_members = members
+                try:
+                    self._fire(fault, group)
+                finally:
+                    self._next_members = None
+
+    def _fire(self, fault: Fault, group: Any) -> None:
+        fault.fired_at = time.time()
+        getattr(self, f"_{fault.kind}")(fault, group)
 
     def _kill_worker(self, fault: Fault, group: Any) -> None:
         os.kill(group.pid_of(fault.rank), signal.SIGKILL)
@@ -116,7 +135,12 @@ class FaultInjector:
         os.kill(pid, signal.SIGSTOP)
 
     def _kill_node(self, fault: Fault, group: Any) -> None:
-        node = kill_node(self.cluster, fault.node_index, group, graceful_raylet=fault.graceful_raylet)
+        index = fault.node_index
+        if index is None:  # the node hosting ``fault.rank``
+            members = self._next_members or sorted(group.members, key=lambda m: m.rank)
+            host = members[fault.rank].node_id
+            index = next(i for i, n in enumerate(worker_nodes(self.cluster)) if n.node_id == host)
+        node = kill_node(self.cluster, index, group, graceful_raylet=fault.graceful_raylet)
         if fault.return_after_s is not None:
             self._due.append(time.monotonic() + fault.return_after_s)
         return node

@@ -64,6 +64,9 @@ class FakeWorkerGroup:
         return [FakeMember(-1, g, f"node-{g}") for g in groups]
 
     # configuration --------------------------------------------------------
+    def rank_order(self, members):
+        return list(members)
+
     def configure(self, members, dp, start, restore_step, source):
         self.calls.append(("configure", dp, restore_step, source))
         for rank, m in enumerate(members):

@@ -51,3 +51,21 @@ def test_two_failures_back_to_back(ray_cluster, reference_losses_cluster, tmp_pa
     assert all(r.lost_steps <= 1 for r in result.recoveries)
     assert result.dp_history[-1][1] == 2
     assert_matches_reference(step_losses(trainer.run_dir), reference_losses_cluster)
+
+
+def test_rendezvous_host_lost_while_reconfiguring(ray_cluster, reference_losses_cluster, tmp_path):
+    """The node of the next rank 0 (the rendezvous host) dies after the first recovery chose
+    its survivors and before they re-rendezvous: a second recovery, nothing lost."""
+    spec = elastic_spec(min_dp=1, max_dp=4)
+    injector = FaultInjector(
+        [Fault("kill_node", at_step=FAULT_STEP, node_index=3), Fault("kill_node", during_recovery=1, rank=0)],
+        cluster=ray_cluster,
+    )
+    trainer = ElasticTrainer(spec, run_dir=str(tmp_path / "run"), callbacks=[injector])
+    result = trainer.fit()
+    assert result.status == "succeeded" and result.steps == STEPS
+    assert all(f.fired_at is not None for f in injector.faults)
+    assert [f["cause"] for f in events_of(trainer.run_dir, "failure")] == ["node_lost", "node_lost"]
+    assert len(result.recoveries) == 2 and all(r.lost_steps <= 1 for r in result.recoveries)
+    assert [dp for _, dp in result.dp_history] == [4, 2]
+    assert_matches_reference(step_losses(trainer.run_dir), reference_losses_cluster)

@@ -16,7 +16,7 @@ def test_replicas_are_ranked_rack_by_rack():
     group = WorkerGroup(spec, "memory://corpus")  # no Ray call until spawn
     group._node_labels = {"a": {"rack": "r1"}, "b": {"rack": "r0"}, "c": {"rack": "r1"}, "d": {"rack": "r0"}}
     members = [Member(actor=None, group=None, bundle=i % 2, node_id=n, ip="", pid=i) for i, n in enumerate("aabbccdd")]
-    ordered = group._rack_ordered(members)
+    ordered = group.rank_order(members)
     assert [m.node_id for m in ordered] == list("bbddaacc")
     assert [m.bundle for m in ordered] == [0, 1] * 4  # TP order inside each replica kept
     racks = [group._node_labels[m.node_id]["rack"] for m in ordered[::2]]
