@@ -326,6 +326,8 @@ class Controller:
         source = "memory"
         if restore_step is None:
             restore_step, source = self._storage_fallback()
+            if source == "none":
+                logger.warning("no snapshot in memory or storage covers the lost shards: training restarts from step 0")
         else:
             self._commit_survivors_steps(restore_step)
         members = group.rank_order(kept + newcomers)

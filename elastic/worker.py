@@ -79,6 +79,21 @@ def _is_collective_error(exc: BaseException) -> bool:
     )
 
 
+def _sender(peer: Any, timeout_s: float):
+    """Deliver a snapshot to ``peer`` (a TrainWorker): serialise now, confirm later."""
+
+    def send(snap: Snapshot):
+        ref = peer.store_replica.remote(snap)  # the arguments are serialised here
+
+        def delivered() -> None:
+            if not ray.get(ref, timeout=timeout_s):
+                raise RuntimeError(f"the peer refused the snapshot of step {snap.step}: it has left that layout")
+
+        return delivered
+
+    return send
+
+
 @ray.remote(concurrency_groups=CONCURRENCY_GROUPS, max_restarts=0)
 class TrainWorker:
     def __init__(self, spec: Any, corpus_uri: str, faults: list[dict] | None = None):
@@ -149,9 +164,15 @@ class TrainWorker:
         return self.tier.get(owner, step)
 
     @ray.method(concurrency_group="control")
-    def store_replica(self, snap: Snapshot) -> None:
+    def store_replica(self, snap: Snapshot) -> bool:
+        """Keep a peer's snapshot; False when it belongs to a layout this worker has left."""
         self._ensure_tier()
-        self.tier.store_replica(snap)
+        return self.tier.store_replica(snap)
+
+    @ray.method(concurrency_group="control")
+    def replication_stats(self) -> dict[str, Any]:
+        """The last deliveries of this rank's snapshots to its peer: (step, seconds, bytes)."""
+        return {"replicated": list(self.tier.replicated) if self.tier else [], "errors": self.tier.replication_errors if self.tier else 0}
 
     # ------------------------------------------------------------------ train group
     @ray.method(concurrency_group="train")
@@ -177,6 +198,7 @@ class TrainWorker:
         self.engine = TrainEngine(self.spec.model, self.spec.parallel, self.spec.train, self.dims, self.spec.seed, device=str(self.device))
         build_s = time.perf_counter() - t1
         self._ensure_tier()
+        self.tier.replicate_to(None)  # nothing of the old layout is sent from now on
         restore_s = 0.0
         self.step, self.batch_index = start["step"], start["batch_index"]
         if restore is not None:
@@ -184,6 +206,10 @@ class TrainWorker:
             self._restore(restore)
             restore_s = time.perf_counter() - t2
         self.skip_batches = set(start.get("skip_batches", []))
+        self.tier.layout = self._layout()  # replicas of the old layout arriving late are refused
+        peer = start.get("replica_peer")
+        self.tier.replicate_to(_sender(peer, self.spec.elastic.collective_timeout_s) if peer is not None else None,
+                               timeout_s=self.spec.elastic.collective_timeout_s)
         if self.corpus is None:
             self.corpus = ParquetCorpus(self.corpus_uri, self.spec.data.storage_options)
         self.stream = self._open_stream(self.batch_index, host_index * self.spec.data.stagger_s)

@@ -17,6 +17,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
+from elastic import policies
 from elastic.diagnosis import NODE_PROBE_S, probe_dead_nodes, diagnose
 from elastic.errors import ActorDied, NodeLost, WorkerError, WorkerFailure
 from elastic.placement import ReplicaSlots
@@ -125,14 +126,18 @@ class WorkerGroup:
             members[0].dead = True
             raise self._lost_failure([members[0]], "lost before the rendezvous") from None
         hosts = _host_indices(members)
+        peers = [None] * len(members)
+        if self.spec.checkpoint.replicate:
+            peers = policies.replica_peers([m.node_id for m in members], tp, pp, self.spec.parallel.zero)
         refs = []
-        for m in members:
+        for m, peer in zip(members, peers):
             restore = None
             if source == "memory":
                 restore = {"source": "memory", "step": restore_step, "holders": self._holders_for(m, old_holders)}
             elif source == "storage":
                 restore = {"source": "storage", "step": restore_step, "uri": self.storage_uri, "storage_options": self.spec.checkpoint.storage_options}
             start_m = dict(start, storage_uri=self.storage_uri)  # where the storage tier writes
+            start_m["replica_peer"] = members[peer].actor if peer is not None else None  # keeps copies of m's snapshots
             refs.append(m.actor.configure.remote(m.rank, (dp, tp, pp), (members[0].ip, port), start_m, restore, hosts[m.node_id]))
         replies = self._gather_configure(members, refs)
         self.dp = dp

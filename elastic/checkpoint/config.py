@@ -15,6 +15,11 @@ class CheckpointConfig(BaseModel):
     memory_every_steps: int = Field(1, ge=0, description="memory-tier period in steps; 0 disables")
     async_: bool = Field(True, alias="async", description="upload in the background")
     keep: int = Field(3, ge=1, description="committed checkpoints kept in storage")
+    replicate: bool = Field(
+        True,
+        description="also copy each memory snapshot to a peer on another node when no other node holds that state "
+        "(FSDP shards, TP/PP without a DP twin): a lost node's shards then come back from peer memory, not storage",
+    )
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="fsspec options (e.g. S3 endpoint_url, key, secret)"
     )

@@ -14,16 +14,24 @@ side stream). The training loop only has to call :meth:`wait` before it next mut
 state (the optimizer step), so the copy overlaps the next forward/backward.
 
 Peer replicas: a rank can hold copies of other ranks' snapshots (``store_replica``), so a
-lost rank's shard can be served by a survivor on another node.
+lost rank's shard can be served by a survivor on another node. With a ``replicate_to``
+sender set, every completed own snapshot is also sent to the rank's peer by a background
+thread. The sender holds a lease on the buffer only while serialising it. Backpressure
+keeps this deterministic: a new snapshot starts only once the previous one has reached
+its peer (or ``replicate_timeout_s`` passed), so every snapshot is replicated, one at a
+time, and the wait counts in the snapshot's ``blocking_s``.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
 
 import torch
 
@@ -95,6 +103,13 @@ class MemoryTier:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.layout: dict[str, int] | None = None  # the current layout; replicas of others are refused
+        # Peer replication: send(snapshot) delivers it to this rank's peer (blocking).
+        self._send: Callable[[Snapshot], Callable[[], None]] | None = None
+        self._replicate_timeout_s = 60.0
+        self._sender: threading.Thread | None = None
+        self.replicated: list[tuple[int, float, int]] = []  # (step, seconds, bytes) delivered, newest last
+        self.replication_errors = 0
 
     # ------------------------------------------------------------------ own snapshots
     def snapshot_async(self, step: int, rank: int, state: dict[str, Any], layout: dict[str, int]) -> float:
@@ -104,6 +119,7 @@ class MemoryTier:
         """
         t0 = time.perf_counter()
         self.wait()
+        self.wait_replication()
         tensors, objects = flatten_state(state)
         buf = self._buffer_for(tensors)
         buf.step, buf.rank, buf.layout, buf.complete = step, rank, dict(layout), False
@@ -130,7 +146,13 @@ class MemoryTier:
             with self._lock:
                 buf.copy_s = time.perf_counter() - t0
                 buf.complete, buf.reported = True, False
+                send = self._send
+                if send is not None:
+                    buf.leases += 1  # until serialised for the peer
                 self._retire_old()
+            if send is not None:
+                self._sender = threading.Thread(target=self._replicate, args=(send, buf), daemon=True)
+                self._sender.start()
         except BaseException as exc:  # reported by wait(); the previous snapshot stays good
             with self._lock:
                 self._own.remove(buf)
@@ -145,6 +167,44 @@ class MemoryTier:
         if self._error is not None:
             err, self._error = self._error, None
             raise RuntimeError(f"memory snapshot failed: {err}") from err
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ replication
+    def replicate_to(self, send: Callable[[Snapshot], Callable[[], None]] | None, timeout_s: float = 60.0) -> None:
+        """Send every completed own snapshot through ``send`` (None: stop replicating).
+
+        ``send(snap)`` must serialise ``snap`` before it returns, and returns a callable that
+        blocks until the peer has stored it. Called on the sender thread. Takes effect for
+        snapshots completed from now on.
+        """
+        with self._lock:
+            self._send, self._replicate_timeout_s = send, timeout_s
+            self._sender = None  # one in flight to an old peer finishes on its own
+
+    def _replicate(self, send: Callable[[Snapshot], Callable[[], None]], snap: Snapshot) -> None:
+        t0 = time.perf_counter()
+        try:
+            try:
+                delivered = send(snap)
+            finally:
+                self.release(snap)  # serialised: the buffer may be reused
+            delivered()
+            with self._lock:
+                self.replicated = self.replicated[-7:] + [(snap.step, time.perf_counter() - t0, snap.nbytes)]
+        except Exception as exc:  # the peer is gone: recovery will show it; training goes on
+            self.replication_errors += 1
+            logger.warning("replicating the snapshot of step %d to the peer failed: %s", snap.step, exc)
+
+    def wait_replication(self) -> float:
+        """Block until the replication in flight is delivered (at most the timeout)."""
+        t0 = time.perf_counter()
+        sender = self._sender
+        if sender is not None:
+            sender.join(self._replicate_timeout_s)
+            if sender.is_alive():
+                self.replication_errors += 1
+                logger.warning("a snapshot replication did not finish within %.0fs; going on without it", self._replicate_timeout_s)
+            self._sender = None
         return time.perf_counter() - t0
 
     def _buffer_for(self, tensors: dict[str, Any]) -> Snapshot:
@@ -204,9 +264,20 @@ class MemoryTier:
         raise KeyError(f"no complete snapshot of rank {owner} at step {step} here")
 
     def keep_layout(self, layout: dict[str, int]) -> None:
-        """Forget own snapshots taken under another layout (after a resize has settled)."""
+        """Forget snapshots and replicas taken under another layout (after a resize has settled).
+
+        Ranks are renumbered on a resize, so an old replica could be mistaken for a new
+        rank's; from now on replicas of another layout are refused.
+        """
         with self._lock:
+            self.layout = dict(layout)
             self._own = [s for s in self._own if s.layout == layout or s.leases > 0]
+            for owner in list(self._replicas):
+                held = {step: r for step, r in self._replicas[owner].items() if r.layout == layout}
+                if held:
+                    self._replicas[owner] = held
+                else:
+                    del self._replicas[owner]
 
     def release(self, snap: Snapshot) -> None:
         with self._lock:
@@ -214,13 +285,20 @@ class MemoryTier:
             self._retire_old()
 
     # ------------------------------------------------------------------ peer replicas
-    def store_replica(self, snap: Snapshot) -> None:
+    def store_replica(self, snap: Snapshot) -> bool:
+        """Keep ``snap`` (another rank's) for recovery; the two newest per owner are kept.
+
+        Returns False, keeping nothing, when it was taken under another layout than the
+        current one (a late arrival from before a resize).
+        """
         with self._lock:
+            if self.layout is not None and snap.layout != self.layout:
+                return False
             held = self._replicas.setdefault(snap.rank, {})
             held[snap.step] = snap
             for old in sorted(held)[:-2]:
                 del held[old]
-
+            return True
 
 
 def _alloc_like(value: Any, pin: bool) -> Any:

@@ -56,16 +56,22 @@ def test_resume_without_a_checkpoint_starts_from_scratch(ray_local, tiny_spec_di
     assert events(str(tmp_path / "run"), "restore") == []
 
 
-def test_failure_without_a_full_memory_copy_restores_from_storage(ray_local, tiny_spec_dict, tmp_path):
-    """FSDP at dp 2, memory snapshots only at checkpoint steps: when rank 1 dies, the survivor
-    holds half the state, so the controller restores the newest committed checkpoint."""
+@pytest.mark.parametrize("replicate", [False, True])
+def test_fsdp_rank_lost_restores_from_peer_copy_else_storage(ray_local, tiny_spec_dict, tmp_path, replicate):
+    """FSDP at dp 2, memory snapshots only at checkpoint steps, and rank 1 dies.
+
+    Without peer copies the survivor holds half the state, so the controller restores the
+    newest committed checkpoint from storage. With them (the default) the survivor also
+    holds rank 1's shard, and the restore comes from memory. Either way the losses are the
+    fault-free run's.
+    """
     from elastic.testing.faults import Fault, FaultInjector, worker_fault
 
     steps = 12
 
     def spec(uri):
         return ckpt_spec(tiny_spec_dict, uri, parallel={"zero": 3}, train={"steps": steps},
-                         elastic={"min_dp": 2, "max_dp": 2}, checkpoint={"memory_every_steps": 0})
+                         elastic={"min_dp": 2, "max_dp": 2}, checkpoint={"memory_every_steps": 0, "replicate": replicate})
 
     slow = [worker_fault("hang", s, rank=0, seconds=0.2) for s in range(1, steps + 1)]
     ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
@@ -74,7 +80,7 @@ def test_failure_without_a_full_memory_copy_restores_from_storage(ray_local, tin
     result = ElasticTrainer(spec(str(tmp_path / "ckpt")), run_dir=run_dir, callbacks=[injector], worker_faults=slow).fit()
     assert result.status == "succeeded" and result.steps == steps and result.failures == 1
     (restore,) = events(run_dir, "restore")
-    assert restore["source"] == "storage" and restore["step"] in (3, 6)
+    assert restore["source"] == ("memory" if replicate else "storage") and restore["step"] in (3, 6)
     committed = [e["step"] for e in events(run_dir, "checkpoint", tier="storage") if e["committed"]]
     assert restore["step"] in committed and steps in committed
     got, want = losses(run_dir), losses(ref_dir)

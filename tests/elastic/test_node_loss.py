@@ -69,3 +69,18 @@ def test_rendezvous_host_lost_while_reconfiguring(ray_cluster, reference_losses_
     assert len(result.recoveries) == 2 and all(r.lost_steps <= 1 for r in result.recoveries)
     assert [dp for _, dp in result.dp_history] == [4, 2]
     assert_matches_reference(step_losses(trainer.run_dir), reference_losses_cluster)
+
+
+def test_fsdp_node_lost_restores_its_shard_from_peer_memory(ray_cluster, reference_losses_cluster, tmp_path):
+    """ZeRO-3 at dp 4, one rank per node: the lost node's shard is unique, and its copy on a
+    peer node brings it back from memory (not storage) at dp 3."""
+    spec = elastic_spec(min_dp=1, max_dp=4)
+    spec.parallel.zero = 3
+    injector = FaultInjector([Fault("kill_node", at_step=FAULT_STEP, node_index=1)], cluster=ray_cluster)
+    trainer = ElasticTrainer(spec, run_dir=str(tmp_path / "run"), callbacks=[injector])
+    result = trainer.fit()
+    assert result.status == "succeeded" and result.steps == STEPS
+    assert [f["cause"] for f in events_of(trainer.run_dir, "failure")] == ["node_lost"]
+    assert [(e["source"], e["step"] >= FAULT_STEP - 1) for e in events_of(trainer.run_dir, "restore")] == [("memory", True)]
+    assert [dp for _, dp in result.dp_history] == [4, 3] and result.recoveries[0].lost_steps <= 1
+    assert_matches_reference(step_losses(trainer.run_dir), reference_losses_cluster)

@@ -52,3 +52,32 @@ def test_loss_monitor_flags_nan_and_spikes_but_not_descent():
     assert mon.check(3.0) is None  # falling fast is fine
     assert mon.check(3.9) is None  # within the recent spread
     assert mon.check(40.0) == "loss_spike"
+
+
+@pytest.mark.parametrize(
+    "nodes, tp, pp, zero, expected",
+    [
+        # DDP, one replica per node: every DP twin on another node already holds the state.
+        (["a", "b", "c", "d"], 1, 1, 0, [None] * 4),
+        # FSDP, one rank per node: each shard is unique; a uniform shift of 1 keeps it balanced.
+        (["a", "b", "c", "d"], 1, 1, 3, [1, 2, 3, 0]),
+        # FSDP, two ranks per node: the shift that moves every rank off its node is 2.
+        (["a", "a", "b", "b"], 1, 1, 2, [2, 3, 0, 1]),
+        # DDP dp 1 x tp 2 over two nodes: no twin anywhere, so copies cross nodes.
+        (["a", "b"], 2, 1, 0, [1, 0]),
+        # DDP dp 3 x tp 2, two replicas on node a: the third, on b, is everyone's twin off-node.
+        (["a", "a", "a", "a", "b", "b"], 2, 1, 0, [None] * 6),
+        # FSDP dp 3 x tp 2 on nodes a, a, b: no shift clears every node; the least-loaded off-node rank.
+        (["a", "a", "a", "a", "b", "b"], 2, 1, 2, [4, 5, 4, 5, 0, 1]),
+        # One node: DDP twins in other processes suffice; FSDP shards go to the next process.
+        (["a", "a"], 1, 1, 0, [None, None]),
+        (["a", "a", "a"], 1, 1, 1, [1, 2, 0]),
+        (["a"], 1, 1, 3, [None]),
+    ],
+)
+def test_replica_peers(nodes, tp, pp, zero, expected):
+    peers = policies.replica_peers(nodes, tp, pp, zero)
+    assert peers == expected
+    for r, p in enumerate(peers):  # a copy never lives on its owner's node when another node exists
+        if p is not None and len(set(nodes)) > 1:
+            assert nodes[p] != nodes[r]
