@@ -178,18 +178,62 @@ class TrainEngine:
     # ----- state ------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Model and optimizer keyed by full-model FQN (DTensors where sharded), scheduler."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        """Model and optimizer keyed by full-model FQN (DTensors where sharded), scheduler.
+
+        The tensors alias the live parameters and optimizer state (nothing is copied): read
+        them before the next optimizer step. DCP's ``get_state_dict`` costs milliseconds
+        (it maps every FQN), more than the snapshot copy itself, so its result is kept and
+        reused while the same parameter and optimizer-state tensors are live (both are
+        updated in place); only the optimizer's hyperparameters, which the LR schedule
+        changes every step, are refreshed. A changed tensor set rebuilds it.
+        """
+        key = self._live_key()
+        cache = getattr(self, "_sd_cache", None)
+        if cache is None or cache[0] != key:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+            cache = (key, model_sd, optim_sd) if _aliases_live(model_sd, optim_sd, self.model, self.optimizer) else None
+            self._sd_cache = cache
+            if cache is None:
+                return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
+        _, model_sd, optim_sd = cache
+        for cached, live in zip(optim_sd["param_groups"], self.optimizer.param_groups):
+            cached.update({k: v for k, v in live.items() if k != "params"})
         return {"model": model_sd, "optim": optim_sd, "scheduler": self.scheduler.state_dict()}
+
+    def _live_key(self) -> tuple:
+        """Identity and storage of every tensor the optimizer updates (parameters and state).
+
+        Read from the optimizer, not by walking the module tree, which costs more than the
+        rest of a snapshot. The model has no buffers; a state dict that holds anything not
+        aliased here is never cached (``_aliases_live``).
+        """
+        live = [p for g in self.optimizer.param_groups for p in g["params"]]
+        live += [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        return tuple((id(t), _storage_ptr(t)) for t in live)
 
     def load_state_dict(self, state: dict) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self._sd_cache = None
 
     @property
     def step(self) -> int:
         """Optimizer steps taken (restored with the scheduler state)."""
         return self.scheduler.last_epoch
+
+
+def _aliases_live(model_sd: dict, optim_sd: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    """Does every tensor of the state dict share storage with a live parameter or optimizer state?"""
+
+    live = {_storage_ptr(t) for t in [*model.parameters(), *model.buffers()]}
+    live |= {_storage_ptr(v) for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)}
+    tensors = list(model_sd.values()) + [v for st in optim_sd["state"].values() for v in st.values()]
+    return all(_storage_ptr(t) in live for t in tensors if torch.is_tensor(t))
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    """Address of a tensor's (a DTensor's local shard's) data."""
+    return getattr(t, "_local_tensor", t).data_ptr()
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:

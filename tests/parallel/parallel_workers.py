@@ -67,6 +67,28 @@ def count_block_forwards(engine: TrainEngine) -> list[int]:
     return calls
 
 
+def state_dict_matches_fresh(engine: TrainEngine) -> tuple[bool, bool]:
+    """Does the (possibly cached) ``engine.state_dict()`` equal a fresh DCP ``get_state_dict``?
+
+    Returns (equal, whether the engine served it from its cache).
+    """
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    mine = engine.state_dict()
+    cached = getattr(engine, "_sd_cache", None) is not None
+    model_sd, optim_sd = get_state_dict(engine.model, engine.optimizer)
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    same = mine["model"].keys() == model_sd.keys() and all(torch.equal(local(mine["model"][k]), local(v)) for k, v in model_sd.items())
+    same &= mine["optim"]["state"].keys() == optim_sd["state"].keys()
+    for fqn, st in optim_sd["state"].items():
+        same &= all(torch.equal(local(mine["optim"]["state"][fqn][k]), local(v)) for k, v in st.items())
+    same &= mine["optim"]["param_groups"] == optim_sd["param_groups"]  # the LR moved since the cache was built
+    return bool(same), cached
+
+
 def train_layouts(rank: int, world: int, out_dir: str, layouts: list[Layout]) -> dict:
     """Train every layout in turn on one world-sized process group."""
     init_group(rank, world, os.path.join(out_dir, "store"))
@@ -78,7 +100,9 @@ def train_layouts(rank: int, world: int, out_dir: str, layouts: list[Layout]) ->
         placements = param_placements(engine)
         losses, norms = train_steps(engine, layout, range(1))
         mlp_calls = count_block_forwards(engine)  # after step 0: PP's first step adds a shape-probing forward
+        engine.state_dict()  # builds the cached state dict that later snapshots reuse
         more_losses, more_norms = train_steps(engine, layout, range(1, STEPS))
+        cache_ok, cached = state_dict_matches_fresh(engine)
         losses, norms = losses + more_losses, norms + more_norms
         results[layout.name] = {
             "losses": losses,
@@ -94,6 +118,8 @@ def train_layouts(rank: int, world: int, out_dir: str, layouts: list[Layout]) ->
             "peak_mem_bytes": engine.peak_mem_bytes(),
             "flops_per_step": engine.flops_per_step,
             "seconds": time.perf_counter() - t0,
+            "state_dict_cache_ok": cache_ok,
+            "state_dict_cached": cached,
         }
         del engine
     dist.destroy_process_group()

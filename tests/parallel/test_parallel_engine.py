@@ -138,3 +138,14 @@ def test_resize_rebuilds_in_process_and_resumes(tmp_path, reference):
     for run in runs[2:]:
         assert run["losses"] == pytest.approx(ref_losses[:2], rel=1e-3)
 
+
+
+@pytest.mark.timeout(240)
+def test_cached_state_dict_tracks_the_live_state(runs):
+    """Snapshots reuse one DCP state dict per engine; after more steps it must still equal a
+    fresh ``get_state_dict`` (weights, optimizer moments and the scheduled LR)."""
+    for layout in LAYOUTS:
+        for rank, run in enumerate(runs):
+            assert run[layout.name]["state_dict_cache_ok"], (layout.name, rank)
+    cached = {layout.name for layout in LAYOUTS if all(run[layout.name]["state_dict_cached"] for run in runs)}
+    assert {"dp4", "zero3_dp4", "zero1_dp4", "dp2_tp2"} <= cached, cached
