@@ -83,7 +83,7 @@ def _sender(peer: Any, timeout_s: float):
     """Deliver a snapshot to ``peer`` (a TrainWorker): serialise now, confirm later."""
 
     def send(snap: Snapshot):
-        ref = peer.store_replica.remote(snap)  # the arguments are serialised here
+        ref = peer.store_replica.remote(snap.to_wire())  # the arguments are serialised here
 
         def delivered() -> None:
             if not ray.get(ref, timeout=timeout_s):
@@ -159,15 +159,17 @@ class TrainWorker:
         return {} if self.tier is None else self.tier.holdings()
 
     @ray.method(concurrency_group="control")
-    def fetch_snapshot(self, owner: int, step: int) -> Snapshot:
-        """A snapshot this worker holds: taken by itself as rank ``owner``, or a peer replica."""
-        return self.tier.get(owner, step)
+    def fetch_snapshot(self, owner: int, step: int) -> dict[str, Any]:
+        """A snapshot this worker holds (taken by itself as rank ``owner``, or a peer
+        replica), in ``Snapshot.to_wire`` form."""
+        return self.tier.get(owner, step).to_wire()
 
     @ray.method(concurrency_group="control")
-    def store_replica(self, snap: Snapshot) -> bool:
-        """Keep a peer's snapshot; False when it belongs to a layout this worker has left."""
+    def store_replica(self, wire: dict[str, Any]) -> bool:
+        """Keep a peer's snapshot (``Snapshot.to_wire`` form); False when it belongs to a
+        layout this worker has left."""
         self._ensure_tier()
-        return self.tier.store_replica(snap)
+        return self.tier.store_replica(Snapshot.from_wire(wire))
 
     @ray.method(concurrency_group="control")
     def replication_stats(self) -> dict[str, Any]:
@@ -393,7 +395,7 @@ class TrainWorker:
                 if holder is None:  # this worker holds it itself
                     snaps[owner] = self.tier.get(owner, restore["step"])
                 else:
-                    snaps[owner] = ray.get(holder.fetch_snapshot.remote(owner, restore["step"]), timeout=120)
+                    snaps[owner] = Snapshot.from_wire(ray.get(holder.fetch_snapshot.remote(owner, restore["step"]), timeout=120))
             self._load_snapshots(snaps)
             obj = next(iter(snaps.values())).objects
         else:

@@ -28,6 +28,7 @@ import copy
 import logging
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -49,6 +50,34 @@ class Snapshot:
     leases: int = 0
     copy_s: float = 0.0
     reported: bool = False
+
+    def to_wire(self) -> dict[str, Any]:
+        """A form Ray ships without pickling tensors: each tensor as a flat byte array.
+
+        Ray serialises numpy arrays out of band (one copy into its object store) and the
+        receiver maps them without copying; pickled tensors would be copied twice more and
+        re-allocated on arrival. Byte views keep every dtype (numpy has no bfloat16).
+        """
+        tensors = {}
+        for key, value in self.tensors.items():
+            t = value.local if isinstance(value, ShardRecord) else value
+            entry = {"bytes": t.detach().contiguous().reshape(-1).view(torch.uint8).numpy(), "dtype": str(t.dtype).removeprefix("torch."),
+                     "shape": tuple(t.shape)}
+            if isinstance(value, ShardRecord):
+                entry["global_shape"], entry["offsets"] = value.global_shape, value.offsets
+            tensors[key] = entry
+        return {"step": self.step, "rank": self.rank, "layout": dict(self.layout), "objects": self.objects, "tensors": tensors}
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> Snapshot:
+        """The inverse of :meth:`to_wire`; the tensors are read-only views of the received bytes."""
+        tensors: dict[str, Any] = {}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            for key, e in wire["tensors"].items():
+                t = torch.from_numpy(e["bytes"]).view(getattr(torch, e["dtype"])).reshape(e["shape"])
+                tensors[key] = ShardRecord(t, e["global_shape"], e["offsets"]) if "offsets" in e else t
+        return cls(wire["step"], wire["rank"], tensors, wire["objects"], wire["layout"], complete=True)
 
     @property
     def nbytes(self) -> int:
