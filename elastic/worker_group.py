@@ -122,8 +122,8 @@ class WorkerGroup:
         self.members = list(members)
         try:
             port = ray.get(members[0].actor.free_port.remote(), timeout=RPC_TIMEOUT_S)
-        except (RayActorError, ActorUnavailableError):
-            members[0].dead = True
+        except (RayActorError, ActorUnavailableError, GetTimeoutError):
+            self.kill([members[0]])  # unreachable: evicted like a dead one
             raise self._lost_failure([members[0]], "lost before the rendezvous") from None
         hosts = _host_indices(members)
         peers = [None] * len(members)

@@ -65,7 +65,10 @@ def test_rendezvous_host_lost_while_reconfiguring(ray_cluster, reference_losses_
     result = trainer.fit()
     assert result.status == "succeeded" and result.steps == STEPS
     assert all(f.fired_at is not None for f in injector.faults)
-    assert [f["cause"] for f in events_of(trainer.run_dir, "failure")] == ["node_lost", "node_lost"]
+    causes = [f["cause"] for f in events_of(trainer.run_dir, "failure")]
+    # The second loss is seen from a failed call to the dead host: node_lost once its raylet
+    # refuses connections (at once here), actor_died if the probe window closed first.
+    assert causes[0] == "node_lost" and causes[1] in ("node_lost", "actor_died") and len(causes) == 2, causes
     assert len(result.recoveries) == 2 and all(r.lost_steps <= 1 for r in result.recoveries)
     assert [dp for _, dp in result.dp_history] == [4, 2]
     assert_matches_reference(step_losses(trainer.run_dir), reference_losses_cluster)
