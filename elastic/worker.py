@@ -43,6 +43,7 @@ from elastic.data import BatchLayout, ParquetCorpus, RankStream, ray_data_batche
 from elastic.errors import PeerCollectiveError
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
+from elastic.parallel.sockets import GroupSockets
 from elastic.policies import LossMonitor
 from elastic.testing.faults import WorkerFaults
 
@@ -115,6 +116,7 @@ class TrainWorker:
         self._beat = time.monotonic()
         self._phase = "idle"
         self._stop = threading.Event()
+        self._sockets = GroupSockets()
         # `kill -USR1 <pid>` dumps every thread's stack to the worker's log: how to see
         # where a hung rank is stuck.
         faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -183,9 +185,12 @@ class TrainWorker:
         self._phase = "configure"
         self._beat = time.monotonic()
         self._teardown()
+        if self.tier is not None:
+            self.tier.replicate_to(None)  # nothing of the old layout is sent from now on
         dp, tp, pp = dims
         world = dp * tp * pp
         self.rank = rank
+        self._sockets.before_init()
         t0 = time.perf_counter()
         dist.init_process_group(
             backend="nccl" if self.device.type == "cuda" else "gloo",
@@ -199,8 +204,8 @@ class TrainWorker:
         t1 = time.perf_counter()
         self.engine = TrainEngine(self.spec.model, self.spec.parallel, self.spec.train, self.dims, self.spec.seed, device=str(self.device))
         build_s = time.perf_counter() - t1
+        self._sockets.capture()  # the group's and its mesh's connections, cut on a failure
         self._ensure_tier()
-        self.tier.replicate_to(None)  # nothing of the old layout is sent from now on
         restore_s = 0.0
         self.step, self.batch_index = start["step"], start["batch_index"]
         if restore is not None:
@@ -435,10 +440,22 @@ class TrainWorker:
         self.engine = None
 
     def _abort_group(self) -> None:
-        # Drop every reference to the process groups (engine, mesh, torch's mesh stack) so
-        # that their sockets close now: peers blocked on this rank then fail at once.
+        """Leave the process group so that peers blocked on this rank fail at once.
+
+        gloo: shut down the group's TCP connections (see ``elastic.parallel.sockets``;
+        references held in C++ would otherwise keep them open until the peers' timeout).
+        NCCL: abort the communicators. Then drop every reference to the groups (engine,
+        mesh, torch's mesh stack, DTensor caches) and destroy them.
+        """
         from torch.distributed.device_mesh import _mesh_resources
 
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            try:
+                dist.distributed_c10d._abort_process_group()
+            except Exception as exc:  # already broken: destroyed below either way
+                print(f"NCCL abort failed: {exc}", flush=True)
+        else:
+            self._sockets.cut()
         self.engine = None
         self.dims = None
         _mesh_resources.mesh_stack.clear()

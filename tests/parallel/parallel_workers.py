@@ -152,3 +152,40 @@ def resize_and_resume(rank: int, world: int, out_dir: str, before: Layout, after
     more_losses, more_norms = train_steps(engine, after, range(split, STEPS))
     dist.destroy_process_group()
     return {"losses": losses + more_losses, "norms": norms + more_norms, "resumed_at": resumed_at}
+
+
+def blocked_peer_after_leave(rank: int, world: int, out_dir: str, cut: bool, timeout_s: float) -> dict:
+    """Rank 2 blocks in an all-reduce on sub-group {1, 2}; rank 1 never joins it and leaves.
+
+    Rank 1 keeps a Python reference to the sub-group (as C++ state can keep a real one alive
+    after a failure), so only cutting its sockets can free rank 2 before the timeout.
+    """
+    import datetime
+
+    from elastic.parallel.sockets import GroupSockets
+
+    sockets = GroupSockets()
+    sockets.before_init()
+    init_group(rank, world, os.path.join(out_dir, "store"))
+    sub = dist.new_group([1, 2], timeout=datetime.timedelta(seconds=timeout_s))
+    dist.barrier()
+    sockets.capture()
+    result: dict = {"captured": len(sockets.sockets)}
+    if rank == 2:
+        t0 = time.perf_counter()
+        try:
+            dist.all_reduce(torch.ones(4), group=sub)
+            result["error"] = None
+        except Exception as exc:
+            result["error"] = str(exc)[:200]
+        result["blocked_s"] = time.perf_counter() - t0
+    elif rank == 1:
+        time.sleep(1.0)
+        result["cut"] = sockets.cut() if cut else 0
+        time.sleep(2.0 if cut else timeout_s + 1.0)  # the reference to ``sub`` stays alive meanwhile
+    del sub
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+    return result
