@@ -234,11 +234,20 @@ class WorkerGroup:
         return {owner: (None if h is m else h.actor) for owner, h in mine.items()}
 
     def _query_snapshots(self, members: list[Member]) -> list[dict[int, list[int]] | None]:
-        refs = [m.actor.snapshot_holdings.remote() for m in members]
+        """Each member's snapshot holdings; None for one that is gone or silent (10 s in all).
+
+        Members on a node whose raylet refuses connections are not asked: a call to an
+        actor on a lost node can hang until Ray notices the loss.
+        """
+        gone = probe_dead_nodes({m.node_id for m in members}, self._raylets, wait_s=0.0)
+        refs = [None if m.node_id in gone else m.actor.snapshot_holdings.remote() for m in members]
+        asked = [r for r in refs if r is not None]
+        if asked:
+            ray.wait(asked, num_returns=len(asked), timeout=10)
         out = []
         for ref in refs:
             try:
-                out.append(ray.get(ref, timeout=10))
+                out.append(None if ref is None else ray.get(ref, timeout=0))
             except (RayActorError, ActorUnavailableError, GetTimeoutError):
                 out.append(None)
         return out

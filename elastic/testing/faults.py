@@ -170,13 +170,10 @@ def kill_node(cluster: Any, node_index: int, group: Any = None, graceful_raylet:
     node = worker_nodes(cluster)[node_index]
     node_id = node.node_id
     pids = set(group.pids_on_node(node_id)) if group is not None else set()
-    try:  # the state API needs Ray's dashboard; the group's own record suffices without it
-        from ray.util.state import list_actors
-
-        alive = list_actors(filters=[("node_id", "=", node_id), ("state", "=", "ALIVE")], detail=True, raise_on_missing_output=False)
-        pids |= {a.pid for a in alive if a.pid}
-    except Exception:
-        pass
+    # Every worker process of the node is a child of its raylet. (Ray's state API would
+    # also list them, but it can block for 30 s when the dashboard is busy.)
+    for info in node.all_processes.get("raylet", []):
+        pids |= _children(info.process.pid)
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -184,6 +181,22 @@ def kill_node(cluster: Any, node_index: int, group: Any = None, graceful_raylet:
             pass
     cluster.remove_node(node, allow_graceful=graceful_raylet)
     return node
+
+
+def _children(parent: int) -> set[int]:
+    """Pids of ``parent``'s child processes (Linux procfs)."""
+    out = set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent:  # fields after the command: state, ppid, ...
+            out.add(int(name))
+    return out
 
 
 def worker_nodes(cluster: Any) -> list[Any]:
