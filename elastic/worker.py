@@ -118,7 +118,7 @@ class TrainWorker:
         self._phase = "idle"
         self._stop = threading.Event()
         self._sockets = GroupSockets()
-        self._abandoned: set[int] = set()  # rendezvous ports the controller gave up on
+        self._abandoned: set[int] = set()  # rendezvous the controller gave up on (by id)
         # `kill -USR1 <pid>` dumps every thread's stack to the worker's log: how to see
         # where a hung rank is stuck.
         faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -158,10 +158,13 @@ class TrainWorker:
         self._stop.set()
 
     @ray.method(concurrency_group="control")
-    def abandon_rendezvous(self, port: int) -> None:
-        """A member of the rendezvous on ``port`` was lost: give it up now (if this rank is
-        in it) or refuse it (if not yet), instead of waiting for its timeout."""
-        self._abandoned.add(port)
+    def abandon_rendezvous(self, rendezvous: int) -> None:
+        """A member of rendezvous number ``rendezvous`` was lost: give it up now (if this
+        rank is in it) or refuse it (if not yet), instead of waiting for its timeout.
+
+        Rendezvous are told apart by the controller's counter, not by port: the next one
+        often gets the same free port again."""
+        self._abandoned.add(rendezvous)
 
     @ray.method(concurrency_group="control")
     def snapshot_holdings(self) -> dict[int, list[int]]:
@@ -198,11 +201,11 @@ class TrainWorker:
         dp, tp, pp = dims
         world = dp * tp * pp
         self.rank = rank
-        port = master[1]
+        port, rendezvous = master[1], start["rendezvous"]
         timeout = timedelta(seconds=self.spec.elastic.collective_timeout_s)
 
         def cancelled() -> bool:
-            return port in self._abandoned
+            return rendezvous in self._abandoned
 
         self._sockets.before_init()
         t0 = time.perf_counter()
@@ -218,7 +221,7 @@ class TrainWorker:
         finally:
             self._sockets.capture()  # the group's and its mesh's connections, cut on a failure
         if cancelled():  # formed, but a member was lost meanwhile: the controller starts over
-            raise RendezvousCancelled(f"rendezvous on port {port} abandoned: a peer was lost")
+            raise RendezvousCancelled(f"rendezvous {rendezvous} abandoned: a peer was lost")
         self._ensure_tier()
         restore_s = 0.0
         self.step, self.batch_index = start["step"], start["batch_index"]
