@@ -118,7 +118,7 @@ class TrainWorker:
         self._phase = "idle"
         self._stop = threading.Event()
         self._sockets = GroupSockets()
-        self._abandoned: set[int] = set()  # rendezvous the controller gave up on (by id)
+        self._abandoned: set[int] = set()  # rendezvous ports the controller gave up on
         # `kill -USR1 <pid>` dumps every thread's stack to the worker's log: how to see
         # where a hung rank is stuck.
         faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -158,13 +158,10 @@ class TrainWorker:
         self._stop.set()
 
     @ray.method(concurrency_group="control")
-    def abandon_rendezvous(self, rendezvous: int) -> None:
-        """A member of rendezvous number ``rendezvous`` was lost: give it up now (if this
-        rank is in it) or refuse it (if not yet), instead of waiting for its timeout.
-
-        Rendezvous are told apart by the controller's counter, not by port: the next one
-        often gets the same free port again."""
-        self._abandoned.add(rendezvous)
+    def abandon_rendezvous(self, port: int) -> None:
+        """A member of the rendezvous on ``port`` was lost: give it up now (if this rank is
+        in it) or refuse it (if not yet), instead of waiting for its timeout."""
+        self._abandoned.add(port)
 
     @ray.method(concurrency_group="control")
     def snapshot_holdings(self) -> dict[int, list[int]]:
@@ -201,11 +198,11 @@ class TrainWorker:
         dp, tp, pp = dims
         world = dp * tp * pp
         self.rank = rank
-        port, rendezvous = master[1], start["rendezvous"]
+        port = master[1]
         timeout = timedelta(seconds=self.spec.elastic.collective_timeout_s)
 
         def cancelled() -> bool:
-            return rendezvous in self._abandoned
+            return port in self._abandoned
 
         self._sockets.before_init()
         t0 = time.perf_counter()
@@ -221,7 +218,7 @@ class TrainWorker:
         finally:
             self._sockets.capture()  # the group's and its mesh's connections, cut on a failure
         if cancelled():  # formed, but a member was lost meanwhile: the controller starts over
-            raise RendezvousCancelled(f"rendezvous {rendezvous} abandoned: a peer was lost")
+            raise RendezvousCancelled(f"rendezvous on port {port} abandoned: a peer was lost")
         self._ensure_tier()
         restore_s = 0.0
         self.step, self.batch_index = start["step"], start["batch_index"]

@@ -67,7 +67,6 @@ class WorkerGroup:
         self.dp = 0
         self._raylets: dict[str, tuple[str, int]] = {}  # node id -> raylet address, for liveness probes
         self._node_labels: dict[str, dict[str, str]] = {}  # node id -> Ray node labels (rack, nvlink_domain)
-        self._rendezvous = 0  # counts rendezvous, so that an abandoned one is never confused with the next
 
     # ------------------------------------------------------------------ capacity
     def request_capacity(self) -> None:
@@ -127,7 +126,6 @@ class WorkerGroup:
             self.kill([members[0]])  # unreachable: evicted like a dead one
             raise self._lost_failure([members[0]], "lost before the rendezvous") from None
         hosts = _host_indices(members)
-        self._rendezvous += 1  # this rendezvous's id (ports get reused)
         peers = [None] * len(members)
         if self.spec.checkpoint.replicate:
             peers = policies.replica_peers([m.node_id for m in members], tp, pp, self.spec.parallel.zero)
@@ -138,10 +136,10 @@ class WorkerGroup:
                 restore = {"source": "memory", "step": restore_step, "holders": self._holders_for(m, old_holders)}
             elif source == "storage":
                 restore = {"source": "storage", "step": restore_step, "uri": self.storage_uri, "storage_options": self.spec.checkpoint.storage_options}
-            start_m = dict(start, storage_uri=self.storage_uri, rendezvous=self._rendezvous)  # where the storage tier writes
+            start_m = dict(start, storage_uri=self.storage_uri)  # where the storage tier writes
             start_m["replica_peer"] = members[peer].actor if peer is not None else None  # keeps copies of m's snapshots
             refs.append(m.actor.configure.remote(m.rank, (dp, tp, pp), (members[0].ip, port), start_m, restore, hosts[m.node_id]))
-        replies = self._gather_configure(members, refs, self._rendezvous)
+        replies = self._gather_configure(members, refs, port)
         self.dp = dp
         now = time.monotonic()
         for m, r in zip(members, replies):
@@ -174,7 +172,7 @@ class WorkerGroup:
         replicas.sort(key=key)
         return [m for r in replicas for m in r]
 
-    def _gather_configure(self, members: list[Member], refs: list[Any], rendezvous: int) -> list[dict[str, Any]]:
+    def _gather_configure(self, members: list[Member], refs: list[Any], port: int) -> list[dict[str, Any]]:
         """Wait for every configure; a member lost meanwhile becomes a new typed failure.
 
         A lost member is seen from Ray (its call fails) or from its node's raylet refusing
@@ -203,7 +201,7 @@ class WorkerGroup:
             self.kill(lost)
             rest = [r for r in pending if by_ref[r] not in lost]
             for ref in rest:
-                by_ref[ref].actor.abandon_rendezvous.remote(rendezvous)
+                by_ref[ref].actor.abandon_rendezvous.remote(port)
             ray.wait(rest, num_returns=len(rest), timeout=min(30.0, max(0.0, deadline - time.monotonic())))
             raise self._lost_failure(lost, "lost while reconfiguring")
         failed = [(by_ref[r], results.get(r, GetTimeoutError("no answer in time"))) for r in refs
