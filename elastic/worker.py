@@ -43,7 +43,6 @@ from elastic.data import BatchLayout, ParquetCorpus, RankStream, ray_data_batche
 from elastic.errors import PeerCollectiveError
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
-from elastic.parallel.rendezvous import RendezvousCancelled, open_store
 from elastic.parallel.sockets import GroupSockets
 from elastic.policies import LossMonitor
 from elastic.testing.faults import WorkerFaults
@@ -118,7 +117,6 @@ class TrainWorker:
         self._phase = "idle"
         self._stop = threading.Event()
         self._sockets = GroupSockets()
-        self._abandoned: set[int] = set()  # rendezvous ports the controller gave up on
         # `kill -USR1 <pid>` dumps every thread's stack to the worker's log: how to see
         # where a hung rank is stuck.
         faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -158,12 +156,6 @@ class TrainWorker:
         self._stop.set()
 
     @ray.method(concurrency_group="control")
-    def abandon_rendezvous(self, port: int) -> None:
-        """A member of the rendezvous on ``port`` was lost: give it up now (if this rank is
-        in it) or refuse it (if not yet), instead of waiting for its timeout."""
-        self._abandoned.add(port)
-
-    @ray.method(concurrency_group="control")
     def snapshot_holdings(self) -> dict[int, list[int]]:
         """Owner rank -> steps this worker can serve from memory."""
         return {} if self.tier is None else self.tier.holdings()
@@ -198,27 +190,21 @@ class TrainWorker:
         dp, tp, pp = dims
         world = dp * tp * pp
         self.rank = rank
-        port = master[1]
-        timeout = timedelta(seconds=self.spec.elastic.collective_timeout_s)
-
-        def cancelled() -> bool:
-            return port in self._abandoned
-
         self._sockets.before_init()
         t0 = time.perf_counter()
-        try:
-            store = open_store(master[0], port, rank, world, timeout, cancelled)
-            dist.init_process_group(backend="nccl" if self.device.type == "cuda" else "gloo", store=store, rank=rank,
-                                    world_size=world, timeout=timeout)
-            init_s = time.perf_counter() - t0
-            self.dims = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=world, timeout=timeout)
-            t1 = time.perf_counter()
-            self.engine = TrainEngine(self.spec.model, self.spec.parallel, self.spec.train, self.dims, self.spec.seed, device=str(self.device))
-            build_s = time.perf_counter() - t1
-        finally:
-            self._sockets.capture()  # the group's and its mesh's connections, cut on a failure
-        if cancelled():  # formed, but a member was lost meanwhile: the controller starts over
-            raise RendezvousCancelled(f"rendezvous on port {port} abandoned: a peer was lost")
+        dist.init_process_group(
+            backend="nccl" if self.device.type == "cuda" else "gloo",
+            init_method=f"tcp://{master[0]}:{master[1]}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=self.spec.elastic.collective_timeout_s),
+        )
+        init_s = time.perf_counter() - t0
+        self.dims = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=world, timeout=timedelta(seconds=self.spec.elastic.collective_timeout_s))
+        t1 = time.perf_counter()
+        self.engine = TrainEngine(self.spec.model, self.spec.parallel, self.spec.train, self.dims, self.spec.seed, device=str(self.device))
+        build_s = time.perf_counter() - t1
+        self._sockets.capture()  # the group's and its mesh's connections, cut on a failure
         self._ensure_tier()
         restore_s = 0.0
         self.step, self.batch_index = start["step"], start["batch_index"]

@@ -139,7 +139,7 @@ class WorkerGroup:
             start_m = dict(start, storage_uri=self.storage_uri)  # where the storage tier writes
             start_m["replica_peer"] = members[peer].actor if peer is not None else None  # keeps copies of m's snapshots
             refs.append(m.actor.configure.remote(m.rank, (dp, tp, pp), (members[0].ip, port), start_m, restore, hosts[m.node_id]))
-        replies = self._gather_configure(members, refs, port)
+        replies = self._gather_configure(members, refs)
         self.dp = dp
         now = time.monotonic()
         for m, r in zip(members, replies):
@@ -172,45 +172,31 @@ class WorkerGroup:
         replicas.sort(key=key)
         return [m for r in replicas for m in r]
 
-    def _gather_configure(self, members: list[Member], refs: list[Any], port: int) -> list[dict[str, Any]]:
+    def _gather_configure(self, members: list[Member], refs: list[Any]) -> list[dict[str, Any]]:
         """Wait for every configure; a member lost meanwhile becomes a new typed failure.
 
-        A lost member is seen from Ray (its call fails) or from its node's raylet refusing
-        connections (Ray's node table lags). The others would wait for it in the
-        rendezvous until its timeout (``collective_timeout_s``), so they are told to
-        abandon it and fail at once. They stay members; the next recovery reconfigures them.
+        Peers of a lost member wait in the rendezvous until its timeout
+        (``collective_timeout_s``) and then fail too; they stay members, so the next
+        recovery reconfigures them.
         """
-        deadline = time.monotonic() + self.spec.elastic.collective_timeout_s + RPC_TIMEOUT_S
-        by_ref = dict(zip(refs, members))
-        pending = list(refs)
-        results: dict[Any, Any] = {}
-        lost: list[Member] = []
-        while pending and not lost and time.monotonic() < deadline:
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(0.5, max(0.0, deadline - time.monotonic())))
-            for ref in ready:
-                try:
-                    results[ref] = ray.get(ref, timeout=0)
-                except (RayActorError, ActorUnavailableError):
-                    lost.append(by_ref[ref])
-                except Exception as exc:  # an error inside configure
-                    results[ref] = exc
-            if not lost and pending:
-                gone = probe_dead_nodes({by_ref[r].node_id for r in pending}, self._raylets, wait_s=0.0)
-                lost = [by_ref[r] for r in pending if by_ref[r].node_id in gone]
+        timeout = self.spec.elastic.collective_timeout_s + RPC_TIMEOUT_S
+        ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        replies, lost, failed = [], [], []
+        for m, ref in zip(members, refs):
+            try:
+                replies.append(ray.get(ref, timeout=0))
+            except (RayActorError, ActorUnavailableError):
+                m.dead = True
+                lost.append(m)
+            except Exception as exc:  # an error inside configure, or no answer in time
+                failed.append((m, exc))
         if lost:
-            self.kill(lost)
-            rest = [r for r in pending if by_ref[r] not in lost]
-            for ref in rest:
-                by_ref[ref].actor.abandon_rendezvous.remote(port)
-            ray.wait(rest, num_returns=len(rest), timeout=min(30.0, max(0.0, deadline - time.monotonic())))
             raise self._lost_failure(lost, "lost while reconfiguring")
-        failed = [(by_ref[r], results.get(r, GetTimeoutError("no answer in time"))) for r in refs
-                  if r in pending or isinstance(results.get(r), Exception)]
         if failed:
             m, exc = failed[0]
             raise WorkerError(f"configure failed: {type(exc).__name__}: {str(exc)[:300]}", ranks=[m.rank for m, _ in failed],
                               nodes=sorted({m.node_id for m, _ in failed}))
-        return [results[r] for r in refs]
+        return replies
 
     def _lost_failure(self, lost: list[Member], when: str) -> WorkerFailure:
         """``node_lost`` when the lost members' raylets are gone too, else ``actor_died``."""

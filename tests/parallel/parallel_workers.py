@@ -189,31 +189,3 @@ def blocked_peer_after_leave(rank: int, world: int, out_dir: str, cut: bool, tim
     except Exception:
         pass
     return result
-
-
-def cancellable_rendezvous(rank: int, world: int, out_dir: str, port: int, missing: bool) -> dict:
-    """Ranks rendezvous through ``open_store`` on ``port``. With ``missing``, the last rank
-    never joins and instead plays the controller: after 1.5 s it abandons the rendezvous
-    (a flag file stands in for ``TrainWorker.abandon_rendezvous``)."""
-    import datetime
-
-    from elastic.parallel.rendezvous import open_store
-
-    flag = os.path.join(out_dir, "abandoned")
-    if missing and rank == world - 1:
-        time.sleep(1.5)
-        open(flag, "w").close()
-        return {"role": "controller"}
-    t0 = time.perf_counter()
-    try:
-        store = open_store("127.0.0.1", port, rank, world, datetime.timedelta(seconds=30), lambda: os.path.exists(flag))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
-        sub = dist.new_group([0, 1])  # mesh-style sub-groups go through the same store
-        value = torch.ones(1)
-        dist.all_reduce(value)
-        if rank in (0, 1):
-            dist.all_reduce(value, group=sub)
-        dist.destroy_process_group()
-        return {"value": float(value), "seconds": time.perf_counter() - t0}
-    except Exception as exc:
-        return {"error": type(exc).__name__, "seconds": time.perf_counter() - t0}
