@@ -173,11 +173,6 @@ class TrainWorker:
         self._ensure_tier()
         return self.tier.store_replica(Snapshot.from_wire(wire))
 
-    @ray.method(concurrency_group="control")
-    def replication_stats(self) -> dict[str, Any]:
-        """The last deliveries of this rank's snapshots to its peer: (step, seconds, bytes)."""
-        return {"replicated": list(self.tier.replicated) if self.tier else [], "errors": self.tier.replication_errors if self.tier else 0}
-
     # ------------------------------------------------------------------ train group
     @ray.method(concurrency_group="train")
     def configure(self, rank: int, dims: tuple[int, int, int], master: tuple[str, int], start: dict[str, Any], restore: dict[str, Any] | None, host_index: int) -> dict[str, Any]:
