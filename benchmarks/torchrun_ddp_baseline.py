@@ -10,12 +10,16 @@ script would: ``DistributedDataParallel`` on the default process group, ``no_syn
 every micro-batch but the last, global-norm clipping, AdamW + schedule. It reads the same
 parquet rows in the same order as the elastic runtime (``BatchLayout``: batch ``b`` is
 global samples ``[b*G, (b+1)*G)``, rank ``r`` takes its contiguous slice), so the math of
-every step is the same as the elastic run's. What it does not have is everything the
+every step is the same as the elastic run's. Like the runtime, it reads ahead: a
+background thread prefetches ``data.prefetch_steps`` batches (the way an expert would
+feed a DDP loop, e.g. a DataLoader with workers, kept in-process and one-threaded here so
+that both sides use the same cores). What it does not have is everything the
 runtime adds: Ray actors, a controller polling for progress, per-step memory snapshots,
 the per-step global loss mean and stop agreement.
 
 Every rank writes ``DIR/rank<r>.json``: per-step wall-clock completion times (``ts``, unix
-seconds) and its local loss; the driver takes the slowest rank per step.
+seconds), the process CPU time used so far (``cpu_s``, all threads) and its local loss;
+the driver takes the slowest rank per step.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import argparse
 import contextlib
 import json
 import os
+import queue
+import threading
 import time
 
 import torch
@@ -69,12 +75,21 @@ def main() -> None:
             out.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
         return out
 
+    # Read-ahead, as the elastic workers do: a thread keeps up to prefetch_steps batches ready.
+    ahead: queue.Queue = queue.Queue(maxsize=max(1, spec.data.prefetch_steps))
+
+    def reader() -> None:
+        for b in range(spec.train.steps):
+            ahead.put(read(b))
+
+    threading.Thread(target=reader, daemon=True).start()
+
     dist.barrier()
     records = []
     t_start = time.time()
     for step in range(1, spec.train.steps + 1):
         t0 = time.perf_counter()
-        micro_batches = read(step - 1)
+        micro_batches = ahead.get(timeout=300)
         local = 0.0
         for i, (inputs, targets) in enumerate(micro_batches):
             sync = i == grad_accum - 1
@@ -87,7 +102,8 @@ def main() -> None:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        records.append({"step": step, "ts": time.time(), "step_time_s": time.perf_counter() - t0, "local_loss": local / grad_accum})
+        records.append({"step": step, "ts": time.time(), "cpu_s": time.process_time(), "step_time_s": time.perf_counter() - t0,
+                        "local_loss": local / grad_accum})
 
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"rank{rank}.json")

@@ -137,7 +137,9 @@ class TrainWorker:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    @ray.method(concurrency_group="control")
+    # Task events (Ray's per-task state records sent to the GCS) are off for the polls: they
+    # come several times a second per rank and nobody reads them.
+    @ray.method(concurrency_group="control", enable_task_events=False)
     def poll(self) -> dict[str, Any]:
         """Heartbeat: progress counters plus the per-step results produced since last poll."""
         drained = []

@@ -25,7 +25,13 @@ from elastic.worker import TrainWorker
 
 logger = logging.getLogger(__name__)
 
-POLL_INTERVAL_S = 0.1
+POLL_INTERVAL_S = 0.1  # how often the controller looks at the group
+# While every rank is inside ``run()`` and none has returned, a poll only carries the
+# heartbeat and the step results, so ranks are polled less often: each poll is an RPC that
+# takes CPU from the training thread on a saturated host. As soon as any rank returns
+# (an error, a stop, the end), every rank is polled at ``POLL_INTERVAL_S`` again, so
+# failure diagnosis (``PEER_GRACE_S``) sees fresh answers.
+STEADY_POLL_S = 0.5
 RPC_TIMEOUT_S = 120.0
 
 
@@ -44,6 +50,7 @@ class Member:
     run_result: dict[str, Any] | None = None
     dead: bool = False
     step: int = 0
+    polled_at: float = float("-inf")  # when the last poll was sent (monotonic)
 
 
 @dataclass
@@ -288,13 +295,21 @@ class WorkerGroup:
     def observe(self, timeout: float = POLL_INTERVAL_S) -> Observation:
         obs = Observation()
         now = time.monotonic()
+        running = [m for m in self.members if m.run_ref is not None and m.run_result is None]
+        steady = bool(running) and len(running) == len(self.members)
+        period = STEADY_POLL_S if steady else 0.0
         for m in self.members:
-            if m.poll_ref is None and not m.dead:
+            if m.poll_ref is None and not m.dead and now - m.polled_at >= period:
                 m.poll_ref = m.actor.poll.remote()
-        pending = [m.poll_ref for m in self.members if m.poll_ref is not None]
-        pending += [m.run_ref for m in self.members if m.run_ref is not None and m.run_result is None]
-        if pending:
-            ray.wait(pending, num_returns=len(pending), timeout=timeout)
+                m.polled_at = now
+        polls = [m.poll_ref for m in self.members if m.poll_ref is not None]
+        runs = [m.run_ref for m in running]
+        if runs:
+            # Back as soon as any rank leaves run() (a failure is seen at once); polls
+            # answered meanwhile are read now or at the next look.
+            ray.wait(runs, num_returns=1, timeout=timeout)
+        elif polls:
+            ray.wait(polls, num_returns=len(polls), timeout=timeout)
         now = time.monotonic()
         for m in self.members:
             self._read_poll(m, obs, now)

@@ -24,6 +24,7 @@ time, and the wait counts in the snapshot's ``blocking_s``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
@@ -178,21 +179,32 @@ class MemoryTier:
         buf.objects = copy_plain(objects)
         with self._lock:
             self._own.append(buf)
-        self._thread = threading.Thread(target=self._copy, args=(buf, tensors), daemon=True)
+        # On CUDA the copy runs on a side stream, on another thread: it must first wait for
+        # what the training stream has queued (the optimizer step that produced this state).
+        ready = None
+        if self._pin:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream())
+        self._thread = threading.Thread(target=self._copy, args=(buf, tensors, ready), daemon=True)
         self._thread.start()
         return time.perf_counter() - t0
 
-    def _copy(self, buf: Snapshot, tensors: dict[str, Any]) -> None:
+    def _copy(self, buf: Snapshot, tensors: dict[str, Any], ready: Any = None) -> None:
         t0 = time.perf_counter()
         try:
+            dsts, srcs = [], []
+            for key, src in tensors.items():
+                dst = buf.tensors[key]
+                local = src.local if isinstance(src, ShardRecord) else src
+                dsts.append(dst.local if isinstance(dst, ShardRecord) else dst)
+                srcs.append(local.detach())
             stream = torch.cuda.Stream() if self._pin else None
-            with torch.cuda.stream(stream) if stream is not None else _nullcontext():
-                for key, src in tensors.items():
-                    dst = buf.tensors[key]
-                    if isinstance(src, ShardRecord):
-                        dst.local.copy_(src.local.detach(), non_blocking=self._pin)
-                    else:
-                        dst.copy_(src.detach(), non_blocking=self._pin)
+            if stream is not None:
+                stream.wait_event(ready)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                # One call for every tensor: the per-tensor Python loop cost more than the
+                # copies of a small model's tensors.
+                torch._foreach_copy_(dsts, srcs, non_blocking=self._pin)
             if stream is not None:
                 stream.synchronize()
             with self._lock:
@@ -374,10 +386,3 @@ def _same_structure(buf: dict[str, Any], tensors: dict[str, Any]) -> bool:
             return False
     return True
 
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
