@@ -61,6 +61,37 @@ def peak_flops(device: torch.device) -> float | None:
     return next((v for k, v in _PEAK_TF32.items() if k in name), None)
 
 
+def capture_rng() -> dict[str, str]:
+    """This process's RNG states (torch CPU, numpy, Python) as hex strings.
+
+    Strings, not lists of ints: a snapshot copies its plain data every step, and walking
+    ~6,000 list items cost about half a millisecond per step.
+    """
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    return {
+        "torch": torch.get_rng_state().numpy().tobytes().hex(),
+        "numpy": np_state[1].astype(np.uint32).tobytes().hex() + f":{np_state[2]}",
+        "python": np.asarray(py_state[1], dtype=np.uint64).tobytes().hex(),
+    }
+
+
+def restore_rng(states: dict[str, Any]) -> None:
+    """Set the RNG states saved by :func:`capture_rng` (a list of ints for torch: older snapshots)."""
+    t = states.get("torch")
+    if isinstance(t, str):
+        torch.set_rng_state(torch.frombuffer(bytearray(bytes.fromhex(t)), dtype=torch.uint8))
+    elif t is not None:
+        torch.set_rng_state(torch.tensor(t, dtype=torch.uint8))
+    n = states.get("numpy")
+    if isinstance(n, str):
+        key, pos = n.split(":")
+        np.random.set_state(("MT19937", np.frombuffer(bytes.fromhex(key), dtype=np.uint32), int(pos)))
+    p = states.get("python")
+    if isinstance(p, str):
+        random.setstate((3, tuple(int(x) for x in np.frombuffer(bytes.fromhex(p), dtype=np.uint64)), None))
+
+
 def _clear_dtensor_caches() -> None:
     """DTensor's sharding-propagation caches key on device meshes, keeping their groups alive."""
     from torch.distributed.tensor import DTensor
@@ -385,7 +416,7 @@ class TrainWorker:
                 "step": self.step,
                 "batch_index": self.batch_index,
                 "skip_batches": sorted(self.skip_batches),
-                "rng": {"torch": torch.get_rng_state().tolist(), "numpy": np.random.get_state()[1].tolist(), "python": list(random.getstate()[1])},
+                "rng": capture_rng(),
             },
         }
 
@@ -407,8 +438,7 @@ class TrainWorker:
         self.step = int(obj["train/step"])
         self.batch_index = int(obj["train/batch_index"])
         self.skip_batches = set(obj.get("train/skip_batches", []))
-        if "train/rng/torch" in obj:
-            torch.set_rng_state(torch.tensor(obj["train/rng/torch"], dtype=torch.uint8))
+        restore_rng({k.removeprefix("train/rng/"): v for k, v in obj.items() if k.startswith("train/rng/")})
 
     def _load_snapshots(self, snaps: dict[int, Snapshot]) -> None:
         from elastic.checkpoint.restore import load_snapshots_into

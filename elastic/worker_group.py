@@ -31,7 +31,7 @@ POLL_INTERVAL_S = 0.1  # how often the controller looks at the group
 # takes CPU from the training thread on a saturated host. As soon as any rank returns
 # (an error, a stop, the end), every rank is polled at ``POLL_INTERVAL_S`` again, so
 # failure diagnosis (``PEER_GRACE_S``) sees fresh answers.
-STEADY_POLL_S = 0.5
+STEADY_POLL_S = 0.25
 RPC_TIMEOUT_S = 120.0
 
 
