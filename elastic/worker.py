@@ -280,7 +280,7 @@ class TrainWorker:
             self._roll_back(step, batch_index, loss, anomaly)
             return stop
         wait_s = self.tier.wait()
-        self.engine.optimizer_step()
+        grad_norm = self.engine.optimizer_step()
         self.monitor.accept(loss)
         self.step, self.batch_index = step, batch_index + 1
         step_time = time.perf_counter() - t0
@@ -288,6 +288,7 @@ class TrainWorker:
             "type": "step",
             "step": step,
             "loss": loss,
+            "grad_norm": grad_norm,
             "step_time_s": step_time,
             "batch_index": batch_index,
             "peak_mem_bytes": self.engine.peak_mem_bytes(),

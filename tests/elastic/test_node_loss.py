@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from elastic_testlib import FAULT_STEP, STEPS, assert_matches_reference, elastic_spec, events_of, step_losses
+from elastic_testlib import FAULT_STEP, STEPS, assert_matches_reference, elastic_spec, events_of, step_metrics
 
 from elastic import ElasticTrainer
 from elastic.testing.faults import Fault, FaultInjector, worker_fault
@@ -32,7 +32,7 @@ def test_node_lost_shrinks_then_grows_back(ray_cluster, reference_losses_cluster
     # Global batch is exact at every DP: grad_accum follows DP.
     for e in events_of(trainer.run_dir, "step"):
         assert e["dp"] * e["grad_accum"] * spec.parallel.micro_batch == spec.train.global_batch
-    assert_matches_reference(step_losses(trainer.run_dir), reference_losses_cluster)
+    assert_matches_reference(step_metrics(trainer.run_dir), reference_losses_cluster)
 
 
 def test_two_failures_back_to_back(ray_cluster, reference_losses_cluster, tmp_path):
@@ -50,7 +50,7 @@ def test_two_failures_back_to_back(ray_cluster, reference_losses_cluster, tmp_pa
     assert {r.cause for r in result.recoveries} <= {"node_lost", "actor_died"}
     assert all(r.lost_steps <= 1 for r in result.recoveries)
     assert result.dp_history[-1][1] == 2
-    assert_matches_reference(step_losses(trainer.run_dir), reference_losses_cluster)
+    assert_matches_reference(step_metrics(trainer.run_dir), reference_losses_cluster)
 
 
 @pytest.mark.parametrize("rank", [0, 1], ids=["rendezvous-host", "member"])
@@ -73,7 +73,7 @@ def test_node_lost_while_reconfiguring(ray_cluster, reference_losses_cluster, tm
     assert causes[0] == "node_lost" and causes[1] in ("node_lost", "actor_died") and len(causes) == 2, causes
     assert len(result.recoveries) == 2 and all(r.lost_steps <= 1 for r in result.recoveries)
     assert [dp for _, dp in result.dp_history] == [4, 2]
-    assert_matches_reference(step_losses(trainer.run_dir), reference_losses_cluster)
+    assert_matches_reference(step_metrics(trainer.run_dir), reference_losses_cluster)
 
 
 def test_fsdp_node_lost_restores_its_shard_from_peer_memory(ray_cluster, reference_losses_cluster, tmp_path):
@@ -88,4 +88,4 @@ def test_fsdp_node_lost_restores_its_shard_from_peer_memory(ray_cluster, referen
     assert [f["cause"] for f in events_of(trainer.run_dir, "failure")] == ["node_lost"]
     assert [(e["source"], e["step"] >= FAULT_STEP - 1) for e in events_of(trainer.run_dir, "restore")] == [("memory", True)]
     assert [dp for _, dp in result.dp_history] == [4, 3] and result.recoveries[0].lost_steps <= 1
-    assert_matches_reference(step_losses(trainer.run_dir), reference_losses_cluster)
+    assert_matches_reference(step_metrics(trainer.run_dir), reference_losses_cluster)
