@@ -100,7 +100,6 @@ class TrainWorker:
     def __init__(self, spec: Any, corpus_uri: str, faults: list[dict] | None = None):
         self.spec = spec
         self.corpus_uri = corpus_uri
-        self.faults = WorkerFaults(faults or [])
         self.rank = -1
         self.dims: ParallelDims | None = None
         self.engine: TrainEngine | None = None
@@ -116,6 +115,7 @@ class TrainWorker:
         self._beat = time.monotonic()
         self._phase = "idle"
         self._stop = threading.Event()
+        self.faults = WorkerFaults(faults or [], stop=self._stop, beat=self._touch_beat)
         self._sockets = GroupSockets()
         # `kill -USR1 <pid>` dumps every thread's stack to the worker's log: how to see
         # where a hung rank is stuck.
@@ -150,6 +150,9 @@ class TrainWorker:
             "idle_s": time.monotonic() - self._beat,
             "results": drained,
         }
+
+    def _touch_beat(self) -> None:
+        self._beat = time.monotonic()
 
     @ray.method(concurrency_group="control")
     def request_stop(self) -> None:
