@@ -96,7 +96,8 @@ def summarise(layouts: list[Layout], per_rank: list[dict], model_cfg: ModelConfi
             },
             "predicted": {
                 "params": est.params, "grads": est.grads, "optimizer": est.optimizer,
-                "activations": est.activations, "logits": est.logits, "total": est.total, "stage": est.stage,
+                "buffers": est.buffers, "activations": est.activations, "logits": est.logits, "total": est.total,
+                "stage": est.stage,
                 "state": est.params + est.grads + est.optimizer,
             },
         })
@@ -135,7 +136,10 @@ def print_table(rows: list[dict], args, model_cfg: ModelConfig, wall_s: float) -
     else:
         print("peak(trk) = peak live tensor bytes over one instrumented step (dispatch-mode tracker, CPU stand-in for")
         print("max_memory_allocated; misses in-kernel workspaces and C++-only buffers such as gloo's). pred tot =")
-        print("params+grads+optimizer+activations+logits.")
+        print("params+grads+optimizer+communication buffers+activations (with the recompute working set)+logits.")
+    ratios = [r["measured"]["peak_bytes_max_rank"] / r["predicted"]["total"] for r in rows]
+    print(f"peak/pred over all layouts: {min(ratios):.2f} to {max(ratios):.2f} "
+          f"(tests/test_memory_model_measured.py asserts 0.85 to 1.15 on the default model).")
     method = rows[0]["measured"]["rss_method"]
     print(f"rssΔ = peak RSS after the build minus RSS before it ({method}); page-granular and polluted by the")
     print("allocator and gloo on CPU at this model size: an upper-level sanity check, not the measurement.")
