@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-fast bench clean
 
 install: $(STAMP)
 
@@ -22,6 +22,21 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q tests
+
+# The inner loop: pure units (spec, data, policies, planner, topology, memory model, storage
+# store and formats, memory tier, mesh dims) and the controller's state machine on a fake
+# worker group. Selected by file, because what makes a test slow here is what it starts
+# (a Ray runtime, gloo process groups, a multi-node Cluster), not a marker; the
+# -m filter also drops anything marked slow (multi-node clusters, the measured memory
+# model) or gpu. Every test here is also in `make test`.
+FAST_TESTS := tests/test_memory_model.py tests/test_planner.py tests/test_topology.py \
+	tests/test_cluster_configs.py tests/foundation/test_spec.py tests/foundation/test_data.py \
+	tests/elastic/test_controller.py tests/elastic/test_policies.py tests/elastic/test_rank_order.py \
+	tests/parallel/test_parallel_dims.py tests/checkpoint/test_memory_tier.py \
+	tests/storage/test_storage_store.py tests/storage/test_storage_fs.py tests/storage/test_storage_dcp.py
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow and not gpu" $(FAST_TESTS)
 
 bench: install
 	$(BIN)/python benchmarks/overhead.py

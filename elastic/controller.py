@@ -242,6 +242,8 @@ class Controller:
         fields = dict(step=step, loss=r0["loss"], dp=dp, tp=tp, pp=pp, grad_accum=self.spec.grad_accum(dp),
                       world_size=dp * tp * pp, step_time_s=step_time, tokens_per_s=tps)
         fields["peak_mem_bytes"] = max(r.get("peak_mem_bytes", 0) for r in results.values())
+        if "grad_norm" in r0:  # pre-clip global gradient norm (identical on every rank)
+            fields["grad_norm"] = r0["grad_norm"]
         if "mfu" in r0:
             fields["mfu"] = r0["mfu"]
         done_at = max((r["done_at"] for r in results.values() if "done_at" in r), default=None)

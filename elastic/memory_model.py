@@ -19,7 +19,22 @@ estimate is the worst stage (largest total).
 * AdamW: two fp32 moments (8 bytes), plus a 4-byte fp32 master copy when ``k < 4``
   (mixed precision, the ``2 + 2 + 12`` bytes of the ZeRO paper); SGD: one momentum;
 * ZeRO-1 divides the optimizer state by ``dp``, ZeRO-2 also the grads, ZeRO-3 also the
-  params. Transient all-gather buffers of ZeRO-3 and communication buckets are left out.
+  params.
+
+**Communication buffers** (``buffers``, with ``dp > 1``), as the engine's DP wrappers
+(``elastic/parallel/ddp.py``, ``fsdp.py``) allocate them:
+
+* classic DDP (pure DP, zero 0): the reducer's buckets hold a second copy of every
+  gradient (``gradient_as_bucket_view`` is off): ``+ grads``;
+* FSDP2 and ``replicate`` (every other DP layout) reduce one unit (a transformer block) at
+  a time from a flat copy of its gradients: ``+ one block's gradients``; ZeRO-2/3, whose
+  ``grads`` term is the sharded accumulator, also hold the unit's unsharded gradients as
+  autograd produced them: ``+ one more block``;
+* ZeRO-3 all-gathers one block's parameters at a time (``+ one block``), and the root
+  unit (embeddings, final norm, head) stays unsharded through the step
+  (``reshard_after_forward=False``): ``+ its full size minus its shard``.
+
+A block's size is that of this stage's block at its TP split.
 
 **Activations** per layer and micro-batch (Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models", Table 2), for 16-bit activations::
@@ -27,6 +42,9 @@ Recomputation in Large Transformer Models", Table 2), for 16-bit activations::
     s*b*h * (34 + 5*a*s/h)                     no TP, or TP with sequence parallelism: / t
     s*b*h * (10 + 24/t + 5*a*s/(h*t))          TP without sequence parallelism
     2*s*b*h                                    full recompute (only each layer's input; / t with SP)
+
+With full recompute, backward rebuilds one layer's activations at a time: that working
+set (one layer of the no-recompute formula) is added once, on top of the stored inputs.
 
 The 34 splits into 10 bytes kept whole by TP without SP (LayerNorm inputs, the inputs of
 the QKV and first MLP matmuls, two dropout masks) and 24 split by TP; the MLP part of
@@ -62,6 +80,7 @@ class MemoryEstimate:
     logits: int
     total: int
     stage: int = 0
+    buffers: int = 0
 
     def fits(self, capacity_bytes: float, headroom: float = 0.9) -> bool:
         """True if ``total`` stays under ``headroom`` of the device memory."""
@@ -69,7 +88,7 @@ class MemoryEstimate:
 
     def __str__(self) -> str:
         gib = 1 << 30
-        fields = ("params", "grads", "optimizer", "activations", "logits")
+        fields = ("params", "grads", "optimizer", "buffers", "activations", "logits")
         parts = ", ".join(f"{k}={getattr(self, k) / gib:.3f}" for k in fields)
         return f"{self.total / gib:.3f} GiB (stage {self.stage}: {parts})"
 
@@ -82,9 +101,8 @@ def layers_per_stage(n_layers: int, pp: int) -> list[int]:
 
 def stage_param_count(cfg: Any, tp: int, pp: int, stage: int) -> int:
     """Parameters held by one rank of ``stage`` (split by TP, not by ZeRO)."""
-    d, r, V, T = cfg.d_model, cfg.mlp_ratio, cfg.vocab_size, cfg.seq_len
-    per_layer = _ceil((4 + 2 * r) * d * d, tp) + 4 * d
-    n = layers_per_stage(cfg.n_layers, pp)[stage] * per_layer
+    d, V, T = cfg.d_model, cfg.vocab_size, cfg.seq_len
+    n = layers_per_stage(cfg.n_layers, pp)[stage] * block_param_count(cfg, tp)
     if stage == 0:
         n += _ceil(V * d, tp) + T * d
     if stage == pp - 1:
@@ -94,6 +112,11 @@ def stage_param_count(cfg: Any, tp: int, pp: int, stage: int) -> int:
     return n
 
 
+def block_param_count(cfg: Any, tp: int = 1) -> int:
+    """Parameters of one transformer block on one rank (linears split by TP, LayerNorms whole)."""
+    return _ceil((4 + 2 * cfg.mlp_ratio) * cfg.d_model * cfg.d_model, tp) + 4 * cfg.d_model
+
+
 def total_param_count(cfg: Any) -> int:
     """All parameters of the unsplit model (equals ``GPT(cfg)``'s parameter count)."""
     return stage_param_count(cfg, 1, 1, 0)
@@ -101,7 +124,7 @@ def total_param_count(cfg: Any) -> int:
 
 def activation_bytes_per_layer(
     cfg: Any, micro_batch: int, tp: int = 1, *, recompute: bool = False,
-    sequence_parallel: bool = True, dtype_bytes: int = 4,
+    sequence_parallel: bool = False, dtype_bytes: int = 4,
 ) -> int:
     """Stored activations of one transformer layer for one micro-batch on one rank."""
     s, b, h, a = cfg.seq_len, micro_batch, cfg.d_model, cfg.n_heads
@@ -128,7 +151,7 @@ def estimate_memory(
     dtype_bytes: int = 4,
     optimizer: str = "adamw",
     *,
-    sequence_parallel: bool = True,
+    sequence_parallel: bool = False,
     pp_schedule: str = "1f1b",
     num_microbatches: int | None = None,
 ) -> MemoryEstimate:
@@ -136,6 +159,8 @@ def estimate_memory(
 
     ``num_microbatches`` (gradient accumulation steps) caps the micro-batches in flight;
     ``None`` assumes at least ``pp`` of them (the steady state of 1F1B).
+    ``sequence_parallel`` defaults to False, as the TP plan (``elastic/parallel/tp.py``) has
+    no sequence parallelism; True models a plan that would.
     """
     _check(model_cfg, tp, pp, dp, zero, micro_batch, dtype_bytes, optimizer, pp_schedule)
     state_bytes = _STATE_BYTES[optimizer] + (4 if dtype_bytes < 4 else 0)
@@ -143,18 +168,33 @@ def estimate_memory(
         model_cfg, micro_batch, tp, recompute=activation_checkpointing,
         sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes,
     )
+    # Full recompute: one layer's activations rebuilt at a time in backward.
+    working_set = activation_bytes_per_layer(
+        model_cfg, micro_batch, tp, sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes,
+    ) if activation_checkpointing else 0
     layers = layers_per_stage(model_cfg.n_layers, pp)
     micro = num_microbatches if num_microbatches is not None else pp
+    block = block_param_count(model_cfg, tp) * dtype_bytes
     worst: MemoryEstimate | None = None
     for stage in range(pp):
         n = stage_param_count(model_cfg, tp, pp, stage)
         params = _ceil(n * dtype_bytes, dp if zero >= 3 else 1)
         grads = _ceil(n * dtype_bytes, dp if zero >= 2 else 1)
         opt = _ceil(n * state_bytes, dp if zero >= 1 else 1)
+        buffers = 0
+        if dp > 1:
+            if zero == 0 and tp == 1 and pp == 1:
+                buffers = n * dtype_bytes  # classic DDP: the reducer's buckets copy every gradient
+            else:
+                buffers = block * (2 if zero >= 2 else 1)  # flat reduction input (+ unsharded grads)
+            if zero >= 3:
+                root = (n - layers[stage] * block_param_count(model_cfg, tp)) * dtype_bytes
+                buffers += block + root - _ceil(root, dp)  # one gathered block; the unsharded root
         in_flight = min(pp - stage, micro) if pp_schedule == "1f1b" else micro
-        acts = layers[stage] * per_layer * in_flight
+        acts = layers[stage] * per_layer * in_flight + working_set
         logits = model_cfg.seq_len * micro_batch * model_cfg.vocab_size * 4 if stage == pp - 1 else 0
-        est = MemoryEstimate(params, grads, opt, acts, logits, params + grads + opt + acts + logits, stage)
+        total = params + grads + opt + buffers + acts + logits
+        est = MemoryEstimate(params, grads, opt, acts, logits, total, stage, buffers)
         if worst is None or est.total > worst.total:
             worst = est
     assert worst is not None

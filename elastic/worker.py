@@ -131,7 +131,6 @@ class TrainWorker:
     def __init__(self, spec: Any, corpus_uri: str, faults: list[dict] | None = None):
         self.spec = spec
         self.corpus_uri = corpus_uri
-        self.faults = WorkerFaults(faults or [])
         self.rank = -1
         self.dims: ParallelDims | None = None
         self.engine: TrainEngine | None = None
@@ -147,6 +146,7 @@ class TrainWorker:
         self._beat = time.monotonic()
         self._phase = "idle"
         self._stop = threading.Event()
+        self.faults = WorkerFaults(faults or [], stop=self._stop, beat=self._touch_beat)
         self._sockets = GroupSockets()
         # `kill -USR1 <pid>` dumps every thread's stack to the worker's log: how to see
         # where a hung rank is stuck.
@@ -183,6 +183,9 @@ class TrainWorker:
             "idle_s": time.monotonic() - self._beat,
             "results": drained,
         }
+
+    def _touch_beat(self) -> None:
+        self._beat = time.monotonic()
 
     @ray.method(concurrency_group="control")
     def request_stop(self) -> None:
@@ -313,7 +316,7 @@ class TrainWorker:
             self._roll_back(step, batch_index, loss, anomaly)
             return stop
         wait_s = self.tier.wait()
-        self.engine.optimizer_step()
+        grad_norm = self.engine.optimizer_step()
         self.monitor.accept(loss)
         self.step, self.batch_index = step, batch_index + 1
         step_time = time.perf_counter() - t0
@@ -321,6 +324,7 @@ class TrainWorker:
             "type": "step",
             "step": step,
             "loss": loss,
+            "grad_norm": grad_norm,
             "step_time_s": step_time,
             "batch_index": batch_index,
             "peak_mem_bytes": self.engine.peak_mem_bytes(),

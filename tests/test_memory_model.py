@@ -56,14 +56,43 @@ def test_ddp_fp32_single_rank():
 
 
 def test_tp_sp_pp_zero1_worst_stage_is_the_first():
-    est = estimate_memory(SMALL, tp=2, pp=2, dp=2, zero=1, micro_batch=4, activation_checkpointing=False)
+    est = estimate_memory(SMALL, tp=2, pp=2, dp=2, zero=1, micro_batch=4, activation_checkpointing=False,
+                          sequence_parallel=True)
     # Stage 0: 238592 params per rank; 1F1B keeps pp=2 micro-batches in flight there.
     assert est.stage == 0
     assert est.params == est.grads == 238_592 * 4 == 954_368
     assert est.optimizer == 238_592 * 8 // 2 == 954_368  # ZeRO-1 shards the moments
     assert est.activations == 2 * 2 * (SBH * 44 * 2 // 2) == 5_767_168  # 2 layers x 2 in flight, / tp (SP)
     assert est.logits == 0
-    assert est.total == 8_630_272
+    # FSDP reduces one block at a time from a flat copy of its grads: 98304 + 512 params at tp 2.
+    assert est.buffers == 98_816 * 4 == 395_264
+    assert est.total == 9_025_536
+
+
+def test_sequence_parallel_default_matches_the_tp_plan():
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from elastic.parallel.tp import BLOCK_PLAN
+
+    # The TP plan shards no activation along the sequence (dim 1): plain column/row-wise
+    # linears, no SequenceParallel style, no sequence-sharded input or output layout.
+    assert all(type(style) in (ColwiseParallel, RowwiseParallel) for style in BLOCK_PLAN.values())
+    assert not any(Shard(1) in (*style.input_layouts, *style.output_layouts) for style in BLOCK_PLAN.values())
+    assert activation_bytes_per_layer(SMALL, 4, 2) == activation_bytes_per_layer(SMALL, 4, 2, sequence_parallel=False)
+    assert estimate_memory(SMALL, tp=2, micro_batch=4) == estimate_memory(SMALL, tp=2, micro_batch=4, sequence_parallel=False)
+    assert estimate_memory(SMALL, tp=2, micro_batch=4).activations == 4 * SBH * 27 * 2  # 10 + 24/t + 5as/(ht), fp32
+
+
+def test_communication_buffers():
+    grads = 928_000 * 4
+    # Classic DDP: the reducer's buckets copy every gradient; one replica needs none.
+    assert estimate_memory(SMALL, dp=2, micro_batch=4).buffers == grads
+    assert estimate_memory(SMALL, dp=1, micro_batch=4).buffers == 0
+    # replicate (DP with TP): the flat reduction input of one block.
+    assert estimate_memory(SMALL, dp=2, tp=2, micro_batch=4).buffers == 98_816 * 4
+    # ZeRO-2: that plus the block's unsharded grads before the reduce-scatter.
+    assert estimate_memory(SMALL, dp=4, zero=2, micro_batch=4).buffers == 2 * 197_120 * 4
 
 
 def test_mixed_precision_zero3_with_recompute():
@@ -72,9 +101,14 @@ def test_mixed_precision_zero3_with_recompute():
     )
     assert est.params == est.grads == 928_000 * 2 // 4 == 464_000
     assert est.optimizer == 928_000 * 12 // 4 == 2_784_000  # fp32 master + 2 moments, sharded
-    assert est.activations == 4 * 2 * SBH == 262_144  # only each layer's 16-bit input
+    # Each layer's 16-bit input, plus one layer rebuilt at a time in backward.
+    assert est.activations == 4 * 2 * SBH + SBH * 44 == 1_703_936
     assert est.logits == 524_288
-    assert est.total == 4_498_432
+    # Two blocks for the reduce-scatter (flat input + unsharded grads), one gathered block,
+    # and the root (embeddings, positions, final norm, head: 139520 params) unsharded.
+    block, root = 197_120 * 2, 139_520 * 2
+    assert est.buffers == 2 * block + block + root - root // 4 == 1_392_000
+    assert est.total == 7_332_224
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,11 @@ Two halves:
   NaN (silent data corruption), blow a weight up (a loss spike), raise inside the step, or
   hang the training thread (a collective that never completes for its peers). Each of these
   fires once per job, so the replayed step after a recovery runs clean. ``slow`` makes a
-  rank a straggler for every step from ``step`` on.
+  rank a straggler for every step from ``step`` on. ``hold`` (a test's condition, not a
+  fault) keeps a rank from starting a step while the run is below ``below_dp`` replicas
+  and the file ``marker`` exists, until the controller asks the group to stop (to resize)
+  or ``seconds`` pass; it keeps the heartbeat going meanwhile. A test that must see the
+  group grow back before the run ends waits on this condition instead of racing a timer.
 * ``FaultInjector`` runs in the driver as a controller callback and acts on processes
   with real signals when step ``k`` completes: SIGKILL a worker, SIGSTOP a worker, or kill a
   whole node of a ``ray.cluster_utils.Cluster`` (SIGKILL its worker processes, then
@@ -20,37 +24,48 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-WORKER_FAULT_KINDS = ("nan", "spike", "raise", "hang", "slow")
+WORKER_FAULT_KINDS = ("nan", "spike", "raise", "hang", "slow", "hold")
+_EVERY_STEP = ("slow", "hold")  # from ``step`` on, not once
 
 
 class InjectedError(RuntimeError):
     """The exception a ``raise`` fault throws inside a training step."""
 
 
-def worker_fault(kind: str, step: int, rank: int = 0, seconds: float = 0.0) -> dict[str, Any]:
+def worker_fault(kind: str, step: int, rank: int = 0, seconds: float = 0.0, **extra: Any) -> dict[str, Any]:
+    """``extra``: ``hold`` takes ``marker`` (a file path) and ``below_dp``."""
     if kind not in WORKER_FAULT_KINDS:
         raise ValueError(f"unknown worker fault {kind!r}; expected one of {WORKER_FAULT_KINDS}")
-    return {"kind": kind, "step": step, "rank": rank, "seconds": seconds}
+    if kind == "hold" and set(extra) != {"marker", "below_dp"}:
+        raise ValueError("a hold needs marker= and below_dp=")
+    return {"kind": kind, "step": step, "rank": rank, "seconds": seconds, **extra}
 
 
 class WorkerFaults:
-    def __init__(self, faults: list[dict[str, Any]]):
+    def __init__(self, faults: list[dict[str, Any]], stop: threading.Event | None = None,
+                 beat: Callable[[], None] | None = None):
         self._pending = list(faults)
+        self._stop = stop or threading.Event()  # the worker's "stop at the next step boundary"
+        self._beat = beat or (lambda: None)  # the worker's heartbeat
 
     def pending(self, step: int, rank: int) -> bool:
         """A one-shot fault is due now (the worker then waits for its last snapshot)."""
-        return any(f["step"] == step and f["rank"] == rank and f["kind"] != "slow" for f in self._pending)
+        return any(f["step"] == step and f["rank"] == rank and f["kind"] not in _EVERY_STEP for f in self._pending)
 
     def before_step(self, step: int, rank: int, engine: Any) -> None:
         for fault in self._pending:
             if fault["kind"] == "slow" and step >= fault["step"] and fault["rank"] == rank:
                 time.sleep(fault["seconds"])  # a straggler: every step from then on
+            if fault["kind"] == "hold" and step >= fault["step"] and fault["rank"] == rank:
+                self._hold(fault, engine)
         for fault in list(self._pending):
-            if fault["kind"] == "slow":
+            if fault["kind"] in _EVERY_STEP:
                 continue
             if fault["step"] != step or fault["rank"] != rank:
                 continue
@@ -71,6 +86,14 @@ class WorkerFaults:
                         local.fill_(float("nan"))
                     else:
                         local.mul_(60.0)
+
+
+    def _hold(self, fault: dict[str, Any], engine: Any) -> None:
+        deadline = time.monotonic() + fault["seconds"]
+        while (engine.dims.dp < fault["below_dp"] and os.path.exists(fault["marker"]) and not self._stop.is_set()
+               and time.monotonic() < deadline):
+            self._beat()
+            self._stop.wait(0.05)
 
 
 # --------------------------------------------------------------------------- driver side

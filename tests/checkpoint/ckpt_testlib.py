@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
+
 from elastic.events import read_events
 from jobs import JobSpec
 
@@ -33,3 +35,18 @@ def events(run_dir: str, kind: str, **match: Any) -> list[dict]:
 
 def losses(run_dir: str) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in events(run_dir, "step")}
+
+
+def metrics(run_dir: str) -> dict[int, tuple[float, float]]:
+    """(loss, pre-clip global grad norm) per step."""
+    return {e["step"]: (e["loss"], e["grad_norm"]) for e in events(run_dir, "step")}
+
+
+def assert_same_metrics(got: dict[int, tuple[float, float]], want: dict[int, tuple[float, float]], steps,
+                        rel: float = 1e-5) -> None:
+    """Loss and grad norm of every step in ``steps`` within ``rel`` of the reference's; prints the worst."""
+    worst = max(abs(g - w) / abs(w) for s in steps for g, w in zip(got[s], want[s]))
+    print(f"max relative difference to the fault-free run: {worst:.2e} (tolerance {rel:g})")
+    for s in steps:
+        assert got[s][0] == pytest.approx(want[s][0], rel=rel), f"step {s}: loss {got[s][0]} vs {want[s][0]}"
+        assert got[s][1] == pytest.approx(want[s][1], rel=rel), f"step {s}: grad norm {got[s][1]} vs {want[s][1]}"

@@ -25,18 +25,25 @@ def _state(value: float, step: int) -> dict:
 
 
 class Peer:
-    """Receives snapshots like ``TrainWorker.store_replica``, after an optional delay."""
+    """Receives snapshots like ``TrainWorker.store_replica``.
 
-    def __init__(self, delay_s: float = 0.0):
+    ``gate`` holds each delivery until it is set (a slow or busy peer, under the test's
+    control, with no sleeps); ``entered`` is set once a delivery is waiting on the gate.
+    """
+
+    def __init__(self, gate: threading.Event | None = None):
         self.tier = MemoryTier()
-        self.delay_s = delay_s
+        self.gate = gate
+        self.entered = threading.Event()
         self.arrived: list[int] = []
 
     def send(self, snap):
         payload = pickle.dumps(snap)  # serialised before send() returns, as Ray's .remote() does
 
         def delivered():
-            time.sleep(self.delay_s)
+            self.entered.set()
+            if self.gate is not None:
+                assert self.gate.wait(30), "the test never opened the gate"
             got = pickle.loads(payload)
             assert self.tier.store_replica(got)
             self.arrived.append(got.step)
@@ -45,7 +52,7 @@ class Peer:
 
 
 def test_every_snapshot_reaches_the_peer_intact_despite_buffer_reuse():
-    own, peer = MemoryTier(), Peer(delay_s=0.02)
+    own, peer = MemoryTier(), Peer()
     own.replicate_to(peer.send)
     for step in range(1, 7):
         own.snapshot_async(step, 1, _state(float(step), step), LAYOUT)
@@ -61,14 +68,28 @@ def test_every_snapshot_reaches_the_peer_intact_despite_buffer_reuse():
 
 
 def test_a_slow_peer_delays_the_next_snapshot_not_the_current_one():
-    own, peer = MemoryTier(), Peer(delay_s=0.3)
+    gate = threading.Event()
+    own, peer = MemoryTier(), Peer(gate)
     own.replicate_to(peer.send)
-    blocked_first = own.snapshot_async(1, 0, _state(1.0, 1), LAYOUT)
+    own.snapshot_async(1, 0, _state(1.0, 1), LAYOUT)  # returns although the peer holds step 1
     own.wait()  # the copy is done; the replication is still in flight
+    assert peer.entered.wait(30), "the replication of step 1 never started"
     assert own.steps() == [1] and peer.arrived == []
-    blocked_second = own.snapshot_async(2, 0, _state(2.0, 2), LAYOUT)
-    assert peer.arrived == [1]  # the second snapshot started only once the first had landed
-    assert blocked_second > blocked_first and blocked_second >= 0.2
+    second: dict = {}
+
+    def snapshot_two():
+        second["blocked_s"] = own.snapshot_async(2, 0, _state(2.0, 2), LAYOUT)
+        second["arrived"] = list(peer.arrived)
+
+    thread = threading.Thread(target=snapshot_two, daemon=True)
+    thread.start()
+    thread.join(0.2)  # one-sided: a snapshot that did not wait would have finished by now
+    assert thread.is_alive() and "blocked_s" not in second, "the second snapshot did not wait for the peer"
+    gate.set()
+    thread.join(30)
+    assert not thread.is_alive()
+    # The second snapshot started only once the first had landed, and was held while it had not.
+    assert second["arrived"] == [1] and second["blocked_s"] >= 0.2
 
 
 def test_a_dead_peer_is_counted_not_raised():
@@ -91,14 +112,15 @@ def test_a_hung_peer_is_abandoned_after_the_timeout():
     own, release = MemoryTier(), threading.Event()
 
     def send(snap):
-        return lambda: release.wait(10)
+        return lambda: release.wait(60)  # hangs until the test ends
 
     own.replicate_to(send, timeout_s=0.2)
     own.snapshot_async(1, 0, _state(1.0, 1), LAYOUT)
     own.wait()
     t0 = time.perf_counter()
     own.snapshot_async(2, 0, _state(2.0, 2), LAYOUT)
-    assert time.perf_counter() - t0 < 5 and own.replication_errors == 1
+    # Not held for the hang (60 s): abandoned after the 0.2 s timeout (bound loose for a loaded machine).
+    assert time.perf_counter() - t0 < 30 and own.replication_errors == 1
     release.set()
     own.wait()
 

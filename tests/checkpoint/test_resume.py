@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import yaml
-from ckpt_testlib import ckpt_raw, ckpt_spec, events, losses
+from ckpt_testlib import assert_same_metrics, ckpt_raw, ckpt_spec, events, metrics
 
 from elastic import ElasticTrainer
 
@@ -41,10 +41,10 @@ def test_resume_at_another_dp_continues_with_the_next_samples(ray_local, tiny_sp
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [(e["source"], e["step"]) for e in events(second_dir, "restore")] == [("storage", 6)]
     assert events(second_dir, "job_start")[0]["dp"] == 2
-    resumed, want = losses(second_dir), losses(ref_dir)
+    resumed, want = metrics(second_dir), metrics(ref_dir)
     assert sorted(resumed) == [7, 8, 9]
-    for step in (7, 8, 9):
-        assert resumed[step] == pytest.approx(want[step], rel=1e-5), step
+    # dp 1 before, dp 2 after: another reduction order, still within 1e-5 (measured: printed).
+    assert_same_metrics(resumed, want, (7, 8, 9))
     assert [(e["step"], e["committed"]) for e in events(second_dir, "checkpoint", tier="storage")] == [(9, True)]
 
 
@@ -83,7 +83,6 @@ def test_fsdp_rank_lost_restores_from_peer_copy_else_storage(ray_local, tiny_spe
     assert restore["source"] == ("memory" if replicate else "storage") and restore["step"] in (3, 6)
     committed = [e["step"] for e in events(run_dir, "checkpoint", tier="storage") if e["committed"]]
     assert restore["step"] in committed and steps in committed
-    got, want = losses(run_dir), losses(ref_dir)
+    got, want = metrics(run_dir), metrics(ref_dir)
     assert sorted(got) == list(range(1, steps + 1))
-    for step in range(1, steps + 1):
-        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+    assert_same_metrics(got, want, range(1, steps + 1))

@@ -30,15 +30,19 @@ def _blocking_run(tiny, tmp_path, name: str, async_: bool):
 
 
 def test_async_save_blocks_no_longer_than_the_cpu_snapshot(ray_local, tiny_spec_dict, tmp_path):
-    stored, memory = _blocking_run(tiny_spec_dict, tmp_path, "async", True)
-    for e in stored:  # the memory event of a step reports its copy and what that held the loop for
-        if e["step"] in memory:
-            snap = memory[e["step"]]
-            assert e["blocking_s"] <= snap["blocking_s"] + snap["duration_s"] + 0.005, (e, snap)
+    """Async: the loop is held for starting the memory snapshot and queueing the upload, never
+    for the write. Compared with what the same run measured (the write's own duration) and
+    with a sync run of the same steps, not with a fixed slack: the bounds hold on a loaded
+    machine, where every duration stretches alike."""
+    stored, _ = _blocking_run(tiny_spec_dict, tmp_path, "async", True)
     sync_stored, sync_memory = _blocking_run(tiny_spec_dict, tmp_path, "sync", False)
     for e in sync_stored:  # sync: the copy and the whole write hold the loop
         if e["step"] in sync_memory:
             assert e["blocking_s"] > sync_memory[e["step"]]["duration_s"], e
+    sync_by_step = {e["step"]: e for e in sync_stored}
+    for e in stored:
+        assert e["blocking_s"] < e["duration_s"], e  # the write ran off the training thread
+        assert e["blocking_s"] < sync_by_step[e["step"]]["blocking_s"], (e, sync_by_step[e["step"]])
     mean = lambda evs: sum(e["blocking_s"] for e in evs) / len(evs)  # noqa: E731
     assert mean(stored) * 3 < mean(sync_stored), (mean(stored), mean(sync_stored))
 

@@ -11,7 +11,7 @@ import pytest
 from elastic import ElasticTrainer
 from elastic.testing.faults import Fault, FaultInjector, worker_fault
 
-from elastic_testlib import FAULT_STEP, STEPS, assert_matches_reference, elastic_spec, events_of, step_losses
+from elastic_testlib import FAULT_STEP, REL_SAME_ORDER, STEPS, assert_matches_reference, elastic_spec, events_of, step_metrics
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -22,14 +22,16 @@ def _run(tmp_path, spec, **kwargs):
     return trainer.run_dir, result
 
 
-def _check_recovery(run_dir, result, cause, reference, max_lost=1):
+def _check_recovery(run_dir, result, cause, reference, max_lost=0):
     assert result.status == "succeeded" and result.steps == STEPS
     failures = events_of(run_dir, "failure")
     assert [f["cause"] for f in failures] == [cause]
     assert len(result.recoveries) == 1 and result.recoveries[0].cause == cause
+    print("recoveries:", result.recoveries)
     assert result.recoveries[0].lost_steps <= max_lost
     assert events_of(run_dir, "restore"), "no restore event"
-    assert_matches_reference(step_losses(run_dir), reference)
+    # Same DP degree (2) as the fault-free run: the same reduction order throughout.
+    assert_matches_reference(step_metrics(run_dir), reference, rel=REL_SAME_ORDER)
     return failures[0]
 
 
@@ -41,7 +43,8 @@ def test_worker_process_killed(ray_local, reference_losses, tmp_path):
     assert failure["ranks"] == [1]
     # The node is alive, so the replica is replaced in place: DP stays 2.
     assert all(e["dp"] == 2 for e in events_of(run_dir, "step"))
-    assert result.recoveries[0].detect_s < 2.0
+    # Detected by the failed collective or call, not by the heartbeat timeout (4 s here).
+    assert result.recoveries[0].detect_s < spec.elastic.heartbeat_timeout_s
 
 
 def test_stopped_worker_heartbeat_timeout(ray_local, reference_losses, tmp_path):
@@ -68,7 +71,7 @@ def test_bad_loss_rolls_back(ray_local, reference_losses, tmp_path, kind, cause)
     spec = elastic_spec(min_dp=2, max_dp=2)
     faults = [worker_fault(kind, step=FAULT_STEP + 4, rank=0)]
     run_dir, result = _run(tmp_path, spec, worker_faults=faults)
-    _check_recovery(run_dir, result, cause, reference_losses, max_lost=0)
+    _check_recovery(run_dir, result, cause, reference_losses)
     # The corrupted step was never committed: no step event carries a non-finite loss.
     assert all(e["loss"] is not None for e in events_of(run_dir, "step"))
 

@@ -2,13 +2,39 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
-from elastic_testlib import FAULT_STEP, STEPS, assert_matches_reference, elastic_spec, events_of, step_losses
+from elastic_testlib import (
+    FAULT_STEP,
+    REL_SAME_ORDER,
+    STEPS,
+    assert_matches_reference,
+    elastic_spec,
+    events_of,
+    step_metrics,
+)
 
 from elastic import ElasticTrainer
 from elastic.testing.faults import Fault, FaultInjector, worker_fault
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+# These runs change DP (4 -> 3 -> 4, 4 -> 2, ...) against a fault-free reference at dp 2:
+# the same 12 micro-batch gradients summed in another order. Measured: at most 1.6e-7
+# relative (loss and grad norm, 32 steps), so 1e-5 holds here too (see elastic_testlib).
+REL = REL_SAME_ORDER
+
+
+class _MarkReturned:
+    """Controller callback: creates ``marker`` once the injector has brought a node back."""
+
+    def __init__(self, injector: FaultInjector, marker: str):
+        self.injector, self.marker = injector, marker
+
+    def on_step(self, step, group) -> None:
+        if self.injector.returned_nodes and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
 
 
 def test_node_lost_shrinks_then_grows_back(ray_cluster, reference_losses_cluster, tmp_path):
@@ -17,9 +43,14 @@ def test_node_lost_shrinks_then_grows_back(ray_cluster, reference_losses_cluster
     injector = FaultInjector(
         [Fault("kill_node", at_step=FAULT_STEP, node_index=1, return_after_s=1.0)], cluster=ray_cluster, node_args={"num_cpus": 1}
     )
-    # Steps of 0.15 s leave time for the node to come back before the run ends.
-    slow = [worker_fault("slow", step=1, rank=r, seconds=0.15) for r in range(4)]
-    trainer = ElasticTrainer(spec, run_dir=str(tmp_path / "run"), callbacks=[injector], worker_faults=slow)
+    marker = str(tmp_path / "node-returned")
+    # Steps of 0.15 s let the driver fire the kill near step 8. Once the node is back (the
+    # marker), the workers hold before each step (heartbeat on) while dp < 4, until the
+    # controller asks them to stop and grow: no race between the run's end and the regrow.
+    faults = [worker_fault("slow", step=1, rank=r, seconds=0.15) for r in range(4)]
+    faults += [worker_fault("hold", step=1, rank=r, seconds=120, marker=marker, below_dp=4) for r in range(4)]
+    trainer = ElasticTrainer(spec, run_dir=str(tmp_path / "run"), callbacks=[injector, _MarkReturned(injector, marker)],
+                             worker_faults=faults)
     result = trainer.fit()
     assert result.status == "succeeded" and result.steps == STEPS
     failures = events_of(trainer.run_dir, "failure")
@@ -28,11 +59,13 @@ def test_node_lost_shrinks_then_grows_back(ray_cluster, reference_losses_cluster
     assert resizes == [(4, 3), (3, 4)], resizes
     assert [dp for _, dp in result.dp_history] == [4, 3, 4]
     rec = result.recoveries[0]
-    assert rec.cause == "node_lost" and rec.lost_steps <= 1 and rec.detect_s < 2.0
+    print("recoveries:", result.recoveries)
+    # Detected by a failed call or the raylet probe, not by the heartbeat timeout.
+    assert rec.cause == "node_lost" and rec.lost_steps == 0 and rec.detect_s < spec.elastic.heartbeat_timeout_s
     # Global batch is exact at every DP: grad_accum follows DP.
     for e in events_of(trainer.run_dir, "step"):
         assert e["dp"] * e["grad_accum"] * spec.parallel.micro_batch == spec.train.global_batch
-    assert_matches_reference(step_losses(trainer.run_dir), reference_losses_cluster)
+    assert_matches_reference(step_metrics(trainer.run_dir), reference_losses_cluster, rel=REL)
 
 
 def test_two_failures_back_to_back(ray_cluster, reference_losses_cluster, tmp_path):
@@ -48,9 +81,10 @@ def test_two_failures_back_to_back(ray_cluster, reference_losses_cluster, tmp_pa
     # Ray reports it as a lost actor before the node table catches up.
     assert len(result.recoveries) == 2
     assert {r.cause for r in result.recoveries} <= {"node_lost", "actor_died"}
-    assert all(r.lost_steps <= 1 for r in result.recoveries)
+    print("recoveries:", result.recoveries)
+    assert all(r.lost_steps == 0 for r in result.recoveries)
     assert result.dp_history[-1][1] == 2
-    assert_matches_reference(step_losses(trainer.run_dir), reference_losses_cluster)
+    assert_matches_reference(step_metrics(trainer.run_dir), reference_losses_cluster, rel=REL)
 
 
 @pytest.mark.parametrize("rank", [0, 1], ids=["rendezvous-host", "member"])
@@ -71,9 +105,10 @@ def test_node_lost_while_reconfiguring(ray_cluster, reference_losses_cluster, tm
     # The second loss is seen from a failed call to the dead host: node_lost once its raylet
     # refuses connections (at once here), actor_died if the probe window closed first.
     assert causes[0] == "node_lost" and causes[1] in ("node_lost", "actor_died") and len(causes) == 2, causes
-    assert len(result.recoveries) == 2 and all(r.lost_steps <= 1 for r in result.recoveries)
+    print("recoveries:", result.recoveries)
+    assert len(result.recoveries) == 2 and all(r.lost_steps == 0 for r in result.recoveries)
     assert [dp for _, dp in result.dp_history] == [4, 2]
-    assert_matches_reference(step_losses(trainer.run_dir), reference_losses_cluster)
+    assert_matches_reference(step_metrics(trainer.run_dir), reference_losses_cluster, rel=REL)
 
 
 def test_fsdp_node_lost_restores_its_shard_from_peer_memory(ray_cluster, reference_losses_cluster, tmp_path):
@@ -87,5 +122,7 @@ def test_fsdp_node_lost_restores_its_shard_from_peer_memory(ray_cluster, referen
     assert result.status == "succeeded" and result.steps == STEPS
     assert [f["cause"] for f in events_of(trainer.run_dir, "failure")] == ["node_lost"]
     assert [(e["source"], e["step"] >= FAULT_STEP - 1) for e in events_of(trainer.run_dir, "restore")] == [("memory", True)]
-    assert [dp for _, dp in result.dp_history] == [4, 3] and result.recoveries[0].lost_steps <= 1
-    assert_matches_reference(step_losses(trainer.run_dir), reference_losses_cluster)
+    print("recoveries:", result.recoveries)
+    # README: the lost shard comes back from peer memory with 0 steps lost.
+    assert [dp for _, dp in result.dp_history] == [4, 3] and result.recoveries[0].lost_steps == 0
+    assert_matches_reference(step_metrics(trainer.run_dir), reference_losses_cluster, rel=REL)

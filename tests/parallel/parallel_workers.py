@@ -158,7 +158,10 @@ def blocked_peer_after_leave(rank: int, world: int, out_dir: str, cut: bool, tim
     """Rank 2 blocks in an all-reduce on sub-group {1, 2}; rank 1 never joins it and leaves.
 
     Rank 1 keeps a Python reference to the sub-group (as C++ state can keep a real one alive
-    after a failure), so only cutting its sockets can free rank 2 before the timeout.
+    after a failure), so only cutting its sockets can free rank 2 before the timeout. The
+    ranks synchronise through a second FileStore, with timeouts, never by sleeping: rank 2
+    announces that it enters the all-reduce, rank 1 then leaves (cutting or not) and keeps
+    ``sub`` referenced until rank 2 reports that the all-reduce ended.
     """
     import datetime
 
@@ -168,10 +171,13 @@ def blocked_peer_after_leave(rank: int, world: int, out_dir: str, cut: bool, tim
     sockets.before_init()
     init_group(rank, world, os.path.join(out_dir, "store"))
     sub = dist.new_group([1, 2], timeout=datetime.timedelta(seconds=timeout_s))
+    signals = dist.FileStore(os.path.join(out_dir, "signals"), world)
+    signals.set_timeout(datetime.timedelta(seconds=timeout_s * 4))
     dist.barrier()
     sockets.capture()
     result: dict = {"captured": len(sockets.sockets)}
     if rank == 2:
+        signals.set("entering", "1")
         t0 = time.perf_counter()
         try:
             dist.all_reduce(torch.ones(4), group=sub)
@@ -179,10 +185,11 @@ def blocked_peer_after_leave(rank: int, world: int, out_dir: str, cut: bool, tim
         except Exception as exc:
             result["error"] = str(exc)[:200]
         result["blocked_s"] = time.perf_counter() - t0
+        signals.set("ended", "1")
     elif rank == 1:
-        time.sleep(1.0)
+        signals.wait(["entering"])
         result["cut"] = sockets.cut() if cut else 0
-        time.sleep(2.0 if cut else timeout_s + 1.0)  # the reference to ``sub`` stays alive meanwhile
+        signals.wait(["ended"])  # the reference to ``sub`` stays alive meanwhile
     del sub
     try:
         dist.destroy_process_group()

@@ -2,8 +2,11 @@
 
 Every layout runs the same seed on the same global batches; its per-step loss (the global
 mean, read on every rank) and pre-clip gradient norm must match the reference within
-1e-3 relative. The norm matters: Adam is nearly invariant to a constant gradient scale,
-so a wrongly scaled gradient would hardly move the losses but shows in the norm.
+1e-4 relative (``REL``): the reference takes the whole batch in one forward, the layouts
+in micro-batches, sharded and reduced over ranks, so the reduction order differs; the
+largest difference measured over all layouts is printed. The norm matters: Adam is nearly
+invariant to a constant gradient scale, so a wrongly scaled gradient would hardly move the
+losses but shows in the norm.
 
 All world-4 layouts share one spawn (one process group, a fresh mesh per layout) to keep
 the suite fast on 2 cores.
@@ -30,6 +33,14 @@ LAYOUTS = [
 ]
 IDS = [layout.name for layout in LAYOUTS]
 
+REL = 1e-4
+
+
+def assert_close(got: list[float], want: list[float], what: str) -> None:
+    worst = max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True))
+    print(f"{what}: max relative difference {worst:.2e} (tolerance {REL:g})")
+    assert got == pytest.approx(want, rel=REL), what
+
 
 @pytest.fixture(scope="module")
 def reference() -> tuple[list[float], list[float]]:
@@ -48,9 +59,9 @@ def runs(tmp_path_factory) -> list[dict]:
 def test_loss_and_grad_norm_match_single_process(layout, runs, reference):
     ref_losses, ref_norms = reference
     per_rank = [run[layout.name] for run in runs]
-    for result in per_rank:
-        assert result["losses"] == pytest.approx(ref_losses, rel=1e-3)
-        assert result["norms"] == pytest.approx(ref_norms, rel=1e-3)
+    for rank, result in enumerate(per_rank):
+        assert_close(result["losses"], ref_losses, f"{layout.name} rank {rank} losses")
+        assert_close(result["norms"], ref_norms, f"{layout.name} rank {rank} grad norms")
     # The engine reports one global value: bit-identical on every rank.
     assert all(r["losses"] == per_rank[0]["losses"] for r in per_rank)
     assert all(r["norms"] == per_rank[0]["norms"] for r in per_rank)
@@ -131,12 +142,12 @@ def test_resize_rebuilds_in_process_and_resumes(tmp_path, reference):
     after = Layout("pp2", dp=1, pp=2, micro_batch=4)
     runs = run_ranks(4, resize_and_resume, (before, after, 2), tmp_path)
     ref_losses, ref_norms = reference
-    for run in runs[:2]:
+    for rank, run in enumerate(runs[:2]):
         assert run["resumed_at"] == 2
-        assert run["losses"] == pytest.approx(ref_losses, rel=1e-3)
-        assert run["norms"] == pytest.approx(ref_norms, rel=1e-3)
-    for run in runs[2:]:
-        assert run["losses"] == pytest.approx(ref_losses[:2], rel=1e-3)
+        assert_close(run["losses"], ref_losses, f"resized rank {rank} losses")
+        assert_close(run["norms"], ref_norms, f"resized rank {rank} grad norms")
+    for rank, run in enumerate(runs[2:], start=2):
+        assert_close(run["losses"], ref_losses[:2], f"rank {rank} losses before it left")
 
 
 

@@ -13,7 +13,7 @@ from parallel_workers import blocked_peer_after_leave
 
 pytestmark = pytest.mark.timeout(120)
 
-TIMEOUT_S = 6.0
+TIMEOUT_S = 10.0
 
 
 @pytest.mark.parametrize("cut", [True, False], ids=["cut", "no-cut"])
@@ -23,7 +23,8 @@ def test_cutting_the_group_sockets_frees_a_blocked_peer(tmp_path, cut):
     assert blocked["error"], "the all-reduce cannot complete: rank 1 never joined it"
     if cut:
         assert results[1]["cut"] >= 1
-        # Rank 1 leaves after 1 s; the peer fails then, long before the timeout.
+        # Rank 1 leaves as soon as the peer enters the all-reduce: it fails then, long before
+        # the timeout (bound at half of it, loose for a loaded machine).
         assert blocked["blocked_s"] < TIMEOUT_S / 2, blocked
         assert "Connection closed" in blocked["error"] or "Connection reset" in blocked["error"], blocked
     else:
