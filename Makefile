@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo lint test test-fast bench clean
 
 install: $(STAMP)
 
@@ -34,6 +34,9 @@ FAST_TESTS := tests/test_memory_model.py tests/test_planner.py tests/test_topolo
 	tests/elastic/test_controller.py tests/elastic/test_policies.py tests/elastic/test_rank_order.py \
 	tests/parallel/test_parallel_dims.py tests/checkpoint/test_memory_tier.py \
 	tests/storage/test_storage_store.py tests/storage/test_storage_fs.py tests/storage/test_storage_dcp.py
+
+lint: install
+	$(BIN)/ruff check .
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow and not gpu" $(FAST_TESTS)
