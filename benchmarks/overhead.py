@@ -185,7 +185,9 @@ class TreeCPU(threading.Thread):
         return at(t1, 0) - at(t0, 0), at(t1, 1) - at(t0, 1)
 
 
-def run_subprocess(cmd: list[str], timeout: float, env: dict[str, str], log_path: str, is_trainer=None) -> tuple[int, float, TreeCPU | None]:
+def run_subprocess(
+    cmd: list[str], timeout: float, env: dict[str, str], log_path: str, is_trainer=None
+) -> tuple[int, float, TreeCPU | None]:
     """Run ``cmd`` in its own session with a hard timeout; the whole session is killed on expiry."""
     t0 = time.time()
     sampler = None
@@ -294,7 +296,8 @@ def _summarise(side: str, steps: list[int], ts: list[float], losses: list, step_
     inside = [x for s, x in zip(steps, step_times) if s > warmup]
     n = window[-1][0] - window[0][0]
     job_cpu, trainer_cpu = cpu.cpu_between(window[0][1], window[-1][1])
-    return {"cpu_per_step_s": trainer_cpu / n / trainers, "job_cpu_per_step_s": job_cpu / n, "side": side, "steps": steps, "ts": ts, "losses": losses, "window_steps": len(window),
+    return {"cpu_per_step_s": trainer_cpu / n / trainers, "job_cpu_per_step_s": job_cpu / n,
+            "side": side, "steps": steps, "ts": ts, "losses": losses, "window_steps": len(window),
             "window_s": window[-1][1] - window[0][1],
             "s_per_step": seconds_per_step(window), "s_per_step_robust": theil_sen(window),
             "median_step_time_s": statistics.median(inside), "wall_s": wall, "load": os.getloadavg()[0], **extra}

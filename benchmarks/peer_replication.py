@@ -83,7 +83,8 @@ def main() -> None:
                 run_dir, _ = run(work, f"rep{rep}-{'on' if replicate else 'off'}", args.steps, replicate, args.set)
                 figures[replicate].append(measure(run_dir))
                 m = figures[replicate][-1]
-                print(f"rep {rep} replicate={replicate!s:5}  {m['s_per_step'] * 1e3:7.1f} ms/step  snapshot blocking {m['blocking_s'] * 1e3:6.2f} ms")
+                print(f"rep {rep} replicate={replicate!s:5}  {m['s_per_step'] * 1e3:7.1f} ms/step  "
+                      f"snapshot blocking {m['blocking_s'] * 1e3:6.2f} ms")
         off = statistics.median(m["s_per_step"] for m in figures[False])
         on = statistics.median(m["s_per_step"] for m in figures[True])
         print(f"throughput replicate/off = {off / on:.2f}   (1.00 = free)")
@@ -94,7 +95,8 @@ def main() -> None:
             run_dir, result = run(work, f"fault-{'on' if replicate else 'off'}", args.steps, replicate, args.set, [fault])
             restores = [(e["source"], e["step"]) for e in _events(run_dir, "restore")]
             rec = result["recoveries"][0] if result["recoveries"] else {}
-            print(f"rank 1 killed at step {args.steps // 2}, replicate={replicate!s:5}: restore {restores or 'none (restart from step 0)'}, "
+            print(f"rank 1 killed at step {args.steps // 2}, replicate={replicate!s:5}: "
+                  f"restore {restores or 'none (restart from step 0)'}, "
                   f"lost steps {rec.get('lost_steps')}, recovery {rec.get('recover_s')} s")
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -100,7 +100,8 @@ def rank_main(rank: int, world: int, cfg: dict, out_dir: str) -> None:
         buffers = {"bcast": torch.empty((layout.per_rank, width), dtype=torch.int64),
                    "bcast-i32": torch.empty((layout.per_rank, width), dtype=torch.int32)}
 
-        def produce(method: str, batch: int):
+        # Called within this iteration only, so binding the loop's names late is intended.
+        def produce(method: str, batch: int, layout=layout, dp_rank=dp_rank, corpora=corpora, buffers=buffers):
             if method == "read":
                 # One read per micro-batch, as RankStream._read does.
                 return [

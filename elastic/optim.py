@@ -36,7 +36,7 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         if not p.requires_grad:
             continue
         (decay if p.dim() >= 2 else no_decay).append(p)

@@ -43,9 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-from elastic.yaml_io import read_yaml
 from elastic.errors import SpecError
+from elastic.yaml_io import read_yaml
 
 RACK = "rack"
 NVLINK_DOMAIN = "nvlink_domain"
@@ -153,7 +152,7 @@ class ClusterTopology:
             out.setdefault(n.rack, []).append(n.name)
         return out
 
-    def without(self, names: Iterable[str]) -> "ClusterTopology":
+    def without(self, names: Iterable[str]) -> ClusterTopology:
         drop = set(names)
         return ClusterTopology(n for n in self.nodes if n.name not in drop)
 

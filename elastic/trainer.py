@@ -61,7 +61,8 @@ class ElasticTrainer:
                 if self.result is not None:
                     write_summary(self.run_dir, self.result)
                     if self.progress:
-                        print(format_summary(self.result, self.run_dir), file=sys.stderr if self.result.status != "succeeded" else sys.stdout)
+                        out = sys.stderr if self.result.status != "succeeded" else sys.stdout
+                        print(format_summary(self.result, self.run_dir), file=out)
         finally:
             events.close()
             for cb in self.callbacks:

@@ -211,7 +211,8 @@ class TrainWorker:
 
     # ------------------------------------------------------------------ train group
     @ray.method(concurrency_group="train")
-    def configure(self, rank: int, dims: tuple[int, int, int], master: tuple[str, int], start: dict[str, Any], restore: dict[str, Any] | None, host_index: int) -> dict[str, Any]:
+    def configure(self, rank: int, dims: tuple[int, int, int], master: tuple[str, int], start: dict[str, Any],
+                  restore: dict[str, Any] | None, host_index: int) -> dict[str, Any]:
         """Join a (new) process group and get ready to train from ``start['step']``."""
         self._phase = "configure"
         self._beat = time.monotonic()
@@ -253,7 +254,8 @@ class TrainWorker:
         self.stream = self._open_stream(self.batch_index, host_index * self.spec.data.stagger_s)
         from elastic.checkpoint.storage_tier import StorageUploader
 
-        self.uploader = StorageUploader.create(self.spec, start.get("storage_uri"), rank, self.dims, self.tier, self._results, base_step=self.step)
+        self.uploader = StorageUploader.create(self.spec, start.get("storage_uri"), rank, self.dims, self.tier, self._results,
+                                               base_step=self.step)
         self._stop.clear()
         self._phase = "ready"
         self._beat = time.monotonic()

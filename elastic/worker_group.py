@@ -18,7 +18,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from elastic import policies
-from elastic.diagnosis import NODE_PROBE_S, probe_dead_nodes, diagnose
+from elastic.diagnosis import NODE_PROBE_S, diagnose, probe_dead_nodes
 from elastic.errors import ActorDied, NodeLost, WorkerError, WorkerFailure
 from elastic.placement import ReplicaSlots
 from elastic.worker import TrainWorker
@@ -142,7 +142,8 @@ class WorkerGroup:
             if source == "memory":
                 restore = {"source": "memory", "step": restore_step, "holders": self._holders_for(m, old_holders)}
             elif source == "storage":
-                restore = {"source": "storage", "step": restore_step, "uri": self.storage_uri, "storage_options": self.spec.checkpoint.storage_options}
+                restore = {"source": "storage", "step": restore_step, "uri": self.storage_uri,
+                           "storage_options": self.spec.checkpoint.storage_options}
             start_m = dict(start, storage_uri=self.storage_uri)  # where the storage tier writes
             start_m["replica_peer"] = members[peer].actor if peer is not None else None  # keeps copies of m's snapshots
             refs.append(m.actor.configure.remote(m.rank, (dp, tp, pp), (members[0].ip, port), start_m, restore, hosts[m.node_id]))

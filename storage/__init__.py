@@ -11,11 +11,25 @@ Layers, bottom up (``storage`` imports neither Ray nor ``elastic``/``jobs``):
 """
 
 from storage.dcp import (
-    CheckpointReader, LoadResult, RankWriteResult, ShardRecord, SnapshotReader, chunk_boxes, commit_checkpoint, cpu_snapshot,
-    load_into, primary_replica, write_rank_shard,
+    CheckpointReader,
+    LoadResult,
+    RankWriteResult,
+    ShardRecord,
+    SnapshotReader,
+    chunk_boxes,
+    commit_checkpoint,
+    cpu_snapshot,
+    load_into,
+    primary_replica,
+    write_rank_shard,
 )
 from storage.errors import (
-    CheckpointNotFound, ChecksumMismatch, IncompleteCheckpoint, LayoutMismatch, StorageError, StorageUnavailable,
+    CheckpointNotFound,
+    ChecksumMismatch,
+    IncompleteCheckpoint,
+    LayoutMismatch,
+    StorageError,
+    StorageUnavailable,
 )
 from storage.fs import FsspecStorage, Storage, open_storage, redact, redact_uri
 from storage.manifest import Damage, FileRecord, Manifest

@@ -19,7 +19,13 @@ from storage.dcp_planner import ReshardPlanner
 from storage.dcp_read import CheckpointReader, LoadResult, SnapshotReader, load_into
 from storage.dcp_write import METADATA_JSON, STOCK_METADATA, commit_checkpoint, data_file, objects_file, write_rank_shard
 from storage.records import (
-    ChunkRecord, ObjectRecord, RankWriteResult, ShardRecord, chunk_boxes, cpu_snapshot, primary_replica,
+    ChunkRecord,
+    ObjectRecord,
+    RankWriteResult,
+    ShardRecord,
+    chunk_boxes,
+    cpu_snapshot,
+    primary_replica,
 )
 
 __all__ = [

@@ -22,7 +22,12 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
 )
 
 from storage.codec import dtype_from_name

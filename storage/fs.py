@@ -155,7 +155,8 @@ def s3_options(options: dict[str, Any]) -> dict[str, Any]:
     endpoint = opts.pop("endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:
         client_kwargs.setdefault("endpoint_url", endpoint)
-    region = opts.pop("region", None) or opts.pop("region_name", None) or os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION")
+    region = opts.pop("region", None) or opts.pop("region_name", None)
+    region = region or os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION")
     if region:
         client_kwargs.setdefault("region_name", region)
     for ours, theirs in (("aws_access_key_id", "key"), ("aws_secret_access_key", "secret"), ("aws_session_token", "token")):

@@ -12,8 +12,9 @@ import errno
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from storage.errors import StorageUnavailable
 

@@ -232,8 +232,8 @@ class CheckpointStore:
         for info in victims:
             try:
                 if info.committed:  # un-commit first: a partial delete must not look committed
-                    self._retry(lambda: self.storage.rm(self.file_uri(info.step, MARKER)), "delete marker")
-                self._retry(lambda: self.storage.rm(info.uri), f"delete step {info.step}")
+                    self._retry(lambda info=info: self.storage.rm(self.file_uri(info.step, MARKER)), "delete marker")
+                self._retry(lambda info=info: self.storage.rm(info.uri), f"delete step {info.step}")
                 report.deleted.append(info.step)
             except Exception as exc:  # noqa: BLE001 - reported, logged, and the loop goes on
                 report.failed[info.step] = f"{type(exc).__name__}: {exc}"

@@ -30,14 +30,15 @@ import logging
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
-
-logger = logging.getLogger(__name__)
+from typing import Any
 
 import torch
 
 from storage.records import ShardRecord
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass

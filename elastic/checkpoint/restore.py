@@ -219,6 +219,7 @@ def latest_storage_step(spec: Any, uri: str) -> int | None:
     try:
         info = open_store(uri, spec.checkpoint.storage_options).latest_valid(verify=True)
     except Exception as exc:  # noqa: BLE001 - unreadable storage means "nothing to resume from"
-        log.warning("cannot read checkpoints under %s: %s", redact_uri(uri), scrub(f"{type(exc).__name__}: {exc}", spec.checkpoint.storage_options))
+        log.warning("cannot read checkpoints under %s: %s", redact_uri(uri),
+                    scrub(f"{type(exc).__name__}: {exc}", spec.checkpoint.storage_options))
         return None
     return None if info is None else info.step

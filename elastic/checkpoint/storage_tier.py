@@ -22,8 +22,9 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from storage import CheckpointStore, RetryPolicy, primary_replica, redact, redact_uri, write_rank_shard
 

@@ -25,7 +25,8 @@ the bubble fraction (idle time over useful time) is ``(p - 1) / m``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn

@@ -416,7 +416,8 @@ def peak_key(device: str) -> str:
 
 def run_layouts(
     layouts: list[Layout], model_cfg: ModelConfig = DEFAULT_MODEL, *, world: int = 4, device: str = "cpu",
-    global_batch: int = DEFAULT_GLOBAL_BATCH, micro_batch: int = DEFAULT_MICRO_BATCH, warmup: int = 2, rounds: int = 0, steps_per_round: int = 0, seed: int = 0,
+    global_batch: int = DEFAULT_GLOBAL_BATCH, micro_batch: int = DEFAULT_MICRO_BATCH, warmup: int = 2, rounds: int = 0,
+    steps_per_round: int = 0, seed: int = 0,
 ) -> list[dict]:
     """Spawn ``world`` ranks that run ``rank_main``; returns each rank's results (by layout name)."""
     bad = [lay.name for lay in layouts if lay.world != world]

@@ -7,11 +7,10 @@ import math
 import pickle
 import socket
 
+import ckpt_gloo_workers
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-import ckpt_gloo_workers
 
 
 def _free_port() -> int:

@@ -8,13 +8,13 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from parallel_harness import MODEL, SEED, STEPS, TRAIN, Layout, dp_micro_batches, init_group
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from elastic.model import build_model
 from elastic.parallel.config import ParallelConfig
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
-from parallel_harness import MODEL, SEED, STEPS, TRAIN, Layout, dp_micro_batches, init_group
 
 
 def make_engine(layout: Layout, world: int) -> TrainEngine:

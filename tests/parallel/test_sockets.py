@@ -7,7 +7,6 @@ after a failure), the peer waits for the whole collective timeout.
 from __future__ import annotations
 
 import pytest
-
 from parallel_harness import run_ranks
 from parallel_workers import blocked_peer_after_leave
 

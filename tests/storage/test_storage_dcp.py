@@ -9,14 +9,30 @@ import pickle
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from storage_testlib import (
+    WORLD,
+    assemble,
+    assert_same_objects,
+    model_and_optimizer_state,
+    overlap_bytes,
+    rank_snapshot,
+    save_sharded,
+    target,
+)
 
 from storage import (
-    CheckpointNotFound, ChecksumMismatch, CheckpointStore, IncompleteCheckpoint, LayoutMismatch, ShardRecord, SnapshotReader,
-    commit_checkpoint, cpu_snapshot, load_into, write_rank_shard,
-)
-from storage import codec
-from storage_testlib import (
-    WORLD, assemble, assert_same_objects, model_and_optimizer_state, overlap_bytes, rank_snapshot, save_sharded, target,
+    CheckpointNotFound,
+    CheckpointStore,
+    ChecksumMismatch,
+    IncompleteCheckpoint,
+    LayoutMismatch,
+    ShardRecord,
+    SnapshotReader,
+    codec,
+    commit_checkpoint,
+    cpu_snapshot,
+    load_into,
+    write_rank_shard,
 )
 
 STEP = 100

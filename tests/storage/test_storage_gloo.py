@@ -5,9 +5,9 @@ from __future__ import annotations
 import socket
 
 import pytest
+import storage_gloo_worker
 import torch.multiprocessing as mp
 
-import storage_gloo_worker
 from storage import CheckpointStore
 
 

@@ -8,11 +8,17 @@ import threading
 
 import pytest
 import torch
+from storage_testlib import (
+    FAKE_KEY,
+    FAKE_SECRET,
+    assemble,
+    assert_same_objects,
+    model_and_optimizer_state,
+    save_sharded,
+    target,
+)
 
 from storage import CheckpointStore, StorageUnavailable, commit_checkpoint, load_into, write_rank_shard
-from storage_testlib import (
-    FAKE_KEY, FAKE_SECRET, assemble, assert_same_objects, model_and_optimizer_state, save_sharded, target,
-)
 
 pytestmark = pytest.mark.timeout(120)
 
