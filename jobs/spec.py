@@ -53,8 +53,9 @@ class JobSpec(BaseModel):
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> "JobSpec":
         raw = read_yaml(path, "config")
-        if raw is None:
-            raw = {}
+        if raw is None:  # empty, or only comments and blank lines: a truncated file or a wrong path
+            raise SpecError("config", f"{path} is empty (no keys, only whitespace or comments); "
+                                      "write at least `name: ...` to run with the defaults")
         if not isinstance(raw, dict):
             raise SpecError("config", f"{path} must hold a mapping at the top level")
         apply_overrides(raw, overrides or [])
@@ -66,6 +67,7 @@ class JobSpec(BaseModel):
         if m.d_model % m.n_heads:
             raise SpecError("model.n_heads", f"{m.n_heads} does not divide model.d_model ({m.d_model})")
         validate_layout(m, p.tp, p.pp)
+        self.data.check_source_exists()
         if e.min_dp > e.max_dp:
             raise SpecError("elastic.min_dp", f"{e.min_dp} is larger than elastic.max_dp ({e.max_dp})")
         if self.resources.device == "cuda" and self.resources.gpus_per_worker <= 0:
