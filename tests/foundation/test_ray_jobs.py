@@ -118,7 +118,7 @@ def _sets(extra):
 def _committed(env, uri) -> list[int]:
     proc = subprocess.run([sys.executable, "-m", "elastic.cli", "ckpt", "list", uri, "--json"], capture_output=True,
                           text=True, timeout=60, env=env)
-    return [r["step"] for r in json.loads(proc.stdout)] if proc.returncode == 0 and proc.stdout.strip() else []
+    return [r["step"] for r in json.loads(proc.stdout) if r["committed"]] if proc.returncode == 0 and proc.stdout.strip() else []
 
 
 def test_ray_job_submit_runs_jobs_train_and_ray_job_stop_leaves_a_resumable_checkpoint(ray_head, tmp_path):
@@ -158,6 +158,9 @@ def test_ray_job_submit_runs_jobs_train_and_ray_job_stop_leaves_a_resumable_chec
     def no_train_worker_alive():
         out = _ray(env, "list", "actors", "--address", url, "--filter", "state=ALIVE", "--format", "json",
                    timeout=60)
+        last[:] = [out.returncode, out.stdout[-1500:], out.stderr[-1500:]]
+        if out.returncode == 0 and "No resource in the cluster" in out.stdout:  # how `ray list` prints []
+            return True
         text = out.stdout[out.stdout.find("["):] if "[" in out.stdout else ""
         try:
             actors = json.loads(text)
@@ -165,7 +168,12 @@ def test_ray_job_submit_runs_jobs_train_and_ray_job_stop_leaves_a_resumable_chec
             return False
         return out.returncode == 0 and not [a for a in actors if "TrainWorker" in a.get("class_name", "")]
 
-    _wait(no_train_worker_alive, 120, "the stopped job's workers to end", every=2)
+    last: list = []
+
+    try:
+        _wait(no_train_worker_alive, 120, "the stopped job's workers to end", every=2)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; last `ray list actors`: {last}") from None
     committed = _committed(env, uri)
     assert committed and all(s % 2 == 0 for s in committed)
     newest = max(committed)
