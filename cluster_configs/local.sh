@@ -5,6 +5,8 @@
 #                                                 named w0.., split into RACKS racks (r0..)
 #   cluster_configs/local.sh topology             the topology as elastic/topology.py reads it
 #   elastic run examples/<job>.yaml --address 127.0.0.1:6379 --set parallel.tp=2
+#   ray job submit --address http://127.0.0.1:8265 --working-dir . -- python -m jobs.train examples/<job>.yaml
+#                                                 the head serves the Ray Jobs API (dashboard on 127.0.0.1)
 #   cluster_configs/local.sh down                 `ray stop`: stops EVERY Ray process of this
 #                                                 user on the machine, not only this cluster
 #
@@ -19,12 +21,13 @@
 # generates the token if there is none; export the same RAY_AUTH_MODE=token before
 # `elastic run --address ...` (or set RAY_AUTH_MODE=disabled for all of them).
 #
-# Environment: RAY_PORT (default 6379), RAY (the ray executable, default: ray on PATH),
+# Environment: RAY_PORT (default 6379), RAY_DASHBOARD_PORT (the Jobs API, default 8265), RAY (the ray executable, default: ray on PATH),
 # PYTHON (default: python), RAY_TEMP_DIR (optional head --temp-dir),
 # OBJECT_STORE_BYTES per node (default 200 MB: many raylets share one machine's memory).
 set -euo pipefail
 
 PORT=${RAY_PORT:-6379}
+DASHBOARD_PORT=${RAY_DASHBOARD_PORT:-8265}
 RAY=${RAY:-ray}
 PYTHON=${PYTHON:-python}
 STORE=${OBJECT_STORE_BYTES:-200000000}
@@ -40,13 +43,15 @@ up() {
     "${RAY}" get-auth-token --generate >/dev/null
   fi
   "${RAY}" start --head --node-ip-address=127.0.0.1 --port="${PORT}" --num-cpus=0 \
-    --object-store-memory="${STORE}" --include-dashboard=false --disable-usage-stats "${temp[@]}"
+    --object-store-memory="${STORE}" --include-dashboard=true --dashboard-host=127.0.0.1 \
+    --dashboard-port="${DASHBOARD_PORT}" --disable-usage-stats "${temp[@]}"
   for ((i = 0; i < nodes; i++)); do
     "${RAY}" start --address="${ADDRESS}" --node-ip-address=127.0.0.1 --num-cpus=1 \
       --object-store-memory="${STORE}" --labels="name=w${i},rack=r$((i * racks / nodes))" \
       --disable-usage-stats
   done
   echo "cluster up: RAY_AUTH_MODE=${RAY_AUTH_MODE} elastic run CONFIG --address ${ADDRESS}"
+  echo "Ray Jobs: RAY_AUTH_MODE=${RAY_AUTH_MODE} ray job submit --address http://127.0.0.1:${DASHBOARD_PORT} --working-dir . -- python -m jobs.train CONFIG"
 }
 
 topology() {

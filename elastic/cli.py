@@ -10,7 +10,7 @@ import argparse
 import logging
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--address", default=None, help="Ray cluster address (default: join a running one, else embedded)")
     run.add_argument("--run-dir", default=None)
     run.add_argument("--resume", action="store_true", help="start from the newest valid checkpoint in checkpoint.uri")
+    run.add_argument("--fault", dest="faults", action="append", default=[], metavar="KIND@STEP[:key=value...]",
+                     help="inject a failure (repeatable): kill_worker, kill_node, stop_worker, nan, spike, raise, "
+                          "hang, slow or bitflip, e.g. kill_worker@20:rank=2")
 
     demo = sub.add_parser("demo", help="the quickstart job with a node failure and recovery")
     demo.add_argument("--run-dir", default=None)
@@ -74,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
-        return cmd_run(args.config, args.overrides, args.address, args.run_dir, args.resume)
+        return cmd_run(args.config, args.overrides, args.address, args.run_dir, args.resume, args.faults)
     if args.command == "demo":
         from elastic.demo import run_demo
 
@@ -91,14 +94,62 @@ def _dispatch(args: argparse.Namespace) -> int:
     raise AssertionError(args.command)
 
 
-def cmd_run(config: str, overrides: list[str], address: str | None, run_dir: str | None, resume: bool) -> int:
+def cmd_run(config: str, overrides: list[str], address: str | None, run_dir: str | None, resume: bool,
+            faults: list[str] | None = None) -> int:
+    from elastic.testing.faults import build_faults, check_fault_specs, parse_fault_spec
     from jobs.spec import JobSpec
 
+    parsed = [parse_fault_spec(f) for f in faults or []]
     spec = JobSpec.from_yaml(config, overrides=overrides)  # validates before anything starts
+    check_fault_specs(parsed, spec)
+    driver_faults, worker_faults = build_faults(parsed, spec)
     from elastic.trainer import ElasticTrainer
 
-    trainer = ElasticTrainer(spec, run_dir=run_dir, address=address, resume=resume, progress=True)
+    if any(f.kind == "kill_node" for f in driver_faults):
+        return _run_on_embedded_cluster(spec, run_dir, address, resume, driver_faults, worker_faults)
+    callbacks = []
+    if driver_faults:
+        from elastic.testing.faults import FaultInjector
+
+        callbacks.append(FaultInjector(driver_faults))
+    trainer = ElasticTrainer(spec, run_dir=run_dir, address=address, resume=resume, progress=True,
+                             callbacks=callbacks, worker_faults=worker_faults or None)
     result = trainer.fit()
+    return EXIT_OK if result.status == "succeeded" else EXIT_FAILED
+
+
+def _run_on_embedded_cluster(spec, run_dir, address, resume, driver_faults, worker_faults) -> int:
+    """``--fault kill_node``: the job runs on an embedded multi-node Ray (a CPU-less head plus
+    one node per worker, ``ray.cluster_utils.Cluster``), whose nodes can be killed for real."""
+    from elastic.errors import SpecError
+    from elastic.trainer import ElasticTrainer, running_cluster_address
+
+    joined = address or running_cluster_address()
+    if joined:
+        raise SpecError("--fault", f"kill_node needs the embedded multi-node cluster that elastic run starts itself; "
+                                   f"it cannot kill nodes of the cluster at {joined} (--address, RAY_ADDRESS or a running head)")
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from elastic.testing.faults import FaultInjector
+
+    logging.getLogger("ray").setLevel(logging.ERROR)
+    workers = spec.elastic.max_dp * spec.parallel.replica_size
+    node_args = {"num_cpus": max(1, int(spec.resources.cpus_per_worker)), "resources": dict(spec.resources.custom) or None}
+    print(f"--fault kill_node: starting an embedded Ray cluster: 1 head + {workers} worker nodes", flush=True)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    injector = FaultInjector(driver_faults, cluster=cluster, node_args=node_args)
+    try:
+        for _ in range(workers):
+            cluster.add_node(**node_args)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False, logging_level=logging.ERROR)
+        trainer = ElasticTrainer(spec, run_dir=run_dir, resume=resume, progress=True, callbacks=[injector],
+                                 worker_faults=worker_faults or None)
+        result = trainer.fit()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
     return EXIT_OK if result.status == "succeeded" else EXIT_FAILED
 
 

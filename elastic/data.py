@@ -34,12 +34,13 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 TOKENS = "tokens"
+SOURCE_PROTOCOLS = ("file", "s3", "memory")  # the fsspec back ends this project installs and tests
 
 
 class DataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    source: str = Field("synthetic", description="'synthetic' or a parquet URI (file://, s3://, memory://)")
+    source: str = Field("synthetic", description="'synthetic', a local path or a parquet URI (file://, s3://, memory://)")
     num_samples: int = Field(20000, ge=1, description="corpus size for the synthetic source")
     cache_dir: str | None = Field(None, description="where the synthetic corpus is written; default <run_dir>/data")
     prefetch_steps: int = Field(2, ge=0, description="batches read ahead per rank")
@@ -52,9 +53,31 @@ class DataConfig(BaseModel):
     @field_validator("source")
     @classmethod
     def _source(cls, v: str) -> str:
-        if v == "synthetic" or "://" in v:
+        if v == "synthetic":
             return v
-        raise ValueError("must be 'synthetic' or a URI such as file:///data/corpus or s3://bucket/corpus")
+        protocol, sep, _ = v.partition("://")
+        if not sep:
+            return v  # a local path; whether it exists is checked by ``check_source_exists``
+        if protocol not in SOURCE_PROTOCOLS:
+            raise ValueError(f"protocol {protocol}:// is not supported; use one of "
+                             + ", ".join(f"{p}://" for p in SOURCE_PROTOCOLS))
+        return v
+
+    def check_source_exists(self) -> None:
+        """A local corpus (``file://`` or a path) must exist before anything starts. Remote
+        sources are checked when read: their credentials may live only on the cluster."""
+        from elastic.errors import SpecError
+
+        if self.source == "synthetic":
+            return
+        protocol, sep, rest = self.source.partition("://")
+        if sep and protocol != "file":
+            return
+        import os
+
+        path = rest if sep else self.source
+        if not os.path.exists(path):
+            raise SpecError("data.source", f"{self.source} does not exist")
 
 
 # --------------------------------------------------------------------------- order (pure)

@@ -22,8 +22,8 @@ def run_demo(run_dir: str | None = None, inject_fault: bool = True) -> int:
     import ray
     from ray.cluster_utils import Cluster
 
-    from elastic.trainer import ElasticTrainer
     from elastic.testing.faults import Fault, FaultInjector
+    from elastic.trainer import ElasticTrainer
     from jobs.spec import JobSpec
 
     spec = JobSpec.from_yaml(EXAMPLE)
@@ -34,7 +34,7 @@ def run_demo(run_dir: str | None = None, inject_fault: bool = True) -> int:
     logging.getLogger("ray").setLevel(logging.ERROR)
     nodes = spec.elastic.max_dp
     print(f"starting an embedded Ray cluster: 1 head + {nodes} worker nodes (1 CPU each)", flush=True)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     node_args = {"num_cpus": int(spec.resources.cpus_per_worker)}
     for _ in range(nodes):
         cluster.add_node(**node_args)

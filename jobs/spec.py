@@ -17,13 +17,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from elastic.checkpoint.config import CheckpointConfig
 from elastic.data import DataConfig
 from elastic.errors import SpecError
-from elastic.yaml_io import read_yaml
 from elastic.model import ModelConfig
 from elastic.optim import TrainConfig
 from elastic.parallel.config import ParallelConfig
 from elastic.parallel.dims import validate_layout
 from elastic.placement import ResourcesConfig
 from elastic.policies import ElasticConfig
+from elastic.yaml_io import read_yaml
 
 
 class JobSpec(BaseModel):
@@ -42,7 +42,7 @@ class JobSpec(BaseModel):
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "JobSpec":
+    def from_dict(cls, raw: dict[str, Any]) -> JobSpec:
         try:
             spec = cls.model_validate(raw)
         except ValidationError as exc:
@@ -51,10 +51,11 @@ class JobSpec(BaseModel):
         return spec
 
     @classmethod
-    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> "JobSpec":
+    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> JobSpec:
         raw = read_yaml(path, "config")
-        if raw is None:
-            raw = {}
+        if raw is None:  # empty, or only comments and blank lines: a truncated file or a wrong path
+            raise SpecError("config", f"{path} is empty (no keys, only whitespace or comments); "
+                                      "write at least `name: ...` to run with the defaults")
         if not isinstance(raw, dict):
             raise SpecError("config", f"{path} must hold a mapping at the top level")
         apply_overrides(raw, overrides or [])
@@ -66,6 +67,7 @@ class JobSpec(BaseModel):
         if m.d_model % m.n_heads:
             raise SpecError("model.n_heads", f"{m.n_heads} does not divide model.d_model ({m.d_model})")
         validate_layout(m, p.tp, p.pp)
+        self.data.check_source_exists()
         if e.min_dp > e.max_dp:
             raise SpecError("elastic.min_dp", f"{e.min_dp} is larger than elastic.max_dp ({e.max_dp})")
         if self.resources.device == "cuda" and self.resources.gpus_per_worker <= 0:

@@ -59,7 +59,7 @@ def ray_cluster():
     from ray.cluster_utils import Cluster
 
     _shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     for _ in range(4):
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()

@@ -22,29 +22,36 @@ embedded and ``Cluster``-based local clusters these faults are made for.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-WORKER_FAULT_KINDS = ("nan", "spike", "raise", "hang", "slow", "hold")
+log = logging.getLogger(__name__)
+
+# ``hold`` is a test's condition, not a failure: it is not offered by ``--fault``.
+WORKER_FAULT_KINDS = ("nan", "spike", "raise", "hang", "slow", "bitflip", "hold")
 _EVERY_STEP = ("slow", "hold")  # from ``step`` on, not once
+DRIVER_FAULT_KINDS = ("kill_worker", "stop_worker", "kill_node")
+FAULT_KINDS = ("kill_worker", "kill_node", "stop_worker", "nan", "spike", "raise", "hang", "slow", "bitflip")
 
 
 class InjectedError(RuntimeError):
     """The exception a ``raise`` fault throws inside a training step."""
 
 
-def worker_fault(kind: str, step: int, rank: int = 0, seconds: float = 0.0, **extra: Any) -> dict[str, Any]:
-    """``extra``: ``hold`` takes ``marker`` (a file path) and ``below_dp``."""
+def worker_fault(kind: str, step: int, rank: int = 0, seconds: float = 0.0, bit: int = 30, **extra: Any) -> dict[str, Any]:
+    """``bit``: the bit a ``bitflip`` flips; ``extra``: ``hold`` takes ``marker`` (a file path) and ``below_dp``."""
     if kind not in WORKER_FAULT_KINDS:
         raise ValueError(f"unknown worker fault {kind!r}; expected one of {WORKER_FAULT_KINDS}")
     if kind == "hold" and set(extra) != {"marker", "below_dp"}:
         raise ValueError("a hold needs marker= and below_dp=")
-    return {"kind": kind, "step": step, "rank": rank, "seconds": seconds, **extra}
+    return {"kind": kind, "step": step, "rank": rank, "seconds": seconds, "bit": bit, **extra}
 
 
 class WorkerFaults:
@@ -75,7 +82,7 @@ class WorkerFaults:
                 raise InjectedError(f"injected failure in step {step} on rank {rank}")
             if kind == "hang":
                 time.sleep(fault["seconds"])
-            elif kind in ("nan", "spike"):
+            elif kind in ("nan", "spike", "bitflip"):
                 import torch
 
                 with torch.no_grad():
@@ -84,8 +91,10 @@ class WorkerFaults:
                     local = param.to_local() if hasattr(param, "to_local") else param
                     if kind == "nan":
                         local.fill_(float("nan"))
-                    else:
+                    elif kind == "spike":
                         local.mul_(60.0)
+                    else:
+                        flip_bit(local, fault.get("bit", 30))
 
 
     def _hold(self, fault: dict[str, Any], engine: Any) -> None:
@@ -94,6 +103,17 @@ class WorkerFaults:
                and time.monotonic() < deadline):
             self._beat()
             self._stop.wait(0.05)
+
+
+def flip_bit(tensor: Any, bit: int, index: int = 0) -> None:
+    """Flip bit ``bit`` of element ``index`` of a tensor in place: silent data corruption on
+    one rank (bit 30 of a float32 is the top exponent bit: a small weight becomes ~1e38)."""
+    import torch
+
+    flat = tensor.view(-1)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+    word = flat[index : index + 1].view(ints)
+    word.bitwise_xor_(torch.tensor(1 << bit, dtype=torch.int64).to(ints))
 
 
 # --------------------------------------------------------------------------- driver side
@@ -150,12 +170,30 @@ class FaultInjector:
         getattr(self, f"_{fault.kind}")(fault, group)
 
     def _kill_worker(self, fault: Fault, group: Any) -> None:
-        os.kill(group.pid_of(fault.rank), signal.SIGKILL)
+        pid = self._pid(fault, group)
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
 
     def _stop_worker(self, fault: Fault, group: Any) -> None:
-        pid = group.pid_of(fault.rank)
-        self._stopped_pids.append(pid)
-        os.kill(pid, signal.SIGSTOP)
+        pid = self._pid(fault, group)
+        if pid is not None:
+            self._stopped_pids.append(pid)
+            os.kill(pid, signal.SIGSTOP)
+
+    @staticmethod
+    def _pid(fault: Fault, group: Any) -> int | None:
+        """The pid of ``fault.rank`` now, or None (with a warning) when the job has no such
+        rank at this moment (it shrank) or the worker is not on this machine."""
+        members = getattr(group, "members", None)
+        member = None if members is None else next((m for m in members if m.rank == fault.rank and not getattr(m, "dead", False)), None)
+        if members is not None and member is None:
+            log.warning("fault %s@%d: no rank %s at this step; not fired", fault.kind, fault.at_step, fault.rank)
+            return None
+        ip = getattr(member, "ip", None)
+        if ip and not _is_local(ip):
+            log.warning("fault %s@%d: rank %s runs on %s, not on this machine; not fired", fault.kind, fault.at_step, fault.rank, ip)
+            return None
+        return group.pid_of(fault.rank)
 
     def _kill_node(self, fault: Fault, group: Any) -> None:
         index = fault.node_index
@@ -163,6 +201,9 @@ class FaultInjector:
             members = self._next_members or sorted(group.members, key=lambda m: m.rank)
             host = members[fault.rank].node_id
             index = next(i for i, n in enumerate(worker_nodes(self.cluster)) if n.node_id == host)
+        if index >= len(worker_nodes(self.cluster)):
+            log.warning("fault kill_node@%d: no worker node %d left; not fired", fault.at_step, index)
+            return None
         node = kill_node(self.cluster, index, group, graceful_raylet=fault.graceful_raylet)
         if fault.return_after_s is not None:
             self._due.append(time.monotonic() + fault.return_after_s)
@@ -206,6 +247,23 @@ def kill_node(cluster: Any, node_index: int, group: Any = None, graceful_raylet:
     return node
 
 
+def _is_local(ip: str) -> bool:
+    """Whether ``ip`` is an address of this machine (signals only reach local processes)."""
+    if ip.startswith("127.") or ip in ("::1", "localhost"):
+        return True
+    try:
+        import ray
+
+        if ip == ray.util.get_node_ip_address():
+            return True
+    except Exception:  # noqa: BLE001 - no Ray connection: fall back on the host's names
+        pass
+    try:
+        return ip in socket.gethostbyname_ex(socket.gethostname())[2]
+    except OSError:
+        return False
+
+
 def _children(parent: int) -> set[int]:
     """Pids of ``parent``'s child processes (Linux procfs)."""
     out = set()
@@ -224,3 +282,112 @@ def _children(parent: int) -> set[int]:
 
 def worker_nodes(cluster: Any) -> list[Any]:
     return [n for n in cluster.list_all_nodes() if n is not cluster.head_node]
+
+
+# --------------------------------------------------------------------------- from the command line
+
+# Keys each kind accepts, with their types. ``rank`` is the rank at the moment the fault fires.
+FAULT_KEYS: dict[str, dict[str, type]] = {
+    "kill_worker": {"rank": int},
+    "stop_worker": {"rank": int},
+    "kill_node": {"node": int, "rank": int, "return_after_s": float},
+    "nan": {"rank": int},
+    "spike": {"rank": int},
+    "raise": {"rank": int},
+    "hang": {"rank": int, "seconds": float},
+    "slow": {"rank": int, "seconds": float},
+    "bitflip": {"rank": int, "bit": int},
+}
+FAULT_SYNTAX = "KIND@STEP[:key=value...]"
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One ``--fault KIND@STEP[:key=value...]`` of ``elastic run``, parsed (not yet checked
+    against a job: see ``check_fault_specs``)."""
+
+    kind: str
+    step: int
+    options: dict[str, Any]
+    text: str
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.options.get(key, default)
+
+
+def _bad(text: str, why: str) -> Exception:
+    from elastic.errors import SpecError
+
+    return SpecError("--fault", f"{text!r}: {why}")
+
+
+def parse_fault_spec(text: str) -> FaultSpec:
+    """Parse ``KIND@STEP[:key=value...]``; raises ``SpecError('--fault', ...)`` on bad input."""
+    head, *pairs = text.strip().split(":")
+    kind, at, step_text = head.partition("@")
+    kind = kind.strip()
+    if kind not in FAULT_KINDS:
+        raise _bad(text, f"unknown kind {kind!r}; expected {FAULT_SYNTAX} with KIND one of {', '.join(FAULT_KINDS)}")
+    if not at:
+        raise _bad(text, f"missing @STEP; expected {FAULT_SYNTAX}")
+    try:
+        step = int(step_text)
+    except ValueError:
+        raise _bad(text, f"step {step_text!r} is not an integer") from None
+    if step < 1:
+        raise _bad(text, f"step must be >= 1 (got {step})")
+    allowed = FAULT_KEYS[kind]
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise _bad(text, f"expected key=value, got {pair!r}")
+        if key not in allowed:
+            raise _bad(text, f"unknown key {key!r} for {kind}; allowed: {', '.join(allowed) or 'none'}")
+        if key in options:
+            raise _bad(text, f"key {key!r} given twice")
+        try:
+            parsed = allowed[key](value.strip())
+        except ValueError:
+            raise _bad(text, f"{key}={value!r} is not {'an integer' if allowed[key] is int else 'a number'}") from None
+        if parsed < 0 or parsed != parsed or parsed == float("inf"):
+            raise _bad(text, f"{key} must be >= 0 and finite (got {value})")
+        options[key] = parsed
+    if kind == "bitflip" and not 0 <= options.get("bit", 30) <= 31:
+        raise _bad(text, f"bit must be in 0..31 (float32 weights), got {options['bit']}")
+    if kind == "kill_node" and "node" in options and "rank" in options:
+        raise _bad(text, "give node or rank, not both")
+    return FaultSpec(kind, step, options, text)
+
+
+def check_fault_specs(faults: list[FaultSpec], spec: Any) -> None:
+    """Check parsed faults against a job spec: steps within ``train.steps``, ranks and nodes
+    within the largest layout (``max_dp`` replicas; the embedded multi-node cluster has one
+    node per worker)."""
+    world = spec.elastic.max_dp * spec.parallel.replica_size
+    for f in faults:
+        if f.step > spec.train.steps:
+            raise _bad(f.text, f"step {f.step} is after the last step (train.steps={spec.train.steps}): it would never fire")
+        for key in ("rank", "node"):
+            if key in f.options and f.options[key] >= world:
+                raise _bad(f.text, f"{key} {f.options[key]} out of range: the job has at most {world} "
+                                   f"{'workers' if key == 'rank' else 'worker nodes'} (0..{world - 1})")
+
+
+def build_faults(faults: list[FaultSpec], spec: Any) -> tuple[list[Fault], list[dict[str, Any]]]:
+    """Driver-side ``Fault``s (for a ``FaultInjector``) and worker-side fault dicts."""
+    driver, worker = [], []
+    hang_s = 2 * spec.elastic.collective_timeout_s + spec.elastic.heartbeat_timeout_s  # well past any timeout
+    for f in faults:
+        if f.kind in DRIVER_FAULT_KINDS:
+            node = f.get("node")
+            if f.kind == "kill_node" and node is None and f.get("rank") is None:
+                node = spec.elastic.max_dp * spec.parallel.replica_size - 1  # the last worker node
+            driver.append(Fault(f.kind, at_step=f.step, rank=f.get("rank", 0 if f.kind != "kill_node" else None),
+                                node_index=node if f.kind == "kill_node" else None,
+                                return_after_s=f.get("return_after_s"), graceful_raylet=f.kind == "kill_node"))
+        else:
+            seconds = f.get("seconds", hang_s if f.kind == "hang" else 0.5 if f.kind == "slow" else 0.0)
+            worker.append(worker_fault(f.kind, f.step, rank=f.get("rank", 0), seconds=seconds, bit=f.get("bit", 30)))
+    return driver, worker

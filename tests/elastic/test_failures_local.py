@@ -7,11 +7,10 @@ with the fault-free run of the same spec (same seed, global batch and data).
 from __future__ import annotations
 
 import pytest
+from elastic_testlib import FAULT_STEP, REL_SAME_ORDER, STEPS, assert_matches_reference, elastic_spec, events_of, step_metrics
 
 from elastic import ElasticTrainer
 from elastic.testing.faults import Fault, FaultInjector, worker_fault
-
-from elastic_testlib import FAULT_STEP, REL_SAME_ORDER, STEPS, assert_matches_reference, elastic_spec, events_of, step_metrics
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -119,3 +118,32 @@ def test_failure_budget_exhausted_exits_1(ray_local, tmp_path, tiny_spec_dict):
     assert "failure budget exhausted" in proc.stderr
     summary = __import__("json").load(open(tmp_path / "run" / "summary.json"))
     assert summary["status"] == "failed" and summary["failures"] == 2
+
+
+def test_fault_flag_from_the_command_line(ray_local, reference_losses, tmp_path):
+    """``elastic run --fault``: a real SIGKILL of rank 1 after step 8 and a bit flipped in rank 0's
+    weights before step 20, both from the command line; the run finishes on the fault-free losses."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    config = tmp_path / "spec.yaml"
+    # Generous timeouts: on a loaded 2-core machine a 6 s collective timeout can fire by itself.
+    spec = elastic_spec(min_dp=2, max_dp=2, heartbeat_timeout_s=20, collective_timeout_s=40)
+    config.write_text(yaml.safe_dump(spec.model_dump(mode="json", by_alias=True)))
+    run_dir = str(tmp_path / "run")
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic.cli", "run", str(config), "--run-dir", run_dir,
+         "--fault", f"kill_worker@{FAULT_STEP}:rank=1", "--fault", "bitflip@20:rank=0:bit=30",
+         "--address", ray_local.get_runtime_context().gcs_address],
+        capture_output=True, text=True, timeout=200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    failures = events_of(run_dir, "failure")
+    assert [f["cause"] for f in failures][0] == "actor_died" and failures[0]["ranks"] == [1]
+    assert len(failures) == 2 and failures[1]["cause"] in ("nan_loss", "loss_spike"), failures
+    assert len(events_of(run_dir, "restore")) == 2
+    summary = __import__("json").load(open(f"{run_dir}/summary.json"))
+    assert summary["status"] == "succeeded" and summary["steps"] == STEPS and summary["failures"] == 2
+    assert_matches_reference(step_losses(run_dir), reference_losses, rel=1e-5)

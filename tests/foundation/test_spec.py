@@ -10,8 +10,8 @@ import sys
 import pytest
 import yaml
 
-from jobs import JobSpec
 from elastic.errors import SpecError
+from jobs import JobSpec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,6 +35,9 @@ MALFORMED = [
     (["resources.device=cuda", "resources.gpus_per_worker=0"], "resources.gpus_per_worker"),
     (["model.kind=llama"], "model.kind"),
     (["data.source=not-a-uri"], "data.source"),
+    (["data.source=ftp://host/data"], "data.source"),
+    (["data.source=gs://bucket/corpus"], "data.source"),
+    (["data.source=file:///no/such/corpus"], "data.source"),
     (["checkpoint.keep=0"], "checkpoint.keep"),
     (["model.n_layers=abc"], "model.n_layers"),
     (["elastic.heartbeat_timeout_s=-2"], "elastic.heartbeat_timeout_s"),
@@ -73,6 +76,36 @@ def test_cli_refuses_malformed_specs_with_one_line(tmp_path):
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
     proc = _cli("run", str(tmp_path / "missing.yaml"))
     assert proc.returncode == 2 and "config" in proc.stderr
+
+
+def test_cli_refuses_unsupported_or_missing_data_sources_before_starting(tmp_path):
+    """Found before anything starts (no Ray, no run directory), not as exit 1 at run time."""
+    run_dir = tmp_path / "run"
+    for source, why in [("ftp://host/data", "protocol ftp:// is not supported"),
+                        (f"file://{tmp_path}/nowhere", "does not exist"), (str(tmp_path / "nowhere"), "does not exist")]:
+        proc = _cli("run", QUICKSTART, "--set", f"data.source={source}", "--run-dir", str(run_dir))
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert lines[0].startswith("error: data.source: ") and why in lines[0], proc.stderr
+    assert not run_dir.exists()
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for source in (str(corpus), f"file://{corpus}", "s3://bucket/corpus", "synthetic"):  # accepted by the checks
+        assert JobSpec.from_yaml(QUICKSTART, overrides=[f"data.source={source}"]).data.source == source
+
+
+@pytest.mark.parametrize("text", ["", "\n\n   \n", "# a spec that lost its body\n\n# name: x\n"], ids=["empty", "blank", "comments"])
+def test_empty_spec_file_is_refused(tmp_path, text):
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    with pytest.raises(SpecError) as info:
+        JobSpec.from_yaml(path)
+    assert info.value.field == "config" and "is empty" in str(info.value)
+    if text == "":
+        proc = _cli("run", str(path), "--run-dir", str(tmp_path / "run"))
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: config: "), proc.stderr
+        assert not (tmp_path / "run").exists()
 
 
 def test_overrides_are_yaml_parsed():
