@@ -12,7 +12,8 @@ The only training-state a resume needs is ``batch_index``: the next batch to rea
 
 Reading is per DP rank with a bounded background prefetch (``prefetch_steps`` batches
 ahead), either by a thread that reads the parquet row groups itself (``loader: native``)
-or from a Ray Data pipeline per rank (``loader: ray_data``) with the same order. Hosts start their first read ``stagger_s * host_index`` apart so that a job start or
+or from a Ray Data pipeline per rank (``loader: ray_data``) with the same order.
+Hosts start their first read ``stagger_s * host_index`` apart so that a job start or
 a recovery does not hit storage with every host at once.
 """
 

@@ -31,7 +31,8 @@ class ProgressDisplay:
         elif kind == "restore":
             self._line(f"restored step {event['step']} from {event['source']} in {event['duration_s']:.2f}s")
         elif kind == "checkpoint" and event["tier"] == "storage":
-            self._line(f"checkpoint step {event['step']} -> storage ({event['bytes'] / 1e6:.1f} MB, blocked {event['blocking_s'] * 1e3:.1f} ms)")
+            self._line(f"checkpoint step {event['step']} -> storage ({event['bytes'] / 1e6:.1f} MB, "
+                       f"blocked {event['blocking_s'] * 1e3:.1f} ms)")
         elif kind == "job_end":
             self._line(f"job {event['status']} after {event['steps']} steps")
 

@@ -131,5 +131,6 @@ def test_schema_is_exported():
     proc = _cli("schema")
     assert proc.returncode == 0
     schema = json.loads(proc.stdout)
-    assert set(schema["properties"]) == {"name", "seed", "run_dir", "model", "data", "parallel", "elastic", "resources", "train", "checkpoint"}
+    sections = {"name", "seed", "run_dir", "model", "data", "parallel", "elastic", "resources", "train", "checkpoint"}
+    assert set(schema["properties"]) == sections
     assert "async" in json.dumps(schema)
