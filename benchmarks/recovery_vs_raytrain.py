@@ -232,17 +232,15 @@ class KillAndReturn:
             t.start()
             self.threads.append(t)
         elif "kill_done_ts" in self.out and not self.returned and group.dp < self.old_dp and self.return_delay_s >= 0:
-            self.returned = True
-
-            def add_back() -> None:
-                time.sleep(self.return_delay_s)
+            # Ray starts nodes from the main thread only (signal handlers): the controller's
+            # thread, here. Workers keep training meanwhile; the rejoin is timed from the
+            # moment the node is up.
+            due = self.out.setdefault("return_due_ts", time.time() + self.return_delay_s)
+            if time.time() >= due:
+                self.returned = True
                 self.out["node_added_ts"] = time.time()
                 self.cluster.add_node(num_cpus=1)
                 self.out["node_added_done_ts"] = time.time()
-
-            t = threading.Thread(target=add_back, daemon=True)
-            t.start()
-            self.threads.append(t)
 
 
 class _Records(logging.Handler):
@@ -332,11 +330,13 @@ def analyse_ours(events: list[dict[str, Any]], out: dict[str, Any]) -> dict[str,
         bd["first_step"] = first["ts"] - r["ts"]
     res["breakdown"] = bd
     grow = next((e for e in events if e["kind"] == "resize" and e["ts"] > first["ts"] and e["new_dp"] > new_dp), None)
-    if grow is not None and out.get("node_added_ts"):
+    if grow is not None and out.get("node_added_done_ts"):
         back = [e for e in steps if e["ts"] > grow["ts"] and e["dp"] == grow["new_dp"]]
         if back:
-            res["rejoin_s"] = back[0]["ts"] - out["node_added_ts"]
-            res["rejoin_note"] = "node added -> first step completed at the full size (replica spawned, state sent from a live peer)"
+            res["rejoin_s"] = back[0]["ts"] - out["node_added_done_ts"]
+            res["add_node_s"] = out["node_added_done_ts"] - out["node_added_ts"]
+            res["rejoin_note"] = ("node up (Cluster.add_node returned) -> first step completed at the full size (a new "
+                                  "worker actor spawned, state sent from a live peer's memory)")
     return res
 
 
@@ -509,7 +509,7 @@ def analyse_raytrain(recs: list[dict[str, Any]], kill_ts: float | None) -> dict[
         bd["detect_and_restart_worker_group"] = t_start - kill_ts
         if group_restored:
             t_rest = max(r["ts"] for r in group_restored)
-            bd["build_and_state_restore"] = t_rest - t_start
+            bd["build_ddp_and_checkpoint_restore"] = t_rest - t_start
             bd["first_step"] = max(done) - t_rest
     failed_attempts = sorted({r["world_size"] for r in starts if r["world_size"] != ws})
     if failed_attempts:
@@ -638,6 +638,7 @@ def torchft_child(cfg: dict[str, Any]) -> None:
     refs = {i: Replica.remote(dict(base, replica=i, wait_ready=True)) for i in range(NODES)}
     stop = threading.Event()
     new_ref: list[Any] = []
+    return_due: list[float] = []
 
     def watch() -> None:
         killed = False
@@ -656,11 +657,7 @@ def torchft_child(cfg: dict[str, Any]) -> None:
             elif cfg["return_delay_s"] >= 0:
                 after = [r for r in steps if r["ts"] > out["kill_ts"] and r["participants"] < NODES]
                 if after:
-                    time.sleep(cfg["return_delay_s"])
-                    out["node_added_ts"] = time.time()
-                    cluster.add_node(num_cpus=1)
-                    out["node_added_done_ts"] = time.time()
-                    new_ref.append(Replica.remote(dict(base, replica=NODES)))
+                    return_due.append(time.time() + cfg["return_delay_s"])  # the main thread adds the node
                     return
             time.sleep(0.005)
 
@@ -671,7 +668,13 @@ def torchft_child(cfg: dict[str, Any]) -> None:
         pending = dict(refs)
         deadline = time.time() + cfg["side_timeout"] - 20
         while pending and time.time() < deadline:
-            ready, _ = ray.wait(list(pending.values()), num_returns=1, timeout=1.0)
+            if return_due and not new_ref and time.time() >= return_due[0]:
+                # Ray starts nodes from the main thread only (signal handlers).
+                out["node_added_ts"] = time.time()
+                cluster.add_node(num_cpus=1)
+                out["node_added_done_ts"] = time.time()
+                new_ref.append(Replica.remote(dict(base, replica=NODES)))
+            ready, _ = ray.wait(list(pending.values()), num_returns=1, timeout=0.05)
             for ref in ready:
                 i = next(k for k, v in pending.items() if v == ref)
                 pending.pop(i)
@@ -696,6 +699,7 @@ def torchft_child(cfg: dict[str, Any]) -> None:
         stop.set()
         lighthouse.shutdown()
         stop_cluster(cluster)
+    out["lighthouse_quorums"] = lighthouse_quorums(os.path.join(cfg["work"], "log.txt"))
     out.update(analyse_torchft(read_progress(progress), out))
     write_json(cfg["out"], out)
     os._exit(0)
@@ -732,26 +736,45 @@ def analyse_torchft(recs: list[dict[str, Any]], out: dict[str, Any]) -> dict[str
     res["lost_steps"] = max(0, reached - resume)
     failed = [r for r in steps if r["ts"] > kill_ts and not r["committed"] and r["rank"] in survivors]
     bd: dict[str, float] = {}
-    if failed:
-        t_fail = max(r["ts"] for r in failed if r["step"] == failed[0]["step"])
-        bd["detect_failed_step"] = t_fail - kill_ts  # the survivors' step whose allreduce failed, not committed
-        first_recs = [r for r in smaller if r["step"] == first_step]
-        t_first_start = min(r["started"] for r in first_recs)
-        bd["until_step_start"] = t_first_start - t_fail
-        bd["first_step_incl_quorum"] = max(done) - t_first_start
+    quorum = next((q for q in out.get("lighthouse_quorums", []) if q["created"] > kill_ts and q["size"] == size), None)
+    if quorum is not None:
+        # The lighthouse drops the dead replica once its heartbeat is 1 s old, then forms the
+        # smaller quorum (its own stamp); the survivors then reconfigure gloo and finish the step.
+        bd["detect_and_quorum"] = quorum["created"] - kill_ts
+        bd["pg_reconfigure_and_first_step"] = max(done) - quorum["created"]
     res["breakdown"] = bd
     res["failed_steps_after_kill"] = len({r["step"] for r in failed})
-    if out.get("node_added_ts"):
+    if out.get("node_added_done_ts"):
         new = [r for r in committed if r["rank"] == NODES and r["participants"] == NODES]
         start = next((r for r in recs if r["kind"] == "start" and r["rank"] == NODES), None)
         if new:
-            res["rejoin_s"] = new[0]["ts"] - out["node_added_ts"]
-            res["rejoin_note"] = "node added -> the new replica's first committed step with every replica (healed from a live peer over HTTP)"
+            res["rejoin_s"] = new[0]["ts"] - out["node_added_done_ts"]
+            res["add_node_s"] = out["node_added_done_ts"] - out["node_added_ts"]
+            res["rejoin_note"] = ("node up (Cluster.add_node returned) -> the new replica's first committed step with every "
+                                  "replica (a new process: imports, model build, Manager, then healed from a live peer over HTTP)")
             if start is not None:
                 res["rejoin_from_process_start_s"] = new[0]["ts"] - start["started_at"]
-            if new[0].get("healed_ts"):
-                res["heal_state_loaded_after_node_added_s"] = new[0]["healed_ts"] - out["node_added_ts"]
+            if start is not None and new[0].get("healed_ts"):
+                res["heal_state_loaded_after_process_start_s"] = new[0]["healed_ts"] - start["started_at"]
     return res
+
+
+def lighthouse_quorums(log_path: str) -> list[dict[str, Any]]:
+    """The quorums the lighthouse (in this process) logged: id, size, and its own creation stamp."""
+    import re
+
+    pat = re.compile(r"Quorum! Quorum \{ quorum_id: (\d+), participants: \[(.*)\], created: Some\(Timestamp \{ seconds: (\d+), nanos: (\d+)")
+    out = []
+    try:
+        with open(log_path, errors="replace") as f:
+            for line in f:
+                m = pat.search(line)
+                if m:
+                    out.append({"quorum_id": int(m.group(1)), "size": m.group(2).count("QuorumMember {"),
+                                "created": int(m.group(3)) + int(m.group(4)) / 1e9})
+    except OSError:
+        pass
+    return out
 
 
 def out_rank(out: dict[str, Any], recs: list[dict[str, Any]]) -> int | None:
@@ -799,6 +822,15 @@ def run_side(side: str, rep: int, args: argparse.Namespace, spec_path: str, work
         cfg["checkpoint_every"] = 1
     elif side == "raytrain_default":
         cfg["checkpoint_every"] = 5
+    with open(spec_path) as f:
+        spec = json.load(f)
+    # Ours and TorchFT go on long enough for the returning node to rejoin; the steps after the
+    # recovery enter no recovery figure.
+    steps = args.rejoin_steps if side in ("ours", "torchft") and args.return_delay >= 0 else args.steps
+    spec["train"]["steps"] = steps
+    cfg["spec"] = os.path.join(side_dir, "spec.json")
+    cfg["steps"] = steps
+    write_json(cfg["spec"], spec)
     cfg_path = os.path.join(side_dir, "cfg.json")
     write_json(cfg_path, cfg)
     cmd = [sys.executable, os.path.abspath(__file__), "--_child", cfg_path]
@@ -871,7 +903,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Node-loss recovery: elastic runtime vs Ray Train V2 (tuned, default) and TorchFT.")
     ap.add_argument("--kill-step", type=int, default=12, help="kill the node when this step has completed (default 12)")
     ap.add_argument("--kill-rank", type=int, default=1, help="kill the node hosting this rank / replica (default 1)")
-    ap.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
+    ap.add_argument("--steps", type=int, default=60,
+                    help="training steps of the Ray Train runs (and of ours/TorchFT with --return-delay -1) (default 60)")
+    ap.add_argument("--rejoin-steps", type=int, default=150,
+                    help="training steps of ours and TorchFT, which also time a returning node (default 150)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions per side (default 3)")
     ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {','.join(SIDES)}")
     ap.add_argument("--return-delay", type=float, default=1.0,
@@ -920,7 +955,8 @@ def main(argv: list[str] | None = None) -> int:
         spec_path = os.path.join(work, "spec.json")
         write_json(spec_path, spec)
         print(f"{NODES}-node local cluster (head num_cpus=0, {NODES} x num_cpus=1), GPT {m} (50.5 MB of weights + AdamW "
-              f"state), global_batch {GLOBAL_BATCH}, {args.steps} steps; the node of rank {args.kill_rank} is killed "
+              f"state), global_batch {GLOBAL_BATCH}, {args.steps} steps (ours and TorchFT: {args.rejoin_steps}, to time a "
+              f"returning node {args.return_delay:g} s after the first step at the smaller size); the node of rank {args.kill_rank} is killed "
               f"(SIGKILL of its raylet's children + remove_node) when step {args.kill_step} completes; {args.reps} "
               f"repetition(s) per side; load average now {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs", flush=True)
         res: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
@@ -972,7 +1008,7 @@ def main(argv: list[str] | None = None) -> int:
                          "loadavg_at_start_note": "other processes shared the CPUs; see loadavg_1m_after per run"},
                 "versions": versions(),
                 "scenario": {"nodes": NODES, "model": MODEL, "state_mb": 50.5, "global_batch": GLOBAL_BATCH,
-                             "steps": args.steps, "kill_step": args.kill_step, "kill_rank": args.kill_rank,
+                             "steps": args.steps, "steps_ours_torchft": args.rejoin_steps if args.return_delay >= 0 else args.steps, "kill_step": args.kill_step, "kill_rank": args.kill_rank,
                              "reps": args.reps, "return_delay_s": args.return_delay,
                              "raytrain_tuned": {"env": RAY_TUNED_ENV, "system_config": RAY_TUNED_SYSTEM_CONFIG, "checkpoint_every": 1},
                              "raytrain_default": {"checkpoint_every": 5},
