@@ -893,6 +893,10 @@ def summarise(res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         s["breakdown"] = {k: stats([(r.get("breakdown") or {}).get(k) for r in runs]) for k in keys}
         if any("rejoin_s" in r for r in runs):
             s["rejoin_s"] = stats([r.get("rejoin_s") for r in runs])
+            s["add_node_s"] = stats([r.get("add_node_s") for r in runs])
+        if side == "ours":  # what the product itself reported in summary.json, on the driver's clock
+            s["summary_json"] = {k: stats([(r.get("summary_recovery") or {}).get(k) for r in runs])
+                                 for k in ("detect_s", "recover_s", "downtime_s", "lost_steps")}
         if side == "torchft" and all(r.get("status") == "skipped" for r in runs):
             s["skipped"] = runs[0].get("error")
         summary[side] = s
@@ -986,6 +990,8 @@ def main(argv: list[str] | None = None) -> int:
                   + (f"; node added back -> first step at full size {fmt_stats(s['rejoin_s'])}" if s.get("rejoin_s") else ""))
             for k, v in s["breakdown"].items():
                 print(f"{'':19s}{k:34s} {fmt_stats(v)}")
+            if s.get("summary_json"):
+                print(f"{'':19s}summary.json (driver clock): " + ", ".join(f"{k} {fmt_stats(v)}" for k, v in s["summary_json"].items()))
         ratios = {}
         o = summary.get("ours", {}).get("recovery_s")
         for base in ("raytrain_tuned", "raytrain_default", "torchft"):
