@@ -14,8 +14,8 @@ Sides:
 
 - ``ours``: ``ElasticTrainer`` (``min_dp=1, max_dp=4``), memory snapshots every step,
   storage checkpoints every 5 steps. Ray at its defaults (the controller does not wait on
-  Ray's node table). A node is added back after the first step at the new size, to time
-  the grow-back.
+  Ray's node table). A node is added back 1 s after the first step at the new size, to
+  time the grow-back (``rejoin_s``: from the node being up to the first step at full size).
 - ``raytrain_tuned``: Ray Train V2 ``TorchTrainer`` (``num_workers=(1, 4)``, elastic,
   ``max_failures=3``) as a savvy user would run it: ``RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=5``,
   ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=0.2``, Ray health checks every 0.5 s with 3 misses
@@ -23,7 +23,8 @@ Sides:
 - ``raytrain_default``: the same at Ray's and Ray Train's defaults, a checkpoint every 5 steps.
 - ``torchft``: torchft 0.2.0 standalone (``Manager`` + ``LighthouseServer`` with a 1 s
   heartbeat timeout, ``torchft.ddp.DistributedDataParallel``, ``ProcessGroupGloo``), one
-  replica group of one process per node, each a Ray actor on the same cluster shape. The
+  replica group of one process per node, each a Ray task (``num_cpus=1``) on the same cluster
+  shape, started together (each waits until all 4 Managers heartbeat). The
   survivors keep training per step; a node is added back after the first step without the
   lost replica, and a new replica heals from a live peer. Standalone rather than Ray
   Train's ``TorchftConfig``: the project measured the latter to hang after the last step

@@ -75,7 +75,7 @@ class Recovering(State):
     failure: WorkerFailure
     detected_at: float
     last_seen_step: int
-    failed_at: float = 0.0
+    failed_at: float
 
 
 @dataclass
