@@ -530,7 +530,7 @@ def torchft_replica(config: dict[str, Any]) -> dict[str, Any]:
     import ray
     import torch
     import torch.distributed as dist
-    from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
+    from torchft import Manager, ProcessGroupGloo
 
     from elastic.data import ParquetCorpus
     from elastic.model import build_model, lm_loss
@@ -577,7 +577,7 @@ def torchft_replica(config: dict[str, Any]) -> dict[str, Any]:
         quorum_timeout=timedelta(seconds=60),
         connect_timeout=timedelta(seconds=10),
     )
-    ddp = DistributedDataParallel(manager, model)
+    params = [p for p in model.parameters() if p.requires_grad]
     corpus = ParquetCorpus(spec.data.source)
     per_replica = spec.train.global_batch // NODES
     n = corpus.num_rows
@@ -596,8 +596,20 @@ def torchft_replica(config: dict[str, Any]) -> dict[str, Any]:
             s = manager.current_step()
             first = (s * spec.train.global_batch + idx * per_replica) % max(1, n - per_replica)
             rows = torch.from_numpy(corpus.rows(np.arange(first, first + per_replica)))
-            loss = lm_loss(ddp(rows[:, :-1]), rows[:, 1:])
+            loss = lm_loss(model(rows[:, :-1]), rows[:, 1:])
             loss.backward()
+            # One fault-tolerant allreduce of all gradients (Manager.allreduce averages over
+            # the participants and zeroes a healing replica's part). Not torchft.ddp's
+            # DistributedDataParallel: with more than one bucket, its comm hook asserts
+            # (``assert fut._fut``, ddp.py:76) once a peer died in an earlier bucket's
+            # allreduce, because the errored Manager then hands back a _DummyWork, and the
+            # survivors crash instead of skipping the step (seen here in 2 of 5 runs).
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            manager.allreduce(flat).wait()
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
             committed = manager.should_commit()
             if committed:
                 optimizer.step()
@@ -718,11 +730,17 @@ def analyse_torchft(recs: list[dict[str, Any]], out: dict[str, Any]) -> dict[str
     smaller = [r for r in committed if r["ts"] > kill_ts and r["participants"] < NODES and r["rank"] in survivors]
     if not smaller:
         return res
-    size = smaller[0]["participants"]
-    first_step = min(r["step"] for r in smaller if r["participants"] == size)
-    done = [r["ts"] for r in smaller if r["step"] == first_step and r["participants"] == size]
-    if len(done) < len(survivors):
+    # The first step after the kill that every survivor committed without the lost replica
+    # (a smaller quorum of only some survivors may come first when the others are stuck).
+    first_step = None
+    for step in sorted({r["step"] for r in smaller}):
+        if {r["rank"] for r in smaller if r["step"] == step} >= set(survivors):
+            first_step = step
+            break
+    if first_step is None:
         return res
+    size = min(r["participants"] for r in smaller if r["step"] == first_step)
+    done = [r["ts"] for r in smaller if r["step"] == first_step]
     res["new_size"] = size
     res["first_step_at_new_size"] = first_step
     res["recovery_s"] = max(done) - kill_ts
@@ -737,7 +755,8 @@ def analyse_torchft(recs: list[dict[str, Any]], out: dict[str, Any]) -> dict[str
     res["lost_steps"] = max(0, reached - resume)
     failed = [r for r in steps if r["ts"] > kill_ts and not r["committed"] and r["rank"] in survivors]
     bd: dict[str, float] = {}
-    quorum = next((q for q in out.get("lighthouse_quorums", []) if q["created"] > kill_ts and q["size"] == size), None)
+    quorum = next((q for q in out.get("lighthouse_quorums", []) if q["created"] > kill_ts and q["size"] == size
+                   and q["created"] <= max(done)), None)
     if quorum is not None:
         # The lighthouse drops the dead replica once its heartbeat is 1 s old, then forms the
         # smaller quorum (its own stamp); the survivors then reconfigure gloo and finish the step.
@@ -992,7 +1011,8 @@ def main(argv: list[str] | None = None) -> int:
             for k, v in s["breakdown"].items():
                 print(f"{'':19s}{k:34s} {fmt_stats(v)}")
             if s.get("summary_json"):
-                print(f"{'':19s}summary.json (driver clock): " + ", ".join(f"{k} {fmt_stats(v)}" for k, v in s["summary_json"].items()))
+                print(f"{'':19s}summary.json (driver clock): " + ", ".join(
+                    f"{k} {fmt_stats(v, 'step(s)', '.0f') if k == 'lost_steps' else fmt_stats(v)}" for k, v in s["summary_json"].items()))
         ratios = {}
         o = summary.get("ours", {}).get("recovery_s")
         for base in ("raytrain_tuned", "raytrain_default", "torchft"):
