@@ -90,13 +90,12 @@ def benchmark_comparison(path: str) -> str | None:
         s = summary.get(side) or {}
         rec, lost = s.get("recovery_s"), s.get("lost_steps")
         if rec and lost:
-            parts.append(f"{name} {rec['median']:.1f} s and {lost['median']:g} step(s) lost")
+            parts.append(f"{name} {rec['median']:.1f} s and {lost['median']:g} step(s) lost (n={rec['n']})")
     if not parts:
         return None
-    n = max((s.get("recovery_s") or {}).get("n", 0) for s in summary.values() if isinstance(s, dict))
     rel = os.path.relpath(path, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return (f"for comparison, not measured by this run: {rel} (measured {date}, median of {n} runs, kill to the first "
-            f"step at the smaller size): " + "; ".join(parts))
+    return (f"for comparison, not measured by this run: {rel} (measured {date}; medians; from the kill to the first step "
+            f"at the smaller size): " + "; ".join(parts))
 
 
 if __name__ == "__main__":  # pragma: no cover
