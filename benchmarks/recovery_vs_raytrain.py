@@ -895,12 +895,14 @@ def fmt_stats(s: dict[str, Any] | None, unit: str = "s", spec: str = ".2f") -> s
     return f"{format(s['median'], spec)} {unit} (range {format(s['min'], spec)}-{format(s['max'], spec)}, n={s['n']})"
 
 
-def versions() -> dict[str, Any]:
+def versions(res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     import ray
     import torch
 
+    # torchft as the TorchFT runs imported it (it may come from --torchft-path, not this process).
+    tft = next((r["torchft_version"] for r in res.get("torchft", []) if r.get("torchft_version")), None)
     return {"python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__,
-            "torchft": _dist_version("torchft")}
+            "torchft": tft or _dist_version("torchft")}
 
 
 def summarise(res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -1033,7 +1035,7 @@ def main(argv: list[str] | None = None) -> int:
                 "finished_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                 "host": {"hostname": platform.node(), "cpus": os.cpu_count(), "platform": platform.platform(),
                          "loadavg_at_start_note": "other processes shared the CPUs; see loadavg_1m_after per run"},
-                "versions": versions(),
+                "versions": versions(res),
                 "scenario": {"nodes": NODES, "model": MODEL, "state_mb": 50.5, "global_batch": GLOBAL_BATCH,
                              "steps": args.steps, "steps_ours_torchft": args.rejoin_steps if args.return_delay >= 0 else args.steps, "kill_step": args.kill_step, "kill_rank": args.kill_rank,
                              "reps": args.reps, "return_delay_s": args.return_delay,
