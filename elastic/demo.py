@@ -90,7 +90,8 @@ def benchmark_comparison(path: str) -> str | None:
         s = summary.get(side) or {}
         rec, lost = s.get("recovery_s"), s.get("lost_steps")
         if rec and lost:
-            parts.append(f"{name} {rec['median']:.1f} s and {lost['median']:g} step(s) lost (n={rec['n']})")
+            parts.append(f"{name} {rec['median']:.1f} s (range {rec['min']:.1f}-{rec['max']:.1f}) and {lost['median']:g} "
+                         f"step(s) lost (n={rec['n']})")
     if not parts:
         return None
     rel = os.path.relpath(path, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
