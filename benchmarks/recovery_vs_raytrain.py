@@ -22,7 +22,8 @@ Sides:
   (``_system_config``), and a checkpoint every step (the frequency of our memory tier).
 - ``raytrain_default``: the same at Ray's and Ray Train's defaults, a checkpoint every 5 steps.
 - ``torchft``: torchft 0.2.0 standalone (``Manager`` + ``LighthouseServer`` with a 1 s
-  heartbeat timeout, ``torchft.ddp.DistributedDataParallel``, ``ProcessGroupGloo``), one
+  heartbeat timeout, ``ProcessGroupGloo`` with a 10 s timeout, one ``Manager.allreduce`` of
+  the flattened gradients per step, ``should_commit`` before the optimizer step), one
   replica group of one process per node, each a Ray task (``num_cpus=1``) on the same cluster
   shape, started together (each waits until all 4 Managers heartbeat). The
   survivors keep training per step; a node is added back after the first step without the
@@ -31,6 +32,9 @@ Sides:
   (the job never completed), and here every process is under the benchmark's control.
   torchft keeps its own semantics: each replica trains a fixed 3 rows per step, so the
   global batch shrinks from 12 to 9 when a replica is lost (ours and Ray Train keep 12).
+  When the kill lands inside a gradient allreduce, the survivors wait for gloo's timeout
+  (10 s here; torchft's default is 60 s) before the smaller quorum forms; between two
+  allreduces, the lighthouse drops the replica after its 1 s heartbeat timeout.
   torchft must be importable (``make bench-deps``, or ``--torchft-path DIR``); otherwise
   the side is reported as skipped, with the reason.
 
@@ -603,7 +607,7 @@ def torchft_replica(config: dict[str, Any]) -> dict[str, Any]:
             # DistributedDataParallel: with more than one bucket, its comm hook asserts
             # (``assert fut._fut``, ddp.py:76) once a peer died in an earlier bucket's
             # allreduce, because the errored Manager then hands back a _DummyWork, and the
-            # survivors crash instead of skipping the step (seen here in 2 of 5 runs).
+            # survivors crash instead of skipping the step (seen here in 2 of 7 runs).
             flat = torch.cat([p.grad.reshape(-1) for p in params])
             manager.allreduce(flat).wait()
             offset = 0
