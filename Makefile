@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo lint test test-fast bench clean
+.PHONY: install bench-deps demo lint test test-fast bench clean
 
 install: $(STAMP)
 
@@ -16,6 +16,12 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
+
+# torchft for the TorchFT side of benchmarks/recovery_vs_raytrain.py, into the same .venv.
+# torch is named at its installed version so pip keeps the CPU build (torchft needs >=2.7);
+# its other dependencies (opentelemetry) fit the pinned protobuf and requests.
+bench-deps: install
+	$(BIN)/python -m pip install -q -c constraints.txt torchft==0.2.0 torch==$(TORCH_VERSION)
 
 demo: install
 	$(BIN)/elastic demo
@@ -41,7 +47,7 @@ lint: install
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow and not gpu" $(FAST_TESTS)
 
-bench: install
+bench: install bench-deps
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/checkpoint_stall.py
 	$(BIN)/python benchmarks/recovery_vs_raytrain.py

@@ -67,10 +67,15 @@ class Running(State):
 
 @dataclass
 class Recovering(State):
+    """``failed_at`` and ``detected_at`` are on the driver's monotonic clock: the last time
+    the driver heard from a culprit (its last poll answer or step result), and the time
+    the failure was diagnosed."""
+
     name = "recovering"
     failure: WorkerFailure
     detected_at: float
     last_seen_step: int
+    failed_at: float
 
 
 @dataclass
@@ -98,6 +103,7 @@ class Failed(State):
 
 class Controller:
     worker_group_cls = WorkerGroup
+    clock = staticmethod(time.monotonic)  # the driver's clock for recovery figures (test seam)
 
     def __init__(self, spec: Any, events: EventLog, corpus_uri: str, *, callbacks: list[Any] | None = None,
                  worker_faults: list[dict] | None = None, resume: dict[str, Any] | None = None, storage_uri: str = ""):
@@ -151,11 +157,10 @@ class Controller:
             return handler(state)
         except WorkerFailure as failure:  # a failure while recovering or resizing: recover again
             if isinstance(state, Recovering):
-                self._pending_recoveries.append({"cause": state.failure.cause, "detected_at": state.detected_at,
-                                                 "detect_s": 0.0, "lost_steps": max(0, state.last_seen_step - self.step)})
+                self._pending_recoveries.append(self._pending_entry(state, max(state.last_seen_step, self._last_seen_step()) - self.step))
             if isinstance(state, Starting):
                 return Failed(f"could not start the worker group: {failure.cause}: {failure.detail}")
-            return Recovering(failure, time.monotonic(), self._last_seen_step())
+            return self._recovering(failure)
 
     # ------------------------------------------------------------------ starting
     def _on_starting(self, state: Starting) -> State:
@@ -178,7 +183,8 @@ class Controller:
         logger.info("process group init %.3fs for world size %d", t["init_s"], len(members))
         self.events.emit("job_start", dp=dp, tp=self.spec.parallel.tp, pp=self.spec.parallel.pp, nodes=len({m.node_id for m in members}))
         if source == "storage":
-            self.events.emit("restore", step=self.step, source="storage", duration_s=t["restore_s"], bytes_read=t.get("restore_bytes_read", 0))
+            self.events.emit("restore", step=self.step, source="storage", duration_s=t["restore_s"],
+                             bytes_read=t.get("restore_bytes_read", 0))
         self.dp_history.append([self.step, dp])
         return Running()
 
@@ -194,7 +200,7 @@ class Controller:
         except _BudgetExhausted:
             return Failed(f"failure budget exhausted: {self.failures} failures > elastic.max_failures={self.spec.elastic.max_failures}")
         if obs.failure is not None:
-            return Recovering(obs.failure, time.monotonic(), self._last_seen_step())
+            return self._recovering(obs.failure)
         if obs.finished:
             return Finished()
         if obs.stopped:  # stopped at a boundary without a resize request: restart the loop
@@ -268,17 +274,39 @@ class Controller:
             return
         self.failures += 1
         self.events.emit("failure", cause=result["cause"], ranks=list(range(len(self.group.members))), nodes=[],
-                         detail=f"step {result['step']} loss {result['loss']}: rolled back to step {result['restored_step']}, {result['action']} batch {result['batch_index']}")
+                         detail=f"step {result['step']} loss {result['loss']}: rolled back to step {result['restored_step']}, "
+                                f"{result['action']} batch {result['batch_index']}")
         self.events.emit("restore", step=result["restored_step"], source="memory", duration_s=0.0)
         lost = max(0, result["step"] - 1 - result["restored_step"])
-        self.recoveries.append(Recovery(cause=result["cause"], detect_s=0.0, recover_s=0.0, lost_steps=lost))
+        # Rolled back inside the step on the workers: the group never stopped or changed
+        # size, so there is no pause for the driver to time; the cost is the steps redone.
+        self.recoveries.append(Recovery(cause=result["cause"], detect_s=0.0, recover_s=0.0, downtime_s=0.0, lost_steps=lost))
         self.step = min(self.step, result["restored_step"])
         if policies.failure_decision(self.failures, self.spec.elastic.max_failures) is policies.FailureDecision.RAISE:
             self.group.request_stop()
             raise _BudgetExhausted()
 
     def _last_seen_step(self) -> int:
+        """The newest step any worker reported completing: each worker's own step counter
+        (from its last poll answer) and the per-step results received but not committed."""
         return max([self.step] + [m.step for m in self.group.members] + list(self._pending))
+
+    def _recovering(self, failure: WorkerFailure) -> Recovering:
+        now = self.clock()
+        return Recovering(failure, now, self._last_seen_step(), self._failed_at(failure, now))
+
+    def _failed_at(self, f: WorkerFailure, detected_at: float) -> float:
+        """The failure time the driver can measure on its own clock: the last time it heard
+        from a culprit (a poll answer; ``worker_group.STEADY_POLL_S`` apart while every rank
+        trains). The worker died after that answer, so the true moment is at most
+        one poll interval later (or, for a reply in flight, a few ms earlier). Without
+        culprits (a hang found by the collective timeout), the detection time."""
+        seen = [m.last_ok for m in self.group.members if m.rank in f.ranks]
+        return min(detected_at, max(seen)) if seen else detected_at
+
+    def _pending_entry(self, state: Recovering, lost_steps: int) -> dict[str, Any]:
+        return {"cause": state.failure.cause, "failed_at": state.failed_at, "detected_at": state.detected_at,
+                "detect_s": max(0.0, state.detected_at - state.failed_at), "lost_steps": max(0, lost_steps)}
 
     # ------------------------------------------------------------------ recovering
     def _on_recovering(self, state: Recovering) -> State:
@@ -287,9 +315,9 @@ class Controller:
         self.events.emit("failure", cause=f.cause, ranks=f.ranks, nodes=f.nodes, detail=f.detail)
         logger.warning("failure: %s ranks=%s (%s)", f.cause, f.ranks, f.detail)
         if policies.failure_decision(self.failures, self.spec.elastic.max_failures) is policies.FailureDecision.RAISE:
-            return Failed(f"failure budget exhausted: {self.failures} failures > elastic.max_failures={self.spec.elastic.max_failures} (last: {f.cause})")
+            return Failed(f"failure budget exhausted: {self.failures} failures > "
+                          f"elastic.max_failures={self.spec.elastic.max_failures} (last: {f.cause})")
         group = self.group
-        detect_s = self._detect_latency(f, state)
         marks = [("start", time.monotonic())]
         culprits = [m for m in group.members if m.rank in f.ranks and f.cause not in ("worker_error",)]
         group.kill(culprits)
@@ -302,6 +330,9 @@ class Controller:
         for rank, result in group.drain_results(survivors):
             if result["type"] == "step" and result["step"] > self.step:
                 self._pending.setdefault(result["step"], {})[rank] = result
+        # Per-step worker progress, now that the survivors are freed and drained: the newest
+        # step any worker completed (the culprits' last reports included).
+        worker_step = max(state.last_seen_step, self._last_seen_step())
         replicas = group.complete_replicas(survivors)
         keep = [m for r in replicas for m in r]
         group.kill([m for m in survivors if m not in keep])
@@ -315,7 +346,8 @@ class Controller:
             spare = group.wait_spare(self.spec.elastic.min_dp - len(replicas), timeout=self.spec.elastic.min_dp_wait_s)
             dp = policies.target_dp(len(replicas) + len(spare), self.allowed)
         if dp is None:
-            return Failed(f"only {len(replicas)} whole replica(s) left and no capacity for min_dp={self.spec.elastic.min_dp} within {self.spec.elastic.min_dp_wait_s:g}s")
+            return Failed(f"only {len(replicas)} whole replica(s) left and no capacity for "
+                          f"min_dp={self.spec.elastic.min_dp} within {self.spec.elastic.min_dp_wait_s:g}s")
         marks.append(("capacity", time.monotonic()))
         old_dp = group.dp
         kept = [m for r in replicas[:dp] for m in r]
@@ -350,21 +382,17 @@ class Controller:
         self._recovered_at_step = self.step
         for p in self._pending_recoveries:  # a recovery interrupted by this failure lost nothing more
             p.setdefault("lost_steps", 0)
-        self._pending_recoveries.append({"cause": f.cause, "detected_at": state.detected_at, "detect_s": detect_s,
-                                         "lost_steps": max(0, state.last_seen_step - self.step)})
+        self._pending_recoveries.append(self._pending_entry(state, worker_step - self.step))
         return Running()
 
-    def _detect_latency(self, f: WorkerFailure, state: Recovering) -> float:
-        """From the culprits' last sign of health to detection."""
-        seen = [m.last_ok for m in self.group.members if m.rank in f.ranks]
-        return max(0.0, state.detected_at - max(seen)) if seen else 0.0
-
     def _finish_recoveries(self) -> None:
-        """The first step at the new size is done: close every recovery that led here."""
-        now = time.monotonic()
+        """The first step at the new size is done (its results from every rank reached the
+        driver): close every recovery that led here, timed on the driver's clock."""
+        now = self.clock()
         for p in self._pending_recoveries:
             self.recoveries.append(Recovery(cause=p["cause"], detect_s=round(p["detect_s"], 3),
-                                            recover_s=round(now - p["detected_at"], 3), lost_steps=p["lost_steps"]))
+                                            recover_s=round(now - p["detected_at"], 3),
+                                            downtime_s=round(now - p["failed_at"], 3), lost_steps=p["lost_steps"]))
         self._pending_recoveries = []
 
     def _storage_fallback(self) -> tuple[int | None, str]:
@@ -397,7 +425,7 @@ class Controller:
             self._collect(rank, result)
         if stuck or obs.failure is not None:
             failure = obs.failure or WorkerFailure("workers did not stop at a step boundary", ranks=[m.rank for m in stuck])
-            return Recovering(failure, time.monotonic(), self._last_seen_step())
+            return self._recovering(failure)
         t_start = time.monotonic()
         old_dp = group.dp
         newcomers = group.spawn(state.groups)

@@ -21,10 +21,21 @@ EVENT_KINDS = ("job_start", "step", "checkpoint", "failure", "resize", "restore"
 
 
 class Recovery(BaseModel):
+    """One recovery, timed on the driver's monotonic clock (one clock, whatever the hosts).
+
+    ``failed_at`` is the last time the driver heard from a culprit (its last poll answer;
+    the worker died after it, within one poll interval: 0.25 s in steady training), or the detection time when
+    there is no culprit to have heard from. The first step at the new size counts once its
+    results from every rank have reached the driver. An anomaly (NaN, spike) is rolled back
+    inside the step on the workers: nothing pauses, so its three times are 0 and its cost is
+    ``lost_steps``.
+    """
+
     cause: str
-    detect_s: float
-    recover_s: float
-    lost_steps: int
+    detect_s: float = Field(description="from the failure (failed_at) to its detection")
+    recover_s: float = Field(description="from detection to the first completed step at the new size")
+    downtime_s: float = Field(description="from the failure (failed_at) to the first completed step at the new size: detect_s + recover_s")
+    lost_steps: int = Field(description="the newest step any worker reported completing minus the step training resumed from")
 
 
 class RunResult(BaseModel):

@@ -77,6 +77,7 @@ def format_summary(result: Any, run_dir: str) -> str:
         "  dp history        " + ", ".join(f"step {s}: dp {d}" for s, d in result.dp_history),
     ]
     for r in result.recoveries:
-        lines.append(f"  recovery          {r.cause}: detected in {r.detect_s:.2f}s, training again after {r.recover_s:.2f}s, {r.lost_steps} step(s) lost")
+        lines.append(f"  recovery          {r.cause}: downtime_s {r.downtime_s:.2f} (detect_s {r.detect_s:.2f} + recover_s "
+                     f"{r.recover_s:.2f}), lost_steps {r.lost_steps}")
     lines.append(f"  artefacts         {run_dir}/events.jsonl, {run_dir}/summary.json")
     return "\n".join(lines)

@@ -34,6 +34,7 @@ class FakeWorkerGroup:
     snapshot_step: int | None = None
     calls: list[tuple] = field(default_factory=list)
     storage_uri: str = ""
+    drain_progress: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self):
         self.members: list[FakeMember] = []
@@ -88,6 +89,11 @@ class FakeWorkerGroup:
         return self.script.pop(0) if self.script else Observation()
 
     def drain_results(self, members, timeout=10.0):
+        """Like the real group's drain, this refreshes each member's own step counter (its
+        poll answer) from ``drain_progress`` (rank -> the step the worker reports)."""
+        for m in members:
+            if m.rank in self.drain_progress:
+                m.step = self.drain_progress[m.rank]
         return []
 
     def kill(self, members):

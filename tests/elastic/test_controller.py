@@ -44,7 +44,8 @@ def test_start_run_finish(tmp_path):
     assert isinstance(ctl.state, Starting)
     _advance(ctl, Running)
     assert ctl.group.dp == 4 and ctl.dp_history == [[0, 4]]
-    ctl.group.script = [Observation(results=step_results(1, 4) + step_results(2, 4)), Observation(results=step_results(3, 4), finished=True)]
+    ctl.group.script = [Observation(results=step_results(1, 4) + step_results(2, 4)),
+                        Observation(results=step_results(3, 4), finished=True)]
     _advance(ctl, Running)
     assert ctl.step == 2
     _advance(ctl, Finished)
@@ -79,6 +80,70 @@ def test_node_lost_shrinks_in_whole_replicas(tmp_path):
     _advance(ctl, Running)
     assert [(r.cause, r.lost_steps) for r in ctl.recoveries] == [("node_lost", 0)]
     assert ctl.dp_history == [[0, 4], [1, 3]]
+
+
+class _Clock:
+    def __init__(self, now: float):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_recovery_times_and_lost_steps_known_answer(tmp_path):
+    """detect_s, recover_s, downtime_s and lost_steps against a scripted timeline on the
+    driver's clock: rank 3 last answered at t=100.0, the loss was diagnosed at t=100.4, and
+    the first step at the new size reached the driver at t=101.5. The survivors report step
+    3 done while draining (their snapshots cover step 2 only), so one step is lost."""
+    ctl = _controller(tmp_path)
+    clock = _Clock(90.0)
+    ctl.clock = clock
+    _advance(ctl, Running)
+    ctl.group.script = [Observation(results=step_results(1, 4) + step_results(2, 4))]
+    _advance(ctl, Running)
+    for m in ctl.group.members:
+        m.last_ok, m.step = 100.0, 2
+    clock.now = 100.4
+    ctl.group.script = [Observation(failure=NodeLost("gone", ranks=[3], nodes=["n3"]))]
+    state = _advance(ctl, Recovering)
+    assert (state.failed_at, state.detected_at) == (100.0, 100.4)
+    ctl.group.capacity = 3
+    ctl.group.snapshot_step = 2
+    ctl.group.drain_progress = {0: 3, 1: 3, 2: 3}
+    _advance(ctl, Running)
+    assert ctl.step == 2 and ctl.recoveries == []
+    clock.now = 101.5
+    ctl.group.script = [Observation(results=step_results(3, 3))]
+    _advance(ctl, Running)
+    (rec,) = ctl.recoveries
+    assert rec.cause == "node_lost"
+    assert rec.detect_s == pytest.approx(0.4, abs=1e-9)
+    assert rec.recover_s == pytest.approx(1.1, abs=1e-9)
+    assert rec.downtime_s == pytest.approx(1.5, abs=1e-9)
+    assert rec.downtime_s == pytest.approx(rec.detect_s + rec.recover_s, abs=1e-9)
+    assert rec.lost_steps == 1
+
+
+def test_recovery_without_lost_work_counts_zero_steps(tmp_path):
+    ctl = _controller(tmp_path)
+    clock = _Clock(10.0)
+    ctl.clock = clock
+    _advance(ctl, Running)
+    ctl.group.script = [Observation(results=step_results(1, 4))]
+    _advance(ctl, Running)
+    for m in ctl.group.members:
+        m.last_ok, m.step = 10.0, 1
+    clock.now = 10.25
+    ctl.group.script = [Observation(failure=NodeLost("gone", ranks=[1], nodes=["n1"]))]
+    _advance(ctl, Recovering)
+    ctl.group.capacity = 3
+    ctl.group.snapshot_step = 1
+    _advance(ctl, Running)
+    clock.now = 11.0
+    ctl.group.script = [Observation(results=step_results(2, 3))]
+    _advance(ctl, Running)
+    (rec,) = ctl.recoveries
+    assert (rec.lost_steps, rec.detect_s, rec.recover_s, rec.downtime_s) == (0, 0.25, 0.75, 1.0)
 
 
 def test_worker_error_retries_in_place_without_eviction(tmp_path):
