@@ -19,12 +19,12 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import uuid
 
 import pytest
 import yaml
 from ckpt_testlib import ckpt_raw, ckpt_spec, events, losses
+from waiting import wait_until
 
 from elastic import ElasticTrainer
 
@@ -149,14 +149,7 @@ def _aws_env(endpoint: str, secret: str) -> dict:
 
 
 def _wait(condition, timeout: float, what: str, every: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(every)
+    return wait_until(condition, timeout, what, every)
 
 
 # --------------------------------------------------------------------------- driver death

@@ -16,6 +16,7 @@ import sys
 import time
 
 import pytest
+from waiting import wait_until
 
 from elastic.events import read_events
 
@@ -35,14 +36,7 @@ def _free_port() -> int:
 
 
 def _wait(condition, timeout: float, what: str, every: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(every)
+    return wait_until(condition, timeout, what, every)
 
 
 @pytest.fixture
