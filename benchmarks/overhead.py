@@ -442,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             out = {
                 "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": os.uname().nodename,
-                "cores": os.cpu_count(), "workers": args.workers, "steps": args.steps, "warmup": args.warmup, "reps": args.reps, "size": args.size,
+                "cores": os.cpu_count(),
+                "workers": args.workers, "steps": args.steps, "warmup": args.warmup, "reps": args.reps, "size": args.size,
                 "global_batch": spec.train.global_batch, "micro_batch": spec.parallel.micro_batch,
                 "grad_accum": spec.grad_accum(args.workers), "tokens_per_step": tokens_per_step,
                 "runs": [{k: r[k] for k in ("rep", "side", "s_per_step", "tokens_per_s", "s_per_step_robust", "median_step_time_s",
