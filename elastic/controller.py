@@ -297,8 +297,8 @@ class Controller:
 
     def _failed_at(self, f: WorkerFailure, detected_at: float) -> float:
         """The failure time the driver can measure on its own clock: the last time it heard
-        from a culprit (a poll answer; ``worker_group.STEADY_POLL_S`` apart while every rank
-        trains). The worker died after that answer, so the true moment is at most
+        from a culprit (a poll answer; ``worker_group.POLL_INTERVAL_S`` apart). The worker died
+        after that answer, so the true moment is at most
         one poll interval later (or, for a reply in flight, a few ms earlier). Without
         culprits (a hang found by the collective timeout), the detection time."""
         seen = [m.last_ok for m in self.group.members if m.rank in f.ranks]

@@ -24,7 +24,7 @@ class Recovery(BaseModel):
     """One recovery, timed on the driver's monotonic clock (one clock, whatever the hosts).
 
     ``failed_at`` is the last time the driver heard from a culprit (its last poll answer;
-    the worker died after it, within one poll interval: 0.25 s in steady training), or the detection time when
+    the worker died after it, within one 0.1 s poll interval), or the detection time when
     there is no culprit to have heard from. The first step at the new size counts once its
     results from every rank have reached the driver. An anomaly (NaN, spike) is rolled back
     inside the step on the workers: nothing pauses, so its three times are 0 and its cost is

@@ -25,13 +25,7 @@ from elastic.worker import TrainWorker
 
 logger = logging.getLogger(__name__)
 
-POLL_INTERVAL_S = 0.1  # how often the controller looks at the group
-# While every rank is inside ``run()`` and none has returned, a poll only carries the
-# heartbeat and the step results, so ranks are polled less often: each poll is an RPC that
-# takes CPU from the training thread on a saturated host. As soon as any rank returns
-# (an error, a stop, the end), every rank is polled at ``POLL_INTERVAL_S`` again, so
-# failure diagnosis (``PEER_GRACE_S``) sees fresh answers.
-STEADY_POLL_S = 0.25
+POLL_INTERVAL_S = 0.1  # how often the controller looks at (and polls) the group
 RPC_TIMEOUT_S = 120.0
 
 
@@ -50,7 +44,6 @@ class Member:
     run_result: dict[str, Any] | None = None
     dead: bool = False
     step: int = 0
-    polled_at: float = float("-inf")  # when the last poll was sent (monotonic)
 
 
 @dataclass
@@ -295,14 +288,10 @@ class WorkerGroup:
 
     def observe(self, timeout: float = POLL_INTERVAL_S) -> Observation:
         obs = Observation()
-        now = time.monotonic()
         running = [m for m in self.members if m.run_ref is not None and m.run_result is None]
-        steady = bool(running) and len(running) == len(self.members)
-        period = STEADY_POLL_S if steady else 0.0
         for m in self.members:
-            if m.poll_ref is None and not m.dead and now - m.polled_at >= period:
+            if m.poll_ref is None and not m.dead:
                 m.poll_ref = m.actor.poll.remote()
-                m.polled_at = now
         polls = [m.poll_ref for m in self.members if m.poll_ref is not None]
         runs = [m.run_ref for m in running]
         if runs:

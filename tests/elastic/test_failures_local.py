@@ -141,9 +141,13 @@ def test_fault_flag_from_the_command_line(ray_local, reference_losses, tmp_path)
         capture_output=True, text=True, timeout=200,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # The kill fires when the driver sees step 8, the bit flip on the worker at step 20: on a
+    # loaded machine the driver can be behind, so the order of the two is not asserted.
     failures = events_of(run_dir, "failure")
-    assert [f["cause"] for f in failures][0] == "actor_died" and failures[0]["ranks"] == [1]
-    assert len(failures) == 2 and failures[1]["cause"] in ("nan_loss", "loss_spike"), failures
+    assert len(failures) == 2, failures
+    died = [f for f in failures if f["cause"] == "actor_died"]
+    assert len(died) == 1 and died[0]["ranks"] == [1], failures
+    assert [f["cause"] in ("nan_loss", "loss_spike") for f in failures].count(True) == 1, failures
     assert len(events_of(run_dir, "restore")) == 2
     summary = __import__("json").load(open(f"{run_dir}/summary.json"))
     assert summary["status"] == "succeeded" and summary["steps"] == STEPS and summary["failures"] == 2
