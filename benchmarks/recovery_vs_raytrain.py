@@ -199,6 +199,15 @@ class PidsGroup:
         return list(self.pids_by_node.get(node_id, []))
 
 
+def kill_rank_node(out: dict, cluster, recs: list[dict], rank: int, step: int) -> None:
+    """Kill the node that hosts ``rank`` (from the workers' own start records) after ``step``."""
+    starts = {r["rank"]: r for r in recs if r["kind"] == "start"}
+    node_id = starts[rank]["node_id"]
+    pids = [r["pid"] for r in recs if r["kind"] == "start" and r["node_id"] == node_id]
+    out["step_at_kill"] = step
+    kill_node_now(out, cluster, node_id, pids)
+
+
 def kill_node_now(out: dict[str, Any], cluster, node_id: str, pids: list[int]) -> None:
     """Stamp ``kill_ts``, SIGKILL the node's processes, remove the node (``kill_node``)."""
     from elastic.testing.faults import kill_node
@@ -440,11 +449,7 @@ def raytrain_child(cfg: dict[str, Any]) -> None:
             recs = read_progress(progress)
             done = [r["step"] for r in recs if r["kind"] == "step"]
             if done and max(done) >= cfg["kill_step"]:
-                starts = {r["rank"]: r for r in recs if r["kind"] == "start"}
-                node_id = starts[cfg["kill_rank"]]["node_id"]
-                pids = [r["pid"] for r in recs if r["kind"] == "start" and r["node_id"] == node_id]
-                out["step_at_kill"] = max(done)
-                kill_node_now(out, cluster, node_id, pids)
+                kill_rank_node(out, cluster, recs, cfg["kill_rank"], max(done))
                 return
             time.sleep(0.005)
 
@@ -665,11 +670,7 @@ def torchft_child(cfg: dict[str, Any]) -> None:
             if not killed:
                 full = [r["step"] for r in steps if r["participants"] == NODES]
                 if full and max(full) >= cfg["kill_step"]:
-                    starts = {r["rank"]: r for r in recs if r["kind"] == "start"}
-                    node_id = starts[cfg["kill_rank"]]["node_id"]
-                    pids = [r["pid"] for r in recs if r["kind"] == "start" and r["node_id"] == node_id]
-                    out["step_at_kill"] = max(full)
-                    kill_node_now(out, cluster, node_id, pids)
+                    kill_rank_node(out, cluster, recs, cfg["kill_rank"], max(full))
                     killed = True
             elif cfg["return_delay_s"] >= 0:
                 after = [r for r in steps if r["ts"] > out["kill_ts"] and r["participants"] < NODES]
