@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install bench-deps demo lint test test-fast bench clean
+.PHONY: install bench-deps demo lint format test test-fast bench clean
 
 install: $(STAMP)
 
@@ -43,6 +43,11 @@ FAST_TESTS := tests/test_memory_model.py tests/test_planner.py tests/test_topolo
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow and not gpu" $(FAST_TESTS)

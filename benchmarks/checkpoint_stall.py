@@ -54,12 +54,21 @@ from storage import RankWriteResult, commit_checkpoint  # noqa: E402
 
 
 def make_spec(args: argparse.Namespace, uri: str, async_: bool) -> JobSpec:
-    return JobSpec.from_dict({
-        "model": {"n_layers": args.layers, "d_model": args.d_model, "n_heads": 8, "vocab_size": args.vocab, "seq_len": args.seq},
-        "parallel": {"micro_batch": 2}, "elastic": {"min_dp": 1, "max_dp": 1},
-        "train": {"steps": 10_000, "global_batch": 4, "lr": 1e-4},
-        "checkpoint": {"uri": uri, "every_steps": 1, "async": async_, "keep": 1},
-    })
+    return JobSpec.from_dict(
+        {
+            "model": {
+                "n_layers": args.layers,
+                "d_model": args.d_model,
+                "n_heads": 8,
+                "vocab_size": args.vocab,
+                "seq_len": args.seq,
+            },
+            "parallel": {"micro_batch": 2},
+            "elastic": {"min_dp": 1, "max_dp": 1},
+            "train": {"steps": 10_000, "global_batch": 4, "lr": 1e-4},
+            "checkpoint": {"uri": uri, "every_steps": 1, "async": async_, "keep": 1},
+        }
+    )
 
 
 class Loop:
@@ -69,10 +78,12 @@ class Loop:
         self.engine, self.tier, self.step = engine, MemoryTier(), 0
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, vocab, (4, seq + 1), generator=g)
-        self.batches = [(tokens[i:i + 2, :-1], tokens[i:i + 2, 1:]) for i in (0, 2)]
+        self.batches = [(tokens[i : i + 2, :-1], tokens[i : i + 2, 1:]) for i in (0, 2)]
         self.pending = 0.0  # blocking of the last checkpoint still to be completed by the next wait
 
-    def run(self, checkpoints: int, uploader: StorageUploader | None = None, every: int = 1) -> tuple[list[float], list[float]]:
+    def run(
+        self, checkpoints: int, uploader: StorageUploader | None = None, every: int = 1
+    ) -> tuple[list[float], list[float]]:
         """``checkpoints`` checkpoints, one every ``every`` steps, and one more step after the last
         (whose wait completes the last one's blocking). Returns (compute s per step, blocking s per checkpoint)."""
         compute, blocking = [], []
@@ -117,9 +128,14 @@ def storage_phase(loop: Loop, args: argparse.Namespace, root: str, async_: bool 
         commit_checkpoint(uploader.store, r["step"], [RankWriteResult.from_dict(r["result"])])
     if uploader is not None and len(ups) != args.checkpoints:
         raise SystemExit(f"{len(ups)} uploads for {args.checkpoints} checkpoints")
-    return {"blocking": blocking, "compute": compute, "flush_s": flush, "loop_wall_s": loop_wall,
-            "bytes": statistics.mean(r["bytes"] for r in ups) if ups else 0,
-            "upload_s": statistics.mean(r["duration_s"] for r in ups) if ups else 0.0}
+    return {
+        "blocking": blocking,
+        "compute": compute,
+        "flush_s": flush,
+        "loop_wall_s": loop_wall,
+        "bytes": statistics.mean(r["bytes"] for r in ups) if ups else 0,
+        "upload_s": statistics.mean(r["duration_s"] for r in ups) if ups else 0.0,
+    }
 
 
 def main() -> int:
@@ -129,7 +145,9 @@ def main() -> int:
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--checkpoints", type=int, default=10, help="checkpoints per phase (default 10)")
-    p.add_argument("--every", type=int, default=5, help="steps between checkpoints, the same for every phase (default 5)")
+    p.add_argument(
+        "--every", type=int, default=5, help="steps between checkpoints, the same for every phase (default 5)"
+    )
     p.add_argument("--reps", type=int, default=3, help="rounds of the three phases, alternating (default 3)")
     p.add_argument("--dir", default=None, help="local checkpoint directory (default: a temporary one)")
     args = p.parse_args()
@@ -147,8 +165,12 @@ def main() -> int:
         loop.run(1)  # warm up: allocator, AdamW state, snapshot buffers
         rounds = []
         for rep in range(args.reps):  # phases alternate, so drift in the machine's load falls on all alike
-            rounds.append({name: storage_phase(loop, args, os.path.join(root, f"{name}-{rep}"), mode)
-                           for name, mode in (("memory", None), ("async", True), ("sync", False))})
+            rounds.append(
+                {
+                    name: storage_phase(loop, args, os.path.join(root, f"{name}-{rep}"), mode)
+                    for name, mode in (("memory", None), ("async", True), ("sync", False))
+                }
+            )
     finally:
         dist.destroy_process_group()
         if args.dir is None:
@@ -156,35 +178,53 @@ def main() -> int:
 
     ms = lambda xs: 1e3 * statistics.mean(xs)  # noqa: E731
     med = statistics.median
-    print(f"model: d_model={args.d_model} layers={args.layers} vocab={args.vocab} seq={args.seq}: "
-          f"{params / 1e6:.1f}M params, checkpoint {rounds[0]['async']['bytes'] / 1e6:.0f} MB; torch threads "
-          f"{torch.get_num_threads()}; {args.checkpoints} checkpoints every {args.every} steps per phase; "
-          f"{args.reps} round(s) of the three phases; {os.cpu_count()} cores; load {os.getloadavg()[0]:.1f}")
-    print(f"{'rep':>3} {'phase':10}{'step compute (ms)':>19}{'blocking/ckpt (ms)':>20}{'upload (ms)':>13}{'phase wall (s)':>16}"
-          f"  per-ckpt blocking (ms)")
+    print(
+        f"model: d_model={args.d_model} layers={args.layers} vocab={args.vocab} seq={args.seq}: "
+        f"{params / 1e6:.1f}M params, checkpoint {rounds[0]['async']['bytes'] / 1e6:.0f} MB; torch threads "
+        f"{torch.get_num_threads()}; {args.checkpoints} checkpoints every {args.every} steps per phase; "
+        f"{args.reps} round(s) of the three phases; {os.cpu_count()} cores; load {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        f"{'rep':>3} "
+        f"{'phase':10}{'step compute (ms)':>19}{'blocking/ckpt (ms)':>20}{'upload (ms)':>13}{'phase wall (s)':>16}"
+        f"  per-ckpt blocking (ms)"
+    )
     for rep, rnd in enumerate(rounds):
         for name, r in rnd.items():
             vals = ", ".join(f"{1e3 * b:.0f}" for b in r["blocking"])
             up = f"{1e3 * r['upload_s']:.0f}" if r["upload_s"] else "-"
-            print(f"{rep:>3} {name:10}{ms(r['compute']):>19.1f}{ms(r['blocking']):>20.1f}{up:>13}{r['loop_wall_s']:>16.2f}  {vals}")
-    print(f"async: final flush after the loop {med(r['async']['flush_s'] for r in rounds) * 1e3:.0f} ms median "
-          f"(not training-blocking)")
+            print(
+                f"{rep:>3} "
+                f"{name:10}{ms(r['compute']):>19.1f}{ms(r['blocking']):>20.1f}{up:>13}{r['loop_wall_s']:>16.2f}  {vals}"
+            )
+    print(
+        f"async: final flush after the loop {med(r['async']['flush_s'] for r in rounds) * 1e3:.0f} ms median "
+        f"(not training-blocking)"
+    )
 
     def figure(fn) -> str:
         vals = [fn(r) for r in rounds]
         return f"{100 * med(vals):.2f}% (range {100 * min(vals):.2f}..{100 * max(vals):.2f}%)"
 
     print("medians over the rounds, each round's phases side by side:")
-    print(f"storage: async/sync blocking = {figure(lambda r: ms(r['async']['blocking']) / ms(r['sync']['blocking']))} "
-          f"(goal <= 2%)")
-    print(f"storage: async uploads slow the training steps by "
-          f"{figure(lambda r: ms(r['async']['compute']) / ms(r['memory']['compute']) - 1)} "
-          f"(compute per step vs the memory-only phase, {os.cpu_count()} cores)")
-    print(f"storage: phase wall time vs memory-only: async "
-          f"{figure(lambda r: r['async']['loop_wall_s'] / r['memory']['loop_wall_s'] - 1)}, sync "
-          f"{figure(lambda r: r['sync']['loop_wall_s'] / r['memory']['loop_wall_s'] - 1)}")
-    print(f"memory:  snapshot blocking / step time = "
-          f"{figure(lambda r: ms(r['memory']['blocking']) / ms(r['memory']['compute']))} (goal <= 3%)")
+    print(
+        f"storage: async/sync blocking = {figure(lambda r: ms(r['async']['blocking']) / ms(r['sync']['blocking']))} "
+        f"(goal <= 2%)"
+    )
+    print(
+        f"storage: async uploads slow the training steps by "
+        f"{figure(lambda r: ms(r['async']['compute']) / ms(r['memory']['compute']) - 1)} "
+        f"(compute per step vs the memory-only phase, {os.cpu_count()} cores)"
+    )
+    print(
+        f"storage: phase wall time vs memory-only: async "
+        f"{figure(lambda r: r['async']['loop_wall_s'] / r['memory']['loop_wall_s'] - 1)}, sync "
+        f"{figure(lambda r: r['sync']['loop_wall_s'] / r['memory']['loop_wall_s'] - 1)}"
+    )
+    print(
+        f"memory:  snapshot blocking / step time = "
+        f"{figure(lambda r: ms(r['memory']['blocking']) / ms(r['memory']['compute']))} (goal <= 3%)"
+    )
     return 0
 
 

@@ -77,7 +77,13 @@ SIZES: dict[str, list[str]] = {
     "tiny": ["model.n_layers=2", "model.d_model=64", "model.n_heads=4", "model.vocab_size=256", "model.seq_len=32"],
     "quickstart": [],
     "small": ["model.n_layers=6", "model.d_model=192", "model.n_heads=6", "model.vocab_size=1024", "model.seq_len=64"],
-    "medium": ["model.n_layers=8", "model.d_model=256", "model.n_heads=8", "model.vocab_size=2048", "model.seq_len=128"],
+    "medium": [
+        "model.n_layers=8",
+        "model.d_model=256",
+        "model.n_heads=8",
+        "model.vocab_size=2048",
+        "model.seq_len=128",
+    ],
 }
 
 
@@ -226,13 +232,35 @@ def child_env() -> dict[str, str]:
 
 def run_baseline(spec_path: str, corpus: str, workers: int, out_dir: str, timeout: float, warmup: int) -> dict:
     os.makedirs(out_dir, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(workers), "--nnodes", "1",
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-           BASELINE, "--spec", spec_path, "--corpus", corpus, "--out", out_dir]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(workers),
+        "--nnodes",
+        "1",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        BASELINE,
+        "--spec",
+        spec_path,
+        "--corpus",
+        corpus,
+        "--out",
+        out_dir,
+    ]
     env = child_env()
     env["OMP_NUM_THREADS"] = "1"  # what torchrun sets by default for nproc > 1, made explicit
-    rc, wall, cpu = run_subprocess(cmd, timeout, env, os.path.join(out_dir, "log.txt"),
-                                   is_trainer=lambda c: BASELINE in c and "torch.distributed.run" not in c)
+    rc, wall, cpu = run_subprocess(
+        cmd,
+        timeout,
+        env,
+        os.path.join(out_dir, "log.txt"),
+        is_trainer=lambda c: BASELINE in c and "torch.distributed.run" not in c,
+    )
     if rc != 0:
         raise RuntimeError(f"torchrun baseline exited {rc}:\n{tail(os.path.join(out_dir, 'log.txt'))}")
     ranks = []
@@ -244,13 +272,17 @@ def run_baseline(spec_path: str, corpus: str, workers: int, out_dir: str, timeou
     losses = [sum(rk["steps"][i]["local_loss"] for rk in ranks) / workers for i in range(n_steps)]
     steps = [rk_step["step"] for rk_step in ranks[0]["steps"]]
     step_times = [max(rk["steps"][i]["step_time_s"] for rk in ranks) for i in range(n_steps)]
-    return _summarise("torchrun", steps, ts, losses, step_times, warmup, wall, cpu, workers, extra={"threads": ranks[0]["threads"]})
+    return _summarise(
+        "torchrun", steps, ts, losses, step_times, warmup, wall, cpu, workers, extra={"threads": ranks[0]["threads"]}
+    )
 
 
 def run_ours(spec_path: str, run_dir: str, timeout: float, warmup: int, side: str = "ours") -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--_ours-child", spec_path, run_dir]
     log = run_dir + ".log"
-    rc, wall, cpu = run_subprocess(cmd, timeout, child_env(), log, is_trainer=lambda c: c.startswith("ray::TrainWorker"))
+    rc, wall, cpu = run_subprocess(
+        cmd, timeout, child_env(), log, is_trainer=lambda c: c.startswith("ray::TrainWorker")
+    )
     if rc != 0:
         raise RuntimeError(f"elastic run exited {rc}:\n{tail(log)}")
     from elastic.events import read_events
@@ -261,9 +293,18 @@ def run_ours(spec_path: str, run_dir: str, timeout: float, warmup: int, side: st
     resizes = [e for e in events if e["kind"] in ("failure", "resize")]
     if resizes:
         raise RuntimeError(f"the elastic run had failures or resizes, not a steady-state run: {resizes}")
-    return _summarise(side, [e["step"] for e in step_events], [e["ts"] for e in step_events],
-                      [e["loss"] for e in step_events], [e["step_time_s"] for e in step_events], warmup, wall,
-                      cpu, max(dps), extra={"dp": sorted(dps)})
+    return _summarise(
+        side,
+        [e["step"] for e in step_events],
+        [e["ts"] for e in step_events],
+        [e["loss"] for e in step_events],
+        [e["step_time_s"] for e in step_events],
+        warmup,
+        wall,
+        cpu,
+        max(dps),
+        extra={"dp": sorted(dps)},
+    )
 
 
 def ours_child(spec_path: str, run_dir: str) -> None:
@@ -279,7 +320,9 @@ def ours_child(spec_path: str, run_dir: str) -> None:
     # Started here rather than by ElasticTrainer so that it can never join another
     # developer's running cluster; sized exactly as the trainer's embedded Ray would be.
     cpus = max(os.cpu_count() or 1, workers * max(int(spec.resources.cpus_per_worker), 1) + 1)
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    ray.init(
+        address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING
+    )
     try:
         result = ElasticTrainer(spec, run_dir=run_dir, progress=False).fit()
     finally:
@@ -288,17 +331,38 @@ def ours_child(spec_path: str, run_dir: str) -> None:
         raise SystemExit(f"elastic run did not succeed: {result}")
 
 
-def _summarise(side: str, steps: list[int], ts: list[float], losses: list, step_times: list[float], warmup: int,
-               wall: float, cpu: TreeCPU, trainers: int, extra: dict) -> dict:
+def _summarise(
+    side: str,
+    steps: list[int],
+    ts: list[float],
+    losses: list,
+    step_times: list[float],
+    warmup: int,
+    wall: float,
+    cpu: TreeCPU,
+    trainers: int,
+    extra: dict,
+) -> dict:
     window = [(s, t) for s, t in zip(steps, ts) if s > warmup]
     inside = [x for s, x in zip(steps, step_times) if s > warmup]
     n = window[-1][0] - window[0][0]
     job_cpu, trainer_cpu = cpu.cpu_between(window[0][1], window[-1][1])
-    return {"cpu_per_step_s": trainer_cpu / n / trainers, "job_cpu_per_step_s": job_cpu / n,
-            "side": side, "steps": steps, "ts": ts, "losses": losses, "window_steps": len(window),
-            "window_s": window[-1][1] - window[0][1],
-            "s_per_step": seconds_per_step(window), "s_per_step_robust": theil_sen(window),
-            "median_step_time_s": statistics.median(inside), "wall_s": wall, "load": os.getloadavg()[0], **extra}
+    return {
+        "cpu_per_step_s": trainer_cpu / n / trainers,
+        "job_cpu_per_step_s": job_cpu / n,
+        "side": side,
+        "steps": steps,
+        "ts": ts,
+        "losses": losses,
+        "window_steps": len(window),
+        "window_s": window[-1][1] - window[0][1],
+        "s_per_step": seconds_per_step(window),
+        "s_per_step_robust": theil_sen(window),
+        "median_step_time_s": statistics.median(inside),
+        "wall_s": wall,
+        "load": os.getloadavg()[0],
+        **extra,
+    }
 
 
 # --------------------------------------------------------------------------- main
@@ -307,14 +371,18 @@ def _summarise(side: str, steps: list[int], ts: list[float], losses: list, step_
 def build_spec(args: argparse.Namespace, corpus_uri: str) -> dict:
     from jobs import JobSpec
 
-    overrides = list(SIZES[args.size]) + list(args.set) + [
-        f"elastic.min_dp={args.workers}",
-        f"elastic.max_dp={args.workers}",
-        f"train.steps={args.steps}",
-        "checkpoint.every_steps=0",
-        f"data.source={corpus_uri}",
-        "run_dir=null",
-    ]
+    overrides = (
+        list(SIZES[args.size])
+        + list(args.set)
+        + [
+            f"elastic.min_dp={args.workers}",
+            f"elastic.max_dp={args.workers}",
+            f"train.steps={args.steps}",
+            "checkpoint.every_steps=0",
+            f"data.source={corpus_uri}",
+            "run_dir=null",
+        ]
+    )
     spec = JobSpec.from_yaml(args.config, overrides=overrides)
     if spec.parallel.tp != 1 or spec.parallel.pp != 1 or spec.parallel.zero != 0:
         raise SystemExit("overhead.py compares plain DDP: parallel.tp=1, parallel.pp=1, parallel.zero=0")
@@ -328,11 +396,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=5, help="steps skipped before the steady window (default 5)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of the (torchrun, ours) pair (default 3)")
     ap.add_argument("--config", default=QUICKSTART, help="job spec YAML (default examples/quickstart.yaml)")
-    ap.add_argument("--size", choices=sorted(SIZES), default="quickstart", help="model size preset (default quickstart)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra spec override, e.g. parallel.micro_batch=2")
+    ap.add_argument(
+        "--size", choices=sorted(SIZES), default="quickstart", help="model size preset (default quickstart)"
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra spec override, e.g. parallel.micro_batch=2",
+    )
     ap.add_argument("--timeout", type=float, default=300.0, help="hard limit per run in seconds (default 300)")
-    ap.add_argument("--no-snapshot-variant", action="store_true",
-                    help="also run ours with checkpoint.memory_every_steps=0 in each rep (attributes the snapshot cost)")
+    ap.add_argument(
+        "--no-snapshot-variant",
+        action="store_true",
+        help="also run ours with checkpoint.memory_every_steps=0 in each rep (attributes the snapshot cost)",
+    )
     ap.add_argument("--json", metavar="OUT", help="write the figures as JSON to OUT")
     ap.add_argument("--keep", action="store_true", help="keep the working directory")
     args = ap.parse_args(argv)
@@ -346,7 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         base = JobSpec.from_yaml(args.config, overrides=list(SIZES[args.size]) + list(args.set))
         m = base.model
-        corpus_path = synthetic_corpus(os.path.join(work, "data"), base.data.num_samples, m.seq_len, m.vocab_size, base.seed)
+        corpus_path = synthetic_corpus(
+            os.path.join(work, "data"), base.data.num_samples, m.seq_len, m.vocab_size, base.seed
+        )
         corpus_uri = "file://" + os.path.abspath(corpus_path)
         spec_dict = build_spec(args, corpus_uri)
         spec = JobSpec.from_dict(spec_dict)
@@ -357,14 +438,19 @@ def main(argv: list[str] | None = None) -> int:
         with open(nosnap_path, "w") as f:
             json.dump({**spec_dict, "checkpoint": {**spec_dict["checkpoint"], "memory_every_steps": 0}}, f)
         tokens_per_step = spec.train.global_batch * spec.model.seq_len
-        print(f"model {args.size}: {m.n_layers} layers, d_model {m.d_model}, seq_len {m.seq_len}, vocab {m.vocab_size}; "
-              f"{args.workers} workers x 1 thread, global_batch {spec.train.global_batch}, micro_batch "
-              f"{spec.parallel.micro_batch}, grad_accum {spec.grad_accum(args.workers)}; {args.steps} steps "
-              f"(steady window: steps {args.warmup + 1}..{args.steps}), {args.reps} rep(s) each, alternating", flush=True)
+        print(
+            f"model {args.size}: {m.n_layers} layers, d_model {m.d_model}, seq_len {m.seq_len}, vocab {m.vocab_size}; "
+            f"{args.workers} workers x 1 thread, global_batch {spec.train.global_batch}, micro_batch "
+            f"{spec.parallel.micro_batch}, grad_accum {spec.grad_accum(args.workers)}; {args.steps} steps "
+            f"(steady window: steps {args.warmup + 1}..{args.steps}), {args.reps} rep(s) each, alternating",
+            flush=True,
+        )
 
         runs: list[dict] = []
         for rep in range(args.reps):
-            b = run_baseline(spec_path, corpus_uri, args.workers, os.path.join(work, f"torchrun-{rep}"), args.timeout, args.warmup)
+            b = run_baseline(
+                spec_path, corpus_uri, args.workers, os.path.join(work, f"torchrun-{rep}"), args.timeout, args.warmup
+            )
             b["rep"] = rep
             runs.append(b)
             print(f"  rep {rep} torchrun: {tokens_per_step / b['s_per_step']:9.0f} tokens/s", flush=True)
@@ -373,7 +459,9 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(o)
             print(f"  rep {rep} ours:     {tokens_per_step / o['s_per_step']:9.0f} tokens/s", flush=True)
             if args.no_snapshot_variant:
-                n = run_ours(nosnap_path, os.path.join(work, f"ours-nosnap-{rep}"), args.timeout, args.warmup, "ours-nosnap")
+                n = run_ours(
+                    nosnap_path, os.path.join(work, f"ours-nosnap-{rep}"), args.timeout, args.warmup, "ours-nosnap"
+                )
                 n["rep"] = rep
                 runs.append(n)
                 print(f"  rep {rep} ours-nosnap: {tokens_per_step / n['s_per_step']:9.0f} tokens/s", flush=True)
@@ -392,65 +480,128 @@ def main(argv: list[str] | None = None) -> int:
         loss_diff = 0.0
         for r in runs[1:]:
             if len(r["losses"]) != len(b0["losses"]):
-                raise SystemExit(f"{r['side']} rep {r['rep']} ran {len(r['losses'])} steps, torchrun {len(b0['losses'])}")
+                raise SystemExit(
+                    f"{r['side']} rep {r['rep']} ran {len(r['losses'])} steps, torchrun {len(b0['losses'])}"
+                )
             for step, (x, y) in enumerate(zip(b0["losses"], r["losses"]), 1):
                 if abs(x - y) > LOSS_RTOL * abs(x):
-                    raise SystemExit(f"losses differ at step {step}: torchrun {x!r}, {r['side']} rep {r['rep']} {y!r} "
-                                     f"(rel {abs(x - y) / abs(x):.1e} > {LOSS_RTOL:g}): not a like-for-like comparison")
+                    raise SystemExit(
+                        f"losses differ at step {step}: torchrun {x!r}, {r['side']} rep {r['rep']} {y!r} "
+                        f"(rel {abs(x - y) / abs(x):.1e} > {LOSS_RTOL:g}): not a like-for-like comparison"
+                    )
                 loss_diff = max(loss_diff, abs(x - y) / abs(x))
         cpu = {s: statistics.median(r["cpu_per_step_s"] for r in rs) for s, rs in by_side.items()}
         job_cpu = {s: statistics.median(r["job_cpu_per_step_s"] for r in rs) for s, rs in by_side.items()}
         cpu_pairs = [b["cpu_per_step_s"] / o["cpu_per_step_s"] for b, o in zip(by_side["torchrun"], by_side["ours"])]
-        job_pairs = [b["job_cpu_per_step_s"] / o["job_cpu_per_step_s"] for b, o in zip(by_side["torchrun"], by_side["ours"])]
+        job_pairs = [
+            b["job_cpu_per_step_s"] / o["job_cpu_per_step_s"] for b, o in zip(by_side["torchrun"], by_side["ours"])
+        ]
 
         print()
-        print(f"{'rep':>3}  {'side':<11} {'s/step':>8} {'tokens/s':>10} {'robust':>8} {'in-step':>8} {'cpu/step':>9} "
-              f"{'job cpu':>8} {'wall s':>7} {'load':>5}  final loss")
+        print(
+            f"{'rep':>3}  {'side':<11} {'s/step':>8} {'tokens/s':>10} {'robust':>8} {'in-step':>8} {'cpu/step':>9} "
+            f"{'job cpu':>8} {'wall s':>7} {'load':>5}  final loss"
+        )
         for r in runs:
-            print(f"{r['rep']:>3}  {r['side']:<11} {r['s_per_step']:8.4f} {r['tokens_per_s']:10.0f} {r['s_per_step_robust']:8.4f} "
-                  f"{r['median_step_time_s']:8.4f} {r['cpu_per_step_s']:9.4f} {r['job_cpu_per_step_s']:8.4f} {r['wall_s']:7.1f} "
-                  f"{r['load']:5.1f}  {r['losses'][-1]:.4f}")
-        print("(s/step: least-squares slope of step completion times over the steady window, the headline figure;\n"
-              " robust: Theil-Sen slope of the same points; in-step: median time inside a step as the workers measure it;\n"
-              " cpu/step: CPU seconds per step of one training process (mean over them); job cpu: CPU seconds per step\n"
-              " of the whole process tree; load: 1-minute load average of the machine when the run ended)")
-        print("mean tokens/s: " + ", ".join(f"{s} {v:.0f}" for s, v in mean_tps.items())
-              + f"; per-rep ratios ours/torchrun {', '.join(f'{x:.3f}' for x in pair_ratios)}")
+            print(
+                f"{r['rep']:>3}  {r['side']:<11} {r['s_per_step']:8.4f} {r['tokens_per_s']:10.0f} "
+                f"{r['s_per_step_robust']:8.4f} "
+                f"{r['median_step_time_s']:8.4f} {r['cpu_per_step_s']:9.4f} {r['job_cpu_per_step_s']:8.4f} "
+                f"{r['wall_s']:7.1f} "
+                f"{r['load']:5.1f}  {r['losses'][-1]:.4f}"
+            )
+        print(
+            "(s/step: least-squares slope of step completion times over the steady window, the headline figure;\n"
+            " robust: Theil-Sen slope of the same points; in-step: median time inside a step as the workers measure "
+            "it;\n"
+            " cpu/step: CPU seconds per step of one training process (mean over them); job cpu: CPU seconds per step\n"
+            " of the whole process tree; load: 1-minute load average of the machine when the run ended)"
+        )
+        print(
+            "mean tokens/s: "
+            + ", ".join(f"{s} {v:.0f}" for s, v in mean_tps.items())
+            + f"; per-rep ratios ours/torchrun {', '.join(f'{x:.3f}' for x in pair_ratios)}"
+        )
         if "ours-nosnap" in mean_tps:
-            print(f"ratio ours-nosnap/torchrun = {mean_tps['ours-nosnap'] / mean_tps['torchrun']:.2f} "
-                  f"(memory snapshots off: what the per-step snapshot costs)")
+            print(
+                f"ratio ours-nosnap/torchrun = {mean_tps['ours-nosnap'] / mean_tps['torchrun']:.2f} "
+                f"(memory snapshots off: what the per-step snapshot costs)"
+            )
         short = [r for r in runs if r["side"].startswith("ours") and r["window_s"] < MIN_WINDOW_S]
         if short:
-            print(f"warning: a steady window of ours lasted {min(r['window_s'] for r in short):.1f} s, under {MIN_WINDOW_S:g} s: "
-                  f"a slope over so short a window is noisy, so such a short "
-                  f"window mis-measures ours; use more --steps or a larger --size")
+            print(
+                f"warning: a steady window of ours lasted {min(r['window_s'] for r in short):.1f} s, under "
+                f"{MIN_WINDOW_S:g} s: "
+                f"a slope over so short a window is noisy, so such a short "
+                f"window mis-measures ours; use more --steps or a larger --size"
+            )
         cores = os.cpu_count() or 1
         busy = max(r["load"] for r in runs)
         if busy > cores:
-            print(f"note: the machine was busy (1-minute load up to {busy:.1f} on {cores} cores, from other users): "
-                  f"the ratios of this run carry that noise")
-        print(f"losses agree: max relative difference over {len(o0['losses'])} steps and every run {loss_diff:.1e} "
-              f"(asserted <= {LOSS_RTOL:g})")
-        print(f"cpu ratio torchrun/ours (training processes) = {statistics.median(cpu_pairs):.3f} "
-              f"(per rep {', '.join(f'{x:.3f}' for x in cpu_pairs)}); (whole job) = {statistics.median(job_pairs):.3f} "
-              f"(per rep {', '.join(f'{x:.3f}' for x in job_pairs)})")
-        print(f"ratio of mean tokens/s ours/torchrun = {ratio_of_means:.2f}; median of the per-rep paired ratios follows")
+            print(
+                f"note: the machine was busy (1-minute load up to {busy:.1f} on {cores} cores, from other users): "
+                f"the ratios of this run carry that noise"
+            )
+        print(
+            f"losses agree: max relative difference over {len(o0['losses'])} steps and every run {loss_diff:.1e} "
+            f"(asserted <= {LOSS_RTOL:g})"
+        )
+        print(
+            f"cpu ratio torchrun/ours (training processes) = {statistics.median(cpu_pairs):.3f} "
+            f"(per rep {', '.join(f'{x:.3f}' for x in cpu_pairs)}); (whole job) = {statistics.median(job_pairs):.3f} "
+            f"(per rep {', '.join(f'{x:.3f}' for x in job_pairs)})"
+        )
+        print(
+            f"ratio of mean tokens/s ours/torchrun = {ratio_of_means:.2f}; median of the per-rep paired ratios follows"
+        )
         print(f"ratio ours/torchrun = {ratio:.2f} (goal >= 0.97)")
 
         if args.json:
             out = {
-                "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": os.uname().nodename,
+                "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "host": os.uname().nodename,
                 "cores": os.cpu_count(),
-                "workers": args.workers, "steps": args.steps, "warmup": args.warmup, "reps": args.reps, "size": args.size,
-                "global_batch": spec.train.global_batch, "micro_batch": spec.parallel.micro_batch,
-                "grad_accum": spec.grad_accum(args.workers), "tokens_per_step": tokens_per_step,
-                "runs": [{k: r[k] for k in ("rep", "side", "s_per_step", "tokens_per_s", "s_per_step_robust", "median_step_time_s",
-                                        "wall_s", "load", "window_steps", "window_s", "cpu_per_step_s", "job_cpu_per_step_s")}
-                         | {"final_loss": r["losses"][-1]} for r in runs],
-                "mean_tokens_per_s": mean_tps, "pair_ratios": pair_ratios, "ratio": ratio, "ratio_of_means": ratio_of_means,
-                "goal": 0.97, "ratio_definition": "median over reps of tokens/s(ours) / tokens/s(torchrun) of the same rep",
-                "max_loss_rel_diff": loss_diff, "cpu_per_step_s": cpu, "job_cpu_per_step_s": job_cpu,
-                "cpu_pair_ratios": cpu_pairs, "job_cpu_pair_ratios": job_pairs,
+                "workers": args.workers,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "reps": args.reps,
+                "size": args.size,
+                "global_batch": spec.train.global_batch,
+                "micro_batch": spec.parallel.micro_batch,
+                "grad_accum": spec.grad_accum(args.workers),
+                "tokens_per_step": tokens_per_step,
+                "runs": [
+                    {
+                        k: r[k]
+                        for k in (
+                            "rep",
+                            "side",
+                            "s_per_step",
+                            "tokens_per_s",
+                            "s_per_step_robust",
+                            "median_step_time_s",
+                            "wall_s",
+                            "load",
+                            "window_steps",
+                            "window_s",
+                            "cpu_per_step_s",
+                            "job_cpu_per_step_s",
+                        )
+                    }
+                    | {"final_loss": r["losses"][-1]}
+                    for r in runs
+                ],
+                "mean_tokens_per_s": mean_tps,
+                "pair_ratios": pair_ratios,
+                "ratio": ratio,
+                "ratio_of_means": ratio_of_means,
+                "goal": 0.97,
+                "ratio_definition": "median over reps of tokens/s(ours) / tokens/s(torchrun) of the same rep",
+                "max_loss_rel_diff": loss_diff,
+                "cpu_per_step_s": cpu,
+                "job_cpu_per_step_s": job_cpu,
+                "cpu_pair_ratios": cpu_pairs,
+                "job_cpu_pair_ratios": job_pairs,
             }
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=2)

@@ -71,49 +71,68 @@ def summarise(layouts: list[Layout], per_rank: list[dict], model_cfg: ModelConfi
         median_s = statistics.median(r0["step_s"])
         peak, est, ratio = peak_vs_prediction(layout, per_rank, model_cfg, args.micro_batch, args.device)
         rss = [r["rss_delta_bytes"] for r in ranks]
-        rows.append({
-            "layout": asdict(layout) | {"name": layout.name},
-            "grad_accum": r0["grad_accum"],
-            "bubble_fraction": r0["bubble_fraction"],
-            "step_s_median": median_s,
-            "step_s_all": r0["step_s"],
-            "tokens_per_s": tokens_per_step / median_s,
-            "loss_after_warmup": r0["loss"],
-            "measured": {
-                "peak_bytes_max_rank": peak,
-                "peak_over_predicted": ratio,
-                "peak_method": "torch.cuda.max_memory_allocated" if args.device == "cuda" else "live-tensor tracker",
-                "state_bytes_max_rank": max(r["state_bytes"]["total"] for r in ranks),
-                "rss_delta_bytes_max_rank": max(rss) if all(v is not None for v in rss) else None,
-                "rss_method": r0["rss_method"],
-                "per_rank": [
-                    {"rank": r["rank"], "coords(dp,pp,tp)": r["coords"], "state": r["state_bytes"],
-                     "tracked_peak_bytes": r["tracked_peak_bytes"], "cuda_peak_bytes": r["cuda_peak_bytes"],
-                     "rss_delta_bytes": r["rss_delta_bytes"], "engine_peak_mem_bytes": r["engine_peak_mem_bytes"],
-                     "build_s": r["build_s"]}
-                    for r in ranks
-                ],
-            },
-            "predicted": {
-                "params": est.params, "grads": est.grads, "optimizer": est.optimizer,
-                "buffers": est.buffers, "activations": est.activations, "logits": est.logits, "total": est.total,
-                "stage": est.stage,
-                "state": est.params + est.grads + est.optimizer,
-            },
-        })
+        rows.append(
+            {
+                "layout": asdict(layout) | {"name": layout.name},
+                "grad_accum": r0["grad_accum"],
+                "bubble_fraction": r0["bubble_fraction"],
+                "step_s_median": median_s,
+                "step_s_all": r0["step_s"],
+                "tokens_per_s": tokens_per_step / median_s,
+                "loss_after_warmup": r0["loss"],
+                "measured": {
+                    "peak_bytes_max_rank": peak,
+                    "peak_over_predicted": ratio,
+                    "peak_method": "torch.cuda.max_memory_allocated"
+                    if args.device == "cuda"
+                    else "live-tensor tracker",
+                    "state_bytes_max_rank": max(r["state_bytes"]["total"] for r in ranks),
+                    "rss_delta_bytes_max_rank": max(rss) if all(v is not None for v in rss) else None,
+                    "rss_method": r0["rss_method"],
+                    "per_rank": [
+                        {
+                            "rank": r["rank"],
+                            "coords(dp,pp,tp)": r["coords"],
+                            "state": r["state_bytes"],
+                            "tracked_peak_bytes": r["tracked_peak_bytes"],
+                            "cuda_peak_bytes": r["cuda_peak_bytes"],
+                            "rss_delta_bytes": r["rss_delta_bytes"],
+                            "engine_peak_mem_bytes": r["engine_peak_mem_bytes"],
+                            "build_s": r["build_s"],
+                        }
+                        for r in ranks
+                    ],
+                },
+                "predicted": {
+                    "params": est.params,
+                    "grads": est.grads,
+                    "optimizer": est.optimizer,
+                    "buffers": est.buffers,
+                    "activations": est.activations,
+                    "logits": est.logits,
+                    "total": est.total,
+                    "stage": est.stage,
+                    "state": est.params + est.grads + est.optimizer,
+                },
+            }
+        )
     return rows
 
 
 def print_table(rows: list[dict], args, model_cfg: ModelConfig, wall_s: float) -> None:
     base = rows[0]["tokens_per_s"]
     print()
-    print(f"parallel layouts: world={args.world} device={args.device} model=L{model_cfg.n_layers}/d{model_cfg.d_model}/"
-          f"h{model_cfg.n_heads}/V{model_cfg.vocab_size}/T{model_cfg.seq_len} global_batch={args.global_batch} "
-          f"micro_batch={args.micro_batch} fp32; {args.rounds}x{args.steps_per_round} timed steps per layout "
-          f"(interleaved), run took {wall_s:.0f}s")
+    print(
+        f"parallel layouts: world={args.world} device={args.device} model=L{model_cfg.n_layers}/d{model_cfg.d_model}/"
+        f"h{model_cfg.n_heads}/V{model_cfg.vocab_size}/T{model_cfg.seq_len} global_batch={args.global_batch} "
+        f"micro_batch={args.micro_batch} fp32; {args.rounds}x{args.steps_per_round} timed steps per layout "
+        f"(interleaved), run took {wall_s:.0f}s"
+    )
     peak_name = "cuda peak" if args.device == "cuda" else "peak(trk)"
-    hdr = (f"{'layout':<19}{'accum':>5}{'bubble':>7}{'step ms':>9}{'tok/s':>8}{'x' + rows[0]['layout']['name']:>9}"
-           f" |{'state':>7}{'pred':>7} |{peak_name:>10}{'pred tot':>9}{'peak/pred':>10}{'rssΔ':>7}")
+    hdr = (
+        f"{'layout':<19}{'accum':>5}{'bubble':>7}{'step ms':>9}{'tok/s':>8}{'x' + rows[0]['layout']['name']:>9}"
+        f" |{'state':>7}{'pred':>7} |{peak_name:>10}{'pred tot':>9}{'peak/pred':>10}{'rssΔ':>7}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -132,26 +151,36 @@ def print_table(rows: list[dict], args, model_cfg: ModelConfig, wall_s: float) -
     print("held at the end of the step (FSDP2 reshards params/grads between steps, so ZeRO-1/2 read lower than")
     print("their in-step prediction); pred = params+grads+optimizer of the model.")
     if args.device == "cuda":
-        print("peak = torch.cuda.max_memory_allocated over one step after warm-up, minus memory allocated before the build.")
+        print(
+            "peak = torch.cuda.max_memory_allocated over one step after warm-up, minus memory allocated before the "
+            "build."
+        )
     else:
         print("peak(trk) = peak live tensor bytes over one instrumented step (dispatch-mode tracker, CPU stand-in for")
         print("max_memory_allocated; misses in-kernel workspaces and C++-only buffers such as gloo's). pred tot =")
         print("params+grads+optimizer+communication buffers+activations (with the recompute working set)+logits.")
     ratios = [r["measured"]["peak_bytes_max_rank"] / r["predicted"]["total"] for r in rows]
-    print(f"peak/pred over all layouts: {min(ratios):.2f} to {max(ratios):.2f} "
-          f"(tests/test_memory_model_measured.py asserts 0.85 to 1.15 on the default model).")
+    print(
+        f"peak/pred over all layouts: {min(ratios):.2f} to {max(ratios):.2f} "
+        f"(tests/test_memory_model_measured.py asserts 0.85 to 1.15 on the default model)."
+    )
     method = rows[0]["measured"]["rss_method"]
     print(f"rssΔ = peak RSS after the build minus RSS before it ({method}); page-granular and polluted by the")
     print("allocator and gloo on CPU at this model size: an upper-level sanity check, not the measurement.")
-    print("tok/s = global_batch*seq_len / median step (slowest rank, after a barrier); bubble = engine.bubble_fraction.")
+    print(
+        "tok/s = global_batch*seq_len / median step (slowest rank, after a barrier); bubble = engine.bubble_fraction."
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--layouts", default=",".join(lay.name for lay in LAYOUTS),
-                    help="comma-separated subset of: " + ", ".join(lay.name for lay in LAYOUTS))
+    ap.add_argument(
+        "--layouts",
+        default=",".join(lay.name for lay in LAYOUTS),
+        help="comma-separated subset of: " + ", ".join(lay.name for lay in LAYOUTS),
+    )
     ap.add_argument("--layers", type=int, default=DEFAULT_MODEL.n_layers)
     ap.add_argument("--d-model", type=int, default=DEFAULT_MODEL.d_model)
     ap.add_argument("--heads", type=int, default=DEFAULT_MODEL.n_heads)
@@ -177,19 +206,37 @@ def main() -> None:
         ap.error(f"layouts {bad} need a world other than --world {args.world}")
     if args.device == "cuda" and torch.cuda.device_count() < args.world:
         ap.error(f"--device cuda needs {args.world} GPUs, found {torch.cuda.device_count()}")
-    model_cfg = ModelConfig(n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,
-                            vocab_size=args.vocab, seq_len=args.seq)
+    model_cfg = ModelConfig(
+        n_layers=args.layers, d_model=args.d_model, n_heads=args.heads, vocab_size=args.vocab, seq_len=args.seq
+    )
     t0 = time.perf_counter()
-    per_rank = run_layouts(layouts, model_cfg, world=args.world, device=args.device, global_batch=args.global_batch,
-                           micro_batch=args.micro_batch, warmup=args.warmup, rounds=args.rounds,
-                           steps_per_round=args.steps_per_round, seed=args.seed)
+    per_rank = run_layouts(
+        layouts,
+        model_cfg,
+        world=args.world,
+        device=args.device,
+        global_batch=args.global_batch,
+        micro_batch=args.micro_batch,
+        warmup=args.warmup,
+        rounds=args.rounds,
+        steps_per_round=args.steps_per_round,
+        seed=args.seed,
+    )
     wall_s = time.perf_counter() - t0
     rows = summarise(layouts, per_rank, model_cfg, args)
     print_table(rows, args, model_cfg, wall_s)
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"config": {k: v for k, v in vars(args).items() if k != "json_out"},
-                       "model": model_cfg.model_dump(), "wall_s": wall_s, "layouts": rows}, f, indent=2)
+            json.dump(
+                {
+                    "config": {k: v for k, v in vars(args).items() if k != "json_out"},
+                    "model": model_cfg.model_dump(),
+                    "wall_s": wall_s,
+                    "layouts": rows,
+                },
+                f,
+                indent=2,
+            )
         print(f"wrote {args.json_out}")
 
 

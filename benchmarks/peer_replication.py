@@ -54,8 +54,16 @@ def _slope(points: list[tuple[int, float]]) -> float:
 
 
 def run(work: str, name: str, steps: int, replicate: bool, extra: list[str], callbacks=()) -> tuple[str, dict]:
-    overrides = [f"train.steps={steps}", "parallel.zero=3", "elastic.min_dp=2", "elastic.max_dp=2", "checkpoint.every_steps=0",
-                 "checkpoint.memory_every_steps=1", f"checkpoint.replicate={str(replicate).lower()}", *extra]
+    overrides = [
+        f"train.steps={steps}",
+        "parallel.zero=3",
+        "elastic.min_dp=2",
+        "elastic.max_dp=2",
+        "checkpoint.every_steps=0",
+        "checkpoint.memory_every_steps=1",
+        f"checkpoint.replicate={str(replicate).lower()}",
+        *extra,
+    ]
     spec = JobSpec.from_yaml(QUICKSTART, overrides=overrides)
     run_dir = os.path.join(work, name)
     result = ElasticTrainer(spec, run_dir=run_dir, callbacks=list(callbacks)).fit()
@@ -83,21 +91,31 @@ def main() -> None:
                 run_dir, _ = run(work, f"rep{rep}-{'on' if replicate else 'off'}", args.steps, replicate, args.set)
                 figures[replicate].append(measure(run_dir))
                 m = figures[replicate][-1]
-                print(f"rep {rep} replicate={replicate!s:5}  {m['s_per_step'] * 1e3:7.1f} ms/step  "
-                      f"snapshot blocking {m['blocking_s'] * 1e3:6.2f} ms")
+                print(
+                    f"rep {rep} replicate={replicate!s:5}  {m['s_per_step'] * 1e3:7.1f} ms/step  "
+                    f"snapshot blocking {m['blocking_s'] * 1e3:6.2f} ms"
+                )
         off = statistics.median(m["s_per_step"] for m in figures[False])
         on = statistics.median(m["s_per_step"] for m in figures[True])
         print(f"throughput replicate/off = {off / on:.2f}   (1.00 = free)")
-        print(f"snapshot blocking_s median: off {statistics.median(m['blocking_s'] for m in figures[False]) * 1e3:.2f} ms, "
-              f"replicate {statistics.median(m['blocking_s'] for m in figures[True]) * 1e3:.2f} ms; step time {on * 1e3:.1f} ms")
+        print(
+            f"snapshot blocking_s median: off {statistics.median(m['blocking_s'] for m in figures[False]) * 1e3:.2f} "
+            "ms, "
+            f"replicate {statistics.median(m['blocking_s'] for m in figures[True]) * 1e3:.2f} ms; step time "
+            f"{on * 1e3:.1f} ms"
+        )
         for replicate in (True, False):
             fault = FaultInjector([Fault("kill_worker", at_step=args.steps // 2, rank=1)])
-            run_dir, result = run(work, f"fault-{'on' if replicate else 'off'}", args.steps, replicate, args.set, [fault])
+            run_dir, result = run(
+                work, f"fault-{'on' if replicate else 'off'}", args.steps, replicate, args.set, [fault]
+            )
             restores = [(e["source"], e["step"]) for e in _events(run_dir, "restore")]
             rec = result["recoveries"][0] if result["recoveries"] else {}
-            print(f"rank 1 killed at step {args.steps // 2}, replicate={replicate!s:5}: "
-                  f"restore {restores or 'none (restart from step 0)'}, "
-                  f"lost steps {rec.get('lost_steps')}, recovery {rec.get('recover_s')} s")
+            print(
+                f"rank 1 killed at step {args.steps // 2}, replicate={replicate!s:5}: "
+                f"restore {restores or 'none (restart from step 0)'}, "
+                f"lost steps {rec.get('lost_steps')}, recovery {rec.get('recover_s')} s"
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

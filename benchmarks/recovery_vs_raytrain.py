@@ -313,7 +313,9 @@ def analyse_ours(events: list[dict[str, Any]], out: dict[str, Any]) -> dict[str,
     res["old_size"] = old_dp
     res["last_step_before_kill"] = max((e["step"] for e in steps if e["ts"] <= kill_ts), default=0)
     failures = [e for e in events if e["kind"] == "failure" and e["ts"] >= kill_ts]
-    shrink = next((e for e in events if e["kind"] == "resize" and e["ts"] >= kill_ts and e["new_dp"] < e["old_dp"]), None)
+    shrink = next(
+        (e for e in events if e["kind"] == "resize" and e["ts"] >= kill_ts and e["new_dp"] < e["old_dp"]), None
+    )
     if shrink is None:
         return res
     new_dp = shrink["new_dp"]
@@ -349,8 +351,10 @@ def analyse_ours(events: list[dict[str, Any]], out: dict[str, Any]) -> dict[str,
         if back:
             res["rejoin_s"] = back[0]["ts"] - out["node_added_done_ts"]
             res["add_node_s"] = out["node_added_done_ts"] - out["node_added_ts"]
-            res["rejoin_note"] = ("node up (Cluster.add_node returned) -> first step completed at the full size (a new "
-                                  "worker actor spawned, state sent from a live peer's memory)")
+            res["rejoin_note"] = (
+                "node up (Cluster.add_node returned) -> first step completed at the full size (a new "
+                "worker actor spawned, state sent from a live peer's memory)"
+            )
     return res
 
 
@@ -418,8 +422,15 @@ def raytrain_loop(config: dict[str, Any]) -> None:
             with tempfile.TemporaryDirectory() as tmp:
                 checkpoint = None
                 if rank == 0:
-                    torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                                "scheduler": scheduler.state_dict(), "step": step}, os.path.join(tmp, "state.pt"))
+                    torch.save(
+                        {
+                            "model": model.module.state_dict(),
+                            "optimizer": optimizer.state_dict(),
+                            "scheduler": scheduler.state_dict(),
+                            "step": step,
+                        },
+                        os.path.join(tmp, "state.pt"),
+                    )
                     checkpoint = ray.train.Checkpoint.from_directory(tmp)
                 ray.train.report({"step": step}, checkpoint=checkpoint)
                 log(kind="checkpoint", step=step)
@@ -431,9 +442,12 @@ def raytrain_child(cfg: dict[str, Any]) -> None:
     from ray.train.torch import TorchTrainer
 
     side = cfg["side"]
-    out: dict[str, Any] = {"side": side, "checkpoint_every": cfg["checkpoint_every"],
-                           "env": {k: os.environ.get(k) for k in RAY_TUNED_ENV},
-                           "system_config": cfg.get("system_config")}
+    out: dict[str, Any] = {
+        "side": side,
+        "checkpoint_every": cfg["checkpoint_every"],
+        "env": {k: os.environ.get(k) for k in RAY_TUNED_ENV},
+        "system_config": cfg.get("system_config"),
+    }
     arm_deadline(cfg["side_timeout"], cfg["out"], out)
     with open(cfg["spec"]) as f:
         spec = json.load(f)
@@ -459,8 +473,11 @@ def raytrain_child(cfg: dict[str, Any]) -> None:
         raytrain_loop,
         train_loop_config={"spec": spec, "progress": progress, "checkpoint_every": cfg["checkpoint_every"]},
         scaling_config=ScalingConfig(num_workers=(1, NODES), use_gpu=False),
-        run_config=RunConfig(name="recovery-bench", storage_path=os.path.join(cfg["work"], "storage"),
-                             failure_config=FailureConfig(max_failures=3)),
+        run_config=RunConfig(
+            name="recovery-bench",
+            storage_path=os.path.join(cfg["work"], "storage"),
+            failure_config=FailureConfig(max_failures=3),
+        ),
     )
     try:
         result = trainer.fit()
@@ -595,7 +612,9 @@ def torchft_replica(config: dict[str, Any]) -> dict[str, Any]:
         # Start together: a replica that asks for a quorum before the others heartbeat forms
         # one alone, and the rest heal from it one by one.
         deadline = time.time() + 120
-        while len({r["rank"] for r in read_progress(progress) if r["kind"] == "ready"}) < NODES and time.time() < deadline:
+        while (
+            len({r["rank"] for r in read_progress(progress) if r["kind"] == "ready"}) < NODES and time.time() < deadline
+        ):
             time.sleep(0.05)
     try:
         while manager.current_step() < spec.train.steps:
@@ -617,14 +636,21 @@ def torchft_replica(config: dict[str, Any]) -> dict[str, Any]:
             manager.allreduce(flat).wait()
             offset = 0
             for p in params:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
                 offset += p.numel()
             committed = manager.should_commit()
             if committed:
                 optimizer.step()
                 scheduler.step()
-            log(kind="step", step=manager.current_step(), committed=bool(committed), participants=manager.num_participants(),
-                loss=float(loss.detach()), started=t0, healed_ts=healed["ts"])
+            log(
+                kind="step",
+                step=manager.current_step(),
+                committed=bool(committed),
+                participants=manager.num_participants(),
+                loss=float(loss.detach()),
+                started=t0,
+                healed_ts=healed["ts"],
+            )
     finally:
         manager.shutdown(wait=False)
     log(kind="end", step=manager.current_step())
@@ -653,8 +679,12 @@ def torchft_child(cfg: dict[str, Any]) -> None:
     # min_replicas=1: the survivors may go on alone. join_timeout 10 s: a healthy replica
     # that is late for a quorum is waited for (as synchronous DDP would), so the quorum moves
     # on without a replica only once its heartbeat has stopped for 1 s.
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=TORCHFT_JOIN_TIMEOUT_MS,
-                                  heartbeat_timeout_ms=TORCHFT_HEARTBEAT_TIMEOUT_MS)
+    lighthouse = LighthouseServer(
+        bind="[::]:0",
+        min_replicas=1,
+        join_timeout_ms=TORCHFT_JOIN_TIMEOUT_MS,
+        heartbeat_timeout_ms=TORCHFT_HEARTBEAT_TIMEOUT_MS,
+    )
     Replica = ray.remote(num_cpus=1, max_retries=0)(torchft_replica)
     base = {"spec": spec, "progress": progress, "lighthouse": lighthouse.address()}
     refs = {i: Replica.remote(dict(base, replica=i, wait_ready=True)) for i in range(NODES)}
@@ -731,7 +761,9 @@ def analyse_torchft(recs: list[dict[str, Any]], out: dict[str, Any]) -> dict[str
     steps = [r for r in recs if r["kind"] == "step"]
     committed = [r for r in steps if r["committed"]]
     res["last_step_before_kill"] = max((r["step"] for r in committed if r["ts"] <= kill_ts), default=0)
-    survivors = sorted({r["rank"] for r in recs if r["kind"] == "start" and r["rank"] not in (out_rank(out, recs), NODES)})
+    survivors = sorted(
+        {r["rank"] for r in recs if r["kind"] == "start" and r["rank"] not in (out_rank(out, recs), NODES)}
+    )
     smaller = [r for r in committed if r["ts"] > kill_ts and r["participants"] < NODES and r["rank"] in survivors]
     if not smaller:
         return res
@@ -760,8 +792,14 @@ def analyse_torchft(recs: list[dict[str, Any]], out: dict[str, Any]) -> dict[str
     res["lost_steps"] = max(0, reached - resume)
     failed = [r for r in steps if r["ts"] > kill_ts and not r["committed"] and r["rank"] in survivors]
     bd: dict[str, float] = {}
-    quorum = next((q for q in out.get("lighthouse_quorums", []) if q["created"] > kill_ts and q["size"] == size
-                   and q["created"] <= max(done)), None)
+    quorum = next(
+        (
+            q
+            for q in out.get("lighthouse_quorums", [])
+            if q["created"] > kill_ts and q["size"] == size and q["created"] <= max(done)
+        ),
+        None,
+    )
     if quorum is not None:
         # The lighthouse drops the dead replica once its heartbeat is 1 s old, then forms the
         # smaller quorum (its own stamp); the survivors then reconfigure gloo and finish the step.
@@ -775,8 +813,10 @@ def analyse_torchft(recs: list[dict[str, Any]], out: dict[str, Any]) -> dict[str
         if new:
             res["rejoin_s"] = new[0]["ts"] - out["node_added_done_ts"]
             res["add_node_s"] = out["node_added_done_ts"] - out["node_added_ts"]
-            res["rejoin_note"] = ("node up (Cluster.add_node returned) -> the new replica's first committed step with every "
-                                  "replica (a new process: imports, model build, Manager, then healed from a live peer over HTTP)")
+            res["rejoin_note"] = (
+                "node up (Cluster.add_node returned) -> the new replica's first committed step with every "
+                "replica (a new process: imports, model build, Manager, then healed from a live peer over HTTP)"
+            )
             if start is not None:
                 res["rejoin_from_process_start_s"] = new[0]["ts"] - start["started_at"]
             if start is not None and new[0].get("healed_ts"):
@@ -788,16 +828,23 @@ def lighthouse_quorums(log_path: str) -> list[dict[str, Any]]:
     """The quorums the lighthouse (in this process) logged: id, size, and its own creation stamp."""
     import re
 
-    pat = re.compile(r"Quorum! Quorum \{ quorum_id: (\d+), participants: \[(.*)\], "
-                     r"created: Some\(Timestamp \{ seconds: (\d+), nanos: (\d+)")
+    pat = re.compile(
+        r"Quorum! Quorum \{ quorum_id: (\d+), participants: \[(.*)\], "
+        r"created: Some\(Timestamp \{ seconds: (\d+), nanos: (\d+)"
+    )
     out = []
     try:
         with open(log_path, errors="replace") as f:
             for line in f:
                 m = pat.search(line)
                 if m:
-                    out.append({"quorum_id": int(m.group(1)), "size": m.group(2).count("QuorumMember {"),
-                                "created": int(m.group(3)) + int(m.group(4)) / 1e9})
+                    out.append(
+                        {
+                            "quorum_id": int(m.group(1)),
+                            "size": m.group(2).count("QuorumMember {"),
+                            "created": int(m.group(3)) + int(m.group(4)) / 1e9,
+                        }
+                    )
     except OSError:
         pass
     return out
@@ -821,16 +868,28 @@ def _dist_version(name: str) -> str | None:
 
 
 def side_timeout(side: str, args: argparse.Namespace) -> float:
-    return {"ours": args.ours_timeout, "raytrain_tuned": args.raytrain_timeout, "raytrain_default": args.raytrain_timeout,
-            "torchft": args.torchft_timeout}[side]
+    return {
+        "ours": args.ours_timeout,
+        "raytrain_tuned": args.raytrain_timeout,
+        "raytrain_default": args.raytrain_timeout,
+        "torchft": args.torchft_timeout,
+    }[side]
 
 
 def run_side(side: str, rep: int, args: argparse.Namespace, spec_path: str, work: str) -> dict[str, Any]:
     side_dir = os.path.join(work, f"{side}-{rep}")
     os.makedirs(side_dir, exist_ok=True)
     out_path = os.path.join(side_dir, "result.json")
-    cfg = {"side": side, "spec": spec_path, "work": side_dir, "out": out_path, "kill_step": args.kill_step,
-           "kill_rank": args.kill_rank, "side_timeout": side_timeout(side, args), "return_delay_s": args.return_delay}
+    cfg = {
+        "side": side,
+        "spec": spec_path,
+        "work": side_dir,
+        "out": out_path,
+        "kill_step": args.kill_step,
+        "kill_rank": args.kill_rank,
+        "side_timeout": side_timeout(side, args),
+        "return_delay_s": args.return_delay,
+    }
     env = dict(os.environ)
     paths = [ROOT] + ([args.torchft_path] if side == "torchft" and args.torchft_path else [])
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
@@ -907,24 +966,32 @@ def versions(res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
     # torchft as the TorchFT runs imported it (it may come from --torchft-path, not this process).
     tft = next((r["torchft_version"] for r in res.get("torchft", []) if r.get("torchft_version")), None)
-    return {"python": platform.python_version(), "torch": torch.__version__, "ray": ray.__version__,
-            "torchft": tft or _dist_version("torchft")}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "torchft": tft or _dist_version("torchft"),
+    }
 
 
 def summarise(res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for side, runs in res.items():
-        s: dict[str, Any] = {"recovery_s": stats([r.get("recovery_s") for r in runs]),
-                             "lost_steps": stats([r.get("lost_steps") for r in runs]),
-                             "statuses": [r.get("status") for r in runs]}
+        s: dict[str, Any] = {
+            "recovery_s": stats([r.get("recovery_s") for r in runs]),
+            "lost_steps": stats([r.get("lost_steps") for r in runs]),
+            "statuses": [r.get("status") for r in runs],
+        }
         keys = sorted({k for r in runs for k in (r.get("breakdown") or {})})
         s["breakdown"] = {k: stats([(r.get("breakdown") or {}).get(k) for r in runs]) for k in keys}
         if any("rejoin_s" in r for r in runs):
             s["rejoin_s"] = stats([r.get("rejoin_s") for r in runs])
             s["add_node_s"] = stats([r.get("add_node_s") for r in runs])
         if side == "ours":  # what the product itself reported in summary.json, on the driver's clock
-            s["summary_json"] = {k: stats([(r.get("summary_recovery") or {}).get(k) for r in runs])
-                                 for k in ("detect_s", "recover_s", "downtime_s", "lost_steps")}
+            s["summary_json"] = {
+                k: stats([(r.get("summary_recovery") or {}).get(k) for r in runs])
+                for k in ("detect_s", "recover_s", "downtime_s", "lost_steps")
+            }
         if side == "torchft" and all(r.get("status") == "skipped" for r in runs):
             s["skipped"] = runs[0].get("error")
         summary[side] = s
@@ -932,24 +999,44 @@ def summarise(res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Node-loss recovery: elastic runtime vs Ray Train V2 (tuned, default) and TorchFT.")
+    ap = argparse.ArgumentParser(
+        description="Node-loss recovery: elastic runtime vs Ray Train V2 (tuned, default) and TorchFT."
+    )
     ap.add_argument("--kill-step", type=int, default=12, help="kill the node when this step has completed (default 12)")
     ap.add_argument("--kill-rank", type=int, default=1, help="kill the node hosting this rank / replica (default 1)")
-    ap.add_argument("--steps", type=int, default=60,
-                    help="training steps of the Ray Train runs (and of ours/TorchFT with --return-delay -1) (default 60)")
-    ap.add_argument("--rejoin-steps", type=int, default=150,
-                    help="training steps of ours and TorchFT, which also time a returning node (default 150)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=60,
+        help="training steps of the Ray Train runs (and of ours/TorchFT with --return-delay -1) (default 60)",
+    )
+    ap.add_argument(
+        "--rejoin-steps",
+        type=int,
+        default=150,
+        help="training steps of ours and TorchFT, which also time a returning node (default 150)",
+    )
     ap.add_argument("--reps", type=int, default=3, help="repetitions per side (default 3)")
     ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {','.join(SIDES)}")
-    ap.add_argument("--return-delay", type=float, default=1.0,
-                    help="ours and torchft: add a node back this long after the first step at the smaller size (-1: never)")
-    ap.add_argument("--torchft-path", default=os.environ.get("TORCHFT_PATH"),
-                    help="a directory to put on PYTHONPATH for the torchft side (pip install --target DIR torchft==0.2.0 ...)")
+    ap.add_argument(
+        "--return-delay",
+        type=float,
+        default=1.0,
+        help="ours and torchft: add a node back this long after the first step at the smaller size (-1: never)",
+    )
+    ap.add_argument(
+        "--torchft-path",
+        default=os.environ.get("TORCHFT_PATH"),
+        help="a directory to put on PYTHONPATH for the torchft side (pip install --target DIR torchft==0.2.0 ...)",
+    )
     ap.add_argument("--ours-timeout", type=float, default=150.0)
     ap.add_argument("--raytrain-timeout", type=float, default=300.0)
     ap.add_argument("--torchft-timeout", type=float, default=150.0)
-    ap.add_argument("--results", default=DEFAULT_RESULTS,
-                    help=f"results JSON (default {os.path.relpath(DEFAULT_RESULTS, ROOT)}; '' to skip)")
+    ap.add_argument(
+        "--results",
+        default=DEFAULT_RESULTS,
+        help=f"results JSON (default {os.path.relpath(DEFAULT_RESULTS, ROOT)}; '' to skip)",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the working directory (logs, events, progress)")
     ap.add_argument("--_child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -987,12 +1074,16 @@ def main(argv: list[str] | None = None) -> int:
         spec = spec_dict(args.steps, "file://" + os.path.abspath(corpus))
         spec_path = os.path.join(work, "spec.json")
         write_json(spec_path, spec)
-        print(f"{NODES}-node local cluster (head num_cpus=0, {NODES} x num_cpus=1), GPT {m} (50.5 MB of weights + AdamW "
-              f"state), global_batch {GLOBAL_BATCH}, {args.steps} steps (ours and TorchFT: {args.rejoin_steps}, to time a "
-              f"returning node {args.return_delay:g} s after the first step at the smaller size); "
-              f"the node of rank {args.kill_rank} is killed "
-              f"(SIGKILL of its raylet's children + remove_node) when step {args.kill_step} completes; {args.reps} "
-              f"repetition(s) per side; load average now {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs", flush=True)
+        print(
+            f"{NODES}-node local cluster (head num_cpus=0, {NODES} x num_cpus=1), GPT {m} (50.5 MB of weights + AdamW "
+            f"state), global_batch {GLOBAL_BATCH}, {args.steps} steps (ours and TorchFT: {args.rejoin_steps}, to "
+            "time a "
+            f"returning node {args.return_delay:g} s after the first step at the smaller size); "
+            f"the node of rank {args.kill_rank} is killed "
+            f"(SIGKILL of its raylet's children + remove_node) when step {args.kill_step} completes; {args.reps} "
+            f"repetition(s) per side; load average now {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs",
+            flush=True,
+        )
         res: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
         for rep in range(args.reps):  # interleaved, so drifting load hits every side alike
             for side in sides:
@@ -1002,27 +1093,49 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[rep {rep + 1}/{args.reps}] {side} ...", flush=True)
                 r = run_side(side, rep, args, spec_path, work)
                 res[side].append(r)
-                print(f"  {side}: status {r.get('status')}, recovery {fmt(r.get('recovery_s'))} s, lost steps "
-                      f"{fmt(r.get('lost_steps'), 'd')}, breakdown {_fmt_bd(r.get('breakdown'))}, wall {r['wall_s']:.0f} s, "
-                      f"load {r['loadavg_1m_after']:.2f}", flush=True)
+                print(
+                    f"  {side}: status {r.get('status')}, recovery {fmt(r.get('recovery_s'))} s, lost steps "
+                    f"{fmt(r.get('lost_steps'), 'd')}, breakdown {_fmt_bd(r.get('breakdown'))}, wall "
+                    f"{r['wall_s']:.0f} s, "
+                    f"load {r['loadavg_1m_after']:.2f}",
+                    flush=True,
+                )
                 if "recovery_s" not in r:
-                    print(f"  {side}: no step at a smaller size was measured; {r.get('error', '')}\n{r.get('log_tail', '')}", flush=True)
+                    print(
+                        f"  {side}: no step at a smaller size was measured; "
+                        f"{r.get('error', '')}\n{r.get('log_tail', '')}",
+                        flush=True,
+                    )
 
         summary = summarise(res)
-        print("\nrecovery = from the SIGKILL to the first step completed by every rank at the smaller size; lost steps = "
-              "the last step any worker completed minus the step training resumed from")
+        print(
+            "\nrecovery = from the SIGKILL to the first step completed by every rank at the smaller size; lost steps = "
+            "the last step any worker completed minus the step training resumed from"
+        )
         for side in sides:
             s = summary[side]
             if s.get("skipped"):
                 print(f"{side:17s} skipped: {s['skipped']}")
                 continue
-            print(f"{side:17s} recovery {fmt_stats(s['recovery_s'])}; lost steps {fmt_stats(s['lost_steps'], 'step(s)', '.0f')}"
-                  + (f"; node added back -> first step at full size {fmt_stats(s['rejoin_s'])}" if s.get("rejoin_s") else ""))
+            print(
+                f"{side:17s} recovery {fmt_stats(s['recovery_s'])}; lost steps "
+                f"{fmt_stats(s['lost_steps'], 'step(s)', '.0f')}"
+                + (
+                    f"; node added back -> first step at full size {fmt_stats(s['rejoin_s'])}"
+                    if s.get("rejoin_s")
+                    else ""
+                )
+            )
             for k, v in s["breakdown"].items():
                 print(f"{'':19s}{k:34s} {fmt_stats(v)}")
             if s.get("summary_json"):
-                print(f"{'':19s}summary.json (driver clock): " + ", ".join(
-                    f"{k} {fmt_stats(v, 'step(s)', '.0f') if k == 'lost_steps' else fmt_stats(v)}" for k, v in s["summary_json"].items()))
+                print(
+                    f"{'':19s}summary.json (driver clock): "
+                    + ", ".join(
+                        f"{k} {fmt_stats(v, 'step(s)', '.0f') if k == 'lost_steps' else fmt_stats(v)}"
+                        for k, v in s["summary_json"].items()
+                    )
+                )
         ratios = {}
         o = summary.get("ours", {}).get("recovery_s")
         for base in ("raytrain_tuned", "raytrain_default", "torchft"):
@@ -1035,33 +1148,58 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ratio {k} = {v:.3f} (medians){head}")
 
         if args.results:
-            slim = {s: [{k: v for k, v in r.items() if k not in ("log_tail",)} for r in runs] for s, runs in res.items()}
+            slim = {
+                s: [{k: v for k, v in r.items() if k not in ("log_tail",)} for r in runs] for s, runs in res.items()
+            }
             os.makedirs(os.path.dirname(os.path.abspath(args.results)), exist_ok=True)
-            write_json(args.results, {
-                "benchmark": "benchmarks/recovery_vs_raytrain.py",
-                "date_utc": started.strftime("%Y-%m-%dT%H:%M:%SZ"),
-                "finished_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                "host": {"hostname": platform.node(), "cpus": os.cpu_count(), "platform": platform.platform(),
-                         "loadavg_at_start_note": "other processes shared the CPUs; see loadavg_1m_after per run"},
-                "versions": versions(res),
-                "scenario": {"nodes": NODES, "model": MODEL, "state_mb": 50.5, "global_batch": GLOBAL_BATCH,
-                             "steps": args.steps,
-                             "steps_ours_torchft": args.rejoin_steps if args.return_delay >= 0 else args.steps,
-                             "kill_step": args.kill_step, "kill_rank": args.kill_rank,
-                             "reps": args.reps, "return_delay_s": args.return_delay,
-                             "raytrain_tuned": {"env": RAY_TUNED_ENV, "system_config": RAY_TUNED_SYSTEM_CONFIG, "checkpoint_every": 1},
-                             "raytrain_default": {"checkpoint_every": 5},
-                             "torchft": {"lighthouse_heartbeat_timeout_ms": TORCHFT_HEARTBEAT_TIMEOUT_MS,
-                                         "lighthouse_join_timeout_ms": TORCHFT_JOIN_TIMEOUT_MS,
-                                         "rows_per_replica": GLOBAL_BATCH // NODES}},
-                "definitions": {"recovery_s": "kill_ts (stamped by the benchmark just before SIGKILL) -> the first step completed "
-                                              "by every rank at the smaller size, from the workers' own per-step timestamps",
-                                "lost_steps": "the last step any worker completed before the recovery minus the step "
-                                              "training resumed from"},
-                "summary": summary,
-                "ratios": ratios,
-                "runs": slim,
-            })
+            write_json(
+                args.results,
+                {
+                    "benchmark": "benchmarks/recovery_vs_raytrain.py",
+                    "date_utc": started.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    "finished_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    "host": {
+                        "hostname": platform.node(),
+                        "cpus": os.cpu_count(),
+                        "platform": platform.platform(),
+                        "loadavg_at_start_note": "other processes shared the CPUs; see loadavg_1m_after per run",
+                    },
+                    "versions": versions(res),
+                    "scenario": {
+                        "nodes": NODES,
+                        "model": MODEL,
+                        "state_mb": 50.5,
+                        "global_batch": GLOBAL_BATCH,
+                        "steps": args.steps,
+                        "steps_ours_torchft": args.rejoin_steps if args.return_delay >= 0 else args.steps,
+                        "kill_step": args.kill_step,
+                        "kill_rank": args.kill_rank,
+                        "reps": args.reps,
+                        "return_delay_s": args.return_delay,
+                        "raytrain_tuned": {
+                            "env": RAY_TUNED_ENV,
+                            "system_config": RAY_TUNED_SYSTEM_CONFIG,
+                            "checkpoint_every": 1,
+                        },
+                        "raytrain_default": {"checkpoint_every": 5},
+                        "torchft": {
+                            "lighthouse_heartbeat_timeout_ms": TORCHFT_HEARTBEAT_TIMEOUT_MS,
+                            "lighthouse_join_timeout_ms": TORCHFT_JOIN_TIMEOUT_MS,
+                            "rows_per_replica": GLOBAL_BATCH // NODES,
+                        },
+                    },
+                    "definitions": {
+                        "recovery_s": "kill_ts (stamped by the benchmark just before SIGKILL) -> the first step "
+                        "completed "
+                        "by every rank at the smaller size, from the workers' own per-step timestamps",
+                        "lost_steps": "the last step any worker completed before the recovery minus the step "
+                        "training resumed from",
+                    },
+                    "summary": summary,
+                    "ratios": ratios,
+                    "runs": slim,
+                },
+            )
             print(f"results written to {os.path.relpath(os.path.abspath(args.results), ROOT)}")
         return 0
     finally:

@@ -102,14 +102,30 @@ def main() -> None:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        records.append({"step": step, "ts": time.time(), "cpu_s": time.process_time(), "step_time_s": time.perf_counter() - t0,
-                        "local_loss": local / grad_accum})
+        records.append(
+            {
+                "step": step,
+                "ts": time.time(),
+                "cpu_s": time.process_time(),
+                "step_time_s": time.perf_counter() - t0,
+                "local_loss": local / grad_accum,
+            }
+        )
 
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"rank{rank}.json")
     with open(path + ".tmp", "w") as f:
-        json.dump({"rank": rank, "world_size": world, "grad_accum": grad_accum, "threads": torch.get_num_threads(),
-                   "t_start": t_start, "steps": records}, f)
+        json.dump(
+            {
+                "rank": rank,
+                "world_size": world,
+                "grad_accum": grad_accum,
+                "threads": torch.get_num_threads(),
+                "t_start": t_start,
+                "steps": records,
+            },
+            f,
+        )
     os.replace(path + ".tmp", path)
     dist.destroy_process_group()
 

@@ -85,8 +85,13 @@ def split(rows: torch.Tensor, micro_batch: int) -> list[tuple[torch.Tensor, torc
 
 def rank_main(rank: int, world: int, cfg: dict, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{cfg['port']}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=300),
+    )
     dims = ParallelDims(dp=1, tp=world, pp=1, world_size=world)
     dims.build_mesh("cpu")
     tp_group = dims.tp_mesh.get_group()
@@ -97,8 +102,10 @@ def rank_main(rank: int, world: int, cfg: dict, out_dir: str) -> None:
         dp_rank = 0  # both TP ranks belong to the same replica; which DP rank does not matter
         width = shape["seq_len"] + 1
         corpora = {m: ParquetCorpus(shape["uri"]) for m in METHODS if m == "read" or tp_rank == 0}
-        buffers = {"bcast": torch.empty((layout.per_rank, width), dtype=torch.int64),
-                   "bcast-i32": torch.empty((layout.per_rank, width), dtype=torch.int32)}
+        buffers = {
+            "bcast": torch.empty((layout.per_rank, width), dtype=torch.int64),
+            "bcast-i32": torch.empty((layout.per_rank, width), dtype=torch.int32),
+        }
 
         # Called within this iteration only, so binding the loop's names late is intended.
         def produce(method: str, batch: int, layout=layout, dp_rank=dp_rank, corpora=corpora, buffers=buffers):
@@ -122,7 +129,7 @@ def rank_main(rank: int, world: int, cfg: dict, out_dir: str) -> None:
         mismatches = 0
         for step in range(cfg["warmup"] + shape["steps"]):
             batch = shape["start_batch"] + step
-            order = METHODS[step % len(METHODS):] + METHODS[: step % len(METHODS)]
+            order = METHODS[step % len(METHODS) :] + METHODS[: step % len(METHODS)]
             got = {}
             for method in order:
                 dist.barrier(group=tp_group)
@@ -149,8 +156,9 @@ def rank_main(rank: int, world: int, cfg: dict, out_dir: str) -> None:
             dist.all_reduce(w[m], op=dist.ReduceOp.MAX, group=tp_group)
             dist.all_reduce(c[m], op=dist.ReduceOp.SUM, group=tp_group)
             dist.all_reduce(fe[m], op=dist.ReduceOp.MAX, group=tp_group)
-        read_bytes = torch.tensor([float(corpora[m].bytes_read) if m in corpora else 0.0 for m in METHODS],
-                                  dtype=torch.float64)
+        read_bytes = torch.tensor(
+            [float(corpora[m].bytes_read) if m in corpora else 0.0 for m in METHODS], dtype=torch.float64
+        )
         dist.all_reduce(read_bytes, group=tp_group)
         bad = torch.tensor([mismatches])
         dist.all_reduce(bad, group=tp_group)
@@ -177,9 +185,13 @@ def _stats(wall: list[float], cpu: list[float], fetched: list[float]) -> dict:
     hit_p50 = statistics.median(hits) if hits else 0.0
     fetch_p50 = statistics.median(fetches) if fetches else 0.0
     return {
-        "wall_hit_p50_s": hit_p50, "wall_fetch_p50_s": fetch_p50, "fetch_steps": len(fetches),
+        "wall_hit_p50_s": hit_p50,
+        "wall_fetch_p50_s": fetch_p50,
+        "fetch_steps": len(fetches),
         "wall_amortized_s": (1 - frac) * hit_p50 + frac * fetch_p50,
-        "wall_mean_s": statistics.fmean(wall), "wall_max_s": max(wall), "cpu_mean_s": statistics.fmean(cpu),
+        "wall_mean_s": statistics.fmean(wall),
+        "wall_max_s": max(wall),
+        "cpu_mean_s": statistics.fmean(cpu),
     }
 
 
@@ -191,8 +203,12 @@ def _free_port() -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=None,
-                    help="measured steps per shape (default: quickstart 1000, long 2000; --corpus 1000)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="measured steps per shape (default: quickstart 1000, long 2000; --corpus 1000)",
+    )
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated subset of " + ", ".join(SHAPES))
     ap.add_argument("--corpus", default=None, help="measure this parquet corpus URI instead of synthetic ones")
@@ -208,17 +224,36 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tp_data_sharing-") as tmp:
         shapes = []
         if args.corpus:
-            shapes.append({"name": "corpus", "uri": args.corpus, "seq_len": args.seq, "micro_batch": args.micro_batch,
-                           "global_batch": args.global_batch, "dp": args.dp, "start_batch": args.start_batch,
-                           "steps": args.steps or 1000})
+            shapes.append(
+                {
+                    "name": "corpus",
+                    "uri": args.corpus,
+                    "seq_len": args.seq,
+                    "micro_batch": args.micro_batch,
+                    "global_batch": args.global_batch,
+                    "dp": args.dp,
+                    "start_batch": args.start_batch,
+                    "steps": args.steps or 1000,
+                }
+            )
         else:
             for name in [n.strip() for n in args.shapes.split(",") if n.strip()]:
                 if name not in SHAPES:
                     ap.error(f"unknown shape {name!r}; choose from {list(SHAPES)}")
                 seq, mb, gb, dp, n, steps = SHAPES[name]
                 uri = synthetic_corpus(os.path.join(tmp, "data"), n, seq, VOCAB, seed=0)
-                shapes.append({"name": name, "uri": uri, "seq_len": seq, "micro_batch": mb, "global_batch": gb,
-                               "dp": dp, "start_batch": args.start_batch, "steps": args.steps or steps})
+                shapes.append(
+                    {
+                        "name": name,
+                        "uri": uri,
+                        "seq_len": seq,
+                        "micro_batch": mb,
+                        "global_batch": gb,
+                        "dp": dp,
+                        "start_batch": args.start_batch,
+                        "steps": args.steps or steps,
+                    }
+                )
         cfg = {"port": _free_port(), "shapes": shapes, "warmup": args.warmup}
         mp.start_processes(rank_main, args=(2, cfg, tmp), nprocs=2, join=True, start_method="spawn")
         with open(os.path.join(tmp, "result.json")) as f:
@@ -226,20 +261,27 @@ def main() -> None:
     wall_total = time.perf_counter() - t_start
 
     print()
-    print(f"TP data sharing: one TP group of 2 ranks (gloo, 1 thread each), "
-          f"methods interleaved per step; run took {wall_total:.0f}s")
+    print(
+        f"TP data sharing: one TP group of 2 ranks (gloo, 1 thread each), "
+        f"methods interleaved per step; run took {wall_total:.0f}s"
+    )
     summary = {}
     for shape in shapes:
         r = results[shape["name"]]
         n = shape["steps"]
         mb_bytes = r["rows_per_step"] * (shape["seq_len"] + 1) * 8
         print()
-        print(f"[{shape['name']}] seq_len={shape['seq_len']} micro_batch={shape['micro_batch']} "
-              f"global_batch={shape['global_batch']} dp={shape['dp']}, {n} steps: {r['rows_per_step']} rows = "
-              f"{mb_bytes / 1024:.1f} KiB of int64 tokens per rank per step; "
-              f"same data on every step: {'yes' if r['mismatched_steps'] == 0 else 'NO (' + str(r['mismatched_steps']) + ' steps differ)'}")
-        hdr = (f"  {'method':<10}{'hit p50':>9}{'fetch p50':>11}{'(n)':>5}{'amortized':>11}{'x read':>8}"
-               f"{'raw mean':>10}{'cpu mean':>10}{'x read':>8}{'storage/step':>14}")
+        print(
+            f"[{shape['name']}] seq_len={shape['seq_len']} micro_batch={shape['micro_batch']} "
+            f"global_batch={shape['global_batch']} dp={shape['dp']}, {n} steps: {r['rows_per_step']} rows = "
+            f"{mb_bytes / 1024:.1f} KiB of int64 tokens per rank per step; "
+            "same data on every step: "
+            f"{'yes' if r['mismatched_steps'] == 0 else 'NO (' + str(r['mismatched_steps']) + ' steps differ)'}"
+        )
+        hdr = (
+            f"  {'method':<10}{'hit p50':>9}{'fetch p50':>11}{'(n)':>5}{'amortized':>11}{'x read':>8}"
+            f"{'raw mean':>10}{'cpu mean':>10}{'x read':>8}{'storage/step':>14}"
+        )
         print(hdr)
         print("  " + "-" * (len(hdr) - 2))
         rows = {m: _stats(r["wall_s"][m], r["cpu_s"][m], r["fetched"][m]) for m in METHODS}
@@ -249,33 +291,52 @@ def main() -> None:
         for m in METHODS:
             x = rows[m]
             fetch = "-" if x["fetch_steps"] == 0 else f"{x['wall_fetch_p50_s'] * 1e3:.2f}ms"
-            print(f"  {m:<10}{x['wall_hit_p50_s'] * 1e3:>7.3f}ms{fetch:>11}{x['fetch_steps']:>5}"
-                  f"{x['wall_amortized_s'] * 1e3:>9.3f}ms{x['wall_amortized_s'] / base_w:>8.2f}"
-                  f"{x['wall_mean_s'] * 1e3:>8.3f}ms{x['cpu_mean_s'] * 1e3:>8.3f}ms{x['cpu_mean_s'] / base_c:>8.2f}"
-                  f"{x['storage_bytes_per_step'] / 1024:>11.1f}KiB")
+            print(
+                f"  {m:<10}{x['wall_hit_p50_s'] * 1e3:>7.3f}ms{fetch:>11}{x['fetch_steps']:>5}"
+                f"{x['wall_amortized_s'] * 1e3:>9.3f}ms{x['wall_amortized_s'] / base_w:>8.2f}"
+                f"{x['wall_mean_s'] * 1e3:>8.3f}ms{x['cpu_mean_s'] * 1e3:>8.3f}ms{x['cpu_mean_s'] / base_c:>8.2f}"
+                f"{x['storage_bytes_per_step'] / 1024:>11.1f}KiB"
+            )
         best = min(METHODS[1:], key=lambda m: rows[m]["wall_amortized_s"])
         ratio = rows[best]["wall_amortized_s"] / base_w
         hits = rows[best]["wall_hit_p50_s"] / rows["read"]["wall_hit_p50_s"]
-        fetches = (rows[best]["wall_fetch_p50_s"] / rows["read"]["wall_fetch_p50_s"]
-                   if rows["read"]["fetch_steps"] and rows[best]["fetch_steps"] else float("nan"))
+        fetches = (
+            rows[best]["wall_fetch_p50_s"] / rows["read"]["wall_fetch_p50_s"]
+            if rows["read"]["fetch_steps"] and rows[best]["fetch_steps"]
+            else float("nan")
+        )
         if ratio < 0.9:
-            rec = (f"broadcast ({best}): {1 / ratio:.2f}x cheaper per step than every TP rank reading "
-                   f"(x{hits:.2f} on cache hits, x{fetches:.2f} on row-group fetches: one decode per group "
-                   f"instead of one per TP rank)")
+            rec = (
+                f"broadcast ({best}): {1 / ratio:.2f}x cheaper per step than every TP rank reading "
+                f"(x{hits:.2f} on cache hits, x{fetches:.2f} on row-group fetches: one decode per group "
+                f"instead of one per TP rank)"
+            )
         elif ratio > 1.1:
-            rec = (f"each TP rank reads (as RankStream does): {ratio:.2f}x cheaper per step than the best broadcast "
-                   f"({best}); broadcast only pays where storage reads are the bottleneck")
+            rec = (
+                f"each TP rank reads (as RankStream does): {ratio:.2f}x cheaper per step than the best broadcast "
+                f"({best}); broadcast only pays where storage reads are the bottleneck"
+            )
         else:
-            rec = (f"a wash on time ({best}/read = {ratio:.2f}): keep per-rank reads (off the critical path in the "
-                   f"prefetch thread); broadcast only to halve storage reads")
+            rec = (
+                f"a wash on time ({best}/read = {ratio:.2f}): keep per-rank reads (off the critical path in the "
+                f"prefetch thread); broadcast only to halve storage reads"
+            )
         print(f"  -> recommendation: {rec}")
-        summary[shape["name"]] = {"shape": shape, "methods": rows, "recommendation": rec, "best_broadcast": best,
-                                  "best_broadcast_over_read": {"amortized": ratio, "hits": hits, "fetches": fetches},
-                                  "mismatched_steps": r["mismatched_steps"], "raw": r}
+        summary[shape["name"]] = {
+            "shape": shape,
+            "methods": rows,
+            "recommendation": rec,
+            "best_broadcast": best,
+            "best_broadcast_over_read": {"amortized": ratio, "hits": hits, "fetches": fetches},
+            "mismatched_steps": r["mismatched_steps"],
+            "raw": r,
+        }
     print()
     print("wall = slowest TP rank's time to hold its micro-batches. hit p50 = median over steps that decoded no row")
     print("group, fetch p50 = median over steps that did (n of them), amortized = their mix at the measured fetch rate")
-    print("(medians, so that a stall caused by another user of the machine does not decide it); raw mean for reference.")
+    print(
+        "(medians, so that a stall caused by another user of the machine does not decide it); raw mean for reference."
+    )
     print("cpu = process CPU time of both ranks; storage = row-group bytes (ParquetCorpus.bytes_read) fetched per")
     print("step, both ranks. Caveats: both ranks share this machine's cores with each other (and other users), so two")
     print("simultaneous decodes contend more than on a host with a core per rank; storage is a local file (page")

@@ -30,9 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--address", default=None, help="Ray cluster address (default: join a running one, else embedded)")
     run.add_argument("--run-dir", default=None)
     run.add_argument("--resume", action="store_true", help="start from the newest valid checkpoint in checkpoint.uri")
-    run.add_argument("--fault", dest="faults", action="append", default=[], metavar="KIND@STEP[:key=value...]",
-                     help="inject a failure (repeatable): kill_worker, kill_node, stop_worker, nan, spike, raise, "
-                          "hang, slow or bitflip, e.g. kill_worker@20:rank=2")
+    run.add_argument(
+        "--fault",
+        dest="faults",
+        action="append",
+        default=[],
+        metavar="KIND@STEP[:key=value...]",
+        help="inject a failure (repeatable): kill_worker, kill_node, stop_worker, nan, spike, raise, "
+        "hang, slow or bitflip, e.g. kill_worker@20:rank=2",
+    )
 
     demo = sub.add_parser("demo", help="the quickstart job with a node failure and recovery")
     demo.add_argument("--run-dir", default=None)
@@ -94,8 +100,14 @@ def _dispatch(args: argparse.Namespace) -> int:
     raise AssertionError(args.command)
 
 
-def cmd_run(config: str, overrides: list[str], address: str | None, run_dir: str | None, resume: bool,
-            faults: list[str] | None = None) -> int:
+def cmd_run(
+    config: str,
+    overrides: list[str],
+    address: str | None,
+    run_dir: str | None,
+    resume: bool,
+    faults: list[str] | None = None,
+) -> int:
     from elastic.testing.faults import build_faults, check_fault_specs, parse_fault_spec
     from jobs.spec import JobSpec
 
@@ -112,8 +124,15 @@ def cmd_run(config: str, overrides: list[str], address: str | None, run_dir: str
         from elastic.testing.faults import FaultInjector
 
         callbacks.append(FaultInjector(driver_faults))
-    trainer = ElasticTrainer(spec, run_dir=run_dir, address=address, resume=resume, progress=True,
-                             callbacks=callbacks, worker_faults=worker_faults or None)
+    trainer = ElasticTrainer(
+        spec,
+        run_dir=run_dir,
+        address=address,
+        resume=resume,
+        progress=True,
+        callbacks=callbacks,
+        worker_faults=worker_faults or None,
+    )
     result = trainer.fit()
     return EXIT_OK if result.status == "succeeded" else EXIT_FAILED
 
@@ -126,8 +145,11 @@ def _run_on_embedded_cluster(spec, run_dir, address, resume, driver_faults, work
 
     joined = address or running_cluster_address()
     if joined:
-        raise SpecError("--fault", f"kill_node needs the embedded multi-node cluster that elastic run starts itself; "
-                                   f"it cannot kill nodes of the cluster at {joined} (--address, RAY_ADDRESS or a running head)")
+        raise SpecError(
+            "--fault",
+            f"kill_node needs the embedded multi-node cluster that elastic run starts itself; "
+            f"it cannot kill nodes of the cluster at {joined} (--address, RAY_ADDRESS or a running head)",
+        )
     import ray
     from ray.cluster_utils import Cluster
 
@@ -135,7 +157,10 @@ def _run_on_embedded_cluster(spec, run_dir, address, resume, driver_faults, work
 
     logging.getLogger("ray").setLevel(logging.ERROR)
     workers = spec.elastic.max_dp * spec.parallel.replica_size
-    node_args = {"num_cpus": max(1, int(spec.resources.cpus_per_worker)), "resources": dict(spec.resources.custom) or None}
+    node_args = {
+        "num_cpus": max(1, int(spec.resources.cpus_per_worker)),
+        "resources": dict(spec.resources.custom) or None,
+    }
     print(f"--fault kill_node: starting an embedded Ray cluster: 1 head + {workers} worker nodes", flush=True)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     injector = FaultInjector(driver_faults, cluster=cluster, node_args=node_args)
@@ -144,8 +169,14 @@ def _run_on_embedded_cluster(spec, run_dir, address, resume, driver_faults, work
             cluster.add_node(**node_args)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False, logging_level=logging.ERROR)
-        trainer = ElasticTrainer(spec, run_dir=run_dir, resume=resume, progress=True, callbacks=[injector],
-                                 worker_faults=worker_faults or None)
+        trainer = ElasticTrainer(
+            spec,
+            run_dir=run_dir,
+            resume=resume,
+            progress=True,
+            callbacks=[injector],
+            worker_faults=worker_faults or None,
+        )
         result = trainer.fit()
     finally:
         ray.shutdown()

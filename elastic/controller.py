@@ -105,8 +105,17 @@ class Controller:
     worker_group_cls = WorkerGroup
     clock = staticmethod(time.monotonic)  # the driver's clock for recovery figures (test seam)
 
-    def __init__(self, spec: Any, events: EventLog, corpus_uri: str, *, callbacks: list[Any] | None = None,
-                 worker_faults: list[dict] | None = None, resume: dict[str, Any] | None = None, storage_uri: str = ""):
+    def __init__(
+        self,
+        spec: Any,
+        events: EventLog,
+        corpus_uri: str,
+        *,
+        callbacks: list[Any] | None = None,
+        worker_faults: list[dict] | None = None,
+        resume: dict[str, Any] | None = None,
+        storage_uri: str = "",
+    ):
         self.spec = spec
         self.events = events
         self.callbacks = list(callbacks or [])
@@ -157,7 +166,9 @@ class Controller:
             return handler(state)
         except WorkerFailure as failure:  # a failure while recovering or resizing: recover again
             if isinstance(state, Recovering):
-                self._pending_recoveries.append(self._pending_entry(state, max(state.last_seen_step, self._last_seen_step()) - self.step))
+                self._pending_recoveries.append(
+                    self._pending_entry(state, max(state.last_seen_step, self._last_seen_step()) - self.step)
+                )
             if isinstance(state, Starting):
                 return Failed(f"could not start the worker group: {failure.cause}: {failure.detail}")
             return self._recovering(failure)
@@ -181,10 +192,21 @@ class Controller:
         t = self.group.configure(members, dp, start, self.resume["step"] if self.resume else None, source or "none")
         self.step = t["step"]
         logger.info("process group init %.3fs for world size %d", t["init_s"], len(members))
-        self.events.emit("job_start", dp=dp, tp=self.spec.parallel.tp, pp=self.spec.parallel.pp, nodes=len({m.node_id for m in members}))
+        self.events.emit(
+            "job_start",
+            dp=dp,
+            tp=self.spec.parallel.tp,
+            pp=self.spec.parallel.pp,
+            nodes=len({m.node_id for m in members}),
+        )
         if source == "storage":
-            self.events.emit("restore", step=self.step, source="storage", duration_s=t["restore_s"],
-                             bytes_read=t.get("restore_bytes_read", 0))
+            self.events.emit(
+                "restore",
+                step=self.step,
+                source="storage",
+                duration_s=t["restore_s"],
+                bytes_read=t.get("restore_bytes_read", 0),
+            )
         self.dp_history.append([self.step, dp])
         return Running()
 
@@ -198,7 +220,10 @@ class Controller:
             for rank, result in obs.results:
                 self._collect(rank, result)
         except _BudgetExhausted:
-            return Failed(f"failure budget exhausted: {self.failures} failures > elastic.max_failures={self.spec.elastic.max_failures}")
+            return Failed(
+                f"failure budget exhausted: {self.failures} failures > "
+                f"elastic.max_failures={self.spec.elastic.max_failures}"
+            )
         if obs.failure is not None:
             return self._recovering(obs.failure)
         if obs.finished:
@@ -245,8 +270,17 @@ class Controller:
         self.step = step
         self.losses[step] = r0["loss"]
         self.tokens_per_s.append(tps)
-        fields = dict(step=step, loss=r0["loss"], dp=dp, tp=tp, pp=pp, grad_accum=self.spec.grad_accum(dp),
-                      world_size=dp * tp * pp, step_time_s=step_time, tokens_per_s=tps)
+        fields = dict(
+            step=step,
+            loss=r0["loss"],
+            dp=dp,
+            tp=tp,
+            pp=pp,
+            grad_accum=self.spec.grad_accum(dp),
+            world_size=dp * tp * pp,
+            step_time_s=step_time,
+            tokens_per_s=tps,
+        )
         fields["peak_mem_bytes"] = max(r.get("peak_mem_bytes", 0) for r in results.values())
         if "grad_norm" in r0:  # pre-clip global gradient norm (identical on every rank)
             fields["grad_norm"] = r0["grad_norm"]
@@ -256,8 +290,14 @@ class Controller:
         self.events.emit("step", ts=done_at, **fields)
         snaps = [r["snapshot"] for r in results.values() if "snapshot" in r]
         if snaps:
-            self.events.emit("checkpoint", step=snaps[0]["step"], tier="memory", blocking_s=max(s["blocking_s"] for s in snaps),
-                             duration_s=max(s["duration_s"] for s in snaps), bytes=sum(s["bytes"] for s in snaps))
+            self.events.emit(
+                "checkpoint",
+                step=snaps[0]["step"],
+                tier="memory",
+                blocking_s=max(s["blocking_s"] for s in snaps),
+                duration_s=max(s["duration_s"] for s in snaps),
+                bytes=sum(s["bytes"] for s in snaps),
+            )
         if step >= self.spec.train.steps:  # the last step: its checkpoint must be committed before job_end
             from elastic.checkpoint.committer import join_committer
 
@@ -273,14 +313,21 @@ class Controller:
         if rank != 0:
             return
         self.failures += 1
-        self.events.emit("failure", cause=result["cause"], ranks=list(range(len(self.group.members))), nodes=[],
-                         detail=f"step {result['step']} loss {result['loss']}: rolled back to step {result['restored_step']}, "
-                                f"{result['action']} batch {result['batch_index']}")
+        self.events.emit(
+            "failure",
+            cause=result["cause"],
+            ranks=list(range(len(self.group.members))),
+            nodes=[],
+            detail=f"step {result['step']} loss {result['loss']}: rolled back to step {result['restored_step']}, "
+            f"{result['action']} batch {result['batch_index']}",
+        )
         self.events.emit("restore", step=result["restored_step"], source="memory", duration_s=0.0)
         lost = max(0, result["step"] - 1 - result["restored_step"])
         # Rolled back inside the step on the workers: the group never stopped or changed
         # size, so there is no pause for the driver to time; the cost is the steps redone.
-        self.recoveries.append(Recovery(cause=result["cause"], detect_s=0.0, recover_s=0.0, downtime_s=0.0, lost_steps=lost))
+        self.recoveries.append(
+            Recovery(cause=result["cause"], detect_s=0.0, recover_s=0.0, downtime_s=0.0, lost_steps=lost)
+        )
         self.step = min(self.step, result["restored_step"])
         if policies.failure_decision(self.failures, self.spec.elastic.max_failures) is policies.FailureDecision.RAISE:
             self.group.request_stop()
@@ -305,8 +352,13 @@ class Controller:
         return min(detected_at, max(seen)) if seen else detected_at
 
     def _pending_entry(self, state: Recovering, lost_steps: int) -> dict[str, Any]:
-        return {"cause": state.failure.cause, "failed_at": state.failed_at, "detected_at": state.detected_at,
-                "detect_s": max(0.0, state.detected_at - state.failed_at), "lost_steps": max(0, lost_steps)}
+        return {
+            "cause": state.failure.cause,
+            "failed_at": state.failed_at,
+            "detected_at": state.detected_at,
+            "detect_s": max(0.0, state.detected_at - state.failed_at),
+            "lost_steps": max(0, lost_steps),
+        }
 
     # ------------------------------------------------------------------ recovering
     def _on_recovering(self, state: Recovering) -> State:
@@ -315,8 +367,10 @@ class Controller:
         self.events.emit("failure", cause=f.cause, ranks=f.ranks, nodes=f.nodes, detail=f.detail)
         logger.warning("failure: %s ranks=%s (%s)", f.cause, f.ranks, f.detail)
         if policies.failure_decision(self.failures, self.spec.elastic.max_failures) is policies.FailureDecision.RAISE:
-            return Failed(f"failure budget exhausted: {self.failures} failures > "
-                          f"elastic.max_failures={self.spec.elastic.max_failures} (last: {f.cause})")
+            return Failed(
+                f"failure budget exhausted: {self.failures} failures > "
+                f"elastic.max_failures={self.spec.elastic.max_failures} (last: {f.cause})"
+            )
         group = self.group
         marks = [("start", time.monotonic())]
         culprits = [m for m in group.members if m.rank in f.ranks and f.cause not in ("worker_error",)]
@@ -346,8 +400,10 @@ class Controller:
             spare = group.wait_spare(self.spec.elastic.min_dp - len(replicas), timeout=self.spec.elastic.min_dp_wait_s)
             dp = policies.target_dp(len(replicas) + len(spare), self.allowed)
         if dp is None:
-            return Failed(f"only {len(replicas)} whole replica(s) left and no capacity for "
-                          f"min_dp={self.spec.elastic.min_dp} within {self.spec.elastic.min_dp_wait_s:g}s")
+            return Failed(
+                f"only {len(replicas)} whole replica(s) left and no capacity for "
+                f"min_dp={self.spec.elastic.min_dp} within {self.spec.elastic.min_dp_wait_s:g}s"
+            )
         marks.append(("capacity", time.monotonic()))
         old_dp = group.dp
         kept = [m for r in replicas[:dp] for m in r]
@@ -370,15 +426,24 @@ class Controller:
                 cb.on_reconfigure(self.failures, group, members)
         t = group.configure(members, dp, {"step": restore_step or 0, "batch_index": 0}, restore_step, source)
         marks.append(("configured", time.monotonic()))
-        logger.info("recovery phases: %s; configure: %s", _phases(marks), {k: round(v, 3) for k, v in t.items() if k.endswith("_s")})
+        logger.info(
+            "recovery phases: %s; configure: %s",
+            _phases(marks),
+            {k: round(v, 3) for k, v in t.items() if k.endswith("_s")},
+        )
         self.step = t["step"]
         self._pending.clear()
         if dp != old_dp:
             self.events.emit("resize", old_dp=old_dp, new_dp=dp, grad_accum=self.spec.grad_accum(dp), reason=f.cause)
             self.dp_history.append([self.step, dp])
         if source != "none":
-            self.events.emit("restore", step=self.step, source=source, duration_s=t["restore_s"],
-                             **({"bytes_read": t.get("restore_bytes_read", 0)} if source == "storage" else {}))
+            self.events.emit(
+                "restore",
+                step=self.step,
+                source=source,
+                duration_s=t["restore_s"],
+                **({"bytes_read": t.get("restore_bytes_read", 0)} if source == "storage" else {}),
+            )
         self._recovered_at_step = self.step
         for p in self._pending_recoveries:  # a recovery interrupted by this failure lost nothing more
             p.setdefault("lost_steps", 0)
@@ -390,9 +455,15 @@ class Controller:
         driver): close every recovery that led here, timed on the driver's clock."""
         now = self.clock()
         for p in self._pending_recoveries:
-            self.recoveries.append(Recovery(cause=p["cause"], detect_s=round(p["detect_s"], 3),
-                                            recover_s=round(now - p["detected_at"], 3),
-                                            downtime_s=round(now - p["failed_at"], 3), lost_steps=p["lost_steps"]))
+            self.recoveries.append(
+                Recovery(
+                    cause=p["cause"],
+                    detect_s=round(p["detect_s"], 3),
+                    recover_s=round(now - p["detected_at"], 3),
+                    downtime_s=round(now - p["failed_at"], 3),
+                    lost_steps=p["lost_steps"],
+                )
+            )
         self._pending_recoveries = []
 
     def _storage_fallback(self) -> tuple[int | None, str]:
@@ -424,7 +495,9 @@ class Controller:
         for rank, result in obs.results:
             self._collect(rank, result)
         if stuck or obs.failure is not None:
-            failure = obs.failure or WorkerFailure("workers did not stop at a step boundary", ranks=[m.rank for m in stuck])
+            failure = obs.failure or WorkerFailure(
+                "workers did not stop at a step boundary", ranks=[m.rank for m in stuck]
+            )
             return self._recovering(failure)
         t_start = time.monotonic()
         old_dp = group.dp
@@ -433,7 +506,9 @@ class Controller:
         restore_step = group.common_snapshot_step(group.members)
         if restore_step != self.step:
             logger.warning("newest common snapshot is step %s, live step %s", restore_step, self.step)
-        t = group.configure(list(group.members) + newcomers, dp, {"step": self.step, "batch_index": 0}, restore_step, "memory")
+        t = group.configure(
+            list(group.members) + newcomers, dp, {"step": self.step, "batch_index": 0}, restore_step, "memory"
+        )
         self.step = t["step"]
         self._pending.clear()
         self.events.emit("resize", old_dp=old_dp, new_dp=dp, grad_accum=self.spec.grad_accum(dp), reason=state.reason)

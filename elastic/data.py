@@ -41,7 +41,9 @@ SOURCE_PROTOCOLS = ("file", "s3", "memory")  # the fsspec back ends this project
 class DataConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    source: str = Field("synthetic", description="'synthetic', a local path or a parquet URI (file://, s3://, memory://)")
+    source: str = Field(
+        "synthetic", description="'synthetic', a local path or a parquet URI (file://, s3://, memory://)"
+    )
     num_samples: int = Field(20000, ge=1, description="corpus size for the synthetic source")
     cache_dir: str | None = Field(None, description="where the synthetic corpus is written; default <run_dir>/data")
     prefetch_steps: int = Field(2, ge=0, description="batches read ahead per rank")
@@ -60,8 +62,9 @@ class DataConfig(BaseModel):
         if not sep:
             return v  # a local path; whether it exists is checked by ``check_source_exists``
         if protocol not in SOURCE_PROTOCOLS:
-            raise ValueError(f"protocol {protocol}:// is not supported; use one of "
-                             + ", ".join(f"{p}://" for p in SOURCE_PROTOCOLS))
+            raise ValueError(
+                f"protocol {protocol}:// is not supported; use one of " + ", ".join(f"{p}://" for p in SOURCE_PROTOCOLS)
+            )
         return v
 
     def check_source_exists(self) -> None:
@@ -249,7 +252,9 @@ class RankStream:
             if got != batch_index:
                 raise RuntimeError(f"Ray Data delivered batch {got}, expected {batch_index}")
         else:
-            rows = np.concatenate([self.corpus.rows(idx) for idx in self.layout.micro_batches(batch_index, self.dp_rank)])
+            rows = np.concatenate(
+                [self.corpus.rows(idx) for idx in self.layout.micro_batches(batch_index, self.dp_rank)]
+            )
         rows = self._torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
         return [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in rows.split(self.layout.micro_batch)]
 
@@ -303,8 +308,15 @@ class _RankRowReader:
         return {"batch_index": batch["batch_index"], "rows": np.stack(rows)}
 
 
-def ray_data_batches(uri: str, storage_options: dict[str, Any], layout: BatchLayout, dp_rank: int,
-                     start_batch: int, num_batches: int, prefetch: int) -> Iterator[tuple[int, np.ndarray]]:
+def ray_data_batches(
+    uri: str,
+    storage_options: dict[str, Any],
+    layout: BatchLayout,
+    dp_rank: int,
+    start_batch: int,
+    num_batches: int,
+    prefetch: int,
+) -> Iterator[tuple[int, np.ndarray]]:
     """Stream ``dp_rank``'s batches ``start_batch..`` through a Ray Data pipeline, in order.
 
     The pipeline is defined by the same global sample order as the native reader, so a

@@ -41,8 +41,17 @@ def run_demo(run_dir: str | None = None, inject_fault: bool = True) -> int:
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False, logging_level=logging.ERROR)
     injector = FaultInjector(
-        [Fault("kill_node", at_step=KILL_AT_STEP, node_index=nodes - 1, return_after_s=RETURN_AFTER_S, graceful_raylet=True)],
-        cluster=cluster, node_args=node_args,
+        [
+            Fault(
+                "kill_node",
+                at_step=KILL_AT_STEP,
+                node_index=nodes - 1,
+                return_after_s=RETURN_AFTER_S,
+                graceful_raylet=True,
+            )
+        ],
+        cluster=cluster,
+        node_args=node_args,
     )
     print(f"plan: kill a worker node after step {KILL_AT_STEP}, bring one back {RETURN_AFTER_S:g}s later\n", flush=True)
     try:
@@ -55,17 +64,21 @@ def run_demo(run_dir: str | None = None, inject_fault: bool = True) -> int:
     return 0 if result.status == "succeeded" else 1
 
 
-RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results", "recovery.json")
+RESULTS = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results", "recovery.json"
+)
 
 
 def _explain(result) -> None:
     dps = " -> ".join(str(dp) for _, dp in result.dp_history)
     print(f"\nDP over the run: {dps} (global batch kept exact by changing gradient accumulation)")
     for r in result.recoveries:
-        print(f"the {r.cause} failure: training was down {r.downtime_s:.2f}s (downtime_s: from the last time the driver "
-              f"heard from the lost worker to the first completed step at the smaller size); detected after "
-              f"{r.detect_s:.2f}s (detect_s), then {r.recover_s:.2f}s to that step (recover_s); {r.lost_steps} step(s) "
-              f"of work lost (lost_steps)")
+        print(
+            f"the {r.cause} failure: training was down {r.downtime_s:.2f}s (downtime_s: from the last time the driver "
+            f"heard from the lost worker to the first completed step at the smaller size); detected after "
+            f"{r.detect_s:.2f}s (detect_s), then {r.recover_s:.2f}s to that step (recover_s); {r.lost_steps} step(s) "
+            f"of work lost (lost_steps)"
+        )
     line = benchmark_comparison(RESULTS)
     if line:
         print(line)
@@ -83,20 +96,28 @@ def benchmark_comparison(path: str) -> str | None:
         summary, date = data["summary"], data["date_utc"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    names = {"ours": "this runtime", "raytrain_tuned": "Ray Train V2 (tuned)", "raytrain_default": "Ray Train V2 (defaults)",
-             "torchft": "TorchFT"}
+    names = {
+        "ours": "this runtime",
+        "raytrain_tuned": "Ray Train V2 (tuned)",
+        "raytrain_default": "Ray Train V2 (defaults)",
+        "torchft": "TorchFT",
+    }
     parts = []
     for side, name in names.items():
         s = summary.get(side) or {}
         rec, lost = s.get("recovery_s"), s.get("lost_steps")
         if rec and lost:
-            parts.append(f"{name} {rec['median']:.1f} s (range {rec['min']:.1f}-{rec['max']:.1f}) and {lost['median']:g} "
-                         f"step(s) lost (n={rec['n']})")
+            parts.append(
+                f"{name} {rec['median']:.1f} s (range {rec['min']:.1f}-{rec['max']:.1f}) and {lost['median']:g} "
+                f"step(s) lost (n={rec['n']})"
+            )
     if not parts:
         return None
     rel = os.path.relpath(path, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return (f"for comparison, not measured by this run: {rel} (measured {date}; medians; from the kill to the first step "
-            f"at the smaller size): " + "; ".join(parts))
+    return (
+        f"for comparison, not measured by this run: {rel} (measured {date}; medians; from the kill to the first step "
+        f"at the smaller size): " + "; ".join(parts)
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -48,7 +48,9 @@ def diagnose(members: list[Any], elastic: Any, now: float, raylets: dict[str, tu
     silent = [m for m in members if now - m.last_ok > hb]
     if silent:
         return HeartbeatTimeout(
-            f"no heartbeat for more than {hb:g}s", ranks=[m.rank for m in silent], nodes=sorted({m.node_id for m in silent})
+            f"no heartbeat for more than {hb:g}s",
+            ranks=[m.rank for m in silent],
+            nodes=sorted({m.node_id for m in silent}),
         )
     errors = {m.rank: m.run_result for m in members if m.run_result and m.run_result["status"] == "error"}
     own = [r for r, res in errors.items() if res["kind"] == "worker_error"]

@@ -76,4 +76,3 @@ class PeerCollectiveError(ElasticError):
     It is a symptom on a survivor, not a cause: the controller attributes the failure
     to the rank that actually died or hung.
     """
-

@@ -34,8 +34,12 @@ class Recovery(BaseModel):
     cause: str
     detect_s: float = Field(description="from the failure (failed_at) to its detection")
     recover_s: float = Field(description="from detection to the first completed step at the new size")
-    downtime_s: float = Field(description="from the failure (failed_at) to the first completed step at the new size: detect_s + recover_s")
-    lost_steps: int = Field(description="the newest step any worker reported completing minus the step training resumed from")
+    downtime_s: float = Field(
+        description="from the failure (failed_at) to the first completed step at the new size: detect_s + recover_s"
+    )
+    lost_steps: int = Field(
+        description="the newest step any worker reported completing minus the step training resumed from"
+    )
 
 
 class RunResult(BaseModel):

@@ -123,8 +123,13 @@ def total_param_count(cfg: Any) -> int:
 
 
 def activation_bytes_per_layer(
-    cfg: Any, micro_batch: int, tp: int = 1, *, recompute: bool = False,
-    sequence_parallel: bool = False, dtype_bytes: int = 4,
+    cfg: Any,
+    micro_batch: int,
+    tp: int = 1,
+    *,
+    recompute: bool = False,
+    sequence_parallel: bool = False,
+    dtype_bytes: int = 4,
 ) -> int:
     """Stored activations of one transformer layer for one micro-batch on one rank."""
     s, b, h, a = cfg.seq_len, micro_batch, cfg.d_model, cfg.n_heads
@@ -165,13 +170,25 @@ def estimate_memory(
     _check(model_cfg, tp, pp, dp, zero, micro_batch, dtype_bytes, optimizer, pp_schedule)
     state_bytes = _STATE_BYTES[optimizer] + (4 if dtype_bytes < 4 else 0)
     per_layer = activation_bytes_per_layer(
-        model_cfg, micro_batch, tp, recompute=activation_checkpointing,
-        sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes,
+        model_cfg,
+        micro_batch,
+        tp,
+        recompute=activation_checkpointing,
+        sequence_parallel=sequence_parallel,
+        dtype_bytes=dtype_bytes,
     )
     # Full recompute: one layer's activations rebuilt at a time in backward.
-    working_set = activation_bytes_per_layer(
-        model_cfg, micro_batch, tp, sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes,
-    ) if activation_checkpointing else 0
+    working_set = (
+        activation_bytes_per_layer(
+            model_cfg,
+            micro_batch,
+            tp,
+            sequence_parallel=sequence_parallel,
+            dtype_bytes=dtype_bytes,
+        )
+        if activation_checkpointing
+        else 0
+    )
     layers = layers_per_stage(model_cfg.n_layers, pp)
     micro = num_microbatches if num_microbatches is not None else pp
     block = block_param_count(model_cfg, tp) * dtype_bytes
@@ -208,8 +225,15 @@ def estimate_for_spec(spec: Any, dp: int, dtype_bytes: int = 4, **kwargs: Any) -
         kwargs["num_microbatches"] = max(1, spec.grad_accum(dp))
     kwargs.setdefault("pp_schedule", getattr(p, "pp_schedule", "1f1b"))
     return estimate_memory(
-        spec.model, tp=p.tp, pp=p.pp, dp=dp, zero=p.zero, micro_batch=p.micro_batch,
-        activation_checkpointing=p.activation_checkpointing, dtype_bytes=dtype_bytes, **kwargs,
+        spec.model,
+        tp=p.tp,
+        pp=p.pp,
+        dp=dp,
+        zero=p.zero,
+        micro_batch=p.micro_batch,
+        activation_checkpointing=p.activation_checkpointing,
+        dtype_bytes=dtype_bytes,
+        **kwargs,
     )
 
 

@@ -34,7 +34,9 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def build_optimizer(
+    model: torch.nn.Module, cfg: TrainConfig
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     decay, no_decay = [], []
     for p in model.parameters():
         if not p.requires_grad:

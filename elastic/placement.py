@@ -90,6 +90,8 @@ class ReplicaSlots:
             "num_gpus": r.gpus_per_worker,
             "resources": dict(r.custom),
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                placement_group=group, placement_group_bundle_index=bundle_index, placement_group_capture_child_tasks=False
+                placement_group=group,
+                placement_group_bundle_index=bundle_index,
+                placement_group_capture_child_tasks=False,
             ),
         }

@@ -285,8 +285,16 @@ def drop_nodes(target: LayoutPlan | ClusterTopology, lost_nodes: Iterable[str]) 
     kept = survivors[: max(fit)]
     notes = [f"dropped dp_rank(s) {[d for d in range(plan.dp) if d not in kept]} after losing {sorted(lost)}"]
     new = _build(
-        [groups[d] for d in kept], plan.tp, plan.pp, plan.device, plan.node_racks, len(survivors),
-        plan.min_dp, plan.max_dp, plan.allowed_dps, notes,
+        [groups[d] for d in kept],
+        plan.tp,
+        plan.pp,
+        plan.device,
+        plan.node_racks,
+        len(survivors),
+        plan.min_dp,
+        plan.max_dp,
+        plan.allowed_dps,
+        notes,
     )
     return replace(new, origin_dp_ranks=tuple(kept))
 
@@ -413,8 +421,16 @@ def _build(replicas, tp, pp, device, racks, max_replicas, min_dp, max_dp, allowe
             for tp_rank, node in enumerate(group):
                 ranks.append(RankPlacement(len(ranks), node, dp_rank, pp_rank, tp_rank))
     plan = LayoutPlan(
-        dp=len(replicas), tp=tp, pp=pp, ranks=tuple(ranks), device=device, node_racks=dict(racks),
-        max_replicas=max_replicas, min_dp=min_dp, max_dp=max_dp, allowed_dps=allowed_dps,
+        dp=len(replicas),
+        tp=tp,
+        pp=pp,
+        ranks=tuple(ranks),
+        device=device,
+        node_racks=dict(racks),
+        max_replicas=max_replicas,
+        min_dp=min_dp,
+        max_dp=max_dp,
+        allowed_dps=allowed_dps,
     )
     crossing = plan.cross_rack_dp_ranks
     if crossing:

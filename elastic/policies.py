@@ -32,7 +32,9 @@ class ElasticConfig(BaseModel):
     max_failures: int = Field(10, ge=0)
     min_dp_wait_s: float = Field(60.0, gt=0, description="how long to wait for capacity to reach min_dp")
     loss_spike_factor: float = Field(6.0, gt=0, description="spike = loss > mean + factor * std of recent steps")
-    on_bad_loss: str = Field("skip", pattern="^(skip|retry)$", description="after a NaN/spike: skip the batch or retry it")
+    on_bad_loss: str = Field(
+        "skip", pattern="^(skip|retry)$", description="after a NaN/spike: skip the batch or retry it"
+    )
     grow_check_s: float = Field(1.0, gt=0, description="how often to look for returned capacity")
 
 
@@ -131,8 +133,9 @@ def replica_peers(nodes: list[str], tp: int, pp: int, zero: int) -> list[int | N
     shard is unique. Copies go to another node, so a node loss never takes a shard and its
     copy together. The same ring shift is used for every rank where one exists that moves
     each rank off its node, so every rank holds at most one peer's copies; otherwise each
-    rank picks the least-loaded rank on another node, the nearest in ring order first. On a single node the copy goes to the next
-    rank (another process), unless an identical replica already lives in another process.
+    rank picks the least-loaded rank on another node, the nearest in ring order first. On a
+    single node the copy goes to the next rank (another process), unless an identical
+    replica already lives in another process.
     """
     n = len(nodes)
 
@@ -150,7 +153,9 @@ def replica_peers(nodes: list[str], tp: int, pp: int, zero: int) -> list[int | N
         ring = [(r + k) % n for k in range(1, n)]
         far = [q for q in ring if nodes[q] != nodes[r]]
         if far:
-            peer = (r + shift) % n if shift is not None else min(far, key=lambda q: load[q])  # least loaded, nearest first
+            peer = (
+                (r + shift) % n if shift is not None else min(far, key=lambda q: load[q])
+            )  # least loaded, nearest first
         else:
             peer = ring[0] if ring and not twins else None
         if peer is not None:

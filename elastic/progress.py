@@ -27,12 +27,17 @@ class ProgressDisplay:
         elif kind == "failure":
             self._line(f"FAILURE {event['cause']} ranks={event['ranks']}: {event['detail']}")
         elif kind == "resize":
-            self._line(f"resize dp {event['old_dp']} -> {event['new_dp']} (grad_accum={event['grad_accum']}, {event['reason']})")
+            self._line(
+                f"resize dp {event['old_dp']} -> {event['new_dp']} (grad_accum={event['grad_accum']}, "
+                f"{event['reason']})"
+            )
         elif kind == "restore":
             self._line(f"restored step {event['step']} from {event['source']} in {event['duration_s']:.2f}s")
         elif kind == "checkpoint" and event["tier"] == "storage":
-            self._line(f"checkpoint step {event['step']} -> storage ({event['bytes'] / 1e6:.1f} MB, "
-                       f"blocked {event['blocking_s'] * 1e3:.1f} ms)")
+            self._line(
+                f"checkpoint step {event['step']} -> storage ({event['bytes'] / 1e6:.1f} MB, "
+                f"blocked {event['blocking_s'] * 1e3:.1f} ms)"
+            )
         elif kind == "job_end":
             self._line(f"job {event['status']} after {event['steps']} steps")
 
@@ -44,8 +49,10 @@ class ProgressDisplay:
         rate = (e["step"] - s0) / (now - t0) if now > t0 and e["step"] > s0 else 0.0
         eta = (self.total - e["step"]) / rate if rate > 0 else float("nan")
         loss = "nan" if e["loss"] is None else f"{e['loss']:.4f}"
-        text = (f"step {e['step']:>5}/{self.total}  loss {loss}  {e['tokens_per_s']:>9.0f} tok/s  "
-                f"dp {e['dp']} (accum {e['grad_accum']})  ETA {_fmt_eta(eta)}")
+        text = (
+            f"step {e['step']:>5}/{self.total}  loss {loss}  {e['tokens_per_s']:>9.0f} tok/s  "
+            f"dp {e['dp']} (accum {e['grad_accum']})  ETA {_fmt_eta(eta)}"
+        )
         if self.tty:
             self.stream.write("\r" + text + "   ")
             self.stream.flush()
@@ -77,7 +84,9 @@ def format_summary(result: Any, run_dir: str) -> str:
         "  dp history        " + ", ".join(f"step {s}: dp {d}" for s, d in result.dp_history),
     ]
     for r in result.recoveries:
-        lines.append(f"  recovery          {r.cause}: downtime_s {r.downtime_s:.2f} (detect_s {r.detect_s:.2f} + recover_s "
-                     f"{r.recover_s:.2f}), lost_steps {r.lost_steps}")
+        lines.append(
+            f"  recovery          {r.cause}: downtime_s {r.downtime_s:.2f} (detect_s {r.detect_s:.2f} + recover_s "
+            f"{r.recover_s:.2f}), lost_steps {r.lost_steps}"
+        )
     lines.append(f"  artefacts         {run_dir}/events.jsonl, {run_dir}/summary.json")
     return "\n".join(lines)

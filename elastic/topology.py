@@ -279,9 +279,7 @@ def topology_from_ray(ray_nodes: Iterable[Mapping[str, Any]]) -> ClusterTopology
         else:
             name = f"{base}-{str(node_id or len(nodes))[:8]}"
         custom = {
-            k: v
-            for k, v in resources.items()
-            if k not in _RAY_BUILTIN and not k.startswith(_RAY_BUILTIN_PREFIXES)
+            k: v for k, v in resources.items() if k not in _RAY_BUILTIN and not k.startswith(_RAY_BUILTIN_PREFIXES)
         }
         nodes.append(
             NodeInfo(
@@ -322,4 +320,3 @@ def read_ray_topology() -> ClusterTopology:  # pragma: no cover - thin Ray wrapp
     import ray
 
     return topology_from_ray(ray.nodes())
-

@@ -26,8 +26,17 @@ class ElasticTrainer:
 
     controller_cls = Controller
 
-    def __init__(self, spec: Any, *, run_dir: str | None = None, address: str | None = None, resume: bool = False,
-                 callbacks: list[Any] | None = None, worker_faults: list[dict] | None = None, progress: bool = False):
+    def __init__(
+        self,
+        spec: Any,
+        *,
+        run_dir: str | None = None,
+        address: str | None = None,
+        resume: bool = False,
+        callbacks: list[Any] | None = None,
+        worker_faults: list[dict] | None = None,
+        progress: bool = False,
+    ):
         self.spec = spec
         self.run_dir = os.path.abspath(run_dir or spec.run_dir or _default_run_dir(spec.name))
         self.address = address
@@ -50,8 +59,15 @@ class ElasticTrainer:
         try:
             corpus = self._prepare_data()
             resume = self._resume_point() if self.resume else None
-            controller = self.controller_cls(self.spec, events, corpus, callbacks=self.callbacks,
-                                             worker_faults=self.worker_faults, resume=resume, storage_uri=self.checkpoint_uri)
+            controller = self.controller_cls(
+                self.spec,
+                events,
+                corpus,
+                callbacks=self.callbacks,
+                worker_faults=self.worker_faults,
+                resume=resume,
+                storage_uri=self.checkpoint_uri,
+            )
             try:
                 self.result = controller.run()
             except JobFailed as exc:

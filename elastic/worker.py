@@ -211,8 +211,15 @@ class TrainWorker:
 
     # ------------------------------------------------------------------ train group
     @ray.method(concurrency_group="train")
-    def configure(self, rank: int, dims: tuple[int, int, int], master: tuple[str, int], start: dict[str, Any],
-                  restore: dict[str, Any] | None, host_index: int) -> dict[str, Any]:
+    def configure(
+        self,
+        rank: int,
+        dims: tuple[int, int, int],
+        master: tuple[str, int],
+        start: dict[str, Any],
+        restore: dict[str, Any] | None,
+        host_index: int,
+    ) -> dict[str, Any]:
         """Join a (new) process group and get ready to train from ``start['step']``."""
         self._phase = "configure"
         self._beat = time.monotonic()
@@ -232,9 +239,13 @@ class TrainWorker:
             timeout=timedelta(seconds=self.spec.elastic.collective_timeout_s),
         )
         init_s = time.perf_counter() - t0
-        self.dims = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=world, timeout=timedelta(seconds=self.spec.elastic.collective_timeout_s))
+        self.dims = ParallelDims(
+            dp=dp, tp=tp, pp=pp, world_size=world, timeout=timedelta(seconds=self.spec.elastic.collective_timeout_s)
+        )
         t1 = time.perf_counter()
-        self.engine = TrainEngine(self.spec.model, self.spec.parallel, self.spec.train, self.dims, self.spec.seed, device=str(self.device))
+        self.engine = TrainEngine(
+            self.spec.model, self.spec.parallel, self.spec.train, self.dims, self.spec.seed, device=str(self.device)
+        )
         build_s = time.perf_counter() - t1
         self._sockets.capture()  # the group's and its mesh's connections, cut on a failure
         self._ensure_tier()
@@ -247,15 +258,18 @@ class TrainWorker:
         self.skip_batches = set(start.get("skip_batches", []))
         self.tier.layout = self._layout()  # replicas of the old layout arriving late are refused
         peer = start.get("replica_peer")
-        self.tier.replicate_to(_sender(peer, self.spec.elastic.collective_timeout_s) if peer is not None else None,
-                               timeout_s=self.spec.elastic.collective_timeout_s)
+        self.tier.replicate_to(
+            _sender(peer, self.spec.elastic.collective_timeout_s) if peer is not None else None,
+            timeout_s=self.spec.elastic.collective_timeout_s,
+        )
         if self.corpus is None:
             self.corpus = ParquetCorpus(self.corpus_uri, self.spec.data.storage_options)
         self.stream = self._open_stream(self.batch_index, host_index * self.spec.data.stagger_s)
         from elastic.checkpoint.storage_tier import StorageUploader
 
-        self.uploader = StorageUploader.create(self.spec, start.get("storage_uri"), rank, self.dims, self.tier, self._results,
-                                               base_step=self.step)
+        self.uploader = StorageUploader.create(
+            self.spec, start.get("storage_uri"), rank, self.dims, self.tier, self._results, base_step=self.step
+        )
         self._stop.clear()
         self._phase = "ready"
         self._beat = time.monotonic()
@@ -295,7 +309,12 @@ class TrainWorker:
         kind = "peer" if _is_collective_error(exc) or isinstance(exc, PeerCollectiveError) else "worker_error"
         if kind == "peer" and ("Timed out" in str(exc) or "timed out" in str(exc)):
             kind = "timeout"
-        return {"status": "error", "kind": kind, "detail": f"{type(exc).__name__}: {str(exc)[:300]}", "error_at": time.time()}
+        return {
+            "status": "error",
+            "kind": kind,
+            "detail": f"{type(exc).__name__}: {str(exc)[:300]}",
+            "error_at": time.time(),
+        }
 
     # ------------------------------------------------------------------ the step
     def _train_one_step(self) -> bool:
@@ -361,7 +380,12 @@ class TrainWorker:
         done = self.tier.unreported()
         if done:
             s = done[-1]
-            result["snapshot"] = {"step": s.step, "blocking_s": self._snapshot_blocking + wait_s, "duration_s": s.copy_s, "bytes": s.nbytes}
+            result["snapshot"] = {
+                "step": s.step,
+                "blocking_s": self._snapshot_blocking + wait_s,
+                "duration_s": s.copy_s,
+                "bytes": s.nbytes,
+            }
 
     def _open_stream(self, start_batch: int, delay_s: float) -> RankStream:
         d = self.spec.data
@@ -371,8 +395,12 @@ class TrainWorker:
         if d.loader == "ray_data":
             # Enough batches to finish the run, with room for skipped ones.
             remaining = self.spec.train.steps - self.step + 64
-            source = ray_data_batches(self.corpus_uri, d.storage_options, layout, dp_rank, start_batch, remaining, d.prefetch_steps)
-        return RankStream(self.corpus, layout, dp_rank, start_batch, prefetch=d.prefetch_steps, start_delay_s=delay_s, source=source)
+            source = ray_data_batches(
+                self.corpus_uri, d.storage_options, layout, dp_rank, start_batch, remaining, d.prefetch_steps
+            )
+        return RankStream(
+            self.corpus, layout, dp_rank, start_batch, prefetch=d.prefetch_steps, start_delay_s=delay_s, source=source
+        )
 
     def _snapshot_now(self) -> None:
         """Make sure the memory tier holds the live step (a resize restores from it)."""
@@ -394,7 +422,9 @@ class TrainWorker:
             resume_batch = batch_index
         if self.spec.elastic.on_bad_loss == "skip":
             self.skip_batches.add(batch_index)
-        if resume_batch != self.stream.next_batch and not (resume_batch == batch_index and batch_index in self.skip_batches):
+        if resume_batch != self.stream.next_batch and not (
+            resume_batch == batch_index and batch_index in self.skip_batches
+        ):
             self.stream.close()
             self.stream = self._open_stream(resume_batch, 0.0)
         self.batch_index = resume_batch
@@ -434,7 +464,9 @@ class TrainWorker:
                 if holder is None:  # this worker holds it itself
                     snaps[owner] = self.tier.get(owner, restore["step"])
                 else:
-                    snaps[owner] = Snapshot.from_wire(ray.get(holder.fetch_snapshot.remote(owner, restore["step"]), timeout=120))
+                    snaps[owner] = Snapshot.from_wire(
+                        ray.get(holder.fetch_snapshot.remote(owner, restore["step"]), timeout=120)
+                    )
             self._load_snapshots(snaps)
             obj = next(iter(snaps.values())).objects
         else:

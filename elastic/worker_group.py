@@ -110,7 +110,9 @@ class WorkerGroup:
         return [Member(a, g, b, i["node_id"], i["ip"], i["pid"]) for (g, b, a), i in zip(actors, infos)]
 
     # ------------------------------------------------------------------ (re)configuration
-    def configure(self, members: list[Member], dp: int, start: dict[str, Any], restore_step: int | None, source: str) -> dict[str, float]:
+    def configure(
+        self, members: list[Member], dp: int, start: dict[str, Any], restore_step: int | None, source: str
+    ) -> dict[str, float]:
         """Give ``members`` ranks 0..n-1, rendezvous on a fresh port and restore state."""
         tp, pp = self.spec.parallel.tp, self.spec.parallel.pp
         old_holders = self._snapshot_holders(restore_step) if source == "memory" else {}
@@ -135,11 +137,19 @@ class WorkerGroup:
             if source == "memory":
                 restore = {"source": "memory", "step": restore_step, "holders": self._holders_for(m, old_holders)}
             elif source == "storage":
-                restore = {"source": "storage", "step": restore_step, "uri": self.storage_uri,
-                           "storage_options": self.spec.checkpoint.storage_options}
+                restore = {
+                    "source": "storage",
+                    "step": restore_step,
+                    "uri": self.storage_uri,
+                    "storage_options": self.spec.checkpoint.storage_options,
+                }
             start_m = dict(start, storage_uri=self.storage_uri)  # where the storage tier writes
             start_m["replica_peer"] = members[peer].actor if peer is not None else None  # keeps copies of m's snapshots
-            refs.append(m.actor.configure.remote(m.rank, (dp, tp, pp), (members[0].ip, port), start_m, restore, hosts[m.node_id]))
+            refs.append(
+                m.actor.configure.remote(
+                    m.rank, (dp, tp, pp), (members[0].ip, port), start_m, restore, hosts[m.node_id]
+                )
+            )
         replies = self._gather_configure(members, refs)
         self.dp = dp
         now = time.monotonic()
@@ -195,8 +205,11 @@ class WorkerGroup:
             raise self._lost_failure(lost, "lost while reconfiguring")
         if failed:
             m, exc = failed[0]
-            raise WorkerError(f"configure failed: {type(exc).__name__}: {str(exc)[:300]}", ranks=[m.rank for m, _ in failed],
-                              nodes=sorted({m.node_id for m, _ in failed}))
+            raise WorkerError(
+                f"configure failed: {type(exc).__name__}: {str(exc)[:300]}",
+                ranks=[m.rank for m, _ in failed],
+                nodes=sorted({m.node_id for m, _ in failed}),
+            )
         return replies
 
     def _lost_failure(self, lost: list[Member], when: str) -> WorkerFailure:

@@ -54,8 +54,11 @@ class JobSpec(BaseModel):
     def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> JobSpec:
         raw = read_yaml(path, "config")
         if raw is None:  # empty, or only comments and blank lines: a truncated file or a wrong path
-            raise SpecError("config", f"{path} is empty (no keys, only whitespace or comments); "
-                                      "write at least `name: ...` to run with the defaults")
+            raise SpecError(
+                "config",
+                f"{path} is empty (no keys, only whitespace or comments); "
+                "write at least `name: ...` to run with the defaults",
+            )
         if not isinstance(raw, dict):
             raise SpecError("config", f"{path} must hold a mapping at the top level")
         apply_overrides(raw, overrides or [])

@@ -17,7 +17,14 @@ Read side (per rank, no collectives)::
 
 from storage.dcp_planner import ReshardPlanner
 from storage.dcp_read import CheckpointReader, LoadResult, SnapshotReader, load_into
-from storage.dcp_write import METADATA_JSON, STOCK_METADATA, commit_checkpoint, data_file, objects_file, write_rank_shard
+from storage.dcp_write import (
+    METADATA_JSON,
+    STOCK_METADATA,
+    commit_checkpoint,
+    data_file,
+    objects_file,
+    write_rank_shard,
+)
 from storage.records import (
     ChunkRecord,
     ObjectRecord,
@@ -29,7 +36,22 @@ from storage.records import (
 )
 
 __all__ = [
-    "ShardRecord", "RankWriteResult", "ChunkRecord", "ObjectRecord", "chunk_boxes", "cpu_snapshot", "primary_replica",
-    "write_rank_shard", "commit_checkpoint", "load_into", "LoadResult", "CheckpointReader", "SnapshotReader",
-    "ReshardPlanner", "METADATA_JSON", "STOCK_METADATA", "data_file", "objects_file",
+    "ShardRecord",
+    "RankWriteResult",
+    "ChunkRecord",
+    "ObjectRecord",
+    "chunk_boxes",
+    "cpu_snapshot",
+    "primary_replica",
+    "write_rank_shard",
+    "commit_checkpoint",
+    "load_into",
+    "LoadResult",
+    "CheckpointReader",
+    "SnapshotReader",
+    "ReshardPlanner",
+    "METADATA_JSON",
+    "STOCK_METADATA",
+    "data_file",
+    "objects_file",
 ]

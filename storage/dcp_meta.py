@@ -58,29 +58,51 @@ def merge_results(step: int, results: Iterable[RankWriteResult]) -> dict[str, An
             if seen is None:
                 objects[o.fqn] = {"file": o.file, "crc32": o.crc32}
             elif seen["crc32"] != o.crc32:
-                raise IncompleteCheckpoint(f"object {o.fqn!r} differs between writers; give rank-local objects rank-specific names")
+                raise IncompleteCheckpoint(
+                    f"object {o.fqn!r} differs between writers; give rank-local objects rank-specific names"
+                )
     for fqn, t in tensors.items():
         covered = sum(math.prod(c["sizes"]) for c in t["chunks"])
         if covered != math.prod(t["size"]):
-            raise IncompleteCheckpoint(f"{fqn}: saved boxes cover {covered} of {math.prod(t['size'])} elements (missing rank result?)")
+            raise IncompleteCheckpoint(
+                f"{fqn}: saved boxes cover {covered} of {math.prod(t['size'])} elements (missing rank result?)"
+            )
     both = sorted(set(tensors) & set(objects))
     if both:
         raise IncompleteCheckpoint(f"names used for both a tensor and an object: {both}")
-    return {"format": FORMAT, "dcp_version": DCP_VERSION, "step": step, "ranks": [r.rank for r in results],
-            "tensors": dict(sorted(tensors.items())), "objects": dict(sorted(objects.items()))}
+    return {
+        "format": FORMAT,
+        "dcp_version": DCP_VERSION,
+        "step": step,
+        "ranks": [r.rank for r in results],
+        "tensors": dict(sorted(tensors.items())),
+        "objects": dict(sorted(objects.items())),
+    }
 
 
 def _add_chunk(tensors: dict[str, dict[str, Any]], c: ChunkRecord, rank: int) -> None:
     t = tensors.setdefault(c.fqn, {"dtype": c.dtype, "size": list(c.global_shape), "chunks": []})
     if t["dtype"] != c.dtype or t["size"] != list(c.global_shape):
-        raise IncompleteCheckpoint(f"{c.fqn}: rank {rank} has {c.dtype}{list(c.global_shape)}, others {t['dtype']}{t['size']}")
+        raise IncompleteCheckpoint(
+            f"{c.fqn}: rank {rank} has {c.dtype}{list(c.global_shape)}, others {t['dtype']}{t['size']}"
+        )
     for other in t["chunks"]:
         if other["offsets"] == list(c.offsets) and other["sizes"] == list(c.sizes):
             return  # a replica of a box already written by a lower rank
         if boxes_overlap(other["offsets"], other["sizes"], c.offsets, c.sizes):
-            raise IncompleteCheckpoint(f"{c.fqn}: box {list(c.offsets)}+{list(c.sizes)} from rank {rank} overlaps another box")
-    t["chunks"].append({"offsets": list(c.offsets), "sizes": list(c.sizes), "file": c.file,
-                        "offset": c.offset, "length": c.length, "crc32": c.crc32})
+            raise IncompleteCheckpoint(
+                f"{c.fqn}: box {list(c.offsets)}+{list(c.sizes)} from rank {rank} overlaps another box"
+            )
+    t["chunks"].append(
+        {
+            "offsets": list(c.offsets),
+            "sizes": list(c.sizes),
+            "file": c.file,
+            "offset": c.offset,
+            "length": c.length,
+            "crc32": c.crc32,
+        }
+    )
 
 
 def boxes_overlap(off_a, size_a, off_b, size_b) -> bool:
@@ -95,11 +117,17 @@ def to_torch_metadata(tensors: dict[str, dict[str, Any]]) -> tuple[Metadata, dic
     where: dict[MetadataIndex, dict[str, Any]] = {}
     for fqn, t in tensors.items():
         chunks = [ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])) for c in t["chunks"]]
-        state[fqn] = TensorStorageMetadata(TensorProperties(dtype=dtype_from_name(t["dtype"])), torch.Size(t["size"]), chunks)
+        state[fqn] = TensorStorageMetadata(
+            TensorProperties(dtype=dtype_from_name(t["dtype"])), torch.Size(t["size"]), chunks
+        )
         for c in t["chunks"]:
             where[MetadataIndex(fqn, c["offsets"])] = c
-    metadata = Metadata(state_dict_metadata=state, planner_data={fqn: (fqn,) for fqn in state},
-                        storage_meta=StorageMeta(), version=DCP_VERSION)
+    metadata = Metadata(
+        state_dict_metadata=state,
+        planner_data={fqn: (fqn,) for fqn in state},
+        storage_meta=StorageMeta(),
+        version=DCP_VERSION,
+    )
     return metadata, where
 
 

@@ -28,7 +28,9 @@ class ReshardPlanner(DefaultLoadPlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=not strict)
         self.strict = strict
 
-    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
         self.original_state_dict = self.state_dict = state_dict
         self.mappings = {}
         self.metadata = metadata
@@ -56,7 +58,10 @@ class ReshardPlanner(DefaultLoadPlanner):
     @staticmethod
     def _target_boxes(fqn: str, target: Any, md: TensorStorageMetadata) -> list[ChunkStorageMetadata]:
         if isinstance(target, ShardRecord):
-            shape, boxes = target.global_shape, [ChunkStorageMetadata(torch.Size(target.offsets), torch.Size(target.sizes))]
+            shape, boxes = (
+                target.global_shape,
+                [ChunkStorageMetadata(torch.Size(target.offsets), torch.Size(target.sizes))],
+            )
         elif isinstance(target, DTensor):
             if target.device_mesh.get_coordinate() is None:
                 return []

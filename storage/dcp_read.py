@@ -136,7 +136,7 @@ class CheckpointReader(_ReaderBase):
             self.data_bytes_read += len(blob)
             for idx in group:
                 box = self._where[idx]
-                part = blob[box["offset"] - start: box["offset"] - start + box["length"]]
+                part = blob[box["offset"] - start : box["offset"] - start + box["length"]]
                 if len(part) != box["length"] or crc32(part) != box["crc32"]:
                     raise ChecksumMismatch(file, f"box {idx.fqn}@{list(idx.offset)} fails its crc32")
                 tensor = torch.load(io.BytesIO(part), map_location="cpu", weights_only=True)
@@ -150,7 +150,12 @@ class CheckpointReader(_ReaderBase):
         file, start, end = None, 0, 0
         for idx in boxes:
             box = self._where[idx]
-            if group and box["file"] == file and box["offset"] == end and end - start + box["length"] <= self.max_request_bytes:
+            if (
+                group
+                and box["file"] == file
+                and box["offset"] == end
+                and end - start + box["length"] <= self.max_request_bytes
+            ):
                 group.append(idx)
                 end += box["length"]
                 continue
@@ -180,7 +185,12 @@ class SnapshotReader(_ReaderBase):
     data moves. ``bytes_by_rank`` counts bytes copied out of each source rank's snapshot.
     """
 
-    def __init__(self, snapshots: Mapping[int, Mapping[str, Any]] | Sequence[Mapping[str, Any]], *, prefer_rank: int | None = None):
+    def __init__(
+        self,
+        snapshots: Mapping[int, Mapping[str, Any]] | Sequence[Mapping[str, Any]],
+        *,
+        prefer_rank: int | None = None,
+    ):
         snaps = dict(snapshots) if isinstance(snapshots, Mapping) else dict(enumerate(snapshots))
         order = sorted(snaps, key=lambda r: (r != prefer_rank, r))
         tensors: dict[str, dict[str, Any]] = {}
@@ -192,7 +202,9 @@ class SnapshotReader(_ReaderBase):
                 if box is None:
                     self._objects.setdefault(fqn, value)
                     continue
-                t = tensors.setdefault(fqn, {"dtype": codec.dtype_name(box.local.dtype), "size": list(box.global_shape), "chunks": []})
+                t = tensors.setdefault(
+                    fqn, {"dtype": codec.dtype_name(box.local.dtype), "size": list(box.global_shape), "chunks": []}
+                )
                 key = MetadataIndex(fqn, box.offsets)
                 if key not in self._source:
                     t["chunks"].append({"offsets": list(box.offsets), "sizes": list(box.sizes)})
@@ -245,8 +257,9 @@ class LoadResult:
     step: int | None = None
 
 
-def load_into(source: CheckpointStore | _ReaderBase, state_dict: dict[str, Any], *, step: int | None = None,
-              strict: bool = True) -> LoadResult:
+def load_into(
+    source: CheckpointStore | _ReaderBase, state_dict: dict[str, Any], *, step: int | None = None, strict: bool = True
+) -> LoadResult:
     """Fill ``state_dict`` (tensors, DTensors, ShardRecords) in place from ``source``.
 
     ``source`` is a :class:`CheckpointStore` (``step`` defaults to the newest committed one),
@@ -265,6 +278,10 @@ def load_into(source: CheckpointStore | _ReaderBase, state_dict: dict[str, Any],
     plan = reader.prepare_global_plan(planner.create_global_plan([plan]))[0]
     reader.read_data(planner.finish_plan(plan), planner).wait()
     objects = reader.read_objects()
-    return LoadResult(objects=objects, bytes_read=reader.bytes_read - already,
-                      data_bytes_read=reader.data_bytes_read - already_data,
-                      duration_s=time.monotonic() - begin, step=getattr(reader, "step", None))
+    return LoadResult(
+        objects=objects,
+        bytes_read=reader.bytes_read - already,
+        data_bytes_read=reader.data_bytes_read - already_data,
+        duration_s=time.monotonic() - begin,
+        step=getattr(reader, "step", None),
+    )

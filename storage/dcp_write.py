@@ -66,8 +66,15 @@ class _CrcWriter:
         self.stream.flush()
 
 
-def write_rank_shard(store: CheckpointStore, step: int, snapshot: Mapping[str, Any], rank: int, *,
-                     owns: Callable[[str], bool] | None = None, retry: RetryPolicy | None = None) -> RankWriteResult:
+def write_rank_shard(
+    store: CheckpointStore,
+    step: int,
+    snapshot: Mapping[str, Any],
+    rank: int,
+    *,
+    owns: Callable[[str], bool] | None = None,
+    retry: RetryPolicy | None = None,
+) -> RankWriteResult:
     """Upload this rank's part of ``snapshot`` for ``step``; no collectives, safe in a thread.
 
     ``owns(fqn)`` returning False skips an entry, so that replicated state (DDP parameters, a
@@ -111,8 +118,12 @@ def write_rank_shard(store: CheckpointStore, step: int, snapshot: Mapping[str, A
     return result
 
 
-def _write_data_file(store: CheckpointStore, step: int, name: str,
-                     tensors: list[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]]) -> tuple[FileRecord, list[ChunkRecord]]:
+def _write_data_file(
+    store: CheckpointStore,
+    step: int,
+    name: str,
+    tensors: list[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]],
+) -> tuple[FileRecord, list[ChunkRecord]]:
     chunks = []
     with store.storage.open(store.file_uri(step, name), "wb") as stream:
         sink = _CrcWriter(stream)
@@ -120,8 +131,19 @@ def _write_data_file(store: CheckpointStore, step: int, name: str,
             t = _compact(tensor)
             begin, sink.item_crc = sink.pos, 0
             torch.save(t, sink)
-            chunks.append(ChunkRecord(fqn, codec.dtype_name(t.dtype), global_shape, offsets, tuple(t.shape),
-                                      name, begin, sink.pos - begin, sink.item_crc))
+            chunks.append(
+                ChunkRecord(
+                    fqn,
+                    codec.dtype_name(t.dtype),
+                    global_shape,
+                    offsets,
+                    tuple(t.shape),
+                    name,
+                    begin,
+                    sink.pos - begin,
+                    sink.item_crc,
+                )
+            )
     return FileRecord(name, sink.pos, sink.file_crc), chunks
 
 
@@ -135,8 +157,14 @@ def _compact(tensor: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def commit_checkpoint(store: CheckpointStore, step: int, results: Iterable[RankWriteResult],
-                      extra: dict[str, Any] | None = None, *, stock_pickle: bool = True) -> CheckpointInfo:
+def commit_checkpoint(
+    store: CheckpointStore,
+    step: int,
+    results: Iterable[RankWriteResult],
+    extra: dict[str, Any] | None = None,
+    *,
+    stock_pickle: bool = True,
+) -> CheckpointInfo:
     """Merge the ranks' results, write ``metadata.json`` (+ stock ``.metadata``), manifest, marker.
 
     Raises ``IncompleteCheckpoint`` (nothing written) when the results do not describe a whole

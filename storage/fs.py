@@ -152,14 +152,20 @@ def s3_options(options: dict[str, Any]) -> dict[str, Any]:
     """Translate our option names and the AWS env vars into s3fs arguments."""
     opts = dict(options)
     client_kwargs = dict(opts.pop("client_kwargs", None) or {})
-    endpoint = opts.pop("endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    endpoint = (
+        opts.pop("endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    )
     if endpoint:
         client_kwargs.setdefault("endpoint_url", endpoint)
     region = opts.pop("region", None) or opts.pop("region_name", None)
     region = region or os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION")
     if region:
         client_kwargs.setdefault("region_name", region)
-    for ours, theirs in (("aws_access_key_id", "key"), ("aws_secret_access_key", "secret"), ("aws_session_token", "token")):
+    for ours, theirs in (
+        ("aws_access_key_id", "key"),
+        ("aws_secret_access_key", "secret"),
+        ("aws_session_token", "token"),
+    ):
         if ours in opts:
             opts.setdefault(theirs, opts.pop(ours))
     if client_kwargs:
@@ -180,8 +186,10 @@ def redact(options: Any) -> Any:
     are walked, and URIs with user info (``s3://KEY:SECRET@bucket``) are redacted anywhere.
     """
     if isinstance(options, dict):
-        return {k: ("***" if _is_secret_name(str(k)) and isinstance(v, (str, bytes, dict, list, tuple)) else redact(v))
-                for k, v in options.items()}
+        return {
+            k: ("***" if _is_secret_name(str(k)) and isinstance(v, (str, bytes, dict, list, tuple)) else redact(v))
+            for k, v in options.items()
+        }
     if isinstance(options, (list, tuple)):
         return type(options)(redact(v) for v in options)
     if isinstance(options, str):

@@ -104,4 +104,6 @@ class Marker:
     @classmethod
     def from_bytes(cls, data: bytes) -> Marker:
         body = json.loads(data)
-        return cls(int(body["step"]), int(body["manifest_crc32"]), int(body["total_bytes"]), float(body["committed_at"]))
+        return cls(
+            int(body["step"]), int(body["manifest_crc32"]), int(body["total_bytes"]), float(body["committed_at"])
+        )

@@ -39,10 +39,14 @@ class ShardRecord:
         self.global_shape = tuple(int(s) for s in self.global_shape)
         self.offsets = tuple(int(o) for o in self.offsets)
         if not (len(self.global_shape) == len(self.offsets) == self.local.dim()):
-            raise ValueError(f"rank mismatch: local {tuple(self.local.shape)}, global {self.global_shape}, offsets {self.offsets}")
+            raise ValueError(
+                f"rank mismatch: local {tuple(self.local.shape)}, global {self.global_shape}, offsets {self.offsets}"
+            )
         for off, size, full in zip(self.offsets, self.local.shape, self.global_shape):
             if off < 0 or off + size > full:
-                raise ValueError(f"shard at {self.offsets} of size {tuple(self.local.shape)} exceeds {self.global_shape}")
+                raise ValueError(
+                    f"shard at {self.offsets} of size {tuple(self.local.shape)} exceeds {self.global_shape}"
+                )
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -86,7 +90,9 @@ def primary_replica(dtensor: Any) -> bool:
     return all(c == 0 for c, p in zip(coord, dtensor.placements) if isinstance(p, Replicate))
 
 
-def cpu_snapshot(state: Mapping[str, Any], rank: int, *, rank_local: Iterable[str] = ()) -> tuple[dict[str, Any], frozenset[str]]:
+def cpu_snapshot(
+    state: Mapping[str, Any], rank: int, *, rank_local: Iterable[str] = ()
+) -> tuple[dict[str, Any], frozenset[str]]:
     """CPU copy of a flat state dict in snapshot form, and the fqns this rank should write.
 
     DTensor -> :class:`ShardRecord` (written by its primary replica only), Tensor -> Tensor
@@ -176,6 +182,13 @@ class RankWriteResult:
     def from_dict(cls, d: dict[str, Any]) -> RankWriteResult:
         def chunk(c):
             return ChunkRecord(**{**c, **{k: tuple(c[k]) for k in ("global_shape", "offsets", "sizes")}})
-        return cls(rank=d["rank"], step=d["step"], files=[FileRecord(**f) for f in d["files"]],
-                   chunks=[chunk(c) for c in d["chunks"]], objects=[ObjectRecord(**o) for o in d["objects"]],
-                   bytes_written=d["bytes_written"], duration_s=d["duration_s"])
+
+        return cls(
+            rank=d["rank"],
+            step=d["step"],
+            files=[FileRecord(**f) for f in d["files"]],
+            chunks=[chunk(c) for c in d["chunks"]],
+            objects=[ObjectRecord(**o) for o in d["objects"]],
+            bytes_written=d["bytes_written"],
+            duration_s=d["duration_s"],
+        )

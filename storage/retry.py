@@ -26,9 +26,18 @@ _PERMANENT_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, N
 # botocore/aiohttp raise their own (non-OSError) types for network failures; match them by name
 # so that ``storage`` does not have to import botocore for local-only use.
 _TRANSIENT_NAMES = {
-    "EndpointConnectionError", "ConnectionClosedError", "ConnectTimeoutError", "ReadTimeoutError",
-    "HTTPClientError", "ResponseStreamingError", "IncompleteReadError", "ClientConnectorError",
-    "ServerDisconnectedError", "ClientPayloadError", "ServerTimeoutError", "ProxyConnectionError",
+    "EndpointConnectionError",
+    "ConnectionClosedError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "HTTPClientError",
+    "ResponseStreamingError",
+    "IncompleteReadError",
+    "ClientConnectorError",
+    "ServerDisconnectedError",
+    "ClientPayloadError",
+    "ServerTimeoutError",
+    "ProxyConnectionError",
 }
 
 
@@ -84,11 +93,23 @@ def call_with_retry(fn: Callable[[], T], policy: RetryPolicy, what: str) -> T:
             elapsed = time.monotonic() - start
             sleep_s = policy.backoff(attempt)
             if elapsed + sleep_s > policy.deadline_s:
-                log.error("giving up on %s after %d attempts in %.1fs: %s: %s",
-                          what, attempt, elapsed, type(exc).__name__, exc)
+                log.error(
+                    "giving up on %s after %d attempts in %.1fs: %s: %s",
+                    what,
+                    attempt,
+                    elapsed,
+                    type(exc).__name__,
+                    exc,
+                )
                 raise StorageUnavailable(what, attempt, elapsed, exc) from exc
-            log.warning("transient storage error on %s (attempt %d): %s: %s; retrying in %.2fs",
-                        what, attempt, type(exc).__name__, exc, sleep_s)
+            log.warning(
+                "transient storage error on %s (attempt %d): %s: %s; retrying in %.2fs",
+                what,
+                attempt,
+                type(exc).__name__,
+                exc,
+                sleep_s,
+            )
             if policy.on_retry is not None:
                 policy.on_retry(what, attempt, exc, sleep_s)
             time.sleep(sleep_s)

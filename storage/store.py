@@ -58,8 +58,14 @@ class PruneReport:
 class CheckpointStore:
     """One directory per step under ``root_uri``; see the module docstring for the protocol."""
 
-    def __init__(self, root_uri: str, storage: Storage | None = None, *,
-                 storage_options: dict[str, Any] | None = None, retry: RetryPolicy | None = None):
+    def __init__(
+        self,
+        root_uri: str,
+        storage: Storage | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+    ):
         self.root = root_uri.rstrip("/")
         self.storage: Storage = storage if storage is not None else open_storage(root_uri, storage_options)
         self.retry = retry or RetryPolicy()
@@ -107,8 +113,12 @@ class CheckpointStore:
             damage = self.verify(info.step, deep=verify)
             if not damage:
                 return info
-            log.warning("checkpoint step %d at %s is damaged (%s); falling back to an older checkpoint",
-                        info.step, redact_uri(info.uri), "; ".join(map(str, damage)))
+            log.warning(
+                "checkpoint step %d at %s is damaged (%s); falling back to an older checkpoint",
+                info.step,
+                redact_uri(info.uri),
+                "; ".join(map(str, damage)),
+            )
         return None
 
     def read_marker(self, step: int) -> Marker | None:
@@ -165,6 +175,7 @@ class CheckpointStore:
                 while block := f.read(_READ_BLOCK):
                     value = crc32(block, value)
             return value
+
         return self._retry(run, f"checksum {relpath}")
 
     # ----- writing -----
@@ -194,8 +205,13 @@ class CheckpointStore:
         self.put_file(step, MANIFEST, body)
         marker = Marker(step, crc32(body), manifest.total_bytes, time.time())
         self.put_file(step, MARKER, marker.to_bytes())
-        log.info("committed checkpoint step %d (%d files, %d bytes) at %s",
-                 step, len(records), manifest.total_bytes, redact_uri(self.step_uri(step)))
+        log.info(
+            "committed checkpoint step %d (%d files, %d bytes) at %s",
+            step,
+            len(records),
+            manifest.total_bytes,
+            redact_uri(self.step_uri(step)),
+        )
         return CheckpointInfo(step, self.step_uri(step), True, manifest.total_bytes)
 
     # ----- deleting -----
@@ -222,8 +238,9 @@ class CheckpointStore:
         retain = {i.step for i in committed[-keep:]}
         good = next((i for i in reversed(committed) if not self.verify(i.step, deep=deep)), None)
         if good is None:
-            log.warning("no committed checkpoint under %s verifies; pruning no committed checkpoint",
-                        redact_uri(self.root))
+            log.warning(
+                "no committed checkpoint under %s verifies; pruning no committed checkpoint", redact_uri(self.root)
+            )
             retain = {i.step for i in committed}
         else:
             retain.add(good.step)
@@ -237,8 +254,13 @@ class CheckpointStore:
                 report.deleted.append(info.step)
             except Exception as exc:  # noqa: BLE001 - reported, logged, and the loop goes on
                 report.failed[info.step] = f"{type(exc).__name__}: {exc}"
-                log.error("could not delete checkpoint step %d at %s: %s: %s",
-                          info.step, redact_uri(info.uri), type(exc).__name__, exc)
+                log.error(
+                    "could not delete checkpoint step %d at %s: %s: %s",
+                    info.step,
+                    redact_uri(info.uri),
+                    type(exc).__name__,
+                    exc,
+                )
         report.kept = sorted(retain)
         return report
 

@@ -67,23 +67,41 @@ def test_bad_spec_names_the_flag(text, why):
 def test_checked_against_the_job():
     spec = JobSpec.from_yaml(QUICKSTART, overrides=["train.steps=40", "elastic.max_dp=2", "train.global_batch=8"])
     check_fault_specs([parse_fault_spec(t) for t in ("kill_worker@40:rank=1", "kill_node@3:node=1")], spec)
-    for text, why in [("kill_worker@41:rank=0", "after the last step"), ("raise@3:rank=2", "rank 2 out of range"),
-                      ("kill_node@3:node=2", "node 2 out of range")]:
+    for text, why in [
+        ("kill_worker@41:rank=0", "after the last step"),
+        ("raise@3:rank=2", "rank 2 out of range"),
+        ("kill_node@3:node=2", "node 2 out of range"),
+    ]:
         with pytest.raises(SpecError, match=why):
             check_fault_specs([parse_fault_spec(text)], spec)
 
 
 def test_builds_driver_and_worker_faults():
     spec = JobSpec.from_yaml(QUICKSTART)  # max_dp 4, collective_timeout_s 30, heartbeat 10
-    texts = ["kill_worker@20:rank=2", "kill_node@30:node=1:return_after_s=8", "kill_node@31", "stop_worker@15",
-             "hang@10:rank=1", "slow@5:rank=2:seconds=0.3", "bitflip@4:rank=3", "spike@12"]
+    texts = [
+        "kill_worker@20:rank=2",
+        "kill_node@30:node=1:return_after_s=8",
+        "kill_node@31",
+        "stop_worker@15",
+        "hang@10:rank=1",
+        "slow@5:rank=2:seconds=0.3",
+        "bitflip@4:rank=3",
+        "spike@12",
+    ]
     driver, worker = build_faults([parse_fault_spec(t) for t in texts], spec)
     assert [(f.kind, f.at_step, f.rank, f.node_index, f.return_after_s) for f in driver] == [
-        ("kill_worker", 20, 2, None, None), ("kill_node", 30, None, 1, 8.0), ("kill_node", 31, None, 3, None),
-        ("stop_worker", 15, 0, None, None)]
+        ("kill_worker", 20, 2, None, None),
+        ("kill_node", 30, None, 1, 8.0),
+        ("kill_node", 31, None, 3, None),
+        ("stop_worker", 15, 0, None, None),
+    ]
     assert all(isinstance(f, Fault) for f in driver)
     assert [(w["kind"], w["step"], w["rank"]) for w in worker] == [
-        ("hang", 10, 1), ("slow", 5, 2), ("bitflip", 4, 3), ("spike", 12, 0)]
+        ("hang", 10, 1),
+        ("slow", 5, 2),
+        ("bitflip", 4, 3),
+        ("spike", 12, 0),
+    ]
     assert worker[0]["seconds"] == 70.0  # past both timeouts: a hang the controller must detect
     assert worker[1]["seconds"] == 0.3 and worker[2]["bit"] == 30
 

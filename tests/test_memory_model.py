@@ -56,8 +56,9 @@ def test_ddp_fp32_single_rank():
 
 
 def test_tp_sp_pp_zero1_worst_stage_is_the_first():
-    est = estimate_memory(SMALL, tp=2, pp=2, dp=2, zero=1, micro_batch=4, activation_checkpointing=False,
-                          sequence_parallel=True)
+    est = estimate_memory(
+        SMALL, tp=2, pp=2, dp=2, zero=1, micro_batch=4, activation_checkpointing=False, sequence_parallel=True
+    )
     # Stage 0: 238592 params per rank; 1F1B keeps pp=2 micro-batches in flight there.
     assert est.stage == 0
     assert est.params == est.grads == 238_592 * 4 == 954_368
@@ -80,7 +81,9 @@ def test_sequence_parallel_default_matches_the_tp_plan():
     assert all(type(style) in (ColwiseParallel, RowwiseParallel) for style in BLOCK_PLAN.values())
     assert not any(Shard(1) in (*style.input_layouts, *style.output_layouts) for style in BLOCK_PLAN.values())
     assert activation_bytes_per_layer(SMALL, 4, 2) == activation_bytes_per_layer(SMALL, 4, 2, sequence_parallel=False)
-    assert estimate_memory(SMALL, tp=2, micro_batch=4) == estimate_memory(SMALL, tp=2, micro_batch=4, sequence_parallel=False)
+    assert estimate_memory(SMALL, tp=2, micro_batch=4) == estimate_memory(
+        SMALL, tp=2, micro_batch=4, sequence_parallel=False
+    )
     assert estimate_memory(SMALL, tp=2, micro_batch=4).activations == 4 * SBH * 27 * 2  # 10 + 24/t + 5as/(ht), fp32
 
 
@@ -96,9 +99,7 @@ def test_communication_buffers():
 
 
 def test_mixed_precision_zero3_with_recompute():
-    est = estimate_memory(
-        SMALL, tp=1, pp=1, dp=4, zero=3, micro_batch=4, activation_checkpointing=True, dtype_bytes=2
-    )
+    est = estimate_memory(SMALL, tp=1, pp=1, dp=4, zero=3, micro_batch=4, activation_checkpointing=True, dtype_bytes=2)
     assert est.params == est.grads == 928_000 * 2 // 4 == 464_000
     assert est.optimizer == 928_000 * 12 // 4 == 2_784_000  # fp32 master + 2 moments, sharded
     # Each layer's 16-bit input, plus one layer rebuilt at a time in backward.

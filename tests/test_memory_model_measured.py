@@ -24,7 +24,9 @@ def test_predicted_peak_within_15_percent_for_every_benchmark_layout():
     for layout in LAYOUTS:
         measured, est, ratio = peak_vs_prediction(layout, per_rank, DEFAULT_MODEL, DEFAULT_MICRO_BATCH)
         ratios[layout.name] = ratio
-        print(f"{layout.name:<19} measured {measured / 2**20:7.2f} MiB  predicted {est.total / 2**20:7.2f} MiB  "
-              f"measured/predicted {ratio:.3f}")
+        print(
+            f"{layout.name:<19} measured {measured / 2**20:7.2f} MiB  predicted {est.total / 2**20:7.2f} MiB  "
+            f"measured/predicted {ratio:.3f}"
+        )
     off = {name: round(r, 3) for name, r in ratios.items() if abs(r - 1) > TOLERANCE}
     assert not off, f"measured/predicted peak outside 1 +- {TOLERANCE}: {off} (all: {ratios})"

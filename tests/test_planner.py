@@ -258,9 +258,7 @@ def test_nvlink_domain_lets_gpu_tp_span_nodes():
 
 
 def cpu_cluster(n=4, racks=None) -> ClusterTopology:
-    return ClusterTopology(
-        NodeInfo(f"c{i}", cpus=1, labels={"rack": racks[i]} if racks else {}) for i in range(n)
-    )
+    return ClusterTopology(NodeInfo(f"c{i}", cpus=1, labels={"rack": racks[i]} if racks else {}) for i in range(n))
 
 
 def test_cpu_tp_across_single_slot_nodes_needs_the_flag():

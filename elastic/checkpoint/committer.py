@@ -63,8 +63,12 @@ class CheckpointCommitter:
             return
         del self._groups[key]
         for other in [k for k in self._groups if k[2] <= step]:  # superseded, can never complete
-            log.info("dropping partial uploads of step %d (ranks %s of %d): interrupted by a resize",
-                     other[2], sorted(self._groups[other]), other[1])
+            log.info(
+                "dropping partial uploads of step %d (ranks %s of %d): interrupted by a resize",
+                other[2],
+                sorted(self._groups[other]),
+                other[1],
+            )
             del self._groups[other]
         self._finished.add(key)
         with self._cond:
@@ -104,15 +108,24 @@ class CheckpointCommitter:
             return
         errors = [f"rank {r['rank']}: {r['error']}" for r in results if r["error"]]
         if errors:
-            self._emit(**fields, duration_s=time.time() - first, bytes=0, committed=False,
-                       error=scrub("; ".join(errors), self.options)[:1000])
+            self._emit(
+                **fields,
+                duration_s=time.time() - first,
+                bytes=0,
+                committed=False,
+                error=scrub("; ".join(errors), self.options)[:1000],
+            )
             return
         try:
             if self.store.read_marker(step) is not None:  # never rewrite a committed step's metadata
                 log.info("step %d is already committed; keeping the first commit", step)
                 return
-            info = commit_checkpoint(self.store, step, [RankWriteResult.from_dict(r["result"]) for r in results],
-                                     extra={"world": world, "layout": results[0]["layout"]})
+            info = commit_checkpoint(
+                self.store,
+                step,
+                [RankWriteResult.from_dict(r["result"]) for r in results],
+                extra={"world": world, "layout": results[0]["layout"]},
+            )
         except Exception as exc:  # noqa: BLE001 - storage down or parts missing: not committed
             error = scrub(f"commit failed: {type(exc).__name__}: {exc}", self.options)[:1000]
             log.error("checkpoint step %d not committed: %s", step, error)

@@ -63,12 +63,21 @@ class Snapshot:
         tensors = {}
         for key, value in self.tensors.items():
             t = value.local if isinstance(value, ShardRecord) else value
-            entry = {"bytes": t.detach().contiguous().reshape(-1).view(torch.uint8).numpy(), "dtype": str(t.dtype).removeprefix("torch."),
-                     "shape": tuple(t.shape)}
+            entry = {
+                "bytes": t.detach().contiguous().reshape(-1).view(torch.uint8).numpy(),
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": tuple(t.shape),
+            }
             if isinstance(value, ShardRecord):
                 entry["global_shape"], entry["offsets"] = value.global_shape, value.offsets
             tensors[key] = entry
-        return {"step": self.step, "rank": self.rank, "layout": dict(self.layout), "objects": self.objects, "tensors": tensors}
+        return {
+            "step": self.step,
+            "rank": self.rank,
+            "layout": dict(self.layout),
+            "objects": self.objects,
+            "tensors": tensors,
+        }
 
     @classmethod
     def from_wire(cls, wire: dict[str, Any]) -> Snapshot:
@@ -268,7 +277,9 @@ class MemoryTier:
             sender.join(self._replicate_timeout_s)
             if sender.is_alive():
                 self.replication_errors += 1
-                logger.warning("a snapshot replication did not finish within %.0fs; going on without it", self._replicate_timeout_s)
+                logger.warning(
+                    "a snapshot replication did not finish within %.0fs; going on without it", self._replicate_timeout_s
+                )
             self._sender = None
         return time.perf_counter() - t0
 
@@ -379,11 +390,12 @@ def _same_structure(buf: dict[str, Any], tensors: dict[str, Any]) -> bool:
         old = buf[k]
         if isinstance(old, ShardRecord) != isinstance(v, ShardRecord):
             return False
-        if isinstance(v, ShardRecord) and (old.global_shape != tuple(v.global_shape) or old.offsets != tuple(v.offsets)):
+        if isinstance(v, ShardRecord) and (
+            old.global_shape != tuple(v.global_shape) or old.offsets != tuple(v.offsets)
+        ):
             return False
         a = old.local if isinstance(old, ShardRecord) else old
         b = v.local if isinstance(v, ShardRecord) else v
         if a.shape != b.shape or a.dtype != b.dtype:
             return False
     return True
-

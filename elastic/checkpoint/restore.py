@@ -164,7 +164,7 @@ def _broadcast(batch: dict[str, Any], group: Any, lead: bool) -> int:
         if not lead:
             offset = 0
             for t in ts:
-                t.detach().copy_(flat[offset: offset + t.numel()].view_as(t))
+                t.detach().copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
         moved += flat.numel() * flat.element_size()
     return moved
@@ -200,12 +200,23 @@ def load_from_storage(worker: Any, restore: dict[str, Any]) -> dict[str, Any]:
     if own:
         load_into(reader, own)
     finish_load(engine, tensors, target_objects, objects)
-    stats = {"step": step, "bytes_read": reader.bytes_read if reader else 0,
-             "data_bytes_read": reader.data_bytes_read if reader else 0, "broadcast_bytes": received,
-             "duration_s": time.perf_counter() - t0}
+    stats = {
+        "step": step,
+        "bytes_read": reader.bytes_read if reader else 0,
+        "data_bytes_read": reader.data_bytes_read if reader else 0,
+        "broadcast_bytes": received,
+        "duration_s": time.perf_counter() - t0,
+    }
     worker._storage_restore = stats
-    log.info("restored step %d from %s: read %d bytes from storage (%d tensor data), %d bytes by DP broadcast, %.2fs",
-             step, redact_uri(restore["uri"]), stats["bytes_read"], stats["data_bytes_read"], received, stats["duration_s"])
+    log.info(
+        "restored step %d from %s: read %d bytes from storage (%d tensor data), %d bytes by DP broadcast, %.2fs",
+        step,
+        redact_uri(restore["uri"]),
+        stats["bytes_read"],
+        stats["data_bytes_read"],
+        received,
+        stats["duration_s"],
+    )
     return objects
 
 
@@ -219,7 +230,10 @@ def latest_storage_step(spec: Any, uri: str) -> int | None:
     try:
         info = open_store(uri, spec.checkpoint.storage_options).latest_valid(verify=True)
     except Exception as exc:  # noqa: BLE001 - unreadable storage means "nothing to resume from"
-        log.warning("cannot read checkpoints under %s: %s", redact_uri(uri),
-                    scrub(f"{type(exc).__name__}: {exc}", spec.checkpoint.storage_options))
+        log.warning(
+            "cannot read checkpoints under %s: %s",
+            redact_uri(uri),
+            scrub(f"{type(exc).__name__}: {exc}", spec.checkpoint.storage_options),
+        )
         return None
     return None if info is None else info.step

@@ -144,7 +144,9 @@ class StorageUploader:
 
     _draining: threading.Thread | None = None  # a closed uploader's thread still writing
 
-    def __init__(self, spec: Any, uri: str, rank: int, dims: Any, tier: Any, results: collections.deque, base_step: int):
+    def __init__(
+        self, spec: Any, uri: str, rank: int, dims: Any, tier: Any, results: collections.deque, base_step: int
+    ):
         ck = spec.checkpoint
         self.every, self.last_step, self.async_ = ck.every_steps, spec.train.steps, ck.async_
         self.options = ck.storage_options
@@ -159,13 +161,17 @@ class StorageUploader:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def create(cls, spec: Any, uri: str | None, rank: int, dims: Any, tier: Any, results: collections.deque,
-               base_step: int) -> StorageUploader | None:
+    def create(
+        cls, spec: Any, uri: str | None, rank: int, dims: Any, tier: Any, results: collections.deque, base_step: int
+    ) -> StorageUploader | None:
         if not spec.checkpoint.every_steps:
             return None
         uri = uri or spec.checkpoint.uri
         if not uri:
-            log.warning("checkpoint.every_steps=%d but no checkpoint URI is known: storage tier off", spec.checkpoint.every_steps)
+            log.warning(
+                "checkpoint.every_steps=%d but no checkpoint URI is known: storage tier off",
+                spec.checkpoint.every_steps,
+            )
             return None
         return cls(spec, uri, rank, dims, tier, results, base_step)
 
@@ -225,7 +231,7 @@ class StorageUploader:
             self._closed = True
             if self._thread is not None and self._thread.is_alive():
                 StorageUploader._draining = self._thread
-            for job in list(self._jobs)[1 if self._busy else 0:]:
+            for job in list(self._jobs)[1 if self._busy else 0 :]:
                 self._jobs.remove(job)
                 if job.snap is not None:
                     self.tier.release(job.snap)
@@ -288,12 +294,29 @@ class StorageUploader:
             job.blocking_s += time.perf_counter() - blocking_from
         self._report(job, res, error, time.perf_counter() - t0, started_at, replay)
 
-    def _report(self, job: _Job, res: Any, error: str | None, duration_s: float, started_at: float,
-                already_committed: bool = False) -> None:
-        result = {"type": "upload", "step": job.step, "rank": self.rank, "gen": [self.base_step, self.world],
-                  "layout": self.layout, "result": res.to_dict() if res is not None else None, "error": error,
-                  "blocking_s": job.blocking_s, "duration_s": duration_s, "started_at": started_at,
-                  "bytes": res.bytes_written if res is not None else 0, "already_committed": already_committed}
+    def _report(
+        self,
+        job: _Job,
+        res: Any,
+        error: str | None,
+        duration_s: float,
+        started_at: float,
+        already_committed: bool = False,
+    ) -> None:
+        result = {
+            "type": "upload",
+            "step": job.step,
+            "rank": self.rank,
+            "gen": [self.base_step, self.world],
+            "layout": self.layout,
+            "result": res.to_dict() if res is not None else None,
+            "error": error,
+            "blocking_s": job.blocking_s,
+            "duration_s": duration_s,
+            "started_at": started_at,
+            "bytes": res.bytes_written if res is not None else 0,
+            "already_committed": already_committed,
+        }
         with self._cond:
             if not self._closed:
                 self.results.append(result)

@@ -21,7 +21,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def global_grad_norm(params: Iterable[torch.Tensor], pp_group: dist.ProcessGroup | None, device: torch.device) -> torch.Tensor:
+def global_grad_norm(
+    params: Iterable[torch.Tensor], pp_group: dist.ProcessGroup | None, device: torch.device
+) -> torch.Tensor:
     groups: dict[object, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is None:

@@ -50,7 +50,9 @@ def validate_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
     if cfg.n_layers % pp:
         raise SpecError("parallel.pp", f"{pp} does not divide model.n_layers ({cfg.n_layers})")
     if pp > 1 and cfg.tie_embeddings:
-        raise SpecError("model.tie_embeddings", "tied embeddings need parallel.pp=1 (embedding and head sit on different stages)")
+        raise SpecError(
+            "model.tie_embeddings", "tied embeddings need parallel.pp=1 (embedding and head sit on different stages)"
+        )
 
 
 @dataclass
@@ -70,7 +72,9 @@ class ParallelDims:
             if not isinstance(value, int) or value < 1:
                 raise SpecError(f"parallel.{name}", f"must be a positive integer, got {value!r}")
         if self.cp != 1 or self.ep != 1:
-            raise SpecError("parallel.cp" if self.cp != 1 else "parallel.ep", "context/expert parallelism is not implemented yet")
+            raise SpecError(
+                "parallel.cp" if self.cp != 1 else "parallel.ep", "context/expert parallelism is not implemented yet"
+            )
         if self.dp * self.pp * self.tp != self.world_size:
             raise SpecError(
                 "parallel",
@@ -138,7 +142,10 @@ class ParallelDims:
                 "parallel", f"process group has {dist.get_world_size()} ranks, layout expects {self.world_size}"
             )
         self._world_mesh = init_device_mesh(
-            device_type, (self.dp, self.pp, self.tp), mesh_dim_names=MESH_DIM_NAMES, backend_override=self._backend_override(device_type)
+            device_type,
+            (self.dp, self.pp, self.tp),
+            mesh_dim_names=MESH_DIM_NAMES,
+            backend_override=self._backend_override(device_type),
         )
         return self._world_mesh
 

@@ -241,4 +241,3 @@ def _resolve_device(device: str | torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
-

@@ -68,9 +68,7 @@ def build_schedule(
     schedule: str = "1f1b",
 ) -> PipelineScheduleSingle:
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
-    stage = PipelineStage(
-        stage_module, stage_index=pp_rank, num_stages=pp, device=device, group=pp_mesh.get_group()
-    )
+    stage = PipelineStage(stage_module, stage_index=pp_rank, num_stages=pp, device=device, group=pp_mesh.get_group())
     cls = Schedule1F1B if schedule == "1f1b" and n_microbatches >= pp else ScheduleGPipe
     return cls(stage, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
 

@@ -60,7 +60,9 @@ def apply_tp(model: GPT, tp_mesh: DeviceMesh) -> GPT:
     if not shards_vocab(model.cfg, tp_mesh.size()):
         return model
     if model.tok_emb is not None:
-        parallelize_module(model.tok_emb, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+        parallelize_module(
+            model.tok_emb, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        )
     if model.head is not None:
         # use_local_output=False keeps the logits a DTensor sharded on vocab for loss_parallel.
         parallelize_module(model.head, tp_mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))

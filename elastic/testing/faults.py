@@ -45,7 +45,9 @@ class InjectedError(RuntimeError):
     """The exception a ``raise`` fault throws inside a training step."""
 
 
-def worker_fault(kind: str, step: int, rank: int = 0, seconds: float = 0.0, bit: int = 30, **extra: Any) -> dict[str, Any]:
+def worker_fault(
+    kind: str, step: int, rank: int = 0, seconds: float = 0.0, bit: int = 30, **extra: Any
+) -> dict[str, Any]:
     """``bit``: the bit a ``bitflip`` flips; ``extra``: ``hold`` takes ``marker`` (a file path) and ``below_dp``."""
     if kind not in WORKER_FAULT_KINDS:
         raise ValueError(f"unknown worker fault {kind!r}; expected one of {WORKER_FAULT_KINDS}")
@@ -55,8 +57,9 @@ def worker_fault(kind: str, step: int, rank: int = 0, seconds: float = 0.0, bit:
 
 
 class WorkerFaults:
-    def __init__(self, faults: list[dict[str, Any]], stop: threading.Event | None = None,
-                 beat: Callable[[], None] | None = None):
+    def __init__(
+        self, faults: list[dict[str, Any]], stop: threading.Event | None = None, beat: Callable[[], None] | None = None
+    ):
         self._pending = list(faults)
         self._stop = stop or threading.Event()  # the worker's "stop at the next step boundary"
         self._beat = beat or (lambda: None)  # the worker's heartbeat
@@ -96,11 +99,14 @@ class WorkerFaults:
                     else:
                         flip_bit(local, fault.get("bit", 30))
 
-
     def _hold(self, fault: dict[str, Any], engine: Any) -> None:
         deadline = time.monotonic() + fault["seconds"]
-        while (engine.dims.dp < fault["below_dp"] and os.path.exists(fault["marker"]) and not self._stop.is_set()
-               and time.monotonic() < deadline):
+        while (
+            engine.dims.dp < fault["below_dp"]
+            and os.path.exists(fault["marker"])
+            and not self._stop.is_set()
+            and time.monotonic() < deadline
+        ):
             self._beat()
             self._stop.wait(0.05)
 
@@ -185,13 +191,23 @@ class FaultInjector:
         """The pid of ``fault.rank`` now, or None (with a warning) when the job has no such
         rank at this moment (it shrank) or the worker is not on this machine."""
         members = getattr(group, "members", None)
-        member = None if members is None else next((m for m in members if m.rank == fault.rank and not getattr(m, "dead", False)), None)
+        member = (
+            None
+            if members is None
+            else next((m for m in members if m.rank == fault.rank and not getattr(m, "dead", False)), None)
+        )
         if members is not None and member is None:
             log.warning("fault %s@%d: no rank %s at this step; not fired", fault.kind, fault.at_step, fault.rank)
             return None
         ip = getattr(member, "ip", None)
         if ip and not _is_local(ip):
-            log.warning("fault %s@%d: rank %s runs on %s, not on this machine; not fired", fault.kind, fault.at_step, fault.rank, ip)
+            log.warning(
+                "fault %s@%d: rank %s runs on %s, not on this machine; not fired",
+                fault.kind,
+                fault.at_step,
+                fault.rank,
+                ip,
+            )
             return None
         return group.pid_of(fault.rank)
 
@@ -368,11 +384,16 @@ def check_fault_specs(faults: list[FaultSpec], spec: Any) -> None:
     world = spec.elastic.max_dp * spec.parallel.replica_size
     for f in faults:
         if f.step > spec.train.steps:
-            raise _bad(f.text, f"step {f.step} is after the last step (train.steps={spec.train.steps}): it would never fire")
+            raise _bad(
+                f.text, f"step {f.step} is after the last step (train.steps={spec.train.steps}): it would never fire"
+            )
         for key in ("rank", "node"):
             if key in f.options and f.options[key] >= world:
-                raise _bad(f.text, f"{key} {f.options[key]} out of range: the job has at most {world} "
-                                   f"{'workers' if key == 'rank' else 'worker nodes'} (0..{world - 1})")
+                raise _bad(
+                    f.text,
+                    f"{key} {f.options[key]} out of range: the job has at most {world} "
+                    f"{'workers' if key == 'rank' else 'worker nodes'} (0..{world - 1})",
+                )
 
 
 def build_faults(faults: list[FaultSpec], spec: Any) -> tuple[list[Fault], list[dict[str, Any]]]:
@@ -384,9 +405,16 @@ def build_faults(faults: list[FaultSpec], spec: Any) -> tuple[list[Fault], list[
             node = f.get("node")
             if f.kind == "kill_node" and node is None and f.get("rank") is None:
                 node = spec.elastic.max_dp * spec.parallel.replica_size - 1  # the last worker node
-            driver.append(Fault(f.kind, at_step=f.step, rank=f.get("rank", 0 if f.kind != "kill_node" else None),
-                                node_index=node if f.kind == "kill_node" else None,
-                                return_after_s=f.get("return_after_s"), graceful_raylet=f.kind == "kill_node"))
+            driver.append(
+                Fault(
+                    f.kind,
+                    at_step=f.step,
+                    rank=f.get("rank", 0 if f.kind != "kill_node" else None),
+                    node_index=node if f.kind == "kill_node" else None,
+                    return_after_s=f.get("return_after_s"),
+                    graceful_raylet=f.kind == "kill_node",
+                )
+            )
         else:
             seconds = f.get("seconds", hang_s if f.kind == "hang" else 0.5 if f.kind == "slow" else 0.0)
             worker.append(worker_fault(f.kind, f.step, rank=f.get("rank", 0), seconds=seconds, bit=f.get("bit", 30)))

@@ -105,7 +105,6 @@ LAYOUTS = [
 ]
 
 
-
 # --------------------------------------------------------------------------- memory probes
 
 
@@ -299,7 +298,10 @@ def rank_main(rank: int, world: int, cfg: dict, out_dir: str) -> None:
     else:
         device, backend = torch.device("cpu"), "gloo"
     dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank, world_size=world,
+        backend,
+        init_method=f"tcp://127.0.0.1:{cfg['port']}",
+        rank=rank,
+        world_size=world,
         timeout=datetime.timedelta(seconds=300),
     )
     model_cfg = ModelConfig(**cfg["model"])
@@ -317,8 +319,9 @@ def rank_main(rank: int, world: int, cfg: dict, out_dir: str) -> None:
 
     # ----- phase 1: build, warm up, one instrumented step, per layout --------------------
     for layout in layouts:
-        pcfg = ParallelConfig(tp=layout.tp, pp=layout.pp, zero=layout.zero, micro_batch=mb,
-                              activation_checkpointing=layout.ac)
+        pcfg = ParallelConfig(
+            tp=layout.tp, pp=layout.pp, zero=layout.zero, micro_batch=mb, activation_checkpointing=layout.ac
+        )
         dims = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, world_size=world)
         dist.barrier()
         rss = RssProbe()
@@ -360,8 +363,12 @@ def rank_main(rank: int, world: int, cfg: dict, out_dir: str) -> None:
             "bubble_fraction": engine.bubble_fraction,
             "build_s": build_s,
             "loss": loss,
-            "state_bytes": {"params": params_b, "grads": grads_b, "optimizer": optim_b,
-                            "total": params_b + grads_b + optim_b},
+            "state_bytes": {
+                "params": params_b,
+                "grads": grads_b,
+                "optimizer": optim_b,
+                "total": params_b + grads_b + optim_b,
+            },
             "tracked_peak_bytes": peak,
             "cuda_peak_bytes": cuda_peak if device.type == "cuda" else None,
             "rss_delta_bytes": rss.delta_bytes(),
@@ -405,8 +412,16 @@ def _free_port() -> int:
 def predict(layout: Layout, model_cfg: ModelConfig, micro_batch: int, grad_accum: int) -> MemoryEstimate:
     """The memory model's figure for ``layout`` (fp32, the engine's 1F1B schedule, no SP: the TP plan has none)."""
     return estimate_memory(
-        model_cfg, tp=layout.tp, pp=layout.pp, dp=layout.dp, zero=layout.zero, micro_batch=micro_batch,
-        activation_checkpointing=layout.ac, dtype_bytes=4, num_microbatches=grad_accum, pp_schedule="1f1b",
+        model_cfg,
+        tp=layout.tp,
+        pp=layout.pp,
+        dp=layout.dp,
+        zero=layout.zero,
+        micro_batch=micro_batch,
+        activation_checkpointing=layout.ac,
+        dtype_bytes=4,
+        num_microbatches=grad_accum,
+        pp_schedule="1f1b",
     )
 
 
@@ -415,18 +430,32 @@ def peak_key(device: str) -> str:
 
 
 def run_layouts(
-    layouts: list[Layout], model_cfg: ModelConfig = DEFAULT_MODEL, *, world: int = 4, device: str = "cpu",
-    global_batch: int = DEFAULT_GLOBAL_BATCH, micro_batch: int = DEFAULT_MICRO_BATCH, warmup: int = 2, rounds: int = 0,
-    steps_per_round: int = 0, seed: int = 0,
+    layouts: list[Layout],
+    model_cfg: ModelConfig = DEFAULT_MODEL,
+    *,
+    world: int = 4,
+    device: str = "cpu",
+    global_batch: int = DEFAULT_GLOBAL_BATCH,
+    micro_batch: int = DEFAULT_MICRO_BATCH,
+    warmup: int = 2,
+    rounds: int = 0,
+    steps_per_round: int = 0,
+    seed: int = 0,
 ) -> list[dict]:
     """Spawn ``world`` ranks that run ``rank_main``; returns each rank's results (by layout name)."""
     bad = [lay.name for lay in layouts if lay.world != world]
     if bad:
         raise ValueError(f"layouts {bad} need a world other than {world}")
     cfg = {
-        "device": device, "port": _free_port(), "model": model_cfg.model_dump(),
-        "global_batch": global_batch, "micro_batch": micro_batch, "warmup": warmup,
-        "rounds": rounds, "steps_per_round": steps_per_round, "seed": seed,
+        "device": device,
+        "port": _free_port(),
+        "model": model_cfg.model_dump(),
+        "global_batch": global_batch,
+        "micro_batch": micro_batch,
+        "warmup": warmup,
+        "rounds": rounds,
+        "steps_per_round": steps_per_round,
+        "seed": seed,
         "layouts": [asdict(lay) for lay in layouts],
     }
     with tempfile.TemporaryDirectory(prefix="parallel_layouts-") as out_dir:
@@ -438,8 +467,9 @@ def run_layouts(
     return per_rank
 
 
-def peak_vs_prediction(layout: Layout, per_rank: list[dict], model_cfg: ModelConfig, micro_batch: int,
-                       device: str = "cpu") -> tuple[int, MemoryEstimate, float]:
+def peak_vs_prediction(
+    layout: Layout, per_rank: list[dict], model_cfg: ModelConfig, micro_batch: int, device: str = "cpu"
+) -> tuple[int, MemoryEstimate, float]:
     """(measured peak of the worst rank, the prediction, measured / predicted) for one layout."""
     ranks = [r[layout.name] for r in per_rank]
     measured = max(r[peak_key(device)] for r in ranks)

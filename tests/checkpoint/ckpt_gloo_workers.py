@@ -29,18 +29,24 @@ GLOBAL, MICRO, STEPS = 8, 2, 3
 
 
 def make_spec(zero: int, uri: str) -> JobSpec:
-    return JobSpec.from_dict({
-        "model": {"n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64, "seq_len": 16},
-        "parallel": {"micro_batch": MICRO, "zero": zero}, "elastic": {"min_dp": 1, "max_dp": 2},
-        "train": {"steps": 20, "global_batch": GLOBAL, "lr": 1e-2, "warmup_steps": 6},
-        "checkpoint": {"uri": uri, "every_steps": 1, "async": False},
-    })
+    return JobSpec.from_dict(
+        {
+            "model": {"n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64, "seq_len": 16},
+            "parallel": {"micro_batch": MICRO, "zero": zero},
+            "elastic": {"min_dp": 1, "max_dp": 2},
+            "train": {"steps": 20, "global_batch": GLOBAL, "lr": 1e-2, "warmup_steps": 6},
+            "checkpoint": {"uri": uri, "every_steps": 1, "async": False},
+        }
+    )
 
 
 def micro_batches(step: int, dp: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     tokens = torch.randint(0, 64, (GLOBAL, 17), generator=torch.Generator().manual_seed(1000 + step))
     per = GLOBAL // dp
-    return [(tokens[i:i + MICRO, :-1], tokens[i:i + MICRO, 1:]) for i in range(dp_rank * per, (dp_rank + 1) * per, MICRO)]
+    return [
+        (tokens[i : i + MICRO, :-1], tokens[i : i + MICRO, 1:])
+        for i in range(dp_rank * per, (dp_rank + 1) * per, MICRO)
+    ]
 
 
 def build(spec: JobSpec, dp: int) -> TrainEngine:
@@ -76,8 +82,9 @@ def diff(want: dict, got: dict) -> list[str]:
 
 
 def _init(rank: int, world: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
 
 
 def _dump(out: str, rank: int, data: dict) -> None:
@@ -109,8 +116,18 @@ def staggered_restore(rank: int, world: int, port: int, root: str, zero: int, ou
         objects = load_from_storage(holder, {"step": STEPS, "uri": root, "storage_options": {}})
         got = full_state(holder.engine)
         next_losses = (train(engine, STEPS, 1)[0], train(holder.engine, STEPS, 1)[0])
-        _dump(out, rank, {"stats": holder._storage_restore, "diff": diff(want, got), "step": objects["train/step"],
-                          "batch_index": objects["train/batch_index"], "losses": next_losses, "upload": gathered[rank]})
+        _dump(
+            out,
+            rank,
+            {
+                "stats": holder._storage_restore,
+                "diff": diff(want, got),
+                "step": objects["train/step"],
+                "batch_index": objects["train/batch_index"],
+                "losses": next_losses,
+                "upload": gathered[rank],
+            },
+        )
     finally:
         dist.destroy_process_group()
 
@@ -136,7 +153,16 @@ def reshard_memory(rank: int, world: int, port: int, port2: int, out: str) -> No
         single = build(spec, 1)
         load_snapshots_into(single, dict(enumerate(snaps)))
         got = full_state(single)
-        _dump(out, rank, {"diff": diff(want, got), "sharded": [type(v).__name__ for v in snaps[1].tensors.values()][:1],
-                          "losses": (loss_dp2, train(single, STEPS, 1)[0]), "lr": got["lr"], "want_lr": want["lr"]})
+        _dump(
+            out,
+            rank,
+            {
+                "diff": diff(want, got),
+                "sharded": [type(v).__name__ for v in snaps[1].tensors.values()][:1],
+                "losses": (loss_dp2, train(single, STEPS, 1)[0]),
+                "lr": got["lr"],
+                "want_lr": want["lr"],
+            },
+        )
     finally:
         dist.destroy_process_group()

@@ -42,8 +42,9 @@ def metrics(run_dir: str) -> dict[int, tuple[float, float]]:
     return {e["step"]: (e["loss"], e["grad_norm"]) for e in events(run_dir, "step")}
 
 
-def assert_same_metrics(got: dict[int, tuple[float, float]], want: dict[int, tuple[float, float]], steps,
-                        rel: float = 1e-5) -> None:
+def assert_same_metrics(
+    got: dict[int, tuple[float, float]], want: dict[int, tuple[float, float]], steps, rel: float = 1e-5
+) -> None:
     """Loss and grad norm of every step in ``steps`` within ``rel`` of the reference's; prints the worst."""
     worst = max(abs(g - w) / abs(w) for s in steps for g, w in zip(got[s], want[s]))
     print(f"max relative difference to the fault-free run: {worst:.2e} (tolerance {rel:g})")

@@ -20,16 +20,22 @@ def root(tmp_path):
     """Committed steps 2 and 4 (two ranks each) and an uncommitted attempt at step 6."""
     store = CheckpointStore(str(tmp_path / "ckpt"))
     for step in (2, 4, 6):
-        results = [write_rank_shard(store, step, {"w": torch.full((64,), float(step + r)), f"rank{r}/n": step}, r)
-                   for r in range(2)]
+        results = [
+            write_rank_shard(store, step, {"w": torch.full((64,), float(step + r)), f"rank{r}/n": step}, r)
+            for r in range(2)
+        ]
         if step != 6:
             commit_checkpoint(store, step, results, extra={"world": 2})
     return store.root
 
 
 def test_list_json_through_the_console_entry(root):
-    proc = subprocess.run([sys.executable, "-m", "elastic.cli", "ckpt", "list", root, "--json"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic.cli", "ckpt", "list", root, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     assert [(r["step"], r["committed"]) for r in rows] == [(2, True), (4, True), (6, False)]

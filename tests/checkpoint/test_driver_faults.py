@@ -34,13 +34,15 @@ STEPS = 9  # checkpoints at 3, 6, 9
 
 
 def _cli(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "elastic.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "elastic.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def _reference(tiny, tmp_path) -> dict[int, float]:
-    spec = ckpt_spec(tiny, str(tmp_path / "unused"), train={"steps": STEPS}, elastic={"max_dp": 1},
-                     checkpoint={"every_steps": 0})
+    spec = ckpt_spec(
+        tiny, str(tmp_path / "unused"), train={"steps": STEPS}, elastic={"max_dp": 1}, checkpoint={"every_steps": 0}
+    )
     run_dir = str(tmp_path / "reference")
     assert ElasticTrainer(spec, run_dir=run_dir).fit().status == "succeeded"
     return losses(run_dir)
@@ -67,7 +69,9 @@ def test_damaged_newest_checkpoint_resumes_from_the_previous_one(ray_local, tiny
     first = _cli("run", str(config), "--run-dir", str(tmp_path / "first"), "--address", address)
     assert first.returncode == 0, first.stderr[-3000:]
     assert [(e["step"], e["committed"]) for e in events(str(tmp_path / "first"), "checkpoint", tier="storage")] == [
-        (3, True), (6, True)]
+        (3, True),
+        (6, True),
+    ]
     shard = sorted(p for p in os.listdir(f"{uri}/step_00000006") if p.endswith(".distcp"))[0]
     with open(f"{uri}/step_00000006/{shard}", "r+b") as f:  # flip one byte inside the tensor data
         f.seek(-20, 2)
@@ -75,7 +79,9 @@ def test_damaged_newest_checkpoint_resumes_from_the_previous_one(ray_local, tiny
         f.seek(-20, 2)
         f.write(bytes([byte[0] ^ 0xFF]))
     run_dir = str(tmp_path / "resumed")
-    proc = _cli("run", str(config), "--run-dir", run_dir, "--resume", "--set", f"train.steps={STEPS}", "--address", address)
+    proc = _cli(
+        "run", str(config), "--run-dir", run_dir, "--resume", "--set", f"train.steps={STEPS}", "--address", address
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     warning = [line for line in proc.stderr.splitlines() if "damaged" in line]
     assert len(warning) == 1 and "step 6" in warning[0] and shard in warning[0] and "crc32" in warning[0], proc.stderr
@@ -133,19 +139,34 @@ class GatedS3:
 def _s3_client(endpoint: str, secret: str):
     import boto3
 
-    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="AKIATESTKEY", aws_secret_access_key=secret,
-                        region_name="us-east-1")
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="AKIATESTKEY",
+        aws_secret_access_key=secret,
+        region_name="us-east-1",
+    )
 
 
 def _s3_options(endpoint: str, secret: str) -> dict:
-    return {"endpoint_url": endpoint, "key": "AKIATESTKEY", "secret": secret, "region": "us-east-1",
-            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 30},
-            "skip_instance_cache": True}
+    return {
+        "endpoint_url": endpoint,
+        "key": "AKIATESTKEY",
+        "secret": secret,
+        "region": "us-east-1",
+        "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 30},
+        "skip_instance_cache": True,
+    }
 
 
 def _aws_env(endpoint: str, secret: str) -> dict:
-    return dict(os.environ, AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="AKIATESTKEY", AWS_SECRET_ACCESS_KEY=secret,
-                AWS_DEFAULT_REGION="us-east-1")
+    return dict(
+        os.environ,
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID="AKIATESTKEY",
+        AWS_SECRET_ACCESS_KEY=secret,
+        AWS_DEFAULT_REGION="us-east-1",
+    )
 
 
 def _wait(condition, timeout: float, what: str, every: float = 0.2):
@@ -166,22 +187,46 @@ def test_driver_killed_mid_upload_leaves_nothing_half_committed(ray_local, tiny_
         uri = f"s3://{bucket}/ckpt"
         reference = _reference(tiny_spec_dict, tmp_path)
         config = tmp_path / "spec.yaml"
-        config.write_text(yaml.safe_dump(ckpt_raw(
-            tiny_spec_dict, uri, train={"steps": STEPS}, elastic={"max_dp": 1},
-            checkpoint={"storage_options": _s3_options(gate.endpoint, secret)})))
+        config.write_text(
+            yaml.safe_dump(
+                ckpt_raw(
+                    tiny_spec_dict,
+                    uri,
+                    train={"steps": STEPS},
+                    elastic={"max_dp": 1},
+                    checkpoint={"storage_options": _s3_options(gate.endpoint, secret)},
+                )
+            )
+        )
         address = ray_local.get_runtime_context().gcs_address
         pgs_before = set(ray_state.state.placement_group_table())
         driver = subprocess.Popen(
-            [sys.executable, "-m", "elastic.cli", "run", str(config), "--run-dir", str(tmp_path / "killed"),
-             "--address", address], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-m",
+                "elastic.cli",
+                "run",
+                str(config),
+                "--run-dir",
+                str(tmp_path / "killed"),
+                "--address",
+                address,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             _wait(lambda: gate.arrived.is_set() or driver.poll() is not None, 180, "step 6's upload to start")
             assert gate.arrived.is_set(), f"the driver ended first: {driver.stderr.read()[-2000:]}"
             # Training goes on meanwhile; wait until the driver has committed step 3 (its
             # upload finished before step 6's began), so there is something to resume from.
             client = _s3_client(gate.endpoint, secret)
-            _wait(lambda: client.list_objects_v2(Bucket=bucket, Prefix="ckpt/step_00000003/COMMITTED").get("KeyCount"),
-                  60, "step 3 to be committed")
+            _wait(
+                lambda: client.list_objects_v2(Bucket=bucket, Prefix="ckpt/step_00000003/COMMITTED").get("KeyCount"),
+                60,
+                "step 3 to be committed",
+            )
             assert driver.poll() is None and not gate.done.is_set()
             driver.send_signal(signal.SIGKILL)  # mid-upload: step 6's PUT is held by the server
             assert driver.wait(30) == -signal.SIGKILL
@@ -190,13 +235,26 @@ def test_driver_killed_mid_upload_leaves_nothing_half_committed(ray_local, tiny_
                 driver.kill()
         # The cluster notices: the dead driver's job ends, its actors die and its placement
         # groups are removed.
-        job = _wait(lambda: next((j for j in ray_state.jobs() if j["DriverPid"] == driver.pid and j["IsDead"]), None),
-                    60, "the dead driver's job to be marked dead")
-        _wait(lambda: all(a["State"] == "DEAD" for a in ray_state.actors().values() if a["JobID"] == job["JobID"]),
-              60, "the dead job's actors to be DEAD")
+        job = _wait(
+            lambda: next((j for j in ray_state.jobs() if j["DriverPid"] == driver.pid and j["IsDead"]), None),
+            60,
+            "the dead driver's job to be marked dead",
+        )
+        _wait(
+            lambda: all(a["State"] == "DEAD" for a in ray_state.actors().values() if a["JobID"] == job["JobID"]),
+            60,
+            "the dead job's actors to be DEAD",
+        )
         assert any(a["JobID"] == job["JobID"] for a in ray_state.actors().values()), "the run had no actors?"
-        _wait(lambda: all(p["state"] == "REMOVED" for pid, p in ray_state.state.placement_group_table().items()
-                          if pid not in pgs_before), 60, "the dead run's placement groups to be removed")
+        _wait(
+            lambda: all(
+                p["state"] == "REMOVED"
+                for pid, p in ray_state.state.placement_group_table().items()
+                if pid not in pgs_before
+            ),
+            60,
+            "the dead run's placement groups to be removed",
+        )
         gate.release.set()  # the held PUT may now land: a data file of a checkpoint never committed
         _wait(gate.done.is_set, 60, "the held upload to finish")
 
@@ -236,8 +294,17 @@ def test_secret_never_reaches_run_dir_bucket_or_ray_logs(ray_local, tiny_spec_di
     uri = f"s3://{s3_bucket}/secret-run"
     options = dict(moto_s3.options(), secret=secret)
     config = tmp_path / "spec.yaml"
-    config.write_text(yaml.safe_dump(ckpt_raw(tiny_spec_dict, uri, train={"steps": 3}, elastic={"max_dp": 2},
-                                              checkpoint={"every_steps": 1, "storage_options": options})))
+    config.write_text(
+        yaml.safe_dump(
+            ckpt_raw(
+                tiny_spec_dict,
+                uri,
+                train={"steps": 3},
+                elastic={"max_dp": 2},
+                checkpoint={"every_steps": 1, "storage_options": options},
+            )
+        )
+    )
     address = ray_local.get_runtime_context().gcs_address
     run_dir = tmp_path / "run"
     outputs = []

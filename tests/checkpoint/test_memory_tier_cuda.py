@@ -52,12 +52,19 @@ def test_engine_reports_the_cuda_peak():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
+    )
     try:
         cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=128, seq_len=32)
-        engine = TrainEngine(cfg, ParallelConfig(micro_batch=2), TrainConfig(steps=4, global_batch=2, lr=1e-3),
-                             ParallelDims(dp=1, tp=1, pp=1, world_size=1), seed=0, device="cuda")
+        engine = TrainEngine(
+            cfg,
+            ParallelConfig(micro_batch=2),
+            TrainConfig(steps=4, global_batch=2, lr=1e-3),
+            ParallelDims(dp=1, tp=1, pp=1, world_size=1),
+            seed=0,
+            device="cuda",
+        )
         tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1))
         loss = engine.forward_backward([(tokens[:, :-1], tokens[:, 1:])])
         engine.optimizer_step()

@@ -23,20 +23,44 @@ def test_resume_at_another_dp_continues_with_the_next_samples(ray_local, tiny_sp
     """
     uri = str(tmp_path / "ckpt")
     ref_dir, first_dir, second_dir = (str(tmp_path / d) for d in ("ref", "first", "second"))
-    ref = ckpt_spec(tiny_spec_dict, str(tmp_path / "unused"), train={"steps": 9}, elastic={"max_dp": 1},
-                    checkpoint={"every_steps": 0})
+    ref = ckpt_spec(
+        tiny_spec_dict,
+        str(tmp_path / "unused"),
+        train={"steps": 9},
+        elastic={"max_dp": 1},
+        checkpoint={"every_steps": 0},
+    )
     assert ElasticTrainer(ref, run_dir=ref_dir).fit().status == "succeeded"
 
     first = ckpt_spec(tiny_spec_dict, uri, train={"steps": 6}, elastic={"max_dp": 1})
     assert ElasticTrainer(first, run_dir=first_dir).fit().steps == 6
-    assert [(e["step"], e["committed"]) for e in events(first_dir, "checkpoint", tier="storage")] == [(3, True), (6, True)]
+    assert [(e["step"], e["committed"]) for e in events(first_dir, "checkpoint", tier="storage")] == [
+        (3, True),
+        (6, True),
+    ]
 
     config = tmp_path / "spec.yaml"
     config.write_text(yaml.safe_dump(ckpt_raw(tiny_spec_dict, uri, train={"steps": 6}, elastic={"max_dp": 1})))
     proc = subprocess.run(
-        [sys.executable, "-m", "elastic.cli", "run", str(config), "--run-dir", second_dir, "--resume",
-         "--set", "train.steps=9", "--set", "elastic.max_dp=2", "--address", ray_local.get_runtime_context().gcs_address],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "elastic.cli",
+            "run",
+            str(config),
+            "--run-dir",
+            second_dir,
+            "--resume",
+            "--set",
+            "train.steps=9",
+            "--set",
+            "elastic.max_dp=2",
+            "--address",
+            ray_local.get_runtime_context().gcs_address,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [(e["source"], e["step"]) for e in events(second_dir, "restore")] == [("storage", 6)]
@@ -49,8 +73,13 @@ def test_resume_at_another_dp_continues_with_the_next_samples(ray_local, tiny_sp
 
 
 def test_resume_without_a_checkpoint_starts_from_scratch(ray_local, tiny_spec_dict, tmp_path):
-    spec = ckpt_spec(tiny_spec_dict, str(tmp_path / "empty"), train={"steps": 2}, elastic={"max_dp": 1},
-                     checkpoint={"every_steps": 0})
+    spec = ckpt_spec(
+        tiny_spec_dict,
+        str(tmp_path / "empty"),
+        train={"steps": 2},
+        elastic={"max_dp": 1},
+        checkpoint={"every_steps": 0},
+    )
     result = ElasticTrainer(spec, run_dir=str(tmp_path / "run"), resume=True).fit()
     assert result.status == "succeeded" and result.dp_history == [[0, 1]]
     assert events(str(tmp_path / "run"), "restore") == []
@@ -70,14 +99,25 @@ def test_fsdp_rank_lost_restores_from_peer_copy_else_storage(ray_local, tiny_spe
     steps = 12
 
     def spec(uri):
-        return ckpt_spec(tiny_spec_dict, uri, parallel={"zero": 3}, train={"steps": steps},
-                         elastic={"min_dp": 2, "max_dp": 2}, checkpoint={"memory_every_steps": 0, "replicate": replicate})
+        return ckpt_spec(
+            tiny_spec_dict,
+            uri,
+            parallel={"zero": 3},
+            train={"steps": steps},
+            elastic={"min_dp": 2, "max_dp": 2},
+            checkpoint={"memory_every_steps": 0, "replicate": replicate},
+        )
 
     slow = [worker_fault("hang", s, rank=0, seconds=0.2) for s in range(1, steps + 1)]
     ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
-    assert ElasticTrainer(spec(str(tmp_path / "ref_ckpt")), run_dir=ref_dir, worker_faults=slow).fit().status == "succeeded"
+    assert (
+        ElasticTrainer(spec(str(tmp_path / "ref_ckpt")), run_dir=ref_dir, worker_faults=slow).fit().status
+        == "succeeded"
+    )
     injector = FaultInjector([Fault("kill_worker", at_step=5, rank=1)])
-    result = ElasticTrainer(spec(str(tmp_path / "ckpt")), run_dir=run_dir, callbacks=[injector], worker_faults=slow).fit()
+    result = ElasticTrainer(
+        spec(str(tmp_path / "ckpt")), run_dir=run_dir, callbacks=[injector], worker_faults=slow
+    ).fit()
     assert result.status == "succeeded" and result.steps == steps and result.failures == 1
     (restore,) = events(run_dir, "restore")
     assert restore["source"] == ("memory" if replicate else "storage") and restore["step"] in (3, 6)

@@ -19,8 +19,14 @@ MEDIUM = {"n_layers": 4, "d_model": 256, "n_heads": 4, "vocab_size": 512, "seq_l
 
 
 def _blocking_run(tiny, tmp_path, name: str, async_: bool):
-    spec = ckpt_spec(tiny, str(tmp_path / name / "ckpt"), model=MEDIUM, train={"steps": 6},
-                     elastic={"max_dp": 1}, checkpoint={"every_steps": 2, "async": async_})
+    spec = ckpt_spec(
+        tiny,
+        str(tmp_path / name / "ckpt"),
+        model=MEDIUM,
+        train={"steps": 6},
+        elastic={"max_dp": 1},
+        checkpoint={"every_steps": 2, "async": async_},
+    )
     run_dir = str(tmp_path / name)
     assert ElasticTrainer(spec, run_dir=run_dir).fit().status == "succeeded"
     stored = events(run_dir, "checkpoint", tier="storage")
@@ -49,7 +55,9 @@ def test_async_save_blocks_no_longer_than_the_cpu_snapshot(ray_local, tiny_spec_
 
 def test_s3_run_commits_and_leaks_no_secret(ray_local, tiny_spec_dict, tmp_path, moto_s3, s3_bucket):
     uri = f"s3://{s3_bucket}/runs/ckpt"
-    spec = ckpt_spec(tiny_spec_dict, uri, train={"steps": 4}, checkpoint={"every_steps": 2, "storage_options": moto_s3.options()})
+    spec = ckpt_spec(
+        tiny_spec_dict, uri, train={"steps": 4}, checkpoint={"every_steps": 2, "storage_options": moto_s3.options()}
+    )
     run_dir = tmp_path / "run"
     result = ElasticTrainer(spec, run_dir=str(run_dir)).fit()
     assert result.status == "succeeded" and result.dp_history == [[0, 2]]
@@ -70,8 +78,13 @@ def test_s3_outage_mid_run_fails_only_those_checkpoints(ray_local, tiny_spec_dic
     uri = f"s3://{s3_bucket}/outage"
     options = dict(moto_s3.options(), retry={"initial_s": 0.05, "max_s": 0.2, "deadline_s": 1.0})
     steps = 24
-    spec = ckpt_spec(tiny_spec_dict, uri, train={"steps": steps}, elastic={"max_dp": 1},
-                     checkpoint={"every_steps": 2, "keep": 100, "storage_options": options})
+    spec = ckpt_spec(
+        tiny_spec_dict,
+        uri,
+        train={"steps": steps},
+        elastic={"max_dp": 1},
+        checkpoint={"every_steps": 2, "keep": 100, "storage_options": options},
+    )
     slow = [worker_fault("hang", s, rank=0, seconds=0.3) for s in range(1, steps + 1)]
 
     class Outage:

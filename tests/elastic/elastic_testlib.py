@@ -21,8 +21,16 @@ def elastic_spec(**elastic) -> JobSpec:
         "model": {"n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64, "seq_len": 16},
         "data": {"num_samples": 4000},
         "parallel": {"micro_batch": 1},
-        "elastic": {"min_dp": 1, "max_dp": 4, "heartbeat_timeout_s": 4, "collective_timeout_s": 6, "max_failures": 5,
-                    "on_bad_loss": "retry", "min_dp_wait_s": 20, **elastic},
+        "elastic": {
+            "min_dp": 1,
+            "max_dp": 4,
+            "heartbeat_timeout_s": 4,
+            "collective_timeout_s": 6,
+            "max_failures": 5,
+            "on_bad_loss": "retry",
+            "min_dp_wait_s": 20,
+            **elastic,
+        },
         "train": {"steps": STEPS, "global_batch": 12, "lr": 3.0e-3},
         "checkpoint": {"every_steps": 0, "memory_every_steps": 1},
     }
@@ -61,7 +69,9 @@ REL_SAME_ORDER = 1e-5
 
 
 def assert_matches_reference(
-    got: dict[int, tuple[float, float]], reference: dict[int, tuple[float, float]], rel: float = REL_SAME_ORDER,
+    got: dict[int, tuple[float, float]],
+    reference: dict[int, tuple[float, float]],
+    rel: float = REL_SAME_ORDER,
     steps: int = STEPS,
 ) -> float:
     """Every step's loss and grad norm match the fault-free run's within ``rel``; returns the max difference."""
@@ -70,5 +80,7 @@ def assert_matches_reference(
     print(f"max relative difference to the reference: {worst:.2e} (tolerance {rel:g})")
     for step, (loss, norm) in reference.items():
         assert got[step][0] == pytest.approx(loss, rel=rel), f"step {step}: loss {got[step][0]} vs fault-free {loss}"
-        assert got[step][1] == pytest.approx(norm, rel=rel), f"step {step}: grad norm {got[step][1]} vs fault-free {norm}"
+        assert got[step][1] == pytest.approx(norm, rel=rel), (
+            f"step {step}: grad norm {got[step][1]} vs fault-free {norm}"
+        )
     return worst

@@ -121,4 +121,7 @@ class FakeWorkerGroup:
 
 
 def step_results(step: int, ranks: int, loss: float = 1.0) -> list[tuple[int, dict]]:
-    return [(r, {"type": "step", "step": step, "loss": loss, "step_time_s": 0.01, "batch_index": step - 1}) for r in range(ranks)]
+    return [
+        (r, {"type": "step", "step": step, "loss": loss, "step_time_s": 0.01, "batch_index": step - 1})
+        for r in range(ranks)
+    ]

@@ -15,12 +15,21 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _spec(**elastic):
-    return JobSpec.from_dict({
-        "model": {"n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64, "seq_len": 16},
-        "parallel": {"micro_batch": 1},
-        "elastic": {"min_dp": 1, "max_dp": 4, "max_failures": 2, "min_dp_wait_s": 1, "grow_check_s": 0.01, **elastic},
-        "train": {"steps": 3, "global_batch": 12},
-    })
+    return JobSpec.from_dict(
+        {
+            "model": {"n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64, "seq_len": 16},
+            "parallel": {"micro_batch": 1},
+            "elastic": {
+                "min_dp": 1,
+                "max_dp": 4,
+                "max_failures": 2,
+                "min_dp_wait_s": 1,
+                "grow_check_s": 0.01,
+                **elastic,
+            },
+            "train": {"steps": 3, "global_batch": 12},
+        }
+    )
 
 
 class _Controller(Controller):
@@ -44,8 +53,10 @@ def test_start_run_finish(tmp_path):
     assert isinstance(ctl.state, Starting)
     _advance(ctl, Running)
     assert ctl.group.dp == 4 and ctl.dp_history == [[0, 4]]
-    ctl.group.script = [Observation(results=step_results(1, 4) + step_results(2, 4)),
-                        Observation(results=step_results(3, 4), finished=True)]
+    ctl.group.script = [
+        Observation(results=step_results(1, 4) + step_results(2, 4)),
+        Observation(results=step_results(3, 4), finished=True),
+    ]
     _advance(ctl, Running)
     assert ctl.step == 2
     _advance(ctl, Finished)
@@ -63,7 +74,10 @@ def test_start_uses_largest_allowed_dp(tmp_path):
 def test_node_lost_shrinks_in_whole_replicas(tmp_path):
     ctl = _controller(tmp_path)
     _advance(ctl, Running)
-    ctl.group.script = [Observation(results=step_results(1, 4)), Observation(failure=NodeLost("gone", ranks=[3], nodes=["n3"]))]
+    ctl.group.script = [
+        Observation(results=step_results(1, 4)),
+        Observation(failure=NodeLost("gone", ranks=[3], nodes=["n3"])),
+    ]
     _advance(ctl, Running)
     state = _advance(ctl, Recovering)
     assert state.failure.cause == "node_lost"

@@ -7,7 +7,15 @@ with the fault-free run of the same spec (same seed, global batch and data).
 from __future__ import annotations
 
 import pytest
-from elastic_testlib import FAULT_STEP, REL_SAME_ORDER, STEPS, assert_matches_reference, elastic_spec, events_of, step_metrics
+from elastic_testlib import (
+    FAULT_STEP,
+    REL_SAME_ORDER,
+    STEPS,
+    assert_matches_reference,
+    elastic_spec,
+    events_of,
+    step_metrics,
+)
 
 from elastic import ElasticTrainer
 from elastic.testing.faults import Fault, FaultInjector, worker_fault
@@ -137,10 +145,22 @@ def test_fault_flag_from_the_command_line(ray_local, reference_losses, tmp_path)
     config.write_text(yaml.safe_dump(spec.model_dump(mode="json", by_alias=True)))
     run_dir = str(tmp_path / "run")
     proc = subprocess.run(
-        [sys.executable, "-m", "elastic.cli", "run", str(config), "--run-dir", run_dir,
-         "--fault", f"kill_worker@{FAULT_STEP}:rank=1",
-         "--address", ray_local.get_runtime_context().gcs_address],
-        capture_output=True, text=True, timeout=200,
+        [
+            sys.executable,
+            "-m",
+            "elastic.cli",
+            "run",
+            str(config),
+            "--run-dir",
+            run_dir,
+            "--fault",
+            f"kill_worker@{FAULT_STEP}:rank=1",
+            "--address",
+            ray_local.get_runtime_context().gcs_address,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=200,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     failures = events_of(run_dir, "failure")

@@ -41,7 +41,9 @@ def test_node_lost_shrinks_then_grows_back(ray_cluster, reference_losses_cluster
     spec = elastic_spec(min_dp=1, max_dp=4, grow_check_s=0.5)
     spec.train.steps = STEPS
     injector = FaultInjector(
-        [Fault("kill_node", at_step=FAULT_STEP, node_index=1, return_after_s=1.0)], cluster=ray_cluster, node_args={"num_cpus": 1}
+        [Fault("kill_node", at_step=FAULT_STEP, node_index=1, return_after_s=1.0)],
+        cluster=ray_cluster,
+        node_args={"num_cpus": 1},
     )
     marker = str(tmp_path / "node-returned")
     # Steps of 0.15 s let the driver fire the kill near step 8. Once the node is back (the
@@ -49,8 +51,9 @@ def test_node_lost_shrinks_then_grows_back(ray_cluster, reference_losses_cluster
     # controller asks them to stop and grow: no race between the run's end and the regrow.
     faults = [worker_fault("slow", step=1, rank=r, seconds=0.15) for r in range(4)]
     faults += [worker_fault("hold", step=1, rank=r, seconds=120, marker=marker, below_dp=4) for r in range(4)]
-    trainer = ElasticTrainer(spec, run_dir=str(tmp_path / "run"), callbacks=[injector, _MarkReturned(injector, marker)],
-                             worker_faults=faults)
+    trainer = ElasticTrainer(
+        spec, run_dir=str(tmp_path / "run"), callbacks=[injector, _MarkReturned(injector, marker)], worker_faults=faults
+    )
     result = trainer.fit()
     assert result.status == "succeeded" and result.steps == STEPS
     failures = events_of(trainer.run_dir, "failure")
@@ -71,7 +74,10 @@ def test_node_lost_shrinks_then_grows_back(ray_cluster, reference_losses_cluster
 def test_two_failures_back_to_back(ray_cluster, reference_losses_cluster, tmp_path):
     spec = elastic_spec(min_dp=1, max_dp=4)
     injector = FaultInjector(
-        [Fault("kill_node", at_step=FAULT_STEP, node_index=3), Fault("kill_node", at_step=FAULT_STEP + 6, node_index=2)],
+        [
+            Fault("kill_node", at_step=FAULT_STEP, node_index=3),
+            Fault("kill_node", at_step=FAULT_STEP + 6, node_index=2),
+        ],
         cluster=ray_cluster,
     )
     trainer = ElasticTrainer(spec, run_dir=str(tmp_path / "run"), callbacks=[injector])
@@ -121,7 +127,9 @@ def test_fsdp_node_lost_restores_its_shard_from_peer_memory(ray_cluster, referen
     result = trainer.fit()
     assert result.status == "succeeded" and result.steps == STEPS
     assert [f["cause"] for f in events_of(trainer.run_dir, "failure")] == ["node_lost"]
-    assert [(e["source"], e["step"] >= FAULT_STEP - 1) for e in events_of(trainer.run_dir, "restore")] == [("memory", True)]
+    assert [(e["source"], e["step"] >= FAULT_STEP - 1) for e in events_of(trainer.run_dir, "restore")] == [
+        ("memory", True)
+    ]
     print("recoveries:", result.recoveries)
     # README: the lost shard comes back from peer memory with 0-1 steps lost. A step the
     # lost rank finished may have no complete peer copy yet (copies are sent after the

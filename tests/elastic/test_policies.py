@@ -11,14 +11,22 @@ from elastic import policies
 pytestmark = pytest.mark.timeout(30)
 
 
-@pytest.mark.parametrize("failures,budget,expected", [(1, 0, "raise"), (1, 1, "retry"), (3, 3, "retry"), (4, 3, "raise")])
+@pytest.mark.parametrize(
+    "failures,budget,expected", [(1, 0, "raise"), (1, 1, "retry"), (3, 3, "retry"), (4, 3, "raise")]
+)
 def test_failure_decision(failures, budget, expected):
     assert policies.failure_decision(failures, budget).value == expected
 
 
 @pytest.mark.parametrize(
     "global_batch,micro,lo,hi,expected",
-    [(48, 4, 1, 4, [1, 2, 3, 4]), (48, 4, 1, 8, [1, 2, 3, 4, 6]), (40, 4, 1, 4, [1, 2]), (7, 4, 1, 4, []), (16, 2, 3, 8, [4, 8])],
+    [
+        (48, 4, 1, 4, [1, 2, 3, 4]),
+        (48, 4, 1, 8, [1, 2, 3, 4, 6]),
+        (40, 4, 1, 4, [1, 2]),
+        (7, 4, 1, 4, []),
+        (16, 2, 3, 8, [4, 8]),
+    ],
 )
 def test_allowed_dps_keep_global_batch_exact(global_batch, micro, lo, hi, expected):
     allowed = policies.allowed_dps(global_batch, micro, lo, hi)
@@ -32,7 +40,9 @@ def test_grad_accum_refuses_inexact_dp():
         policies.grad_accum(48, 4, 5)
 
 
-@pytest.mark.parametrize("available,allowed,expected", [(4, [1, 2, 3, 4], 4), (3, [1, 2, 4], 2), (0, [1, 2], None), (9, [1, 2, 4, 8], 8)])
+@pytest.mark.parametrize(
+    "available,allowed,expected", [(4, [1, 2, 3, 4], 4), (3, [1, 2, 4], 2), (0, [1, 2], None), (9, [1, 2, 4, 8], 8)]
+)
 def test_target_dp_whole_replicas(available, allowed, expected):
     assert policies.target_dp(available, allowed) == expected
 

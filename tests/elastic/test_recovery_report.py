@@ -16,8 +16,16 @@ pytestmark = pytest.mark.timeout(30)
 
 def test_summary_prints_the_recovery_fields_by_name():
     rec = Recovery(cause="node_lost", detect_s=0.41, recover_s=0.83, downtime_s=1.24, lost_steps=0)
-    result = RunResult(status="succeeded", steps=10, final_loss=1.0, wall_s=5.0, mean_tokens_per_s=100.0, failures=1,
-                       dp_history=[[0, 4], [3, 3]], recoveries=[rec])
+    result = RunResult(
+        status="succeeded",
+        steps=10,
+        final_loss=1.0,
+        wall_s=5.0,
+        mean_tokens_per_s=100.0,
+        failures=1,
+        dp_history=[[0, 4], [3, 3]],
+        recoveries=[rec],
+    )
     text = format_summary(result, "/tmp/run")
     assert "node_lost: downtime_s 1.24 (detect_s 0.41 + recover_s 0.83), lost_steps 0" in text
 
@@ -31,9 +39,14 @@ def test_no_results_file_prints_no_comparison(tmp_path):
 def test_comparison_quotes_the_results_file_with_its_date(tmp_path):
     path = tmp_path / "recovery.json"
     summary = {
-        "ours": {"recovery_s": {"median": 2.04, "min": 1.9, "max": 2.5, "n": 3}, "lost_steps": {"median": 0, "min": 0, "max": 0, "n": 3}},
-        "raytrain_tuned": {"recovery_s": {"median": 26.3, "min": 25.0, "max": 27.0, "n": 3},
-                           "lost_steps": {"median": 1, "min": 1, "max": 1, "n": 3}},
+        "ours": {
+            "recovery_s": {"median": 2.04, "min": 1.9, "max": 2.5, "n": 3},
+            "lost_steps": {"median": 0, "min": 0, "max": 0, "n": 3},
+        },
+        "raytrain_tuned": {
+            "recovery_s": {"median": 26.3, "min": 25.0, "max": 27.0, "n": 3},
+            "lost_steps": {"median": 1, "min": 1, "max": 1, "n": 3},
+        },
         "torchft": {"recovery_s": None, "lost_steps": None, "skipped": "not importable"},
     }
     path.write_text(json.dumps({"date_utc": "2026-11-23T09:00:00Z", "summary": summary}))

@@ -48,9 +48,22 @@ def test_elastic_run_cli_writes_contract_artefacts(ray_local, tiny_spec_dict, tm
     config = _write_spec(tmp_path, tiny_spec_dict)
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "elastic.cli", "run", config, "--run-dir", str(run_dir), "--set", "train.steps=6",
-         "--address", ray_local.get_runtime_context().gcs_address],
-        capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "elastic.cli",
+            "run",
+            config,
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            "train.steps=6",
+            "--address",
+            ray_local.get_runtime_context().gcs_address,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     events = read_events(str(run_dir))
@@ -65,7 +78,16 @@ def test_elastic_run_cli_writes_contract_artefacts(ray_local, tiny_spec_dict, tm
     assert all(required <= set(e) for e in steps)
     assert steps[0]["grad_accum"] * steps[0]["dp"] * 2 == 8  # global = dp * micro * accum
     summary = json.load(open(run_dir / "summary.json"))
-    assert set(summary) == {"status", "steps", "final_loss", "wall_s", "mean_tokens_per_s", "failures", "dp_history", "recoveries"}
+    assert set(summary) == {
+        "status",
+        "steps",
+        "final_loss",
+        "wall_s",
+        "mean_tokens_per_s",
+        "failures",
+        "dp_history",
+        "recoveries",
+    }
     assert summary["status"] == "succeeded" and summary["steps"] == 6
     assert summary["final_loss"] == pytest.approx(steps[-1]["loss"])
     assert "step" in proc.stdout and "loss" in proc.stdout  # progress display
@@ -77,12 +99,20 @@ def test_jobs_train_entry_point(ray_local, tiny_spec_dict, tmp_path):
     env = dict(os.environ, RAY_ADDRESS=ray_local.get_runtime_context().gcs_address)
     proc = subprocess.run(
         [sys.executable, "-m", "jobs.train", config, "--run-dir", str(tmp_path / "job"), "--set", "train.steps=3"],
-        capture_output=True, text=True, timeout=240, env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.load(open(tmp_path / "job" / "summary.json"))
     assert summary["steps"] == 3 and summary["status"] == "succeeded"
-    bad = subprocess.run([sys.executable, "-m", "jobs.train", config, "--set", "parallel.tp=3"], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "jobs.train", config, "--set", "parallel.tp=3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "parallel.tp" in bad.stderr
 
 

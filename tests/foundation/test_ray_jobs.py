@@ -24,9 +24,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.dirname(sys.executable)
-TINY = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.vocab_size=64", "model.seq_len=16",
-        "data.num_samples=2000", "parallel.micro_batch=2", "elastic.min_dp=1", "elastic.max_dp=2",
-        "train.global_batch=8", "train.lr=3.0e-3", "elastic.heartbeat_timeout_s=20", "elastic.collective_timeout_s=40"]
+TINY = [
+    "model.n_layers=2",
+    "model.d_model=32",
+    "model.n_heads=4",
+    "model.vocab_size=64",
+    "model.seq_len=16",
+    "data.num_samples=2000",
+    "parallel.micro_batch=2",
+    "elastic.min_dp=1",
+    "elastic.max_dp=2",
+    "train.global_batch=8",
+    "train.lr=3.0e-3",
+    "elastic.heartbeat_timeout_s=20",
+    "elastic.collective_timeout_s=40",
+]
 
 
 def _free_port() -> int:
@@ -43,23 +55,51 @@ def _wait(condition, timeout: float, what: str, every: float = 0.5):
 def ray_head(tmp_path_factory):
     """A real head serving the Jobs API; yields (env, gcs address, dashboard URL)."""
     temp = str(tmp_path_factory.mktemp("rayhead"))
-    env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", RAY_AUTH_MODE="disabled",
-               RAY_USAGE_STATS_ENABLED="0")
+    env = dict(
+        os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0"
+    )
     env.pop("RAY_ADDRESS", None)
     port, dash = _free_port(), _free_port()
-    ports = {"--ray-client-server-port": _free_port(), "--dashboard-agent-grpc-port": _free_port(),
-             "--dashboard-agent-listen-port": _free_port(), "--metrics-export-port": _free_port(),
-             "--runtime-env-agent-port": _free_port(), "--node-manager-port": _free_port(),
-             "--object-manager-port": _free_port(), "--min-worker-port": 0}
-    cmd = [f"{BIN}/ray", "start", "--head", f"--temp-dir={temp}", "--node-ip-address=127.0.0.1", f"--port={port}",
-           "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=3",
-           "--object-store-memory=200000000", "--disable-usage-stats", *(f"{k}={v}" for k, v in ports.items())]
+    ports = {
+        "--ray-client-server-port": _free_port(),
+        "--dashboard-agent-grpc-port": _free_port(),
+        "--dashboard-agent-listen-port": _free_port(),
+        "--metrics-export-port": _free_port(),
+        "--runtime-env-agent-port": _free_port(),
+        "--node-manager-port": _free_port(),
+        "--object-manager-port": _free_port(),
+        "--min-worker-port": 0,
+    }
+    cmd = [
+        f"{BIN}/ray",
+        "start",
+        "--head",
+        f"--temp-dir={temp}",
+        "--node-ip-address=127.0.0.1",
+        f"--port={port}",
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dash}",
+        "--num-cpus=3",
+        "--object-store-memory=200000000",
+        "--disable-usage-stats",
+        *(f"{k}={v}" for k, v in ports.items()),
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         url = f"http://127.0.0.1:{dash}"
-        _wait(lambda: subprocess.run([f"{BIN}/ray", "job", "list", "--address", url], capture_output=True,
-                                     env=env, timeout=60).returncode == 0, 120, "the Jobs API to answer", every=1)
+        _wait(
+            lambda: (
+                subprocess.run(
+                    [f"{BIN}/ray", "job", "list", "--address", url], capture_output=True, env=env, timeout=60
+                ).returncode
+                == 0
+            ),
+            120,
+            "the Jobs API to answer",
+            every=1,
+        )
         yield env, f"127.0.0.1:{port}", url
     finally:
         # Stop only this head: its processes are found by their private temp dir (``ray stop``
@@ -110,9 +150,18 @@ def _sets(extra):
 
 
 def _committed(env, uri) -> list[int]:
-    proc = subprocess.run([sys.executable, "-m", "elastic.cli", "ckpt", "list", uri, "--json"], capture_output=True,
-                          text=True, timeout=60, env=env)
-    return [r["step"] for r in json.loads(proc.stdout) if r["committed"]] if proc.returncode == 0 and proc.stdout.strip() else []
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastic.cli", "ckpt", "list", uri, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    return (
+        [r["step"] for r in json.loads(proc.stdout) if r["committed"]]
+        if proc.returncode == 0 and proc.stdout.strip()
+        else []
+    )
 
 
 def test_ray_job_submit_runs_jobs_train_and_ray_job_stop_leaves_a_resumable_checkpoint(ray_head, tmp_path):
@@ -120,17 +169,50 @@ def test_ray_job_submit_runs_jobs_train_and_ray_job_stop_leaves_a_resumable_chec
     config = "examples/quickstart.yaml"  # inside the uploaded working dir
     # 1. A job that runs to the end, and the same spec run directly: same losses.
     job_dir, ref_dir = str(tmp_path / "job"), str(tmp_path / "ref")
-    proc = _ray(env, "job", "submit", "--address", url, "--working-dir", ".", "--submission-id", "elastic-ok", "--",
-                "python", "-m", "jobs.train", config, "--run-dir", job_dir, *_sets(["train.steps=6", "checkpoint.every_steps=3"]))
+    proc = _ray(
+        env,
+        "job",
+        "submit",
+        "--address",
+        url,
+        "--working-dir",
+        ".",
+        "--submission-id",
+        "elastic-ok",
+        "--",
+        "python",
+        "-m",
+        "jobs.train",
+        config,
+        "--run-dir",
+        job_dir,
+        *_sets(["train.steps=6", "checkpoint.every_steps=3"]),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert _job_status(env, url, "elastic-ok") == "SUCCEEDED" and "succeeded" in proc.stdout + proc.stderr
     summary = json.load(open(f"{job_dir}/summary.json"))
     assert summary["status"] == "succeeded" and summary["steps"] == 6 and summary["failures"] == 0
     steps = [e for e in read_events(job_dir) if e["kind"] == "step"]
     assert [e["step"] for e in steps] == list(range(1, 7)) and summary["final_loss"] == pytest.approx(steps[-1]["loss"])
-    ref = subprocess.run([sys.executable, "-m", "elastic.cli", "run", config, "--run-dir", ref_dir, "--address", gcs,
-                          *_sets(["train.steps=6", "checkpoint.every_steps=0"])],
-                         capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    ref = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elastic.cli",
+            "run",
+            config,
+            "--run-dir",
+            ref_dir,
+            "--address",
+            gcs,
+            *_sets(["train.steps=6", "checkpoint.every_steps=0"]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
     ref_losses = {e["step"]: e["loss"] for e in read_events(ref_dir) if e["kind"] == "step"}
     for e in steps:  # same spec, same DP (2): the same losses
@@ -139,23 +221,42 @@ def test_ray_job_submit_runs_jobs_train_and_ray_job_stop_leaves_a_resumable_chec
     # 2. `ray job stop` mid-run: the workers end and a committed checkpoint remains.
     stop_dir = str(tmp_path / "stopped")
     uri = f"{stop_dir}/checkpoints"
-    proc = _ray(env, "job", "submit", "--address", url, "--working-dir", ".", "--submission-id", "elastic-stop",
-                "--no-wait", "--", "python", "-m", "jobs.train", config, "--run-dir", stop_dir,
-                *_sets(["train.steps=400", "checkpoint.every_steps=2"]))
+    proc = _ray(
+        env,
+        "job",
+        "submit",
+        "--address",
+        url,
+        "--working-dir",
+        ".",
+        "--submission-id",
+        "elastic-stop",
+        "--no-wait",
+        "--",
+        "python",
+        "-m",
+        "jobs.train",
+        config,
+        "--run-dir",
+        stop_dir,
+        *_sets(["train.steps=400", "checkpoint.every_steps=2"]),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _wait(lambda: _committed(env, uri) or _job_status(env, url, "elastic-stop") in ("FAILED", "SUCCEEDED"), 240,
-          "a committed checkpoint")
+    _wait(
+        lambda: _committed(env, uri) or _job_status(env, url, "elastic-stop") in ("FAILED", "SUCCEEDED"),
+        240,
+        "a committed checkpoint",
+    )
     assert _job_status(env, url, "elastic-stop") == "RUNNING"
     assert _ray(env, "job", "stop", "--address", url, "elastic-stop", timeout=120).returncode == 0
     _wait(lambda: _job_status(env, url, "elastic-stop") == "STOPPED", 120, "the job to be STOPPED")
 
     def no_train_worker_alive():
-        out = _ray(env, "list", "actors", "--address", url, "--filter", "state=ALIVE", "--format", "json",
-                   timeout=60)
+        out = _ray(env, "list", "actors", "--address", url, "--filter", "state=ALIVE", "--format", "json", timeout=60)
         last[:] = [out.returncode, out.stdout[-1500:], out.stderr[-1500:]]
         if out.returncode == 0 and "No resource in the cluster" in out.stdout:  # how `ray list` prints []
             return True
-        text = out.stdout[out.stdout.find("["):] if "[" in out.stdout else ""
+        text = out.stdout[out.stdout.find("[") :] if "[" in out.stdout else ""
         try:
             actors = json.loads(text)
         except ValueError:
@@ -171,15 +272,36 @@ def test_ray_job_submit_runs_jobs_train_and_ray_job_stop_leaves_a_resumable_chec
     committed = _committed(env, uri)
     assert committed and all(s % 2 == 0 for s in committed)
     newest = max(committed)
-    verify = subprocess.run([sys.executable, "-m", "elastic.cli", "ckpt", "verify", uri], capture_output=True,
-                            text=True, timeout=60, env=env)
+    verify = subprocess.run(
+        [sys.executable, "-m", "elastic.cli", "ckpt", "verify", uri],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     # Uncommitted attempts may remain; every committed one verifies.
     assert verify.returncode == 0, verify.stdout + verify.stderr
     resumed = str(tmp_path / "resumed")
-    proc = subprocess.run([sys.executable, "-m", "elastic.cli", "run", config, "--run-dir", resumed, "--address", gcs,
-                           "--resume", *_sets([f"train.steps={newest + 2}", "checkpoint.every_steps=2",
-                                               f"checkpoint.uri={uri}"])],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "elastic.cli",
+            "run",
+            config,
+            "--run-dir",
+            resumed,
+            "--address",
+            gcs,
+            "--resume",
+            *_sets([f"train.steps={newest + 2}", "checkpoint.every_steps=2", f"checkpoint.uri={uri}"]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = read_events(resumed)
     assert [(e["source"], e["step"]) for e in events if e["kind"] == "restore"] == [("storage", newest)]

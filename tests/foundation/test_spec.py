@@ -81,8 +81,11 @@ def test_cli_refuses_malformed_specs_with_one_line(tmp_path):
 def test_cli_refuses_unsupported_or_missing_data_sources_before_starting(tmp_path):
     """Found before anything starts (no Ray, no run directory), not as exit 1 at run time."""
     run_dir = tmp_path / "run"
-    for source, why in [("ftp://host/data", "protocol ftp:// is not supported"),
-                        (f"file://{tmp_path}/nowhere", "does not exist"), (str(tmp_path / "nowhere"), "does not exist")]:
+    for source, why in [
+        ("ftp://host/data", "protocol ftp:// is not supported"),
+        (f"file://{tmp_path}/nowhere", "does not exist"),
+        (str(tmp_path / "nowhere"), "does not exist"),
+    ]:
         proc = _cli("run", QUICKSTART, "--set", f"data.source={source}", "--run-dir", str(run_dir))
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr
@@ -94,7 +97,9 @@ def test_cli_refuses_unsupported_or_missing_data_sources_before_starting(tmp_pat
         assert JobSpec.from_yaml(QUICKSTART, overrides=[f"data.source={source}"]).data.source == source
 
 
-@pytest.mark.parametrize("text", ["", "\n\n   \n", "# a spec that lost its body\n\n# name: x\n"], ids=["empty", "blank", "comments"])
+@pytest.mark.parametrize(
+    "text", ["", "\n\n   \n", "# a spec that lost its body\n\n# name: x\n"], ids=["empty", "blank", "comments"]
+)
 def test_empty_spec_file_is_refused(tmp_path, text):
     path = tmp_path / "spec.yaml"
     path.write_text(text)

@@ -60,9 +60,7 @@ def dp_micro_batches(step: int, dp: int, dp_rank: int, micro_batch: int) -> list
     inputs, targets = global_batch(step)
     per_rank = inputs.shape[0] // dp
     lo = dp_rank * per_rank
-    return [
-        (inputs[i : i + micro_batch], targets[i : i + micro_batch]) for i in range(lo, lo + per_rank, micro_batch)
-    ]
+    return [(inputs[i : i + micro_batch], targets[i : i + micro_batch]) for i in range(lo, lo + per_rank, micro_batch)]
 
 
 def reference_run(steps: int = STEPS) -> tuple[list[float], list[float]]:

@@ -81,7 +81,9 @@ def state_dict_matches_fresh(engine: TrainEngine) -> tuple[bool, bool]:
     def local(t):
         return t.to_local() if hasattr(t, "to_local") else t
 
-    same = mine["model"].keys() == model_sd.keys() and all(torch.equal(local(mine["model"][k]), local(v)) for k, v in model_sd.items())
+    same = mine["model"].keys() == model_sd.keys() and all(
+        torch.equal(local(mine["model"][k]), local(v)) for k, v in model_sd.items()
+    )
     same &= mine["optim"]["state"].keys() == optim_sd["state"].keys()
     for fqn, st in optim_sd["state"].items():
         same &= all(torch.equal(local(mine["optim"]["state"][fqn][k]), local(v)) for k, v in st.items())

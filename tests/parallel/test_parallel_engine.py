@@ -150,7 +150,6 @@ def test_resize_rebuilds_in_process_and_resumes(tmp_path, reference):
         assert_close(run["losses"], ref_losses[:2], f"rank {rank} losses before it left")
 
 
-
 @pytest.mark.timeout(240)
 def test_cached_state_dict_tracks_the_live_state(runs):
     """Snapshots reuse one DCP state dict per engine; after more steps it must still equal a

@@ -56,7 +56,9 @@ def run(rank: int, world: int, port: int, root: str) -> None:
         hsdp = {k: distribute_tensor(torch.zeros_like(v), mesh2, [Replicate(), Shard(0)]) for k, v in full.items()}
         out = load_into(store, hsdp, step=1)
         _check("A->hsdp", hsdp, full)
-        assert out.objects["train.step"] == 7 and set(out.objects) == {"train.step"} | {f"rng.rank{r}" for r in range(world)}
+        assert out.objects["train.step"] == 7 and set(out.objects) == {"train.step"} | {
+            f"rng.rank{r}" for r in range(world)
+        }
         # load A into Shard on the last dim (a TP-like column split, uneven for w)
         cols = {k: distribute_tensor(torch.zeros_like(v), mesh1, [Shard(v.dim() - 1)]) for k, v in full.items()}
         load_into(store, cols, step=1)

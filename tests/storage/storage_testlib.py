@@ -49,33 +49,53 @@ class MotoS3:
 
     def options(self) -> dict:
         """storage_options for this server; one botocore attempt so *our* retries are tested."""
-        return {"endpoint_url": self.endpoint, "key": FAKE_KEY, "secret": FAKE_SECRET, "region": "us-east-1",
-                "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 10},
-                "skip_instance_cache": True}
+        return {
+            "endpoint_url": self.endpoint,
+            "key": FAKE_KEY,
+            "secret": FAKE_SECRET,
+            "region": "us-east-1",
+            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 10},
+            "skip_instance_cache": True,
+        }
 
     def new_bucket(self) -> str:
         import boto3
 
         name = f"ckpt-{uuid.uuid4().hex[:12]}"
-        client = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=FAKE_KEY,
-                              aws_secret_access_key=FAKE_SECRET, region_name="us-east-1")
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=FAKE_KEY,
+            aws_secret_access_key=FAKE_SECRET,
+            region_name="us-east-1",
+        )
         client.create_bucket(Bucket=name)
         return name
 
     def all_objects(self, bucket: str) -> dict[str, bytes]:
         import boto3
 
-        client = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=FAKE_KEY,
-                              aws_secret_access_key=FAKE_SECRET, region_name="us-east-1")
-        keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
-                for o in page.get("Contents", [])]
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=FAKE_KEY,
+            aws_secret_access_key=FAKE_SECRET,
+            region_name="us-east-1",
+        )
+        keys = [
+            o["Key"]
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+            for o in page.get("Contents", [])
+        ]
         return {k: client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys}
 
 
 def model_and_optimizer_state(seed: int = 0) -> tuple[dict[str, torch.Tensor], dict]:
     """Full (unsharded) tensors of a small model after two AdamW steps, and plain objects."""
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(50, 16), torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     for _ in range(2):
         loss = model(torch.randint(0, 50, (8,))).square().mean()
@@ -88,8 +108,12 @@ def model_and_optimizer_state(seed: int = 0) -> tuple[dict[str, torch.Tensor], d
         for k, v in st.items():
             tensors[f"optim.{names[id(p)]}.{k}"] = v.detach().clone()
     sd = opt.state_dict()
-    objects = {"optim.param_groups": sd["param_groups"], "train.step": 2,
-               "data.cursor": {"epoch": 0, "offsets": (3, 7)}, "rng": {"cpu": torch.get_rng_state()}}
+    objects = {
+        "optim.param_groups": sd["param_groups"],
+        "train.step": 2,
+        "data.cursor": {"epoch": 0, "offsets": (3, 7)},
+        "rng": {"cpu": torch.get_rng_state()},
+    }
     return tensors, objects
 
 

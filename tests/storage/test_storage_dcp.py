@@ -86,8 +86,12 @@ def test_bytes_read_follow_the_requested_boxes(saved, state):
     # one rank of a 2-way layout needs exactly the boxes of old ranks 0 and 1
     half = load_into(store, target(tensors, 0, 2))
     # one rank of a 2-way layout reads only the saved boxes that overlap its own boxes
-    needed = {(c.fqn, c.offsets) for res in results for c in res.chunks
-              if c.sizes == () or c.offsets[0] < -(-c.global_shape[0] // 2)}
+    needed = {
+        (c.fqn, c.offsets)
+        for res in results
+        for c in res.chunks
+        if c.sizes == () or c.offsets[0] < -(-c.global_shape[0] // 2)
+    }
     expected = sum(c.length for res in results for c in res.chunks if (c.fqn, c.offsets) in needed)
     assert half.data_bytes_read == expected
     assert half.data_bytes_read < 0.65 * data_total
@@ -185,8 +189,17 @@ def test_snapshot_reader_reshards_in_memory(state):
 
 def test_sources_for_plans_from_meta_layouts(state):
     tensors, objects = state
-    layouts = {r: {k: (ShardRecord(v.local.to("meta"), v.global_shape, v.offsets) if isinstance(v, ShardRecord)
-                       else v.to("meta")) for k, v in rank_snapshot(tensors, {}, r).items()} for r in range(WORLD)}
+    layouts = {
+        r: {
+            k: (
+                ShardRecord(v.local.to("meta"), v.global_shape, v.offsets)
+                if isinstance(v, ShardRecord)
+                else v.to("meta")
+            )
+            for k, v in rank_snapshot(tensors, {}, r).items()
+        }
+        for r in range(WORLD)
+    }
     need = SnapshotReader(layouts, prefer_rank=3).sources_for(target(tensors, 1, 2))
     want = overlap_bytes(tensors, WORLD, 2, 1)
     want[3] += sum(v.numel() * v.element_size() for v in tensors.values() if v.dim() == 0)
@@ -196,9 +209,17 @@ def test_sources_for_plans_from_meta_layouts(state):
 
 
 def test_codec_round_trip_known_answer():
-    value = {"t": (1, 2.5, None), 3: "int key", "nan": float("nan"), "inf": float("-inf"),
-             "x": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "b": torch.tensor([True, False]),
-             "e": torch.empty(0, 4), "nested": [{"__tuple__": "not a tag"}], "s": torch.tensor(7)}
+    value = {
+        "t": (1, 2.5, None),
+        3: "int key",
+        "nan": float("nan"),
+        "inf": float("-inf"),
+        "x": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+        "b": torch.tensor([True, False]),
+        "e": torch.empty(0, 4),
+        "nested": [{"__tuple__": "not a tag"}],
+        "s": torch.tensor(7),
+    }
     back = codec.decode(__import__("json").loads(codec.dumps(codec.encode(value))))
     assert back["t"] == (1, 2.5, None) and back[3] == "int key" and back["inf"] == float("-inf")
     assert math.isnan(back["nan"]) and back["nested"] == [{"__tuple__": "not a tag"}]

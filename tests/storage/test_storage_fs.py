@@ -52,15 +52,36 @@ def test_failed_streaming_write_publishes_nothing(base_uri):
 
 
 def test_redact_replaces_every_credential():
-    opts = {"endpoint_url": "http://127.0.0.1:9000", "key": "AK", "secret": "SK", "token": "T",
-            "client_kwargs": {"aws_secret_access_key": "SK2", "region_name": "us-east-1"},
-            "password": "pw", "sse_kms_key_id": "kms", "listings": [{"auth_token": "x"}], "anon": False,
-            "tokens_per_s": 812.5, "credentials": {"user": "u"}, "key_count": 3, "note": "s3://K:S@b/x"}
+    opts = {
+        "endpoint_url": "http://127.0.0.1:9000",
+        "key": "AK",
+        "secret": "SK",
+        "token": "T",
+        "client_kwargs": {"aws_secret_access_key": "SK2", "region_name": "us-east-1"},
+        "password": "pw",
+        "sse_kms_key_id": "kms",
+        "listings": [{"auth_token": "x"}],
+        "anon": False,
+        "tokens_per_s": 812.5,
+        "credentials": {"user": "u"},
+        "key_count": 3,
+        "note": "s3://K:S@b/x",
+    }
     assert redact(opts) == {
-        "endpoint_url": "http://127.0.0.1:9000", "key": "***", "secret": "***", "token": "***",
+        "endpoint_url": "http://127.0.0.1:9000",
+        "key": "***",
+        "secret": "***",
+        "token": "***",
         "client_kwargs": {"aws_secret_access_key": "***", "region_name": "us-east-1"},
-        "password": "***", "sse_kms_key_id": "***", "listings": [{"auth_token": "***"}], "anon": False,
-        "tokens_per_s": 812.5, "credentials": "***", "key_count": 3, "note": "s3://***@b/x"}
+        "password": "***",
+        "sse_kms_key_id": "***",
+        "listings": [{"auth_token": "***"}],
+        "anon": False,
+        "tokens_per_s": 812.5,
+        "credentials": "***",
+        "key_count": 3,
+        "note": "s3://***@b/x",
+    }
     assert opts["key"] == "AK"  # a copy, not in place
     assert redact_uri("s3://AK:SK@bucket/x") == "s3://***@bucket/x"
     assert redact_uri("s3://bucket/x") == "s3://bucket/x"
@@ -72,23 +93,35 @@ def test_s3_options_from_env_and_options(monkeypatch):
     monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-3")
     assert s3_options({}) == {"client_kwargs": {"endpoint_url": "http://env:1", "region_name": "eu-west-3"}}
     got = s3_options({"endpoint_url": "http://opt:2", "aws_access_key_id": "AK", "aws_secret_access_key": "SK"})
-    assert got == {"key": "AK", "secret": "SK",
-                   "client_kwargs": {"endpoint_url": "http://opt:2", "region_name": "eu-west-3"}}
+    assert got == {
+        "key": "AK",
+        "secret": "SK",
+        "client_kwargs": {"endpoint_url": "http://opt:2", "region_name": "eu-west-3"},
+    }
 
 
-@pytest.mark.parametrize("exc, transient", [
-    (ConnectionRefusedError(), True), (TimeoutError(), True), (OSError(errno.EIO, "io"), True),
-    (FileNotFoundError(), False), (PermissionError(), False), (OSError(errno.EINVAL, "bad"), False),
-    (ValueError(), False), (type("EndpointConnectionError", (Exception,), {})(), True),
-])
+@pytest.mark.parametrize(
+    "exc, transient",
+    [
+        (ConnectionRefusedError(), True),
+        (TimeoutError(), True),
+        (OSError(errno.EIO, "io"), True),
+        (FileNotFoundError(), False),
+        (PermissionError(), False),
+        (OSError(errno.EINVAL, "bad"), False),
+        (ValueError(), False),
+        (type("EndpointConnectionError", (Exception,), {})(), True),
+    ],
+)
 def test_transient_classification(exc, transient):
     assert is_transient(exc) is transient
 
 
 def test_retry_recovers_then_gives_up():
     calls, retried = [], []
-    policy = RetryPolicy(initial_s=0.001, max_s=0.002, deadline_s=0.2, jitter=0.0,
-                         on_retry=lambda what, n, e, s: retried.append(n))
+    policy = RetryPolicy(
+        initial_s=0.001, max_s=0.002, deadline_s=0.2, jitter=0.0, on_retry=lambda what, n, e, s: retried.append(n)
+    )
 
     def flaky():
         calls.append(1)
@@ -113,7 +146,9 @@ def test_storage_imports_nothing_upstream():
     import subprocess
     import sys
 
-    code = ("import sys, storage, storage.dcp, storage.store, storage.fs\n"
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'elastic', 'jobs'))\n"
-            "assert not bad, bad\n")
+    code = (
+        "import sys, storage, storage.dcp, storage.store, storage.fs\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'elastic', 'jobs'))\n"
+        "assert not bad, bad\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -42,7 +42,9 @@ def test_s3_round_trip_with_resharding(moto_s3, s3_bucket, state, fast_retry):
     tensors, objects = state
     store = CheckpointStore(f"s3://{s3_bucket}/run/ckpt", storage_options=moto_s3.options(), retry=fast_retry)
     commit_checkpoint(store, 5, save_sharded(store, 5, tensors, objects), extra={"dp": 4})
-    assert [(i.step, i.committed, i.uri) for i in store.list()] == [(5, True, f"s3://{s3_bucket}/run/ckpt/step_00000005")]
+    assert [(i.step, i.committed, i.uri) for i in store.list()] == [
+        (5, True, f"s3://{s3_bucket}/run/ckpt/step_00000005")
+    ]
     assert store.verify(5) == []
     targets = [target(tensors, r, 2) for r in range(2)]
     for t in targets:
@@ -90,8 +92,9 @@ def test_outage_during_upload_is_survived(moto_s3, s3_bucket, state, fast_retry)
 
     # 2) an outage longer than the deadline fails that checkpoint, and commits nothing
     moto_s3.stop()
-    impatient = CheckpointStore(store.root, storage_options=moto_s3.options(),
-                                retry=dataclasses.replace(fast_retry, deadline_s=0.3))
+    impatient = CheckpointStore(
+        store.root, storage_options=moto_s3.options(), retry=dataclasses.replace(fast_retry, deadline_s=0.3)
+    )
     with pytest.raises(StorageUnavailable):
         commit_checkpoint(impatient, 3, save_sharded(impatient, 3, tensors, objects))
     moto_s3.start()
@@ -120,11 +123,14 @@ def test_no_secret_in_files_or_logs(moto_s3, s3_bucket, state, caplog, fast_retr
         store = CheckpointStore(f"s3://{s3_bucket}/ckpt", storage_options=opts, retry=fast_retry)
         results = save_sharded(store, 7, tensors, objects)
         # a careless caller passes its options along as "extra" run information
-        commit_checkpoint(store, 7, results, extra={"storage_options": opts, "note": f"s3://{FAKE_KEY}:{FAKE_SECRET}@x"})
+        commit_checkpoint(
+            store, 7, results, extra={"storage_options": opts, "note": f"s3://{FAKE_KEY}:{FAKE_SECRET}@x"}
+        )
         moto_s3.stop()
         with pytest.raises(StorageUnavailable):  # failures are logged too: with their URIs
-            CheckpointStore(store.root, storage_options=opts,
-                            retry=dataclasses.replace(fast_retry, deadline_s=0.1)).list()
+            CheckpointStore(
+                store.root, storage_options=opts, retry=dataclasses.replace(fast_retry, deadline_s=0.1)
+            ).list()
         moto_s3.start()
         load_into(store, full_target(tensors))
         store.prune(keep=1)

@@ -9,7 +9,15 @@ import subprocess
 import pytest
 import torch
 
-from storage import CheckpointStore, FsspecStorage, IncompleteCheckpoint, commit_checkpoint, load_into, open_storage, write_rank_shard
+from storage import (
+    CheckpointStore,
+    FsspecStorage,
+    IncompleteCheckpoint,
+    commit_checkpoint,
+    load_into,
+    open_storage,
+    write_rank_shard,
+)
 from storage.manifest import MANIFEST, MARKER, Manifest
 
 
@@ -48,8 +56,12 @@ def test_only_committed_checkpoints_are_listed(store):
     everything = store.list(include_uncommitted=True)
     assert [(i.step, i.committed) for i in everything] == [(10, True), (20, False), (30, False), (40, False)]
     assert everything[0].bytes == Manifest.from_bytes(store.get_file(10, MANIFEST)).total_bytes > 0
-    assert everything[0].to_dict() == {"step": 10, "uri": store.step_uri(10), "committed": True,
-                                       "bytes": everything[0].bytes}
+    assert everything[0].to_dict() == {
+        "step": 10,
+        "uri": store.step_uri(10),
+        "committed": True,
+        "bytes": everything[0].bytes,
+    }
     assert everything[1].bytes == os.path.getsize(os.path.join(store.step_uri(20), "__0_0.distcp"))
 
 
@@ -63,6 +75,7 @@ class WriteOrder(FsspecStorage):
     def open(self, uri, mode="rb"):
         ctx = super().open(uri, mode)
         if mode == "wb":
+
             class Recorder:
                 def __enter__(_):
                     return ctx.__enter__()
@@ -71,6 +84,7 @@ class WriteOrder(FsspecStorage):
                     out = ctx.__exit__(*exc)
                     self.finished.append(uri.rsplit("/", 1)[-1])
                     return out
+
             return Recorder()
         return ctx
 
@@ -126,8 +140,8 @@ def test_truncated_and_missing_files_are_damage(store):
 def test_prune_keeps_newest_and_cleans_old_leftovers(store):
     for step in (1, 2, 3, 4):
         save(store, step)
-    write_rank_shard(store, 0, {"w": torch.ones(4)}, 0)    # stale attempt: older than a commit
-    write_rank_shard(store, 9, {"w": torch.ones(4)}, 0)    # may still be uploading: keep
+    write_rank_shard(store, 0, {"w": torch.ones(4)}, 0)  # stale attempt: older than a commit
+    write_rank_shard(store, 9, {"w": torch.ones(4)}, 0)  # may still be uploading: keep
     report = store.prune(keep=2)
     assert sorted(report.deleted) == [0, 1, 2] and report.failed == {} and report.kept == [3, 4]
     assert [(i.step, i.committed) for i in store.list(include_uncommitted=True)] == [(3, True), (4, True), (9, False)]
