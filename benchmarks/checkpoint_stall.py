@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import shutil
 import socket
@@ -150,7 +151,9 @@ def main() -> int:
     )
     p.add_argument("--reps", type=int, default=3, help="rounds of the three phases, alternating (default 3)")
     p.add_argument("--dir", default=None, help="local checkpoint directory (default: a temporary one)")
+    p.add_argument("--json", default=None, help="also write the per-round figures and their medians to this file")
     args = p.parse_args()
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -225,7 +228,56 @@ def main() -> int:
         f"memory:  snapshot blocking / step time = "
         f"{figure(lambda r: ms(r['memory']['blocking']) / ms(r['memory']['compute']))} (goal <= 3%)"
     )
+    if args.json:
+        write_json(args, started, params, rounds)
     return 0
+
+
+def write_json(args: argparse.Namespace, started: str, params: int, rounds: list[dict]) -> None:
+    """The figures above as a results file (read by ``elastic simulate``, see docs/simulate.md)."""
+    ms = lambda xs: 1e3 * statistics.mean(xs)  # noqa: E731
+    per_round = [
+        {
+            "async_over_sync_blocking": ms(r["async"]["blocking"]) / ms(r["sync"]["blocking"]),
+            "memory_blocking_over_step": ms(r["memory"]["blocking"]) / ms(r["memory"]["compute"]),
+            "async_step_slowdown": ms(r["async"]["compute"]) / ms(r["memory"]["compute"]) - 1,
+            "sync_blocking_s": ms(r["sync"]["blocking"]) / 1e3,
+            "async_blocking_s": ms(r["async"]["blocking"]) / 1e3,
+            "memory_blocking_s": ms(r["memory"]["blocking"]) / 1e3,
+            "step_compute_s": ms(r["memory"]["compute"]) / 1e3,
+            "checkpoint_bytes": r["async"]["bytes"],
+            "upload_s": r["async"]["upload_s"],
+        }
+        for r in rounds
+    ]
+
+    def stats(key: str) -> dict:
+        vals = [x[key] for x in per_round]
+        return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+
+    doc = {
+        "benchmark": "benchmarks/checkpoint_stall.py",
+        "date_utc": started,
+        "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": {"hostname": socket.gethostname(), "cpus": os.cpu_count(), "loadavg_1m_after": os.getloadavg()[0]},
+        "versions": {"torch": torch.__version__},
+        "scenario": {
+            "d_model": args.d_model,
+            "layers": args.layers,
+            "vocab": args.vocab,
+            "seq": args.seq,
+            "params": params,
+            "checkpoints": args.checkpoints,
+            "every": args.every,
+            "reps": args.reps,
+            "torch_threads": torch.get_num_threads(),
+        },
+        "summary": {key: stats(key) for key in per_round[0]},
+        "rounds": per_round,
+    }
+    with open(args.json, "w") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
 
 
 if __name__ == "__main__":

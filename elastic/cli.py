@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--step", type=int, default=None)
 
     sub.add_parser("schema", help="print the JSON Schema of job specs")
+
+    from elastic.simulator.cli import add_arguments as add_simulate_arguments
+
+    add_simulate_arguments(sub.add_parser("simulate", help="simulate failures at scale: ETTR, inplace vs restart"))
     return p
 
 
@@ -92,6 +96,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return cmd_plan(args.config, args.topology, args.json, args.overrides)
     if args.command == "ckpt":
         return cmd_ckpt(args)
+    if args.command == "simulate":
+        from elastic.simulator.cli import main as simulate_main
+
+        return simulate_main(args)
     if args.command == "schema":
         from jobs.spec import JobSpec
 
