@@ -210,7 +210,7 @@ def report(job: model.Job, sc: model.Scenario, out: dict) -> str:
         f"{'strategy':<9}{'ETTR':>8}{'goodput':>9}{'mean DP':>9}{'failures':>10}{'downtime h':>12}"
         f"{'lost h':>8}{'interval s':>12}",
     ]
-    for s, (res, p, curve) in out.items():
+    for s, (res, p, _) in out.items():
         lines.append(
             f"{s:<9}{res.ettr:>8.4f}{res.goodput:>9.4f}{res.mean_dp_fraction:>9.4f}{res.failures:>10}"
             f"{res.downtime_s / 3600:>12.2f}{res.lost_work_s / 3600:>8.2f}{p['ckpt_interval_s']:>12.0f}"

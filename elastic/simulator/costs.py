@@ -207,8 +207,8 @@ def cluster_costs(
         f"found by elastic.collective_timeout_s ({collective_timeout_s:g} s default)",
         "pg_init_s": f"linear in world size through {m.init_s:.2f} s at {m.nodes} (measured) and MegaScale's "
         f"{MEGASCALE_INIT_S:g} s at {MEGASCALE_INIT_GPUS} GPUs",
-        "reconfigure_s": f"measured re-forming excluding restore and init ({m.reconfigure_excl_restore_s - m.init_s:.2f}"
-        " s) + pg_init_s",
+        "reconfigure_s": "measured re-forming excluding restore and init "
+        f"({m.reconfigure_excl_restore_s - m.init_s:.2f} s) + pg_init_s",
         "restore_memory_s": f"shard {shard / 1e9:.1f} GB / host->GPU {HOST_DEVICE_BPS / 1e9:g} GB/s (PCIe Gen5, half)",
         "restore_peer_s": f"shard over {LLAMA3_NET_BPS_PER_GPU * 8 / 1e9:g} Gb/s per GPU (Llama 3) + host->GPU",
         "restore_storage_s": f"staggered read: {unique / 1e12:.2f} TB once at {LLAMA3_STORAGE_BPS / 1e12:g} TB/s "

@@ -70,7 +70,7 @@ def ettr_vs_scale(args, job: model.Job, sc: model.Scenario, strategies: list[str
 def ettr_vs_interval(args, job, sc, out: dict, events, reaction) -> str:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for s, (res, p, curve) in out.items():
+    for s, (_res, p, curve) in out.items():
         if not curve:
             costs = _costs(args, s, job)
             _, curve = model.best_interval(job, sc, costs, s, events, reaction)
@@ -104,7 +104,7 @@ def timeline(args, job, sc, out: dict) -> str:
     plt = _plt()
     week = min(7.0, sc.days) * model.DAY
     fig, axes = plt.subplots(len(out), 1, figsize=(9, 2.6 * len(out)), sharex=True, squeeze=False)
-    for ax, (s, (res, p, _)) in zip(axes[:, 0], out.items()):
+    for ax, (s, (res, _p, _)) in zip(axes[:, 0], out.items()):
         pts = [(t, d) for t, d in res.timeline if t <= week] + [(week, model.dp_at(res.timeline, week))]
         xs = [t / 3600 for t, _ in pts]
         ax.step(xs, [d for _, d in pts], where="post", color=COLORS[s], label=f"{s}: DP (0 = not training)")

@@ -102,8 +102,13 @@ class Event:
     healthy: int = 0  # healthy nodes after the event
 
 
-def _key(healthy: list[int]) -> tuple:
-    return tuple(sorted(Counter(healthy).items()))
+def _key(hist: Counter) -> tuple:
+    return tuple(sorted((c, n) for c, n in hist.items() if n))
+
+
+def _move(hist: Counter, old: int, new: int) -> None:
+    hist[old] -= 1
+    hist[new] += 1
 
 
 def cluster_events(job: Job, sc: Scenario) -> tuple[tuple, list[Event]]:
@@ -117,29 +122,35 @@ def cluster_events(job: Job, sc: Scenario) -> tuple[tuple, list[Event]]:
     weights = [LLAMA3_CAUSES[c][0] for c in causes]
     end, t, repairs, out = sc.days * DAY, 0.0, [], []
     rate = sc.rate_per_node_s
-    start = _key(healthy)
+    hist = Counter(healthy)
+    start = _key(hist)
     while True:
         t_fail = t + rng.expovariate(total * rate) if total and rate > 0 else math.inf
         if repairs and repairs[0][0] <= t_fail:
             t, rack = heapq.heappop(repairs)
             if t > end:
                 break
+            _move(hist, healthy[rack], healthy[rack] + 1)
             healthy[rack] += 1
             total += 1
-            out.append(Event(t, "repair", key=_key(healthy), healthy=total))
+            out.append(Event(t, "repair", key=_key(hist), healthy=total))
             continue
         t = t_fail
         if t > end:
             break
         cause = rng.choices(causes, weights)[0]
         u = rng.random()
-        rack = rng.choices(range(racks), healthy)[0]
+        while True:  # a uniformly drawn healthy node: a rack, kept with probability healthy/size
+            rack = rng.randrange(racks)
+            if rng.random() * job.nodes_per_rack < healthy[rack]:
+                break
         if cause not in NODE_STAYS:
+            _move(hist, healthy[rack], healthy[rack] - 1)
             healthy[rack] -= 1
             total -= 1
             back = t + sc.repair_hours * 3600.0
             heapq.heappush(repairs, (back, rack))
-        out.append(Event(t, "fail", cause, u, _key(healthy), total + (cause not in NODE_STAYS)))
+        out.append(Event(t, "fail", cause, u, _key(hist), total + (cause not in NODE_STAYS)))
     return start, out
 
 
@@ -154,9 +165,28 @@ class Reaction:
         self.node_level = job.tp == job.gpus_per_node
         self._plans: dict[tuple, LayoutPlan | None] = {}
         self._drops: dict[tuple, int] = {}
+        self._replicas: dict[tuple, int] = {}
+        self.exact = False  # True: plan the whole histogram, no reduction (for checking it)
         self.planner_calls = 0
 
+    def reduce(self, key: tuple) -> tuple[tuple, int]:
+        """A smaller histogram with the same replica count modulo whole groups of full racks,
+        and the replicas those racks hold. The planner packs each rack on its own and pools
+        only every rack's leftovers (planner.py, point 2), so ``g`` full racks whose
+        leftovers make whole replicas can be taken out and counted by arithmetic."""
+        if not self.node_level or self.exact:
+            return key, 0
+        per_rack, per_replica = self.job.nodes_per_rack, self.job.pp
+        rem = per_rack % per_replica
+        g = per_replica // math.gcd(rem, per_replica) if rem else 1
+        full = dict(key).get(per_rack, 0)
+        keep = full if full < 2 * g else full % g + g
+        out = tuple((c, keep if c == per_rack else n) for c, n in key if c != per_rack or keep)
+        taken = full - keep
+        return out, taken * (per_rack // per_replica) + taken * rem // per_replica
+
     def plan(self, key: tuple) -> LayoutPlan | None:
+        """The planner's layout of every whole replica on ``key``'s nodes (no DP limits)."""
         if key not in self._plans:
             self.planner_calls += 1
             job, nodes = self.job, []
@@ -166,34 +196,40 @@ class Reaction:
                 nodes += [NodeInfo(f"r{r}n{i}", gpus=gpus, labels={"rack": f"r{r}"}) for i in range(count)]
             tp = 1 if self.node_level else job.tp
             try:
-                plan = plan_layout(ClusterTopology(nodes), tp, job.pp, job.min_dp, job.max_dp, self.allowed)
+                plan = plan_layout(ClusterTopology(nodes), tp, job.pp)
             except InfeasibleError:
                 plan = None
             self._plans[key] = plan
         return self._plans[key]
 
-    def dp(self, key: tuple) -> int | None:
-        """The largest allowed DP in whole replicas on these nodes (scaling policy over the plan)."""
-        plan = self.plan(key)
-        if plan is None:
-            return None
-        best = policies.target_dp(plan.max_replicas, self.allowed)
-        assert best == plan.dp, (best, plan.dp)
-        return best
+    def replicas(self, key: tuple) -> int:
+        """Whole replicas the healthy nodes hold (planner.plan_layout, rack-aware)."""
+        if key not in self._replicas:
+            small, extra = self.reduce(key)
+            plan = self.plan(small)
+            self._replicas[key] = (plan.max_replicas if plan else 0) + extra
+        return self._replicas[key]
 
-    def survivors(self, key: tuple) -> int:
-        """Whole replicas left when one node of the running layout is lost (planner.drop_nodes)."""
+    def dp(self, key: tuple) -> int | None:
+        """The largest allowed DP in whole replicas on these nodes (scaling + batch policy)."""
+        return policies.target_dp(self.replicas(key), self.allowed)
+
+    def survivors(self, key: tuple, dp: int) -> int:
+        """DP left when one node of a running layout at ``dp`` is lost: the replicas
+        planner.drop_nodes removes, then the largest allowed DP below what is left."""
         if key not in self._drops:
-            plan = self.plan(key)
-            try:
-                self._drops[key] = drop_nodes(plan, [plan.ranks[0].node]).dp
-            except InfeasibleError:
-                self._drops[key] = 0
-        return self._drops[key]
+            plan = self.plan(self.reduce(key)[0])
+            if plan is None:
+                self._drops[key] = 1
+            else:
+                try:
+                    self._drops[key] = plan.dp - drop_nodes(plan, [plan.ranks[0].node]).max_replicas
+                except InfeasibleError:
+                    self._drops[key] = plan.dp
+        return policies.target_dp(dp - self._drops[key], self.allowed) or 0
 
     def grow(self, dp: int, key: tuple) -> int | None:
-        plan = self.plan(key)
-        decision = policies.scaling_decision(dp, plan.max_replicas if plan else 0, self.allowed)
+        decision = policies.scaling_decision(dp, self.replicas(key), self.allowed)
         return decision.dp if isinstance(decision, policies.ResizeDecision) and decision.dp > dp else None
 
     def step_s(self, dp: int, full_step_s: float) -> float:
@@ -362,7 +398,7 @@ class _Run:
         detect += late
         self.timeline.append((t, 0))
         node_stays = ev.cause in NODE_STAYS
-        survivors = dp_before if node_stays else min(dp_before, self.r.survivors(self.key))
+        survivors = dp_before if node_stays else self.r.survivors(self.key, dp_before)
         self.key = ev.key
         self.pending = {"t": t, "cause": ev.cause, "detect_s": detect, "lost_work_s": lost}
         self.pending.update(lost_steps=steps_lost, dp_before=dp_before)

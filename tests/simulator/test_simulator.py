@@ -122,7 +122,8 @@ def test_four_node_cluster_reproduces_the_measured_recovery(strategy):
     measured = m.recovery_ours_s if strategy == "inplace" else m.recovery_raytrain_s
     lost = m.lost_ours if strategy == "inplace" else m.lost_raytrain
     print(
-        f"{strategy}: recovery simulated {simulated:.2f} s vs measured {measured:.2f} s; lost {rec['lost_steps']} vs {lost}"
+        f"{strategy}: recovery simulated {simulated:.2f} s vs measured {measured:.2f} s; "
+        f"lost {rec['lost_steps']} vs {lost}"
     )
     assert rec["dp_before"] == m.nodes and rec["dp_after"] == m.nodes - 1
     assert abs(simulated - measured) / measured < 0.20
@@ -142,6 +143,25 @@ def test_planner_at_node_granularity_gives_the_same_replicas_as_per_gpu():
         assert (a.max_replicas, a.dp) == (b.max_replicas, b.dp)
 
 
+@pytest.mark.parametrize("per_rack", [2, 20, 24, 32])
+def test_reduced_histograms_count_the_same_replicas_as_the_whole_cluster(per_rack):
+    """The planner is called on a few racks and the other full racks are counted by arithmetic;
+    this must equal planning the whole cluster."""
+    job = model.Job(gpus=4096, nodes_per_rack=per_rack, spares=0)
+    reduced, exact = model.Reaction(job), model.Reaction(job)
+    exact.exact = True
+    full = job.total_nodes // per_rack
+    for key in [
+        ((per_rack, full),),
+        ((per_rack - 1, 3), (per_rack, full - 3)),
+        ((0, 1), (per_rack - 2, 2), (per_rack, full - 3)),
+        ((per_rack - 1, 7), (per_rack, full - 7)),
+    ]:
+        assert reduced.replicas(key) == exact.replicas(key), key
+        assert reduced.survivors(key, 16) == exact.survivors(key, 16)
+    assert reduced.planner_calls == exact.planner_calls
+
+
 def test_reaction_uses_the_batch_policy_largest_allowed_dp():
     """Losing one of 128 replicas with 2,048 micro-batches and no spare: DP drops to 64,
     the largest divisor of 2,048 below 128 (policies.allowed_dps), not to 127."""
@@ -150,7 +170,7 @@ def test_reaction_uses_the_batch_policy_largest_allowed_dp():
     racks = job.total_nodes // job.nodes_per_rack
     assert r.dp(((2, racks),)) == 128
     assert r.dp(((1, 1), (2, racks - 1))) == 64 == policies.target_dp(127, r.allowed)
-    assert r.survivors(((2, racks),)) == 64
+    assert r.survivors(((2, racks),), 128) == 64
 
 
 def test_spares_keep_dp_and_spare_failures_do_not_interrupt():
@@ -169,7 +189,7 @@ def test_cli_json_has_every_named_cost(capsys):
     assert rc == 0
     doc = json.loads(capsys.readouterr().out)
     assert set(doc) == {"inplace", "restart"}
-    for s, d in doc.items():
+    for _s, d in doc.items():
         for key in ("ettr", "goodput", "mean_dp_fraction", "failures", "lost_work_s", "downtime_s", "params"):
             assert key in d, key
         p = d["params"]
