@@ -48,6 +48,7 @@ import torch.distributed as dist  # noqa: E402
 
 from elastic.checkpoint.memory_tier import MemoryTier  # noqa: E402
 from elastic.checkpoint.storage_tier import StorageUploader  # noqa: E402
+from elastic.messages import UploadReport  # noqa: E402
 from elastic.parallel.dims import ParallelDims  # noqa: E402
 from elastic.parallel.engine import TrainEngine  # noqa: E402
 from jobs import JobSpec  # noqa: E402
@@ -121,12 +122,12 @@ def storage_phase(loop: Loop, args: argparse.Namespace, root: str, async_: bool 
     compute, blocking = loop.run(args.checkpoints, uploader, args.every)
     loop_wall = time.perf_counter() - t0
     flush = uploader.flush(600) if uploader is not None else 0.0
-    ups = [r for r in results if r["type"] == "upload"]
-    errors = [r["error"] for r in ups if r["error"]]
+    ups = [r for r in results if isinstance(r, UploadReport)]
+    errors = [r.error for r in ups if r.error]
     if errors:
         raise SystemExit(f"upload failed: {errors[0]}")
     for r in ups:  # commit, so what was written is a real checkpoint
-        commit_checkpoint(uploader.store, r["step"], [RankWriteResult.from_dict(r["result"])])
+        commit_checkpoint(uploader.store, r.step, [RankWriteResult.from_dict(r.result)])
     if uploader is not None and len(ups) != args.checkpoints:
         raise SystemExit(f"{len(ups)} uploads for {args.checkpoints} checkpoints")
     return {
@@ -134,8 +135,8 @@ def storage_phase(loop: Loop, args: argparse.Namespace, root: str, async_: bool 
         "compute": compute,
         "flush_s": flush,
         "loop_wall_s": loop_wall,
-        "bytes": statistics.mean(r["bytes"] for r in ups) if ups else 0,
-        "upload_s": statistics.mean(r["duration_s"] for r in ups) if ups else 0.0,
+        "bytes": statistics.mean(r.bytes for r in ups) if ups else 0,
+        "upload_s": statistics.mean(r.duration_s for r in ups) if ups else 0.0,
     }
 
 

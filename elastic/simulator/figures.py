@@ -86,6 +86,7 @@ def ettr_vs_interval(args, job, sc, out: dict, events, reaction) -> str:
             ]
             ax.plot(xs, cf, "--", color="gray", label="restart, Meta's closed form (arXiv 2410.21680)")
     ax.set_xscale("log")
+    ax.set_ylim(0, 1.02)  # the closed form goes negative where N r (u0 + dt/2) > 1: outside its range
     ax.set_xlabel("storage checkpoint interval (training seconds)")
     ax.set_ylabel("ETTR")
     ax.set_title(f"ETTR vs checkpoint interval at {job.gpus} GPUs, {sc.failure_rate:g} per 1,000 node-days", fontsize=9)

@@ -1,4 +1,4 @@
-"""Discrete-event failure simulator (docs/simulate.md); ~400 lines: the event loop and its accounting.
+"""Discrete-event failure simulator (docs/simulate.md); ~550 lines: one event loop and its accounting, kept together.
 
 Two layers:
 

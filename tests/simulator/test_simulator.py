@@ -175,7 +175,7 @@ def test_reaction_uses_the_batch_policy_largest_allowed_dp():
 
 def test_spares_keep_dp_and_spare_failures_do_not_interrupt():
     job = model.Job(gpus=2048, spares=16)
-    sc = model.Scenario(failure_rate=50, days=10, seed=3)
+    sc = model.Scenario(failure_rate=20, days=10, seed=3)
     costs = cluster_costs("inplace", job.gpus, job.tp, job.pp, batch=job.batch)
     res = model.simulate(job, sc, costs, "inplace", 600)
     assert res.node_failures > res.failures > 0
@@ -236,3 +236,15 @@ def test_figures_are_written(tmp_path, monkeypatch):
     assert rc == 0
     for name in ("ettr_vs_scale.png", "ettr_vs_interval.png", "timeline.png"):
         assert (out / name).stat().st_size > 10_000
+
+
+def test_elastic_cli_has_simulate(capsys):
+    from jobs.cli import main as elastic_main
+
+    with pytest.raises(SystemExit) as exc:
+        elastic_main(["simulate", "--nodes-per-rack", "x"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--nodes-per-rack" in err
+    assert elastic_main(["simulate", "--gpus", "1024", "--days", "2", "--strategy", "inplace", "--json"]) == 0
+    assert set(json.loads(capsys.readouterr().out)) == {"inplace"}
