@@ -18,6 +18,9 @@ Two halves:
 
 Driver-side signals need the workers on the driver's machine: that is the case for the
 embedded and ``Cluster``-based local clusters these faults are made for.
+
+Longer than the ~350 lines we aim for: every injected fault (worker-side hook, driver-side
+signals, the ``--fault`` parser) in one file, so that the fault tool has one home.
 """
 
 from __future__ import annotations

@@ -152,9 +152,7 @@ class ReconfigurableProcessGroup:
     def _store_client(self, address: tuple[str, int]) -> Any:
         if self._client is None or self._client_address != tuple(address):
             self._client_sockets.before_init()
-            self._client = dist.TCPStore(
-                address[0], address[1], is_master=False, timeout=self.rendezvous_timeout
-            )
+            self._client = dist.TCPStore(address[0], address[1], is_master=False, timeout=self.rendezvous_timeout)
             self._client_sockets.capture()
             self._client_address = tuple(address)
         return self._client
