@@ -59,7 +59,6 @@ import json
 import os
 import re
 import resource
-import socket
 import tempfile
 import time
 import weakref
@@ -76,6 +75,7 @@ from elastic.optim import TrainConfig
 from elastic.parallel.config import ParallelConfig
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
+from elastic.testing.ports import free_port as _free_port
 
 # The benchmark's default model and batch: the test asserts on what the benchmark prints.
 DEFAULT_MODEL = ModelConfig(n_layers=4, d_model=128, n_heads=4, vocab_size=512, seq_len=64)
@@ -404,12 +404,6 @@ def rank_main(rank: int, world: int, cfg: dict, out_dir: str) -> None:
 
 
 # --------------------------------------------------------------------------- driver
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def predict(layout: Layout, model_cfg: ModelConfig, micro_batch: int, grad_accum: int) -> MemoryEstimate:
