@@ -11,13 +11,13 @@ import torch.distributed.checkpoint as dcp
 from parallel_harness import MODEL, SEED, STEPS, TRAIN, Layout, dp_micro_batches, init_group
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from elastic.model import build_model
+from elastic.models.spec import model_spec
 from elastic.parallel.config import ParallelConfig
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
 
 
-def make_engine(layout: Layout, world: int) -> TrainEngine:
+def make_engine(layout: Layout, world: int, model_cfg=MODEL, train=TRAIN) -> TrainEngine:
     dims = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, world_size=world)
     pcfg = ParallelConfig(
         tp=layout.tp,
@@ -27,14 +27,16 @@ def make_engine(layout: Layout, world: int) -> TrainEngine:
         activation_checkpointing=layout.ac,
         pp_schedule=layout.schedule,
     )
-    return TrainEngine(MODEL, pcfg, TRAIN, dims, SEED)
+    return TrainEngine(model_cfg, pcfg, train, dims, SEED)
 
 
 def train_steps(engine: TrainEngine, layout: Layout, steps: range) -> tuple[list[float], list[float]]:
     dp_rank = engine.coords.dp_rank
     losses, norms = [], []
     for step in steps:
-        loss = engine.forward_backward(dp_micro_batches(step, layout.dp, dp_rank, layout.micro_batch))
+        loss = engine.forward_backward(
+            dp_micro_batches(step, layout.dp, dp_rank, layout.micro_batch, cfg=engine.model_cfg)
+        )
         norms.append(engine.optimizer_step())
         losses.append(loss)
     return losses, norms
@@ -43,7 +45,7 @@ def train_steps(engine: TrainEngine, layout: Layout, steps: range) -> tuple[list
 def initial_weight_diffs(engine: TrainEngine) -> dict[str, float]:
     """Max |full parameter - single-process seeded init| for each FQN this rank holds."""
     full = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True))
-    reference = build_model(MODEL, SEED).state_dict()
+    reference = model_spec(engine.model_cfg).build_full(SEED).state_dict()
     return {fqn: float((value.cpu() - reference[fqn]).abs().max()) for fqn, value in full.items()}
 
 
@@ -91,13 +93,13 @@ def state_dict_matches_fresh(engine: TrainEngine) -> tuple[bool, bool]:
     return bool(same), cached
 
 
-def train_layouts(rank: int, world: int, out_dir: str, layouts: list[Layout]) -> dict:
+def train_layouts(rank: int, world: int, out_dir: str, layouts: list[Layout], model_cfg=MODEL, train=TRAIN) -> dict:
     """Train every layout in turn on one world-sized process group."""
     init_group(rank, world, os.path.join(out_dir, "store"))
     results = {}
     for layout in layouts:
         t0 = time.perf_counter()
-        engine = make_engine(layout, world)
+        engine = make_engine(layout, world, model_cfg, train)
         init_diffs = initial_weight_diffs(engine)
         placements = param_placements(engine)
         losses, norms = train_steps(engine, layout, range(1))
