@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
 from torch.distributed.fsdp import FSDPModule
 
 from elastic.models.spec import ModelSpec, model_spec

@@ -1,7 +1,8 @@
 """Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) with DTensor ``parallelize_module``.
 
 The helpers here are model-agnostic; each model's ``ModelSpec.tp_plan`` (elastic/models/)
-applies them. For the reference GPT, the plan for each transformer block (the two "f/g" conjugate pairs of the Megatron paper):
+applies them. For the reference GPT, the plan for each transformer block (the two "f/g"
+conjugate pairs of the Megatron paper):
 
 * attention: ``wq``, ``wk``, ``wv`` column-wise (each TP rank owns ``n_heads / tp`` whole
   heads, so attention itself runs locally with no communication), ``wo`` row-wise: one
