@@ -20,7 +20,7 @@ from elastic.errors import SpecError
 from elastic.models.config import CustomConfig
 from elastic.models.spec import ModelSpec, register_model
 
-_CACHE: dict[tuple[str, str], ModelSpec] = {}
+_CACHE: dict[tuple[str, str], tuple[ModelSpec, str | None]] = {}  # -> (spec, import root)
 
 
 def _import_factory(cfg: CustomConfig):
@@ -61,8 +61,18 @@ def _root_of(module: Any, module_name: str) -> str | None:
 def load_spec(cfg: CustomConfig) -> ModelSpec:
     """Import and call the factory once per (factory, args) in this process."""
     key = (cfg.factory, json.dumps(cfg.args, sort_keys=True, default=str))
-    if key in _CACHE:
-        return _CACHE[key]
+    spec, root = _CACHE.get(key) or (_call_factory(cfg), cfg._import_root)
+    if cfg._import_root is None:
+        cfg._import_root = root
+    for name in ("vocab_size", "seq_len"):
+        given = getattr(cfg, name)
+        if given is not None and given != getattr(spec, name):
+            raise SpecError(f"model.{name}", f"{given} differs from the factory's model ({getattr(spec, name)})")
+    _CACHE[key] = (spec, cfg._import_root)
+    return spec
+
+
+def _call_factory(cfg: CustomConfig) -> ModelSpec:
     fn = _import_factory(cfg)
     try:
         spec = fn(**cfg.args)
@@ -74,11 +84,6 @@ def load_spec(cfg: CustomConfig) -> ModelSpec:
         raise SpecError(
             "model.factory", f"{cfg.factory} returned {type(spec).__name__}, expected elastic.models.ModelSpec"
         )
-    for name in ("vocab_size", "seq_len"):
-        given = getattr(cfg, name)
-        if given is not None and given != getattr(spec, name):
-            raise SpecError(f"model.{name}", f"{given} differs from the factory's model ({getattr(spec, name)})")
-    _CACHE[key] = spec
     return spec
 
 
