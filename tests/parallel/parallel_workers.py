@@ -130,7 +130,9 @@ def train_layouts(rank: int, world: int, out_dir: str, layouts: list[Layout], mo
     return results
 
 
-def resize_and_resume(rank: int, world: int, out_dir: str, before: Layout, after: Layout, split: int) -> dict:
+def resize_and_resume(
+    rank: int, world: int, out_dir: str, before: Layout, after: Layout, split: int, model_cfg=MODEL, train=TRAIN
+) -> dict:
     """Train ``before`` on the full world, checkpoint, shrink the group in-process, resume.
 
     The process group is destroyed and re-created with ``after.world`` ranks in the same
@@ -139,23 +141,35 @@ def resize_and_resume(rank: int, world: int, out_dir: str, before: Layout, after
     """
     ckpt = os.path.join(out_dir, "ckpt")
     init_group(rank, world, os.path.join(out_dir, "store_a"))
-    engine = make_engine(before, world)
+    engine = make_engine(before, world, model_cfg, train)
     losses, norms = train_steps(engine, before, range(split))
     dcp.save(engine.state_dict(), checkpoint_id=ckpt)
+    saved_dtypes = sorted(
+        {
+            str(m.properties.dtype)
+            for m in dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata.values()
+            if hasattr(m, "properties")
+        }
+    )
     del engine
     dist.destroy_process_group()
     if rank >= after.world:
-        return {"losses": losses, "norms": norms}
+        return {"losses": losses, "norms": norms, "saved_dtypes": saved_dtypes}
 
     init_group(rank, after.world, os.path.join(out_dir, "store_b"))
-    engine = make_engine(after, after.world)
+    engine = make_engine(after, after.world, model_cfg, train)
     state = engine.state_dict()
     dcp.load(state, checkpoint_id=ckpt)
     engine.load_state_dict(state)
     resumed_at = engine.step
     more_losses, more_norms = train_steps(engine, after, range(split, STEPS))
     dist.destroy_process_group()
-    return {"losses": losses + more_losses, "norms": norms + more_norms, "resumed_at": resumed_at}
+    return {
+        "losses": losses + more_losses,
+        "norms": norms + more_norms,
+        "resumed_at": resumed_at,
+        "saved_dtypes": saved_dtypes,
+    }
 
 
 def blocked_peer_after_leave(rank: int, world: int, out_dir: str, cut: bool, timeout_s: float) -> dict:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 from parallel_harness import SEED, TRAIN, Layout, reference_run, run_ranks
-from parallel_workers import train_layouts
+from parallel_workers import resize_and_resume, train_layouts
 
 from elastic.models.config import LlamaConfig
 from elastic.models.spec import model_spec
@@ -126,3 +126,24 @@ def test_llama_bf16_matches_single_worker_bf16(layout, ref, rel, bf16_runs, refe
         assert got["losses"] == pytest.approx(want["losses"], rel=rel)
         assert got["norms"] == pytest.approx(want["norms"], rel=rel)
         assert max(got["init_diffs"].values()) == 0.0  # fp32 master weights, seeded as in fp32
+
+
+@pytest.mark.timeout(300)
+def test_llama_bf16_checkpoint_is_fp32_and_reshards(tmp_path, bf16_runs):
+    """bf16 ZeRO-3 at dp 4 -> DCP checkpoint -> shrink the group -> bf16 ZeRO-1 at dp 2: the
+    checkpoint holds fp32 tensors only (parameters and optimizer state), so the resumed run
+    continues the single-worker bf16 run exactly as an uninterrupted one would (2e-4, as
+    ``bf16_zero3_dp4``)."""
+    before = Layout("zero3_dp4", dp=4, zero=3)
+    after = Layout("zero1_dp2", dp=2, zero=1)
+    runs = run_ranks(4, resize_and_resume, (before, after, 2, LLAMA, TRAIN_BF16), tmp_path)
+    want = bf16_runs[0]["ref_fsdp_mb1"]
+    for rank, run in enumerate(runs):
+        assert run["saved_dtypes"] == ["torch.float32"], run["saved_dtypes"]
+    for run in runs[:2]:
+        assert run["resumed_at"] == 2
+        print(
+            f"resumed: losses {_worst(run['losses'], want['losses']):.2e}, norms {_worst(run['norms'], want['norms']):.2e}"
+        )
+        assert run["losses"] == pytest.approx(want["losses"], rel=2e-4)
+        assert run["norms"] == pytest.approx(want["norms"], rel=2e-4)
