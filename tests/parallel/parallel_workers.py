@@ -214,3 +214,38 @@ def blocked_peer_after_leave(rank: int, world: int, out_dir: str, cut: bool, tim
     except Exception:
         pass
     return result
+
+
+def compile_resize(rank: int, world: int, out_dir: str, before: Layout, after: Layout, model_cfg, train) -> dict:
+    """``train.compile``: train ``before``, shrink the group in-process to ``after`` (a new
+    engine, as an elastic resize does) and count what dynamo compiled on each side."""
+    from torch._dynamo.utils import counters
+
+    ckpt = os.path.join(out_dir, "ckpt")
+
+    def run(layout: Layout, world: int, steps: range) -> dict:
+        engine = make_engine(layout, world, model_cfg, train)
+        if steps.start > 0:  # resume from the state saved before the resize
+            state = engine.state_dict()
+            dcp.load(state, checkpoint_id=ckpt)
+            engine.load_state_dict(state)
+        times, losses, norms = [], [], []
+        for step in steps:
+            t0 = time.perf_counter()
+            loss, norm = train_steps(engine, layout, range(step, step + 1))
+            times.append(time.perf_counter() - t0)
+            losses += loss
+            norms += norm
+        if steps.start == 0:
+            dcp.save(engine.state_dict(), checkpoint_id=ckpt)
+        return {"times": times, "losses": losses, "norms": norms, "graphs": counters["stats"]["unique_graphs"]}
+
+    init_group(rank, world, os.path.join(out_dir, "store_a"))
+    first = run(before, world, range(2))
+    dist.destroy_process_group()
+    if rank >= after.world:
+        return {"before": first}
+    init_group(rank, after.world, os.path.join(out_dir, "store_b"))
+    second = run(after, after.world, range(2, STEPS))
+    dist.destroy_process_group()
+    return {"before": first, "after": second}

@@ -138,12 +138,11 @@ def test_llama_bf16_checkpoint_is_fp32_and_reshards(tmp_path, bf16_runs):
     after = Layout("zero1_dp2", dp=2, zero=1)
     runs = run_ranks(4, resize_and_resume, (before, after, 2, LLAMA, TRAIN_BF16), tmp_path)
     want = bf16_runs[0]["ref_fsdp_mb1"]
-    for rank, run in enumerate(runs):
+    for run in runs:
         assert run["saved_dtypes"] == ["torch.float32"], run["saved_dtypes"]
     for run in runs[:2]:
         assert run["resumed_at"] == 2
-        print(
-            f"resumed: losses {_worst(run['losses'], want['losses']):.2e}, norms {_worst(run['norms'], want['norms']):.2e}"
-        )
+        diffs = _worst(run["losses"], want["losses"]), _worst(run["norms"], want["norms"])
+        print(f"resumed: losses {diffs[0]:.2e}, norms {diffs[1]:.2e}")
         assert run["losses"] == pytest.approx(want["losses"], rel=2e-4)
         assert run["norms"] == pytest.approx(want["norms"], rel=2e-4)
