@@ -57,7 +57,12 @@ def our_side(args, device: torch.device):
     world = dist.get_world_size()
     cfg = LlamaConfig(**SHAPES[args.flavor], seq_len=args.seq)
     train = TrainConfig(
-        steps=10**6, global_batch=args.batch * world, lr=3e-4, warmup_steps=0, grad_clip=1.0, dtype="bf16",
+        steps=10**6,
+        global_batch=args.batch * world,
+        lr=3e-4,
+        warmup_steps=0,
+        grad_clip=1.0,
+        dtype="bf16",
         compile=not args.no_compile,
     )
     engine = TrainEngine(
@@ -79,8 +84,16 @@ def torchtitan_side(args, device: torch.device):
 
     from elastic.models.config import LlamaConfig
 
+    if device.type == "cpu" and args.patch_torchtitan_cpu:
+        # torchtitan picks its device type once at import (`_get_available_device_type() or
+        # "cuda"`) and builds its mesh on it, so on a CPU-only torch it fails in
+        # `torch.cuda.set_device`. This opt-in patch points it at "cpu"; nothing else changes.
+        import torchtitan.distributed.parallel_dims as tt_dims
+        import torchtitan.tools.utils as tt_utils
+
+        tt_utils.device_type, tt_dims.device_type = "cpu", "cpu"
     world = dist.get_world_size()
-    spec = model_registry(args.flavor, attn_backend="sdpa")
+    spec = model_registry(args.flavor)  # its default attention: flex (sdpa is refused for LMs)
     parallelism = ParallelismConfig(data_parallel_shard_degree=world)
     dims = ParallelDims.from_config(parallelism, world)
     dims.build_mesh()
@@ -107,7 +120,12 @@ def torchtitan_side(args, device: torch.device):
     ce = torch.nn.functional.cross_entropy
 
     def step(tokens: torch.Tensor) -> float:
-        logits = model(tokens[:, :-1])
+        inputs = tokens[:, :-1]
+        # As torchtitan's trainer does: per-token positions (one document per sequence) and
+        # the flex-attention block mask built from them, every step.
+        positions = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape[0], -1)
+        masks = model.get_attention_masks(positions=positions)
+        logits = model(inputs, positions=positions, attention_masks=masks)
         loss = ce(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
@@ -121,7 +139,9 @@ def torchtitan_side(args, device: torch.device):
 
 
 def measure(side: str, args) -> dict:
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -139,9 +159,11 @@ def measure(side: str, args) -> dict:
     _sync(device)
     elapsed = time.perf_counter() - t0
     tokens = args.batch * args.seq * args.steps * dist.get_world_size()
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else resource.getrusage(
-        resource.RUSAGE_SELF
-    ).ru_maxrss * 1024
+    peak = (
+        torch.cuda.max_memory_allocated(device)
+        if device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
     return {
         "tokens_per_s": tokens / elapsed,
         "peak_mem_bytes": int(peak),
@@ -206,6 +228,9 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="per-device dense bf16 peak (H100 SXM: 989)")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument(
+        "--patch-torchtitan-cpu", action="store_true", help="make torchtitan build its mesh on CPU (it assumes CUDA)"
+    )
     args = ap.parse_args()
 
     results: dict[str, list[dict]] = {"torchtitan": [], "ours": []}
