@@ -103,7 +103,7 @@ def test_cli_refuses_with_one_line_and_exit_2(tmp_path):
         (["--set", "parallel.tp=2"], "parallel.tp"),
     ]:
         proc = subprocess.run(
-            [sys.executable, "-m", "elastic.cli", "run", CUSTOM, "--run-dir", str(tmp_path / "run"), *args],
+            [sys.executable, "-m", "jobs.cli", "run", CUSTOM, "--run-dir", str(tmp_path / "run"), *args],
             cwd=ROOT,
             capture_output=True,
             text=True,

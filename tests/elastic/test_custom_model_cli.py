@@ -21,7 +21,7 @@ STEPS = 12
 
 def _elastic_run(run_dir: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """`elastic run` from the repository root, as the example's header says."""
-    cmd = [sys.executable, "-m", "elastic.cli", "run", SPEC, "--run-dir", run_dir, *args]
+    cmd = [sys.executable, "-m", "jobs.cli", "run", SPEC, "--run-dir", run_dir, *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=env)
 
 
