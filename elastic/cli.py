@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--step", type=int, default=None)
 
     sub.add_parser("schema", help="print the JSON Schema of job specs")
+
+    from elastic.ingest import cli as ingest_cli
+
+    ingest_cli.add_arguments(sub.add_parser("prepare", help="tokenize and pack text into a training corpus"))
     return p
 
 
@@ -92,6 +96,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return cmd_plan(args.config, args.topology, args.json, args.overrides)
     if args.command == "ckpt":
         return cmd_ckpt(args)
+    if args.command == "prepare":
+        from elastic.ingest import cli as ingest_cli
+
+        return ingest_cli.main(args)
     if args.command == "schema":
         from jobs.spec import JobSpec
 
