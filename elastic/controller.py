@@ -282,6 +282,7 @@ class Controller:
             tokens_per_s=tps,
         )
         fields["peak_mem_bytes"] = max(r.get("peak_mem_bytes", 0) for r in results.values())
+        fields["data_wait_s"] = max(r.get("data_wait_s", 0.0) for r in results.values())  # the slowest rank's wait
         if "grad_norm" in r0:  # pre-clip global gradient norm (identical on every rank)
             fields["grad_norm"] = r0["grad_norm"]
         if "mfu" in r0:

@@ -47,10 +47,20 @@ class DataConfig(BaseModel):
     num_samples: int = Field(20000, ge=1, description="corpus size for the synthetic source")
     cache_dir: str | None = Field(None, description="where the synthetic corpus is written; default <run_dir>/data")
     prefetch_steps: int = Field(2, ge=0, description="batches read ahead per rank")
-    loader: Literal["native", "ray_data"] = Field(
-        "native", description="native: a prefetch thread per rank; ray_data: a Ray Data pipeline per rank"
+    loader: Literal["auto", "feeder", "native", "ray_data"] = Field(
+        "auto",
+        description="feeder: one reader per host shared by the ranks of a replica (prepared corpora, "
+        "docs/data.md); native: a prefetch thread per rank; ray_data: a Ray Data pipeline per rank; "
+        "auto: feeder for a prepared corpus (with index.json), native otherwise",
     )
-    stagger_s: float = Field(0.05, ge=0, description="delay between hosts' first reads")
+    stagger_s: float = Field(0.05, ge=0, description="delay between hosts' first reads (native loader)")
+    waves: int = Field(
+        1,
+        ge=1,
+        description="hosts start reading in this many groups, at start-up and after "
+        "every resize or restore (docs/data.md)",
+    )
+    max_reads_per_host: int = Field(2, ge=1, description="storage reads in flight per host (feeder loader)")
     storage_options: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("source")

@@ -262,7 +262,8 @@ class TrainWorker:
             _sender(peer, self.spec.elastic.collective_timeout_s) if peer is not None else None,
             timeout_s=self.spec.elastic.collective_timeout_s,
         )
-        if self.corpus is None:
+        self._read_plan, self._feeder_gen = start.get("read_plan"), -1  # the host feeder to read from (docs/data.md)
+        if self.corpus is None and self._read_plan is None:
             self.corpus = ParquetCorpus(self.corpus_uri, self.spec.data.storage_options)
         self.stream = self._open_stream(self.batch_index, host_index * self.spec.data.stagger_s)
         from elastic.checkpoint.storage_tier import StorageUploader
@@ -324,6 +325,7 @@ class TrainWorker:
         batch_index, micro_batches = self.stream.next(timeout=self.spec.elastic.collective_timeout_s)
         while batch_index in self.skip_batches:
             batch_index, micro_batches = self.stream.next(timeout=self.spec.elastic.collective_timeout_s)
+        data_wait_s = time.perf_counter() - t0
         if self.faults.pending(step, self.rank):
             # Corrupt the weights only once the last snapshot is complete: the snapshot
             # copy overlaps the forward pass, which never writes the weights.
@@ -347,6 +349,7 @@ class TrainWorker:
             "loss": loss,
             "grad_norm": grad_norm,
             "step_time_s": step_time,
+            "data_wait_s": data_wait_s,
             "batch_index": batch_index,
             "peak_mem_bytes": self.engine.peak_mem_bytes(),
             "done_at": time.time(),
@@ -392,7 +395,26 @@ class TrainWorker:
         layout = BatchLayout(self.spec.train.global_batch, self.spec.parallel.micro_batch, self.dims.dp)
         dp_rank = self.dims.coords(self.rank).dp_rank
         source = None
-        if d.loader == "ray_data":
+        if getattr(self, "_read_plan", None) is not None:
+            from elastic.ingest.feeder import feeder_batches, open_feeder
+
+            timeout = self.spec.elastic.collective_timeout_s
+            gen = self._feeder_gen = getattr(self, "_feeder_gen", -1) + 1  # reset by configure
+            old = self.__dict__.pop("_feeder", None)
+            self._feeder = open_feeder(
+                self._read_plan,
+                self.corpus_uri,
+                d,
+                layout.global_batch,
+                start_batch * layout.global_batch,
+                timeout,
+                gen,
+            )
+            if old is not None:  # a rollback: the old window may not hold the rows to replay
+                ray.kill(old)
+            source = feeder_batches(self._feeder, layout, dp_rank, start_batch, timeout)
+            delay_s = 0.0  # the feeder staggers hosts by waves
+        elif d.loader == "ray_data":
             # Enough batches to finish the run, with room for skipped ones.
             remaining = self.spec.train.steps - self.step + 64
             source = ray_data_batches(
@@ -501,6 +523,12 @@ class TrainWorker:
         if self.stream is not None:
             self.stream.close()
             self.stream = None
+        feeder = self.__dict__.pop("_feeder", None)
+        if feeder is not None:  # the old layout's feeder; every rank of it may end it
+            try:
+                ray.kill(feeder)
+            except Exception:  # noqa: BLE001 - already gone with its node
+                pass
         self._abort_group()
         self.engine = None
 

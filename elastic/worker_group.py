@@ -20,6 +20,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from elastic import policies
 from elastic.diagnosis import NODE_PROBE_S, diagnose, probe_dead_nodes
 from elastic.errors import ActorDied, NodeLost, WorkerError, WorkerFailure
+from elastic.ingest.feeder import read_plans
 from elastic.placement import ReplicaSlots
 from elastic.worker import TrainWorker
 
@@ -128,11 +129,14 @@ class WorkerGroup:
             self.kill([members[0]])  # unreachable: evicted like a dead one
             raise self._lost_failure([members[0]], "lost before the rendezvous") from None
         hosts = _host_indices(members)
+        plans = read_plans(
+            self.spec, self.corpus_uri, [m.node_id for m in members], port
+        )  # data feeders (docs/data.md)
         peers = [None] * len(members)
         if self.spec.checkpoint.replicate:
             peers = policies.replica_peers([m.node_id for m in members], tp, pp, self.spec.parallel.zero)
         refs = []
-        for m, peer in zip(members, peers):
+        for m, peer, plan in zip(members, peers, plans):
             restore = None
             if source == "memory":
                 restore = {"source": "memory", "step": restore_step, "holders": self._holders_for(m, old_holders)}
@@ -143,7 +147,7 @@ class WorkerGroup:
                     "uri": self.storage_uri,
                     "storage_options": self.spec.checkpoint.storage_options,
                 }
-            start_m = dict(start, storage_uri=self.storage_uri)  # where the storage tier writes
+            start_m = dict(start, storage_uri=self.storage_uri, read_plan=plan, hosts=len(hosts))
             start_m["replica_peer"] = members[peer].actor if peer is not None else None  # keeps copies of m's snapshots
             refs.append(
                 m.actor.configure.remote(

@@ -17,7 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default="byte", help="byte, bpe:VOCAB_SIZE or PATH/tokenizer.json")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sample; rows hold seq_len + 1 ids")
     parser.add_argument("--rows-per-shard", type=int, default=2048, help="rows per parquet shard")
-    parser.add_argument("--address", default=None, help="Ray cluster address (default: join a running one, else embedded)")
+    parser.add_argument(
+        "--address", default=None, help="Ray cluster address (default: join a running one, else embedded)"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -56,8 +58,10 @@ def main(args: argparse.Namespace) -> int:
         f"({result.tokens:,} tokens) in {result.shards} shards, tokenizer {idx.tokenizer['kind']} "
         f"(vocab {idx.tokenizer['vocab_size']}), {result.wall_s:.1f}s, {result.tokens_per_s:,.0f} tokens/s"
     )
-    print(f"use it with: --set data.source={cfg.output} --set model.seq_len={idx.seq_len} "
-          f"--set model.vocab_size={idx.tokenizer['vocab_size']}")
+    print(
+        f"use it with: --set data.source={cfg.output} --set model.seq_len={idx.seq_len} "
+        f"--set model.vocab_size={idx.tokenizer['vocab_size']}"
+    )
     return 0
 
 

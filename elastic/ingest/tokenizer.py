@@ -68,7 +68,9 @@ def byte_tokenizer():
 
 def _bytes_to_unicode() -> dict[int, str]:
     """The byte -> printable character table that byte-level BPE uses (GPT-2's)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -101,7 +103,9 @@ def load_file(path: str):
     try:
         return Tokenizer.from_file(path)
     except Exception as exc:  # noqa: BLE001 - any parse failure is bad input
-        raise SpecError("--tokenizer", f"{path} is not a readable tokenizer.json: {str(exc).splitlines()[0][:200]}")
+        raise SpecError(
+            "--tokenizer", f"{path} is not a readable tokenizer.json: {str(exc).splitlines()[0][:200]}"
+        ) from None
 
 
 def eot_id(tok) -> int:
