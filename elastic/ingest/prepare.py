@@ -43,6 +43,7 @@ class PrepareConfig:
     rows_per_shard: int = 2048
     storage_options: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
+    blocks: int | None = None  # Ray Data read blocks (default: Ray's choice); the output does not depend on it
 
 
 @dataclass
@@ -94,18 +95,19 @@ def infer_format(files: list[str], given: str | None) -> str:
     return kinds.pop()
 
 
-def _dataset(fmt: str, fs: Any, files: list[str], text_field: str):
+def _dataset(fmt: str, fs: Any, files: list[str], text_field: str, blocks: int | None = None):
     """A Ray Data dataset with one column ``text``, in input order."""
     import ray.data
     from pyarrow.fs import FSSpecHandler, PyFileSystem
 
     pafs = PyFileSystem(FSSpecHandler(fs))
+    kw = {"filesystem": pafs, "override_num_blocks": blocks}
     if fmt == "jsonl":
-        ds = ray.data.read_json(files, filesystem=pafs)  # pyarrow reads JSON lines
+        ds = ray.data.read_json(files, **kw)  # pyarrow reads JSON lines
     elif fmt == "parquet":
-        ds = ray.data.read_parquet(files, filesystem=pafs)
+        ds = ray.data.read_parquet(files, **kw)
     else:  # one document per file
-        ds = ray.data.read_binary_files(files, filesystem=pafs)
+        ds = ray.data.read_binary_files(files, **kw)
         return ds.map_batches(_decode_files, batch_format="pyarrow")
     names = ds.schema().names
     if text_field not in names:
@@ -199,7 +201,7 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
-    ds = _dataset(fmt, fs, files, cfg.text_field)
+    ds = _dataset(fmt, fs, files, cfg.text_field, cfg.blocks)
     tok = _tokenizer(cfg, tspec, ds)
     described = toks.describe(tok, tspec.kind)
     out = open_storage(cfg.output, cfg.storage_options)
