@@ -412,6 +412,8 @@ class TrainWorker:
             )
             if old is not None:  # a rollback: the old window may not hold the rows to replay
                 ray.kill(old)
+            # Configure returns once this host's first reads are done (its wave came).
+            ray.get(self._feeder.ready.remote(), timeout=timeout * (d.waves + 2))
             source = feeder_batches(self._feeder, layout, dp_rank, start_batch, timeout)
             delay_s = 0.0  # the feeder staggers hosts by waves
         elif d.loader == "ray_data":

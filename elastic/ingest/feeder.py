@@ -46,25 +46,17 @@ class HostFeeder:
         waves: int,
         timeout_s: float,
     ):
+        self.root, self.storage_options = root, storage_options
         self.fs = open_storage(root, storage_options).fs
-        self.index = read_index(root, storage_options)
-        if self.index is None:
-            raise FileNotFoundError(f"{root} has no index.json: not a prepared corpus")
-        self.n = len(self.index.shards)
-        self.total = self.index.num_rows
-        self.starts = self.index.starts
+        self.index = None  # read after this host's wave opens: the index is a read too
         self.wave = wave_of(host_index, hosts, waves)
-        # Shards ahead of the oldest row still wanted: enough for ``rows_ahead`` rows, plus one
-        # per wave: later waves read further ahead, so their steady-state reads stay apart too.
-        smallest = min(s.rows for s in self.index.shards)
-        self.lookahead = -(-rows_ahead // smallest) + 1 + self.wave
+        self.rows_ahead, self.start_row = rows_ahead, start_row
         self.max_reads, self.timeout_s = max_reads, timeout_s
         self.host_index = host_index
         self._gate = get_gate(gate_name, hosts, waves) if gate_name and waves > 1 else None
         self._lock = threading.Condition()
         self._units: dict[int, np.ndarray] = {}
         self._inflight: set[int] = set()
-        self._next_unit = self._unit_of(start_row)
         self._low: dict[Any, int] = {}
         self._low_default = start_row
         self._error: BaseException | None = None
@@ -72,6 +64,20 @@ class HostFeeder:
         self.stats = {"gets": 0, "bytes_read": 0, "wave": self.wave, "gate_wait_s": 0.0, "first_read_at": None}
         self._pool = ThreadPoolExecutor(max_workers=max(1, max_reads), thread_name_prefix="feeder-read")
         threading.Thread(target=self._schedule, daemon=True).start()
+
+    def _open_index(self) -> None:
+        index = read_index(self.root, self.storage_options)
+        if index is None:
+            raise FileNotFoundError(f"{self.root} has no index.json: not a prepared corpus")
+        with self._lock:
+            self.index, self.n, self.total, self.starts = index, len(index.shards), index.num_rows, index.starts
+            self.stats["gets"] += 1
+            # Shards ahead of the oldest row still wanted: enough for ``rows_ahead`` rows, plus one
+            # per wave: later waves read further ahead, so their steady-state reads stay apart too.
+            smallest = min(s.rows for s in index.shards)
+            self.lookahead = -(-self.rows_ahead // smallest) + 1 + self.wave
+            self._next_unit = self._unit_of(self.start_row)
+            self._lock.notify_all()
 
     # ------------------------------------------------------------------ global row <-> shard
     def _unit_of(self, row: int) -> int:
@@ -96,8 +102,16 @@ class HostFeeder:
                 log.warning("wave gate: %s; reading anyway", type(exc).__name__)
             self.stats["gate_wait_s"] = time.perf_counter() - t0
         self.stats["first_read_at"] = time.time()
+        try:
+            self._open_index()
+        except BaseException as exc:  # surfaced to every caller of rows()
+            with self._lock:
+                self._error = exc
+                self._lock.notify_all()
+            return
         first_fill = self._next_unit + self.lookahead
         reported = self._gate is None
+        self._first_fill = first_fill
         with self._lock:
             while not self._stop and self._error is None:
                 if not reported and all(k in self._units for k in range(first_fill - self.lookahead, first_fill)):
@@ -142,6 +156,11 @@ class HostFeeder:
         with self._lock:
             self._low[key] = start
             self._lock.notify_all()
+            while self.index is None:
+                if self._error is not None:
+                    raise RuntimeError(f"data feeder read failed: {self._error}") from self._error
+                if not self._lock.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError(f"data feeder: the index was not read within {self.timeout_s:g}s")
             row, end = start, start + count
             while row < end:
                 k = self._unit_of(row)
@@ -160,6 +179,21 @@ class HostFeeder:
                 parts.append(unit[lo : lo + take])
                 row += take
         return np.concatenate(parts).astype(np.int64)
+
+    def ready(self) -> bool:
+        """Block until this host's first window is read (its wave's turn came and went)."""
+        deadline = time.monotonic() + self.timeout_s
+        with self._lock:
+            while True:
+                if self._error is not None:
+                    raise RuntimeError(f"data feeder read failed: {self._error}") from self._error
+                first = getattr(self, "_first_fill", None)
+                if first is not None and all(k in self._units for k in range(first - self.lookahead, first)):
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"data feeder: the first reads did not finish within {self.timeout_s:g}s")
+                self._lock.wait(timeout=left)
 
     def get_stats(self) -> dict[str, Any]:
         with self._lock:
@@ -204,7 +238,7 @@ def open_feeder(
         plan["feeder_host"],
         plan["hosts"],
         data_cfg.waves,
-        timeout_s,
+        timeout_s * (data_cfg.waves + 1),  # a late wave waits for the earlier ones first
     )
 
 

@@ -63,8 +63,16 @@ class PrepareResult:
 
 def list_inputs(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, list[str]]:
     """The input's filesystem and its files, sorted (hidden and ``_``-prefixed names skipped)."""
-    fs = open_storage(uri, storage_options).fs
     protocol, sep, rest = uri.partition("://")
+    if protocol == "s3":
+        # Ray Data's read tasks run in other processes, possibly started before these variables
+        # were set: hand them the driver's credentials explicitly (never logged).
+        env = {"key": "AWS_ACCESS_KEY_ID", "secret": "AWS_SECRET_ACCESS_KEY", "token": "AWS_SESSION_TOKEN"}
+        storage_options = dict(storage_options or {})
+        for opt, var in env.items():
+            if var in os.environ and opt not in storage_options:
+                storage_options[opt] = os.environ[var]
+    fs = open_storage(uri, storage_options).fs
     path = rest if sep else uri
     if protocol == "s3":
         path = path.rstrip("/")
