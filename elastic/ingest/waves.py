@@ -74,5 +74,12 @@ class WaveGate:
 
 
 def gate(name: str, hosts: int, waves: int):
-    """The gate actor called ``name`` (created by the first caller; others get it)."""
-    return WaveGate.options(name=name, get_if_exists=True, lifetime=None).remote(hosts, waves)
+    """The gate actor called ``name`` (created by the first caller; others get it).
+
+    Pinned to the caller's node: after a node loss Ray's node table still lists the dead
+    node for a while, and a gate placed there would hold every wave until Ray notices.
+    """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return WaveGate.options(name=name, get_if_exists=True, scheduling_strategy=here).remote(hosts, waves)

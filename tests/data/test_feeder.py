@@ -75,5 +75,7 @@ def test_training_from_the_feeder_matches_the_native_reader(local_corpus, tmp_pa
         got[loader] = _steps(run_dir)
     assert len(got["auto"]) == len(got["native"]) == 10
     for a, b in zip(got["auto"], got["native"]):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["grad_norm"] == pytest.approx(
+            b["grad_norm"], rel=1e-6
+        )
         assert a["data_wait_s"] >= 0 and "data_wait_s" in b

@@ -30,9 +30,7 @@ def jsonl(tmp_path, docs):
 
 def _rows(root: str) -> np.ndarray:
     index = read_index(root)
-    return np.concatenate(
-        [np.asarray(pq.read_table(index.uri(s)).column("tokens").to_pylist()) for s in index.shards]
-    )
+    return np.concatenate([np.asarray(pq.read_table(index.uri(s)).column("tokens").to_pylist()) for s in index.shards])
 
 
 def test_byte_packing_matches_a_plain_loop(ray_local, jsonl, docs, tmp_path):
