@@ -18,9 +18,11 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "te
 
 
 class CountingProxy:
-    def __init__(self, upstream: str, prefix: str = ""):
+    def __init__(self, upstream: str, prefix: str = "", get_latency_s: float = 0.0):
         """``upstream``: the server's endpoint URL; ``prefix``: count only GETs whose path
-        starts with it (e.g. ``/bucket/corpus``); other requests are forwarded uncounted."""
+        starts with it (e.g. ``/bucket/corpus``); other requests are forwarded uncounted.
+        ``get_latency_s``: hold each counted GET this long before forwarding it, like an
+        object store's time to first byte (loopback answers in about a millisecond)."""
         u = urlsplit(upstream)
         self.upstream = (u.hostname, u.port)
         self.prefix = prefix
@@ -43,6 +45,8 @@ class CountingProxy:
                 counted = self.command == "GET" and self.path.startswith(proxy.prefix) and "list-type" not in self.path
                 if counted:
                     proxy._change(+1)
+                    if get_latency_s:
+                        time.sleep(get_latency_s)
                 try:
                     conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
                     headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP}

@@ -106,8 +106,6 @@ def test_s3_text_prepared_then_trained_with_a_node_loss(ray_cluster, moto_s3, s3
     restore_ts = next(e["ts"] for e in events if e["kind"] == "failure")
     recovery_peak = _peak_until_next_step(proxy, events, restore_ts)
     startup_peak_2 = _peak_until_next_step(proxy, events, t_second)
-    print("DEBUG", restore_ts, [(round(t - restore_ts, 2), n) for t, n in proxy.events if t > restore_ts - 3][:40])
-    print("DEBUG steps", [(e["step"], round(e["ts"] - restore_ts, 2)) for e in steps if e["ts"] > restore_ts - 3][:8])
     print(
         f"GETs in flight: start-up {startup_peak}, {startup_peak_2}; after the node loss {recovery_peak}; bound {bound}"
     )

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def docs():
-    return stdlib_texts(("json", "email"))
+    return stdlib_texts(("json",))
 
 
 @pytest.fixture
