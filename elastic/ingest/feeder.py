@@ -271,7 +271,7 @@ def resolve_loader(data_cfg: Any, uri: str) -> str:
     return _LOADER_CACHE[key]
 
 
-def read_plans(spec: Any, uri: str, node_ids: list[str], port: int) -> list[dict[str, Any] | None]:
+def read_plans(spec: Any, uri: str, node_ids: list[str], generation: int) -> list[dict[str, Any] | None]:
     """Per rank (in rank order): its ``ReadPlan`` as a dict, or None when the feeder is not used."""
     if resolve_loader(spec.data, uri) != "feeder":
         return [None] * len(node_ids)
@@ -279,5 +279,36 @@ def read_plans(spec: Any, uri: str, node_ids: list[str], port: int) -> list[dict
 
     from elastic.ingest.waves import read_plans as plans
 
-    epoch = f"{port}-{uuid.uuid4().hex[:8]}"
+    epoch = f"{generation}-{uuid.uuid4().hex[:8]}"
     return [p.as_dict() for p in plans(node_ids, spec.parallel.replica_size, epoch)]
+
+
+class FeederSource:
+    """What a rank's trainer reads from: its replica's host feeder (made on first use, and
+    again after a rollback). The trainer calls ``open`` and ``close`` and never sees Ray."""
+
+    def __init__(self, plan: dict[str, Any], uri: str, data_cfg: Any, timeout_s: float):
+        self.plan, self.uri, self.data_cfg, self.timeout_s = plan, uri, data_cfg, timeout_s
+        self.feeder = None
+        self._gen = -1
+
+    def open(self, layout: Any, dp_rank: int, start_batch: int):
+        """``(batch_index, rows)`` from ``start_batch`` on; returns once this host's first
+        window is read (its wave came)."""
+        old, self._gen = self.feeder, self._gen + 1
+        d = self.data_cfg
+        self.feeder = open_feeder(
+            self.plan, self.uri, d, layout.global_batch, start_batch * layout.global_batch, self.timeout_s, self._gen
+        )
+        if old is not None:  # a rollback: the old window may not hold the rows to replay
+            ray.kill(old)
+        ray.get(self.feeder.ready.remote(), timeout=self.timeout_s * (d.waves + 2))
+        return feeder_batches(self.feeder, layout, dp_rank, start_batch, self.timeout_s)
+
+    def close(self) -> None:
+        if self.feeder is not None:  # every rank of the layout may end it
+            try:
+                ray.kill(self.feeder)
+            except Exception:  # noqa: BLE001 - already gone with its node
+                pass
+            self.feeder = None

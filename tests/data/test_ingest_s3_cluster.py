@@ -14,10 +14,10 @@ import time
 
 import boto3
 import pytest
+from elastic.cli import main as cli_main
 from ingest_testlib import stdlib_texts, write_jsonl
 
 from elastic import ElasticTrainer
-from elastic.cli import main as cli_main
 from elastic.events import read_events
 from elastic.testing.faults import Fault, FaultInjector, worker_fault
 from elastic.testing.s3proxy import CountingProxy
