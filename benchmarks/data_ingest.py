@@ -128,7 +128,7 @@ def peak_until_step(proxy, evs, t0):
 # --------------------------------------------------------------------------- 1. burst
 def storage_burst(moto, corpus, tmp):
     from elastic import ElasticTrainer
-    from elastic.testing.faults import Fault, FaultInjector, worker_fault
+    from elastic.testing.faults import Fault, FaultInjector, WorkerFaults, worker_fault
     from elastic.testing.s3proxy import CountingProxy
 
     out = {}
@@ -141,7 +141,7 @@ def storage_burst(moto, corpus, tmp):
             inj = FaultInjector([Fault("kill_node", at_step=8, node_index=2)], cluster=c)
             slow = [worker_fault("slow", step=1, rank=r, seconds=0.1) for r in range(4)]
             run_dir = os.path.join(tmp, f"burst-w{waves}")
-            ElasticTrainer(s, run_dir=run_dir, callbacks=[inj], worker_faults=slow).fit()
+            ElasticTrainer(s, run_dir=run_dir, callbacks=[inj], step_hook=WorkerFaults(slow)).fit()
         finally:
             stop(c)
             proxy.close()

@@ -14,14 +14,14 @@ import time
 
 import boto3
 import pytest
-from elastic.cli import main as cli_main
 from ingest_testlib import stdlib_texts, write_jsonl
 
 from elastic import ElasticTrainer
 from elastic.events import read_events
-from elastic.testing.faults import Fault, FaultInjector, worker_fault
+from elastic.testing.faults import Fault, FaultInjector, WorkerFaults, worker_fault
 from elastic.testing.s3proxy import CountingProxy
 from jobs import JobSpec
+from jobs.cli import main as cli_main
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -87,7 +87,7 @@ def test_s3_text_prepared_then_trained_with_a_node_loss(ray_cluster, moto_s3, s3
         injector = FaultInjector([Fault("kill_node", at_step=FAULT_STEP, node_index=2)], cluster=ray_cluster)
         slow = [worker_fault("slow", step=1, rank=r, seconds=0.1) for r in range(4)]
         run_dir = str(tmp_path / "run")
-        result = ElasticTrainer(spec, run_dir=run_dir, callbacks=[injector], worker_faults=slow).fit()
+        result = ElasticTrainer(spec, run_dir=run_dir, callbacks=[injector], step_hook=WorkerFaults(slow)).fit()
     finally:
         proxy.close()
     events = read_events(run_dir)
