@@ -11,10 +11,11 @@ scaled by ``1/grad_accum`` and averaged by DP, is exactly the mean over the glob
 The only training-state a resume needs is ``batch_index``: the next batch to read.
 
 Reading is per DP rank with a bounded background prefetch (``prefetch_steps`` batches
-ahead), either by a thread that reads the parquet row groups itself (``loader: native``)
-or from a Ray Data pipeline per rank (``loader: ray_data``) with the same order.
-Hosts start their first read ``stagger_s * host_index`` apart so that a job start or
-a recovery does not hit storage with every host at once.
+ahead), from the replica's host feeder for a corpus made by ``elastic prepare``
+(``loader: feeder``, ``elastic/ingest/feeder.py``: one read per host, staggered in
+``data.waves``), by a thread that reads the parquet row groups itself (``loader: native``;
+hosts start ``stagger_s * host_index`` apart) or from a Ray Data pipeline per rank
+(``loader: ray_data``), all in the same order. See docs/data.md.
 """
 
 from __future__ import annotations
