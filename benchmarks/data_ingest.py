@@ -65,7 +65,9 @@ class Moto:
         self.client.create_bucket(Bucket="bench")
 
     def options(self, endpoint=None):
-        return {"endpoint_url": endpoint or self.endpoint, "key": KEY, "secret": SECRET, "region": "us-east-1"}
+        """s3fs arguments: the native reader hands them to fsspec as they are."""
+        client = {"endpoint_url": endpoint or self.endpoint, "region_name": "us-east-1"}
+        return {"key": KEY, "secret": SECRET, "client_kwargs": client}
 
 
 def make_text(tmp: str, packages) -> str:
