@@ -375,7 +375,9 @@ class Controller:
                 f"elastic.max_failures={self.spec.elastic.max_failures} (last: {f.cause})"
             )
         group, e = self.group, self.spec.elastic
+        t0 = time.monotonic()
         replicas = group.complete_replicas(self._free_survivors(f))
+        t_freed = time.monotonic()
         # The newest step any worker completed (the culprits' last reports included).
         worker_step = max(state.last_seen_step, self._last_seen_step())
         group.kill([m for m in group.members if not m.dead and not any(m in r for r in replicas)])
@@ -397,12 +399,20 @@ class Controller:
         kept = [m for r in replicas[: recovery.keep] for m in r]
         group.kill([m for r in replicas[recovery.keep :] for m in r])
         newcomers = group.spawn(spare[: recovery.grow]) if recovery.grow else []
+        t_spawned = time.monotonic()
         restore_step, source = self._restore_source(kept)
         members = group.rank_order(kept + newcomers)
         for cb in self.callbacks:
             if hasattr(cb, "on_reconfigure"):
                 cb.on_reconfigure(self.failures, group, members)
         t = group.configure(members, recovery.dp, restore_step or 0, restore_step, source)
+        logger.info(
+            "recovery: survivors freed %.2fs, capacity and spawn %.2fs, configure %.2fs (%s)",
+            t_freed - t0,
+            t_spawned - t_freed,
+            time.monotonic() - t_spawned,
+            {k: round(v, 3) for k, v in t.items() if k.endswith("_s")},
+        )
         # Record.
         self.step = t["step"]
         self._pending.clear()

@@ -155,7 +155,7 @@ class LayoutPlan:
         return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ranks": [r.to_dict() for r in self.ranks]}
 
     def to_json(self, indent: int | None = None) -> str:
-        """The ``elastic plan --json`` document of DESIGN.md section 5."""
+        """The ``elastic plan --json`` document (``docs/cli.md``)."""
         return json.dumps(self.to_dict(), indent=indent)
 
     def to_table(self) -> str:

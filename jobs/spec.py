@@ -1,6 +1,6 @@
 """The job spec: one pydantic model composed from the config of each owner.
 
-``JobSpec`` fields mirror DESIGN.md section 4 exactly. Every check that spans several
+``JobSpec`` fields are the spec keys of ``docs/spec.md``, exactly. Every check that spans several
 owners (``tp`` divides ``n_heads``, a reachable ``global_batch``...) lives here, and every
 error names the dotted field at fault.
 """

@@ -169,3 +169,24 @@ def test_fault_flag_from_the_command_line(ray_local, reference_losses, tmp_path)
     summary = __import__("json").load(open(f"{run_dir}/summary.json"))
     assert summary["status"] == "succeeded" and summary["steps"] == STEPS and summary["failures"] == 1
     assert_matches_reference(step_metrics(run_dir), reference_losses, rel=REL_SAME_ORDER)
+
+
+def test_members_lost_mid_rendezvous_again_and_again(ray_local, reference_losses, tmp_path):
+    """A member dies inside each of three re-formations in a row. The survivor waiting in
+    each abandoned rendezvous is freed at once (the driver abandons the generation): no
+    attempt waits out ``collective_timeout_s``, and the job finishes on the fault-free
+    loss curve. Each attempt's time is dominated by starting a replacement actor."""
+    spec = elastic_spec(min_dp=2, max_dp=2, collective_timeout_s=60)
+    faults = [Fault("kill_worker", at_step=FAULT_STEP, rank=1)]
+    # Rank 1 of each new layout is the replacement just started (rank 0 keeps the snapshots).
+    faults += [Fault("kill_worker", during_recovery=n, rank=1, delay_s=0.3) for n in (1, 2, 3)]
+    run_dir, result = _run(tmp_path, spec, callbacks=[FaultInjector(faults)])
+    assert result.status == "succeeded" and result.steps == STEPS
+    failures = events_of(run_dir, "failure")
+    assert len(failures) == 4 and all(f["cause"] == "actor_died" for f in failures), failures
+    first_step_after = min(e["ts"] for e in events_of(run_dir, "step") if e["ts"] > failures[-1]["ts"])
+    ends = [f["ts"] for f in failures[1:]] + [first_step_after]
+    attempts = [end - f["ts"] for f, end in zip(failures, ends)]
+    print("re-formation attempts (s):", [round(a, 1) for a in attempts])
+    assert max(attempts) < spec.elastic.collective_timeout_s, attempts
+    assert_matches_reference(step_metrics(run_dir), reference_losses, rel=REL_SAME_ORDER)
