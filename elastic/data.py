@@ -11,10 +11,11 @@ scaled by ``1/grad_accum`` and averaged by DP, is exactly the mean over the glob
 The only training-state a resume needs is ``batch_index``: the next batch to read.
 
 Reading is per DP rank with a bounded background prefetch (``prefetch_steps`` batches
-ahead), either by a thread that reads the parquet row groups itself (``loader: native``)
-or from a Ray Data pipeline per rank (``loader: ray_data``) with the same order.
-Hosts start their first read ``stagger_s * host_index`` apart so that a job start or
-a recovery does not hit storage with every host at once.
+ahead), from the replica's host feeder for a corpus made by ``elastic prepare``
+(``loader: feeder``, ``elastic/ingest/feeder.py``: one read per host, staggered in
+``data.waves``), by a thread that reads the parquet row groups itself (``loader: native``;
+hosts start ``stagger_s * host_index`` apart) or from a Ray Data pipeline per rank
+(``loader: ray_data``), all in the same order. See docs/data.md.
 """
 
 from __future__ import annotations
@@ -49,10 +50,20 @@ class DataConfig(BaseModel):
     num_samples: int = Field(20000, ge=1, description="corpus size for the synthetic source")
     cache_dir: str | None = Field(None, description="where the synthetic corpus is written; default <run_dir>/data")
     prefetch_steps: int = Field(2, ge=0, description="batches read ahead per rank")
-    loader: Literal["native", "ray_data"] = Field(
-        "native", description="native: a prefetch thread per rank; ray_data: a Ray Data pipeline per rank"
+    loader: Literal["auto", "feeder", "native", "ray_data"] = Field(
+        "auto",
+        description="feeder: one reader per host shared by the ranks of a replica (prepared corpora, "
+        "docs/data.md); native: a prefetch thread per rank; ray_data: a Ray Data pipeline per rank; "
+        "auto: feeder for a prepared corpus (with index.json), native otherwise",
     )
-    stagger_s: float = Field(0.05, ge=0, description="delay between hosts' first reads")
+    stagger_s: float = Field(0.05, ge=0, description="delay between hosts' first reads (native loader)")
+    waves: int = Field(
+        1,
+        ge=1,
+        description="hosts start reading in this many groups, at start-up and after "
+        "every resize or restore (docs/data.md)",
+    )
+    max_reads_per_host: int = Field(2, ge=1, description="storage reads in flight per host (feeder loader)")
     storage_options: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("source")

@@ -130,6 +130,7 @@ class ConfigureRequest:
     restore: Restore | None = None
     storage_uri: str = ""
     replica_peer: Any = None
+    read_plan: dict[str, Any] | None = None  # the host feeder this rank reads from (docs/data.md)
 
 
 @dataclass(frozen=True)

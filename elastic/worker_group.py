@@ -26,6 +26,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from elastic import recovery_plan as plan
 from elastic.diagnosis import NODE_PROBE_S, RayletProbe, diagnose
 from elastic.errors import ActorDied, NodeLost, WorkerError, WorkerFailure
+from elastic.ingest.feeder import read_plans
 from elastic.messages import (
     DEAD,
     ConfigureReply,
@@ -153,11 +154,12 @@ class WorkerGroup:
         self._generation += 1
         generation = self._generation
         hosts = _host_indices(members)
+        reads = read_plans(self.spec, self.corpus_uri, [m.node_id for m in members], generation)  # docs/data.md
         peers = [None] * len(members)
         if self.spec.checkpoint.replicate:
             peers = plan.replica_peers([m.node_id for m in members], tp, pp, zero)
         refs = []
-        for m, peer in zip(members, peers):
+        for m, peer, read_plan in zip(members, peers, reads):
             restore = None
             if source == "memory":
                 owners = plan.owners_for(m.rank, old_holders, m, tp, pp, zero)
@@ -175,6 +177,7 @@ class WorkerGroup:
                 restore=restore,
                 storage_uri=self.storage_uri,
                 replica_peer=members[peer].actor if peer is not None else None,  # keeps copies of m's snapshots
+                read_plan=read_plan,
             )
             refs.append(m.actor.configure.remote(req))
         replies = self._gather_configure(members, refs)

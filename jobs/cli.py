@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     from elastic.simulator.cli import add_arguments as add_simulate_arguments
 
     add_simulate_arguments(sub.add_parser("simulate", help="simulate failures at scale: ETTR, inplace vs restart"))
+
+    from elastic.ingest import cli as ingest_cli
+
+    ingest_cli.add_arguments(sub.add_parser("prepare", help="tokenize and pack text into a training corpus"))
     return p
 
 
@@ -100,6 +104,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         from elastic.simulator.cli import main as simulate_main
 
         return simulate_main(args)
+
+    if args.command == "prepare":
+        from elastic.ingest import cli as ingest_cli
+
+        return ingest_cli.main(args)
     if args.command == "schema":
         from jobs.spec import JobSpec
 

@@ -158,12 +158,19 @@ class TrainWorker:
         dims = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=dp * tp * pp, timeout=self.group.rendezvous_timeout)
         dims.build_mesh(self.device.type)
         self.group.mesh_built([dims.world_mesh[name].get_group() for name in MESH_DIM_NAMES])
-        if self.corpus is None:
+        source = None
+        if req.read_plan is not None:  # a prepared corpus: read through the replica's host feeder
+            from elastic.ingest.feeder import FeederSource
+
+            source = FeederSource(
+                req.read_plan, self.corpus_uri, self.spec.data, self.spec.elastic.collective_timeout_s
+            )
+        elif self.corpus is None:
             self.corpus = ParquetCorpus(self.corpus_uri, self.spec.data.storage_options)
         t0 = time.perf_counter()
         trainer = Trainer(
             self.spec, dims, req.rank, self.device, self.tier, self.corpus, self._reports, self._stop,
-            hook=self.hook, peak_flops=peak_flops(self.device),
+            hook=self.hook, peak_flops=peak_flops(self.device), source=source,
         )  # fmt: skip
         build_s = time.perf_counter() - t0
         self.group.built()  # the group's and its mesh's connections, cut on a failure

@@ -48,6 +48,7 @@ class Trainer:
         stop: threading.Event,
         hook: StepHook | None = None,
         peak_flops: float | None = None,
+        source: Any = None,
     ):
         self.spec, self.dims, self.rank, self.tier, self.corpus = spec, dims, rank, tier, corpus
         self.reports, self.stop, self.hook, self.peak_flops = reports, stop, hook, peak_flops
@@ -60,6 +61,7 @@ class Trainer:
         self.uploader: StorageUploader | None = None
         self.last_progress = time.monotonic()  # the loop's own heartbeat
         self._snapshot_blocking = 0.0
+        self.source = source  # opens this rank's batch stream when set (elastic.ingest.feeder.FeederSource)
 
     @property
     def layout(self) -> dict[str, int]:
@@ -114,6 +116,8 @@ class Trainer:
             self.uploader.close()
         if self.stream is not None:
             self.stream.close()
+        if self.source is not None:
+            self.source.close()
         self.engine = None
 
     # ------------------------------------------------------------------ the step
@@ -231,7 +235,9 @@ class Trainer:
         layout = BatchLayout(self.spec.train.global_batch, self.spec.parallel.micro_batch, self.dims.dp)
         dp_rank = self.dims.coords(self.rank).dp_rank
         source = None
-        if d.loader == "ray_data":
+        if self.source is not None:  # the host feeder staggers hosts by waves itself
+            source, delay_s = self.source.open(layout, dp_rank, start_batch), 0.0
+        elif d.loader == "ray_data":
             remaining = self.spec.train.steps - self.step + 64  # enough to finish, with room for skipped batches
             source = ray_data_batches(
                 self.corpus.uri, d.storage_options, layout, dp_rank, start_batch, remaining, d.prefetch_steps

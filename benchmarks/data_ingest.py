@@ -1,0 +1,364 @@
+"""Data ingest, measured side by side with its baselines (issue 13; see docs/data.md).
+
+1. **Storage burst**: a 4-node ``ray.cluster_utils.Cluster`` (a CPU-less head and four 1-CPU
+   nodes) trains from ``s3://`` on a real S3 server (moto) on loopback, through a counting
+   proxy that sees every GET at the server side. A node is killed at step 8. Peak GETs in
+   flight at start-up (until the first step) and after the node loss (until the first step
+   after it), with ``data.waves: 4`` against ``data.waves: 1``; the bound is
+   ``ceil(hosts / waves) * max_reads_per_host``.
+2. **Data wait**: the quickstart model from ``s3://`` at dp 4; steady state (steps after the
+   first 5): sum of ``data_wait_s`` over sum of ``step_time_s``, feeder against the native
+   reader.
+3. **Prepare throughput**: ``elastic prepare`` on the cluster against a plain single-process
+   loop (read, ``encode_batch`` with the same tokenizer, pack, write the same shards) on the
+   same input; tokens/s, 3 runs each, median and range.
+4. **Duplicate reads**: bytes GET from storage per step with tp=2 against tp=1 (dp 2 both),
+   and the native reader at tp=2 for contrast.
+
+Usage: ``python benchmarks/data_ingest.py [--out benchmarks/results/data_ingest.json] [--only 1,2,3,4]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import math
+import os
+import platform
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data"))
+
+import numpy as np  # noqa: E402
+
+KEY, SECRET = "testing", "testing"
+GET_LATENCY_S = 0.05  # the proxy holds each data GET this long: an object store's time to first byte
+
+
+class Moto:
+    def __init__(self):
+        from moto.server import ThreadedMotoServer
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        import boto3
+
+        self.client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=KEY,
+            aws_secret_access_key=SECRET,
+            region_name="us-east-1",
+        )
+        self.client.create_bucket(Bucket="bench")
+
+    def options(self, endpoint=None):
+        """s3fs arguments: the native reader hands them to fsspec as they are."""
+        client = {"endpoint_url": endpoint or self.endpoint, "region_name": "us-east-1"}
+        return {"key": KEY, "secret": SECRET, "client_kwargs": client}
+
+
+def make_text(tmp: str, packages) -> str:
+    from ingest_testlib import stdlib_texts, write_jsonl
+
+    path = os.path.join(tmp, "text")
+    write_jsonl(path, stdlib_texts(packages), per_file=16)
+    return path
+
+
+def cluster(nodes: int = 4):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    for _ in range(nodes):
+        c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    ray.init(address=c.address, log_to_driver=False, logging_level=logging.ERROR)
+    return c
+
+
+def stop(c) -> None:
+    import ray
+
+    ray.shutdown()
+    c.shutdown()
+
+
+def spec(source, options, **over):
+    from jobs import JobSpec
+
+    raw = {
+        "name": "ingest-bench",
+        "seed": 1,
+        "model": {"n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 257, "seq_len": 64},
+        "data": {"source": source, "storage_options": options, "max_reads_per_host": 2},
+        "parallel": {"micro_batch": 1},
+        "elastic": {"min_dp": 1, "max_dp": 4, "heartbeat_timeout_s": 5, "collective_timeout_s": 15},
+        "train": {"steps": 20, "global_batch": 12, "lr": 3.0e-3},
+        "checkpoint": {"every_steps": 0, "memory_every_steps": 1},
+    }
+    for k, v in over.items():
+        sect, key = k.split("__")
+        raw[sect][key] = v
+    return JobSpec.from_dict(raw)
+
+
+def events(run_dir):
+    from elastic.events import read_events
+
+    return read_events(run_dir)
+
+
+def peak_until_step(proxy, evs, t0):
+    """Peak GETs in flight from ``t0`` to the first step after the next restore (after a
+    failure) or the first step (at start-up). Steps the survivors finished before the
+    failure may be committed after it: they do not end the window."""
+    restored = [e["ts"] for e in evs if e["kind"] == "restore" and e["ts"] > t0]
+    after = restored[0] if restored and t0 > 0 and any(e["kind"] == "failure" for e in evs) else t0
+    t1 = next(e["ts"] for e in evs if e["kind"] == "step" and e["ts"] > after)
+    return proxy.peak(t0, t1)
+
+
+# --------------------------------------------------------------------------- 1. burst
+def storage_burst(moto, corpus, tmp):
+    from elastic import ElasticTrainer
+    from elastic.testing.faults import Fault, FaultInjector, WorkerFaults, worker_fault
+    from elastic.testing.s3proxy import CountingProxy
+
+    out = {}
+    for waves in (4, 1):
+        proxy = CountingProxy(moto.endpoint, prefix="/bench/corpus", get_latency_s=GET_LATENCY_S)
+        c = cluster(4)
+        try:
+            t_start = time.time()
+            s = spec(corpus, moto.options(proxy.endpoint), data__waves=waves)
+            inj = FaultInjector([Fault("kill_node", at_step=8, node_index=2)], cluster=c)
+            slow = [worker_fault("slow", step=1, rank=r, seconds=0.1) for r in range(4)]
+            run_dir = os.path.join(tmp, f"burst-w{waves}")
+            ElasticTrainer(s, run_dir=run_dir, callbacks=[inj], step_hook=WorkerFaults(slow)).fit()
+        finally:
+            stop(c)
+            proxy.close()
+        evs = events(run_dir)
+        t_fail = next(e["ts"] for e in evs if e["kind"] == "failure")
+        per_host = s.data.max_reads_per_host
+        out[f"waves_{waves}"] = {
+            "startup_peak_gets": peak_until_step(proxy, evs, t_start),
+            "after_node_loss_peak_gets": peak_until_step(proxy, evs, t_fail),
+            "whole_run_peak_gets": proxy.peak(),
+            "get_latency_s": GET_LATENCY_S,
+            "bound_startup": math.ceil(4 / waves) * per_host,
+            "bound_after_loss": math.ceil(3 / min(waves, 3)) * per_host,
+            "gets": proxy.gets,
+            "startup_s": next(e["ts"] for e in evs if e["kind"] == "step") - t_start,
+        }
+        print(f"[burst] waves={waves}: {out[f'waves_{waves}']}", flush=True)
+    return out
+
+
+# --------------------------------------------------------------------------- 2. data wait
+def data_wait(moto, corpus, tmp):
+    from elastic import ElasticTrainer
+
+    out = {}
+    c = cluster(4)
+    try:
+        for loader in ("feeder", "native"):
+            s = spec(
+                corpus,
+                moto.options(),
+                model__n_layers=4,
+                model__d_model=128,
+                model__vocab_size=512,
+                parallel__micro_batch=4,
+                train__global_batch=48,
+                train__steps=30,
+                data__loader=loader,
+            )
+            run_dir = os.path.join(tmp, f"wait-{loader}")
+            ElasticTrainer(s, run_dir=run_dir).fit()
+            steps = [e for e in events(run_dir) if e["kind"] == "step"][5:]
+            waits = [e["data_wait_s"] for e in steps]
+            times = [e["step_time_s"] for e in steps]
+            out[loader] = {
+                "steady_steps": len(steps),
+                "wait_fraction": sum(waits) / sum(times),
+                "median_wait_s": statistics.median(waits),
+                "max_wait_s": max(waits),
+                "median_step_s": statistics.median(times),
+            }
+            print(f"[wait] {loader}: {out[loader]}", flush=True)
+    finally:
+        stop(c)
+    return out
+
+
+# --------------------------------------------------------------------------- 3. prepare
+def plain_loop(text_dir, tokenizer_path, out_dir, seq_len, rows_per_shard):
+    """The baseline: one process reads, tokenizes (encode_batch), packs and writes."""
+    from elastic.ingest import tokenizer as toks
+    from elastic.ingest.prepare import _Packer, encode_shard, iter_texts
+
+    t0 = time.perf_counter()
+    tok = toks.byte_tokenizer() if tokenizer_path == "byte" else toks.load_file(tokenizer_path)
+    eot = toks.eot_id(tok)
+    os.makedirs(out_dir, exist_ok=True)
+    n = [0]
+
+    def write(rows):
+        with open(os.path.join(out_dir, f"part-{n[0]:05d}.parquet"), "wb") as f:
+            f.write(encode_shard(rows))
+        n[0] += 1
+
+    packer = _Packer(seq_len + 1, rows_per_shard, write)
+    batch = []
+    for text in iter_texts(text_dir):
+        batch.append(text)
+        if len(batch) == 64:
+            for e in tok.encode_batch(batch, add_special_tokens=False):
+                packer.add(np.append(np.asarray(e.ids, dtype=np.int32), np.int32(eot)))
+            batch = []
+    for e in tok.encode_batch(batch, add_special_tokens=False):
+        packer.add(np.append(np.asarray(e.ids, dtype=np.int32), np.int32(eot)))
+    packer.finish()
+    return packer.rows * (seq_len + 1) / (time.perf_counter() - t0)
+
+
+def prepare_throughput(text_dir, tmp, repeats=3):
+    from elastic.ingest.prepare import PrepareConfig, prepare
+
+    out = {}
+    c = cluster(4)
+    try:
+        bpe_dir = os.path.join(tmp, "bpe-train")
+        prepare(PrepareConfig(text_dir, bpe_dir, tokenizer="bpe:2048", seq_len=64, progress=False))
+        for name, tok in (("byte", "byte"), ("bpe2048", os.path.join(bpe_dir, "tokenizer.json"))):
+            ours, base = [], []
+            for i in range(repeats):
+                d = os.path.join(tmp, f"prep-{name}-{i}")
+                r = prepare(PrepareConfig(text_dir, d, tokenizer=tok, seq_len=64, progress=False))
+                ours.append(r.tokens_per_s)
+                base.append(plain_loop(text_dir, tok, os.path.join(tmp, f"loop-{name}-{i}"), 64, 2048))
+                shutil.rmtree(d, ignore_errors=True)
+            out[name] = {
+                "prepare_tokens_per_s": _summary(ours),
+                "plain_loop_tokens_per_s": _summary(base),
+                "ratio_median": statistics.median(ours) / statistics.median(base),
+                "tokens": r.tokens,
+            }
+            print(f"[prepare] {name}: {out[name]}", flush=True)
+    finally:
+        stop(c)
+    return out
+
+
+def _summary(xs):
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
+
+
+# --------------------------------------------------------------------------- 4. duplicate reads
+def duplicate_reads(moto, corpus, tmp):
+    from elastic import ElasticTrainer
+    from elastic.testing.s3proxy import CountingProxy
+
+    out = {}
+    c = cluster(4)
+    try:
+        for name, tp, loader in (("tp1_feeder", 1, "feeder"), ("tp2_feeder", 2, "feeder"), ("tp2_native", 2, "native")):
+            proxy = CountingProxy(moto.endpoint, prefix="/bench/corpus")
+            s = spec(
+                corpus,
+                moto.options(proxy.endpoint),
+                parallel__tp=tp,
+                elastic__min_dp=2,
+                elastic__max_dp=2,
+                data__loader=loader,
+                train__steps=40,
+            )
+            run_dir = os.path.join(tmp, f"dup-{name}")
+            ElasticTrainer(s, run_dir=run_dir).fit()
+            proxy.close()
+            gets, nbytes = proxy.counts()
+            out[name] = {"bytes_per_step": nbytes / s.train.steps, "gets": gets, "bytes": nbytes}
+            print(f"[dup] {name}: {out[name]}", flush=True)
+    finally:
+        stop(c)
+    out["ratio_tp2_over_tp1"] = out["tp2_feeder"]["bytes"] / out["tp1_feeder"]["bytes"]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "data_ingest.json")
+    )
+    ap.add_argument("--only", default="1,2,3,4")
+    args = ap.parse_args()
+    parts = set(args.only.split(","))
+    logging.getLogger("ray").setLevel(logging.ERROR)
+    from elastic.ingest.prepare import PrepareConfig, prepare
+
+    tmp = tempfile.mkdtemp(prefix="data-ingest-")
+    results = {
+        "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "note": "2-core machine shared with other jobs; timings are noisy",
+    }
+    moto = Moto()
+    try:
+        text = make_text(tmp, ("json", "email", "http", "logging", "asyncio", "xml/dom", "unittest"))
+        for name in sorted(os.listdir(text)):
+            moto.client.upload_file(os.path.join(text, name), "bench", f"text/{name}")
+        corpus = "s3://bench/corpus"
+        os.environ.update(
+            AWS_ENDPOINT_URL=moto.endpoint,
+            AWS_ACCESS_KEY_ID=KEY,
+            AWS_SECRET_ACCESS_KEY=SECRET,
+            AWS_DEFAULT_REGION="us-east-1",
+        )
+        c = cluster(4)
+        try:
+            r = prepare(PrepareConfig("s3://bench/text", corpus, tokenizer="byte", seq_len=64, rows_per_shard=256))
+            results["corpus"] = {"rows": r.rows, "shards": r.shards, "tokens": r.tokens}
+        finally:
+            stop(c)
+        if "1" in parts:
+            results["storage_burst"] = storage_burst(moto, corpus, tmp)
+        if "2" in parts:
+            results["data_wait"] = data_wait(moto, corpus, tmp)
+        if "3" in parts:
+            results["prepare_throughput"] = prepare_throughput(text, tmp)
+        if "4" in parts:
+            results["duplicate_reads"] = duplicate_reads(moto, corpus, tmp)
+    finally:
+        moto.server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    if parts != {"1", "2", "3", "4"} and os.path.exists(args.out):  # a partial run updates its parts only
+        with open(args.out) as f:
+            previous = json.load(f)
+        for key in ("storage_burst", "data_wait", "prepare_throughput", "duplicate_reads"):
+            if key in previous and key not in results:
+                results[key] = previous[key]
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

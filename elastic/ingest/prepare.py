@@ -1,0 +1,291 @@
+"""``elastic prepare``: raw text to a packed, tokenized parquet corpus, as a Ray Data pipeline.
+
+Ray Data reads the input files (``file://`` or ``s3://``; JSON lines, parquet or plain
+text) and tokenizes documents in parallel on the cluster's CPUs, in input order
+(``preserve_order``). The driver then packs the token stream, each document followed by the
+end-of-text token, into rows of ``seq_len + 1`` ids, cuts them into shards of
+``rows_per_shard`` rows and writes them with an index (``elastic.ingest.index``). Packing is
+sequential over an ordered stream, so the output is byte-identical whatever the cluster
+size or the number of blocks. The tail shorter than one row is dropped. See docs/data.md.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from elastic.errors import SpecError
+from elastic.ingest import tokenizer as toks
+from elastic.ingest.index import CorpusIndex, Shard, sha256, write_index
+from storage import open_storage, redact_uri
+
+FORMATS = ("jsonl", "parquet", "text")
+_EXT = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".txt": "text", ".py": "text"}
+
+
+@dataclass
+class PrepareConfig:
+    input: str
+    output: str
+    format: str | None = None
+    text_field: str = "text"
+    tokenizer: str = "byte"
+    seq_len: int = 64
+    rows_per_shard: int = 2048
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    progress: bool = True
+    blocks: int | None = None  # Ray Data read blocks (default: Ray's choice); the output does not depend on it
+
+
+@dataclass
+class PrepareResult:
+    docs: int
+    tokens: int  # tokens in the packed rows (documents and end-of-text tokens)
+    rows: int
+    shards: int
+    wall_s: float
+    tokenize_s: float
+    index: CorpusIndex
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def list_inputs(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, list[str]]:
+    """The input's filesystem and its files, sorted (hidden and ``_``-prefixed names skipped)."""
+    protocol, sep, rest = uri.partition("://")
+    if protocol == "s3":
+        # Ray Data's read tasks run in other processes, possibly started before these variables
+        # were set: hand them the driver's credentials explicitly (never logged).
+        env = {"key": "AWS_ACCESS_KEY_ID", "secret": "AWS_SECRET_ACCESS_KEY", "token": "AWS_SESSION_TOKEN"}
+        storage_options = dict(storage_options or {})
+        for opt, var in env.items():
+            if var in os.environ and opt not in storage_options:
+                storage_options[opt] = os.environ[var]
+    fs = open_storage(uri, storage_options).fs
+    path = rest if sep else uri
+    if protocol == "s3":
+        path = path.rstrip("/")
+    try:
+        if fs.isdir(path):
+            files = sorted(
+                p for p in fs.find(path) if not os.path.basename(p).startswith((".", "_")) and not fs.isdir(p)
+            )
+        elif fs.exists(path):
+            files = [path]
+        else:
+            raise SpecError("INPUT", f"{redact_uri(uri)} does not exist")
+    except (PermissionError, OSError) as exc:
+        raise SpecError("INPUT", f"{redact_uri(uri)} cannot be read: {type(exc).__name__}") from None
+    if not files:
+        raise SpecError("INPUT", f"{redact_uri(uri)} holds no input files")
+    return fs, files
+
+
+def infer_format(files: list[str], given: str | None) -> str:
+    if given:
+        if given not in FORMATS:
+            raise SpecError("--format", f"{given!r} is not one of {', '.join(FORMATS)}")
+        return given
+    kinds = {_EXT.get(os.path.splitext(f)[1].lower()) for f in files}
+    if len(kinds) != 1 or None in kinds:
+        raise SpecError("--format", "cannot tell the input format from the file names; pass --format")
+    return kinds.pop()
+
+
+def _dataset(fmt: str, fs: Any, files: list[str], text_field: str, blocks: int | None = None):
+    """A Ray Data dataset with one column ``text``, in input order."""
+    import ray.data
+    from pyarrow.fs import FSSpecHandler, PyFileSystem
+
+    pafs = PyFileSystem(FSSpecHandler(fs))
+    kw = {"filesystem": pafs, "override_num_blocks": blocks}
+    if fmt == "jsonl":
+        ds = ray.data.read_json(files, **kw)  # pyarrow reads JSON lines
+    elif fmt == "parquet":
+        ds = ray.data.read_parquet(files, **kw)
+    else:  # one document per file
+        ds = ray.data.read_binary_files(files, **kw)
+        return ds.map_batches(_decode_files, batch_format="pyarrow")
+    names = ds.schema().names
+    if text_field not in names:
+        raise SpecError("--text-field", f"no field {text_field!r} in the input (fields: {', '.join(names) or 'none'})")
+    return ds.select_columns([text_field]).rename_columns({text_field: "text"})
+
+
+def _decode_files(batch: pa.Table) -> pa.Table:
+    return pa.table({"text": [b.decode("utf-8", errors="replace") for b in batch.column("bytes").to_pylist()]})
+
+
+class _Tokenize:
+    """Ray Data map stage: documents -> token ids, each followed by end-of-text."""
+
+    def __init__(self, tokenizer_json: str):
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_str(tokenizer_json)
+        self.eot = toks.eot_id(self.tok)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        texts = [t for t in batch.column("text").to_pylist() if t]  # null or empty documents are skipped
+        encoded = self.tok.encode_batch(texts, add_special_tokens=False) if texts else []
+        ids = [np.append(np.asarray(e.ids, dtype=np.int32), np.int32(self.eot)) for e in encoded]
+        return pa.table({"ids": pa.array(ids, type=pa.list_(pa.int32()))})
+
+
+def _tokenizer(cfg: PrepareConfig, spec: toks.TokenizerSpec, ds):
+    if spec.kind == "byte":
+        return toks.byte_tokenizer()
+    if spec.kind == "file":
+        tok = toks.load_file(spec.path)
+        toks.eot_id(tok)
+        return tok
+    texts = (row["text"] for row in ds.iter_rows() if row["text"])
+    return toks.train_bpe(texts, spec.vocab_size)
+
+
+class _Packer:
+    """Cuts an ordered token stream into rows of ``width`` and the rows into shards."""
+
+    def __init__(self, width: int, rows_per_shard: int, write):
+        self.width, self.rows_per_shard, self.write = width, rows_per_shard, write
+        self._tail = np.empty(0, dtype=np.int32)
+        self._rows: list[np.ndarray] = []
+        self._buffered = 0
+        self.rows = 0
+
+    def add(self, ids: np.ndarray) -> None:
+        flat = np.concatenate([self._tail, ids]) if len(self._tail) else ids
+        n = len(flat) // self.width
+        if n:
+            self._rows.append(flat[: n * self.width].reshape(n, self.width))
+            self._buffered += n
+        self._tail = flat[n * self.width :].copy()
+        while self._buffered >= self.rows_per_shard:
+            block = np.concatenate(self._rows)
+            self.write(block[: self.rows_per_shard])
+            rest = block[self.rows_per_shard :]
+            self._rows, self._buffered = ([rest] if len(rest) else []), len(rest)
+            self.rows += self.rows_per_shard
+
+    def finish(self) -> None:
+        if self._buffered:
+            self.write(np.concatenate(self._rows))
+            self.rows += self._buffered
+        self._rows, self._buffered = [], 0
+
+
+def encode_shard(rows: np.ndarray) -> bytes:
+    width = rows.shape[1]
+    flat = pa.array(np.ascontiguousarray(rows, dtype=np.int32).reshape(-1))
+    table = pa.table({"tokens": pa.FixedSizeListArray.from_arrays(flat, width)})
+    buf = io.BytesIO()
+    pq.write_table(table, buf, row_group_size=len(rows))
+    return buf.getvalue()
+
+
+def prepare(cfg: PrepareConfig) -> PrepareResult:
+    """Run the pipeline on the connected Ray cluster (``ray.init`` first)."""
+    import ray.data
+
+    if cfg.seq_len < 1:
+        raise SpecError("--seq-len", f"must be >= 1, got {cfg.seq_len}")
+    if cfg.rows_per_shard < 1:
+        raise SpecError("--rows-per-shard", f"must be >= 1, got {cfg.rows_per_shard}")
+    tspec = toks.parse_tokenizer(cfg.tokenizer)
+    t0 = time.perf_counter()
+    fs, files = list_inputs(cfg.input, cfg.storage_options)
+    fmt = infer_format(files, cfg.format)
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True
+    ctx.enable_progress_bars = False
+    ds = _dataset(fmt, fs, files, cfg.text_field, cfg.blocks)
+    tok = _tokenizer(cfg, tspec, ds)
+    described = toks.describe(tok, tspec.kind)
+    out = open_storage(cfg.output, cfg.storage_options)
+    out.put_bytes(out.join(cfg.output, "tokenizer.json"), tok.to_str().encode())
+    shards: list[Shard] = []
+
+    def write(rows: np.ndarray) -> None:
+        data = encode_shard(rows)
+        name = f"part-{len(shards):05d}.parquet"
+        out.put_bytes(out.join(cfg.output, name), data)
+        shards.append(Shard(path=name, rows=len(rows), bytes=len(data), sha256=sha256(data)))
+
+    packer = _Packer(cfg.seq_len + 1, cfg.rows_per_shard, write)
+    tokenized = ds.map_batches(
+        _Tokenize, fn_constructor_kwargs={"tokenizer_json": tok.to_str()}, batch_format="pyarrow", concurrency=(1, 64)
+    )
+    docs = 0
+    progress = _Progress(cfg.progress)
+    t_tok = time.perf_counter()
+    for batch in tokenized.iter_batches(batch_format="pyarrow", batch_size=None):
+        col = batch.column("ids").combine_chunks()
+        docs += len(col)
+        packer.add(col.flatten().to_numpy(zero_copy_only=False).astype(np.int32, copy=False))
+        progress.show(docs, packer.rows, len(shards), cfg.seq_len + 1, t0)
+    packer.finish()
+    tokenize_s = time.perf_counter() - t_tok
+    if docs == 0:
+        raise SpecError("INPUT", f"{redact_uri(cfg.input)} holds no documents (field {cfg.text_field!r} is empty)")
+    if packer.rows == 0:
+        raise SpecError("--seq-len", f"the input has fewer than seq_len + 1 = {cfg.seq_len + 1} tokens")
+    index = CorpusIndex(root=cfg.output, seq_len=cfg.seq_len, tokenizer=described, shards=tuple(shards))
+    write_index(cfg.output, index, cfg.storage_options)  # last: the corpus is complete from here on
+    wall = time.perf_counter() - t0
+    progress.done()
+    return PrepareResult(docs, packer.rows * (cfg.seq_len + 1), packer.rows, len(shards), wall, tokenize_s, index)
+
+
+class _Progress:
+    """One status line on stderr, refreshed at most twice a second (a new line when not a tty)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.last, self.tty = enabled, 0.0, sys.stderr.isatty()
+
+    def show(self, docs: int, rows: int, shards: int, width: int, t0: float) -> None:
+        now = time.perf_counter()
+        if not self.enabled or now - self.last < (0.5 if self.tty else 5.0):
+            return
+        self.last = now
+        tokens = rows * width
+        line = f"prepare: {docs:,} docs, {tokens:,} tokens packed, {shards} shards, {tokens / (now - t0):,.0f} tokens/s"
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if self.enabled and self.tty and self.last:
+            print(file=sys.stderr)
+
+
+def iter_texts(uri: str, fmt: str | None = None, text_field: str = "text") -> Iterator[str]:
+    """The input's documents in order, read in this process (the benchmark's baseline)."""
+    import json
+
+    fs, files = list_inputs(uri)
+    fmt = infer_format(files, fmt)
+    for f in files:
+        with fs.open(f, "rb") as fh:
+            if fmt == "jsonl":
+                for line in fh:
+                    if line.strip():
+                        text = json.loads(line).get(text_field)
+                        if text:
+                            yield text
+            elif fmt == "parquet":
+                for t in pq.read_table(fh, columns=[text_field]).column(text_field).to_pylist():
+                    if t:
+                        yield t
+            else:
+                text = fh.read().decode("utf-8", errors="replace")
+                if text:
+                    yield text
