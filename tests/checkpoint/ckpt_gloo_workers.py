@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import collections
 import os
-import pickle
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -22,6 +20,7 @@ from elastic.checkpoint.storage_tier import StorageUploader, walk_state
 from elastic.events import EventLog
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
+from elastic.testing.ranks import init_group
 from jobs import JobSpec
 
 GLOBAL, MICRO, STEPS = 8, 2, 3
@@ -80,20 +79,9 @@ def diff(want: dict, got: dict) -> list[str]:
     return bad
 
 
-def _init(rank: int, world: int, port: int) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
-
-
-def _dump(out: str, rank: int, data: dict) -> None:
-    with open(os.path.join(out, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(data, f)
-
-
-def staggered_restore(rank: int, world: int, port: int, root: str, zero: int, out: str) -> None:
+def staggered_restore(rank: int, world: int, out: str, root: str, zero: int) -> dict:
     """dp=2: save step 3 through the storage tier, restore it into fresh engines from storage."""
-    _init(rank, world, port)
+    init_group(rank, world, os.path.join(out, "store"))
     try:
         spec = make_spec(zero, root)
         engine = build(spec, world)
@@ -115,25 +103,21 @@ def staggered_restore(rank: int, world: int, port: int, root: str, zero: int, ou
         objects, stats = load_from_storage(restored, STEPS, root, {})
         got = full_state(restored)
         next_losses = (train(engine, STEPS, 1)[0], train(restored, STEPS, 1)[0])
-        _dump(
-            out,
-            rank,
-            {
-                "stats": stats,
-                "diff": diff(want, got),
-                "step": objects["train/step"],
-                "batch_index": objects["train/batch_index"],
-                "losses": next_losses,
-                "upload": gathered[rank],
-            },
-        )
+        return {
+            "stats": stats,
+            "diff": diff(want, got),
+            "step": objects["train/step"],
+            "batch_index": objects["train/batch_index"],
+            "losses": next_losses,
+            "upload": gathered[rank],
+        }
     finally:
         dist.destroy_process_group()
 
 
-def reshard_memory(rank: int, world: int, port: int, port2: int, out: str) -> None:
+def reshard_memory(rank: int, world: int, out: str) -> dict | None:
     """FSDP (zero 3) dp=2 memory snapshots of step 3, loaded by a dp=1 engine on rank 0."""
-    _init(rank, world, port)
+    init_group(rank, world, os.path.join(out, "store"))
     spec = make_spec(3, "unused")
     engine = build(spec, world)
     train(engine, 0, STEPS)
@@ -146,22 +130,18 @@ def reshard_memory(rank: int, world: int, port: int, port2: int, out: str) -> No
     loss_dp2 = train(engine, STEPS, 1)[0]
     dist.destroy_process_group()
     if rank != 0:
-        return
-    _init(0, 1, port2)
+        return None
+    init_group(0, 1, os.path.join(out, "store_dp1"))
     try:
         single = build(spec, 1)
         load_snapshots_into(single, dict(enumerate(snaps)))
         got = full_state(single)
-        _dump(
-            out,
-            rank,
-            {
-                "diff": diff(want, got),
-                "sharded": [type(v).__name__ for v in snaps[1].tensors.values()][:1],
-                "losses": (loss_dp2, train(single, STEPS, 1)[0]),
-                "lr": got["lr"],
-                "want_lr": want["lr"],
-            },
-        )
+        return {
+            "diff": diff(want, got),
+            "sharded": [type(v).__name__ for v in snaps[1].tensors.values()][:1],
+            "losses": (loss_dp2, train(single, STEPS, 1)[0]),
+            "lr": got["lr"],
+            "want_lr": want["lr"],
+        }
     finally:
         dist.destroy_process_group()

@@ -4,18 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-import pickle
 
 import ckpt_gloo_workers
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from elastic.testing.ports import free_port as _free_port
-
-
-def _load(out, world: int) -> list[dict]:
-    return [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(world)]
+from elastic.testing.ranks import run_ranks
 
 
 @pytest.mark.timeout(240)
@@ -28,9 +22,7 @@ def test_staggered_restore_reads_each_shard_once(tmp_path, zero):
     equal the saved ones (weights, AdamW state, lr, scheduler) and train on identically.
     """
     root, out = str(tmp_path / "ckpt"), tmp_path / "out"
-    out.mkdir()
-    mp.spawn(ckpt_gloo_workers.staggered_restore, args=(2, _free_port(), root, zero, str(out)), nprocs=2, join=True)
-    ranks = _load(out, 2)
+    ranks = run_ranks(2, ckpt_gloo_workers.staggered_restore, (root, zero), out)
     doc = json.loads((tmp_path / "ckpt" / "step_00000003" / "metadata.json").read_text())
     data_bytes = sum(c["length"] for t in doc["tensors"].values() for c in t["chunks"])  # as stored
     raw_bytes = sum(math.prod(t["size"]) * getattr(torch, t["dtype"]).itemsize for t in doc["tensors"].values())
@@ -39,7 +31,7 @@ def test_staggered_restore_reads_each_shard_once(tmp_path, zero):
     assert sum(s["bytes_read"] for s in stats) < 1.3 * data_bytes  # metadata and objects included
     if zero == 0:
         assert stats[1]["bytes_read"] == 0 and stats[1]["broadcast_bytes"] == raw_bytes
-        assert ranks[1]["upload"]["result"]["files"] == []  # replicated state written once too
+        assert ranks[1]["upload"].result["files"] == []  # replicated state written once too
     else:
         assert all(s["data_bytes_read"] > 0.3 * data_bytes for s in stats)
     for r in ranks:
@@ -51,10 +43,7 @@ def test_staggered_restore_reads_each_shard_once(tmp_path, zero):
 
 @pytest.mark.timeout(240)
 def test_fsdp_dp2_snapshots_reshard_into_dp1(tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    mp.spawn(ckpt_gloo_workers.reshard_memory, args=(2, _free_port(), _free_port(), str(out)), nprocs=2, join=True)
-    (r,) = _load(out, 1)
+    r = run_ranks(2, ckpt_gloo_workers.reshard_memory, (), tmp_path / "out")[0]
     assert r["sharded"] == ["ShardRecord"]  # the snapshots really were FSDP shards
     assert r["diff"] == [] and r["lr"] == r["want_lr"]
     assert r["losses"][1] == pytest.approx(r["losses"][0], rel=1e-5)

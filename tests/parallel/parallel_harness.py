@@ -1,26 +1,22 @@
-"""Multi-rank gloo harness for the parallel engine tests, and the single-process reference.
+"""The parallel engine tests' layouts, data and single-process reference.
 
-``run_ranks`` spawns N processes (torch.multiprocessing, spawn), each joins a gloo group
-rendezvousing on a FileStore, runs a worker function and pickles its result; the parent
-gets the list of per-rank results. Workers are module-level functions so spawn can
-import them.
+Ranks are spawned by the one multi-process harness, ``elastic/testing/ranks.py``
+(``run_ranks``, ``init_group``), re-exported here. Workers are module-level functions so
+spawn can import them.
 """
 
 from __future__ import annotations
 
-import datetime
-import os
-import pickle
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from elastic.model import ModelConfig
 from elastic.models.spec import model_spec
 from elastic.optim import TrainConfig, build_optimizer
+from elastic.testing.ranks import init_group, run_ranks
+
+__all__ = ["init_group", "run_ranks"]
 
 SEED = 7
 MODEL = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=64, seq_len=16)
@@ -83,35 +79,3 @@ def reference_run(steps: int = STEPS, model_cfg=MODEL) -> tuple[list[float], lis
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
     return losses, norms
-
-
-# ----- process spawning -----------------------------------------------------------------
-
-
-def init_group(rank: int, world: int, store_file: str) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store_file}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-
-
-def _entry(rank: int, world: int, out_dir: str, fn, args: tuple) -> None:
-    torch.set_num_threads(1)
-    result = fn(rank, world, out_dir, *args)
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-
-
-def run_ranks(world: int, fn, args: tuple, tmp_dir: Path) -> list:
-    """Run ``fn(rank, world, out_dir, *args)`` on ``world`` spawned ranks; their results."""
-    out = Path(tmp_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_entry, args=(world, str(out), fn, args), nprocs=world, join=True, start_method="spawn")
-    results = []
-    for rank in range(world):
-        with open(out / f"rank{rank}.pkl", "rb") as f:
-            results.append(pickle.load(f))
-    return results

@@ -8,11 +8,14 @@ rank checks ``full_tensor()`` against the full tensors built from the same seed.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+from elastic.testing.ranks import init_group
 from storage import CheckpointStore, commit_checkpoint, cpu_snapshot, load_into, write_rank_shard
 
 
@@ -39,8 +42,8 @@ def _check(tag: str, got: dict, want: dict) -> None:
         assert torch.equal(value, v), f"{tag}: {k} differs"
 
 
-def run(rank: int, world: int, port: int, root: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def run(rank: int, world: int, out: str, root: str) -> None:
+    init_group(rank, world, os.path.join(out, "store"))
     try:
         full = full_state()
         store = CheckpointStore(root)
