@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--step", type=int, default=None)
 
     sub.add_parser("schema", help="print the JSON Schema of job specs")
+
+    from elastic.tune.cli import add_arguments as sweep_arguments
+
+    sweep_arguments(sub.add_parser("sweep", help="Ray Tune sweep over parallel configurations (docs/sweep.md)"))
     return p
 
 
@@ -92,6 +96,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return cmd_plan(args.config, args.topology, args.json, args.overrides)
     if args.command == "ckpt":
         return cmd_ckpt(args)
+    if args.command == "sweep":
+        from elastic.tune.cli import main as sweep_main
+
+        return sweep_main(args)
     if args.command == "schema":
         from jobs.spec import JobSpec
 
