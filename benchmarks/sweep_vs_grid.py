@@ -1,7 +1,8 @@
 """``elastic sweep`` against the exhaustive grid (``--exhaustive``), side by side in one run.
 
 Both sides search the same space of the same job on the same embedded local Ray (2 worker
-slots: one trial at a time on this 2-core machine, so trials do not slow each other). The
+slots: one trial at a time on this 2-core machine, so trials do not slow each other; always
+its own, never a running cluster that another process started on the machine). The
 grid measures every feasible configuration for ``--trial-steps`` steps; the sweep screens
 one configuration per (dp, tp, pp, zero) group, refines the best group, and stops slow
 trials early (ASHA). Runs are ordered sweep, grid, sweep, ... so that drift in the load of
@@ -66,7 +67,7 @@ def run_side(exhaustive: bool, trial_steps: int, out: str) -> dict:
 
     spec = JobSpec.from_dict(SPEC)
     t0 = time.monotonic()
-    o = run_sweep(spec, SPACE, trial_steps=trial_steps, exhaustive=exhaustive, out=out, progress=True)
+    o = run_sweep(spec, SPACE, trial_steps=trial_steps, exhaustive=exhaustive, out=out, progress=True, address="local")
     wall = time.monotonic() - t0
     ran = [e for e in o.entries if e.get("trial_s")]
     return {

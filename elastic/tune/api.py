@@ -175,13 +175,15 @@ def _tune(spec, ctx, configs, exhaustive, max_trials, refine_groups, grace, rf, 
 
 
 def _connect(address: str | None, spec: Any, worker_slots: int | None) -> bool:
-    """Join ``address`` or a running cluster, else start an embedded one; True if started here."""
+    """Join ``address`` or a running cluster, else start an embedded one; True if started here.
+
+    ``address="local"`` always starts an embedded cluster (never joins a running one)."""
     from elastic.trainer import running_cluster_address
 
     if ray.is_initialized():
         return False
     quiet = {"log_to_driver": False, "logging_level": logging.WARNING}
-    joined = address or running_cluster_address()
+    joined = None if address == "local" else address or running_cluster_address()  # "local": always embedded
     if joined:
         ray.init(address=joined, **quiet)
         return False

@@ -5,7 +5,7 @@
   ``failed`` with its reason, the sweep goes on, trials overlap without oversubscribing, no
   actor or placement group of any trial is left afterwards, and ``Tuner.restore`` reads the
   experiment back;
-* the CLI end to end (its own embedded Ray): ``results.json`` with a status for every
+* the CLI end to end (on the same Ray, by ``--address``): ``results.json`` with a status for every
   configuration, a ``best.yaml`` that ``elastic run`` runs, and a heatmap PNG.
 """
 
@@ -105,15 +105,16 @@ def test_failed_trial_is_a_result_trials_share_the_cluster_and_nothing_leaks(ray
     assert sorted(config_key(r.config["cfg"]) for r in restored) == sorted(entries)
 
 
-def test_cli_sweep_end_to_end_and_best_yaml_runs(tmp_path):
+def test_cli_sweep_end_to_end_and_best_yaml_runs(ray_local, tmp_path):
     cfg = tmp_path / "job.yaml"
     cfg.write_text(yaml.safe_dump(SPEC))
     space = tmp_path / "space.yaml"
     space.write_text(yaml.safe_dump({"tp": [1, 2], "zero": [0, 1], "micro_batch": [2, 8]}))
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("RAY_ADDRESS", None)
+    address = ["--address", ray_local.get_runtime_context().gcs_address]  # the shared local Ray
     out = tmp_path / "out"
     args = [sys.executable, "-m", "elastic.cli", "sweep", str(cfg), "--space", str(space), "--trial-steps", "4"]
+    args += address
     p = subprocess.run(
         args + ["--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=500, check=False
     )
@@ -136,7 +137,8 @@ def test_cli_sweep_end_to_end_and_best_yaml_runs(tmp_path):
     )
     run = subprocess.run(
         [sys.executable, "-m", "elastic.cli", "run", str(out / "best.yaml"), "--set", "train.steps=2"]
-        + ["--run-dir", str(tmp_path / "best-run")],
+        + ["--run-dir", str(tmp_path / "best-run")]
+        + address,
         cwd=tmp_path,
         env=env,
         capture_output=True,
