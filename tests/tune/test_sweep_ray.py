@@ -123,7 +123,7 @@ def test_cli_sweep_end_to_end_and_best_yaml_runs(ray_local, tmp_path):
     entries = json.load(open(out / "results.json"))
     assert len(entries) == 8 and {e["status"] for e in entries} <= STATUSES
     by = {config_key(e["config"]): e for e in entries}
-    assert by["dp1-tp2-pp1-z1-mb2"]["status"] == "pruned_batch"  # dp 1: nothing to shard
+    assert by["dp1-tp2-pp1-z1-mb8"]["status"] == "pruned_batch"  # dp 1: nothing to shard
     assert by["dp1-tp1-pp1-z0-mb8"]["config"]["grad_accum"] == 1  # 8 / 8: one micro-batch, dp 1
     ran = [e for e in entries if e["status"] in ("ok", "stopped_early") and e["trial_s"]]
     assert ran and all(abs(e["peak_mem_bytes"] / e["predicted_mem_bytes"] - 1) <= 0.15 for e in ran), ran
