@@ -29,9 +29,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from elastic import policies
+from elastic import recovery_plan as plan
+from elastic.checkpoint.committer import CheckpointCommitter
 from elastic.errors import JobFailed, WorkerFailure
 from elastic.events import EventLog, Recovery, RunResult
+from elastic.messages import AnomalyReport, StepReport, UploadReport, WorkerReport
+from elastic.worker.hooks import StepHook
 from elastic.worker_group import WorkerGroup
+from elastic.worker_group_api import WorkerGroupAPI
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +107,7 @@ class Failed(State):
 
 
 class Controller:
-    worker_group_cls = WorkerGroup
+    worker_group_cls: type[WorkerGroupAPI] = WorkerGroup
     clock = staticmethod(time.monotonic)  # the driver's clock for recovery figures (test seam)
 
     def __init__(
@@ -112,15 +117,16 @@ class Controller:
         corpus_uri: str,
         *,
         callbacks: list[Any] | None = None,
-        worker_faults: list[dict] | None = None,
+        step_hook: StepHook | None = None,
         resume: dict[str, Any] | None = None,
         storage_uri: str = "",
     ):
         self.spec = spec
         self.events = events
         self.callbacks = list(callbacks or [])
-        self.group = self.worker_group_cls(spec, corpus_uri, worker_faults)
-        self.group.storage_uri = storage_uri
+        self.group = self.worker_group_cls(spec, corpus_uri, step_hook=step_hook, storage_uri=storage_uri)
+        # The storage tier's commits (its store is opened on first use).
+        self.committer = CheckpointCommitter(spec, storage_uri, events) if storage_uri else None
         self.resume = resume  # {"step": N} from the storage tier, or None
         self.allowed = spec.allowed_dps()
         self.state: State = Starting()
@@ -131,7 +137,7 @@ class Controller:
         self.recoveries: list[Recovery] = []
         self.losses: dict[int, float] = {}
         self.tokens_per_s: list[float] = []
-        self._pending: dict[int, dict[int, dict]] = {}  # step -> rank -> result
+        self._pending: dict[int, dict[int, StepReport]] = {}  # step -> rank -> report
         self._pending_recoveries: list[dict[str, Any]] = []  # recovered, waiting for the first step
         self._last_grow_check = 0.0
 
@@ -185,11 +191,11 @@ class Controller:
         if dp is None:
             return Failed(f"capacity for min_dp={e.min_dp} replicas did not appear within {e.min_dp_wait_s:g}s")
         members = self.group.spawn(spare[:dp])
-        start = {"step": 0, "batch_index": 0}
-        source = None
         if self.resume is not None:
-            start, source = {"step": self.resume["step"], "batch_index": 0}, "storage"
-        t = self.group.configure(members, dp, start, self.resume["step"] if self.resume else None, source or "none")
+            t = self.group.configure(members, dp, self.resume["step"], self.resume["step"], "storage")
+        else:
+            t = self.group.configure(members, dp, 0, None, "none")
+        source = "storage" if self.resume is not None else None
         self.step = t["step"]
         logger.info("process group init %.3fs for world size %d", t["init_s"], len(members))
         self.events.emit(
@@ -233,17 +239,15 @@ class Controller:
         grow = self._grow_check()
         return grow or state
 
-    def _collect(self, rank: int, result: dict[str, Any]) -> None:
-        kind = result["type"]
-        if kind == "upload":  # storage tier: a rank's part of a checkpoint (may trail its step)
-            from elastic.checkpoint.committer import committer_for
-
-            committer_for(self).add(rank, result)
+    def _collect(self, rank: int, result: WorkerReport) -> None:
+        if isinstance(result, UploadReport):  # storage tier: a rank's part of a checkpoint (may trail its step)
+            if self.committer is not None:
+                self.committer.add(rank, result)
             return
-        if kind == "anomaly":
+        if isinstance(result, AnomalyReport):
             self._on_anomaly(rank, result)
             return
-        step = result["step"]
+        step = result.step
         if step <= self.step:
             return  # a replay after a rollback: already committed
         per_step = self._pending.setdefault(step, {})
@@ -261,18 +265,18 @@ class Controller:
         for step in sorted(s for s in self._pending if self.step < s <= upto):
             self._commit_step(step, self._pending.pop(step))
 
-    def _commit_step(self, step: int, results: dict[int, dict]) -> None:
+    def _commit_step(self, step: int, results: dict[int, StepReport]) -> None:
         r0 = results[min(results)]
         dp, tp, pp = self.group.dp, self.spec.parallel.tp, self.spec.parallel.pp
-        step_time = max(r["step_time_s"] for r in results.values())
+        step_time = max(r.step_time_s for r in results.values())
         tokens = self.spec.train.global_batch * self.spec.model.seq_len
         tps = tokens / step_time if step_time > 0 else 0.0
         self.step = step
-        self.losses[step] = r0["loss"]
+        self.losses[step] = r0.loss
         self.tokens_per_s.append(tps)
         fields = dict(
             step=step,
-            loss=r0["loss"],
+            loss=r0.loss,
             dp=dp,
             tp=tp,
             pp=pp,
@@ -280,55 +284,53 @@ class Controller:
             world_size=dp * tp * pp,
             step_time_s=step_time,
             tokens_per_s=tps,
+            peak_mem_bytes=max(r.peak_mem_bytes for r in results.values()),
+            grad_norm=r0.grad_norm,  # pre-clip global gradient norm (identical on every rank)
+            data_wait_s=max(r.data_wait_s for r in results.values()),
+            compute_s=max(r.compute_s for r in results.values()),
         )
-        fields["peak_mem_bytes"] = max(r.get("peak_mem_bytes", 0) for r in results.values())
-        if "grad_norm" in r0:  # pre-clip global gradient norm (identical on every rank)
-            fields["grad_norm"] = r0["grad_norm"]
-        if "mfu" in r0:
-            fields["mfu"] = r0["mfu"]
-        done_at = max((r["done_at"] for r in results.values() if "done_at" in r), default=None)
-        self.events.emit("step", ts=done_at, **fields)
-        snaps = [r["snapshot"] for r in results.values() if "snapshot" in r]
+        if r0.mfu is not None:
+            fields["mfu"] = r0.mfu
+        self.events.emit("step", ts=max(r.done_at for r in results.values()), **fields)
+        snaps = [r.snapshot for r in results.values() if r.snapshot is not None]
         if snaps:
             self.events.emit(
                 "checkpoint",
-                step=snaps[0]["step"],
+                step=snaps[0].step,
                 tier="memory",
-                blocking_s=max(s["blocking_s"] for s in snaps),
-                duration_s=max(s["duration_s"] for s in snaps),
-                bytes=sum(s["bytes"] for s in snaps),
+                blocking_s=max(s.blocking_s for s in snaps),
+                duration_s=max(s.duration_s for s in snaps),
+                bytes=sum(s.bytes for s in snaps),
             )
-        if step >= self.spec.train.steps:  # the last step: its checkpoint must be committed before job_end
-            from elastic.checkpoint.committer import join_committer
-
-            join_committer(self)
+        if step >= self.spec.train.steps and self.committer is not None:
+            self.committer.join()  # the last step: its checkpoint must be committed before job_end
         if self._pending_recoveries and step > self._recovered_at_step:
             self._finish_recoveries()
         for cb in self.callbacks:
             if hasattr(cb, "on_step"):
                 cb.on_step(step, self.group)
 
-    def _on_anomaly(self, rank: int, result: dict[str, Any]) -> None:
+    def _on_anomaly(self, rank: int, result: AnomalyReport) -> None:
         """NaN/spike: every rank rolled back in place; record it once (from rank 0)."""
         if rank != 0:
             return
         self.failures += 1
         self.events.emit(
             "failure",
-            cause=result["cause"],
+            cause=result.cause,
             ranks=list(range(len(self.group.members))),
             nodes=[],
-            detail=f"step {result['step']} loss {result['loss']}: rolled back to step {result['restored_step']}, "
-            f"{result['action']} batch {result['batch_index']}",
+            detail=f"step {result.step} loss {result.loss}: rolled back to step {result.restored_step}, "
+            f"{result.action} batch {result.batch_index}",
         )
-        self.events.emit("restore", step=result["restored_step"], source="memory", duration_s=0.0)
-        lost = max(0, result["step"] - 1 - result["restored_step"])
+        self.events.emit("restore", step=result.restored_step, source="memory", duration_s=0.0)
+        lost = max(0, result.step - 1 - result.restored_step)
         # Rolled back inside the step on the workers: the group never stopped or changed
         # size, so there is no pause for the driver to time; the cost is the steps redone.
         self.recoveries.append(
-            Recovery(cause=result["cause"], detect_s=0.0, recover_s=0.0, downtime_s=0.0, lost_steps=lost)
+            Recovery(cause=result.cause, detect_s=0.0, recover_s=0.0, downtime_s=0.0, lost_steps=lost)
         )
-        self.step = min(self.step, result["restored_step"])
+        self.step = min(self.step, result.restored_step)
         if policies.failure_decision(self.failures, self.spec.elastic.max_failures) is policies.FailureDecision.RAISE:
             self.group.request_stop()
             raise _BudgetExhausted()
@@ -362,6 +364,7 @@ class Controller:
 
     # ------------------------------------------------------------------ recovering
     def _on_recovering(self, state: Recovering) -> State:
+        """Free the survivors, plan the new layout, re-form it, and record what happened."""
         f = state.failure
         self.failures += 1
         self.events.emit("failure", cause=f.cause, ranks=f.ranks, nodes=f.nodes, detail=f.detail)
@@ -371,84 +374,89 @@ class Controller:
                 f"failure budget exhausted: {self.failures} failures > "
                 f"elastic.max_failures={self.spec.elastic.max_failures} (last: {f.cause})"
             )
-        group = self.group
-        marks = [("start", time.monotonic())]
-        culprits = [m for m in group.members if m.rank in f.ranks and f.cause not in ("worker_error",)]
-        group.kill(culprits)
-        survivors = [m for m in group.members if m not in culprits and not m.dead]
-        stuck = group.wait_runs(survivors, timeout=self.spec.elastic.collective_timeout_s + 5)
-        if stuck:
-            group.kill(stuck)
-            survivors = [m for m in survivors if m not in stuck]
-        marks.append(("survivors_freed", time.monotonic()))
-        for rank, result in group.drain_results(survivors):
-            if result["type"] == "step" and result["step"] > self.step:
-                self._pending.setdefault(result["step"], {})[rank] = result
-        # Per-step worker progress, now that the survivors are freed and drained: the newest
-        # step any worker completed (the culprits' last reports included).
+        group, e = self.group, self.spec.elastic
+        replicas = group.complete_replicas(self._free_survivors(f))
+        # The newest step any worker completed (the culprits' last reports included).
         worker_step = max(state.last_seen_step, self._last_seen_step())
-        replicas = group.complete_replicas(survivors)
-        keep = [m for r in replicas for m in r]
-        group.kill([m for m in survivors if m not in keep])
-        for m in group.members:
-            if m.dead and all(o.group is not m.group or o.dead for o in group.members):
-                group.release_group(m.group)
+        group.kill([m for m in group.members if not m.dead and not any(m in r for r in replicas)])
+        self._release_dead_groups()
         group.request_capacity()
+        # Plan.
         spare = group.spare_groups()
-        dp = policies.target_dp(len(replicas) + len(spare), self.allowed)
-        if dp is None:
-            spare = group.wait_spare(self.spec.elastic.min_dp - len(replicas), timeout=self.spec.elastic.min_dp_wait_s)
-            dp = policies.target_dp(len(replicas) + len(spare), self.allowed)
-        if dp is None:
+        recovery = plan.plan_recovery(len(replicas), len(spare), self.allowed)
+        if recovery is None:
+            spare = group.wait_spare(e.min_dp - len(replicas), timeout=e.min_dp_wait_s)
+            recovery = plan.plan_recovery(len(replicas), len(spare), self.allowed)
+        if recovery is None:
             return Failed(
                 f"only {len(replicas)} whole replica(s) left and no capacity for "
-                f"min_dp={self.spec.elastic.min_dp} within {self.spec.elastic.min_dp_wait_s:g}s"
+                f"min_dp={e.min_dp} within {e.min_dp_wait_s:g}s"
             )
-        marks.append(("capacity", time.monotonic()))
+        # Execute.
         old_dp = group.dp
-        kept = [m for r in replicas[:dp] for m in r]
-        group.kill([m for r in replicas[dp:] for m in r])
-        new_groups = spare[: max(0, dp - len(replicas))]
-        newcomers = group.spawn(new_groups) if new_groups else []
-        marks.append(("spawned", time.monotonic()))
-        restore_step = group.common_snapshot_step(kept)
-        marks.append(("snapshot_query", time.monotonic()))
-        source = "memory"
-        if restore_step is None:
-            restore_step, source = self._storage_fallback()
-            if source == "none":
-                logger.warning("no snapshot in memory or storage covers the lost shards: training restarts from step 0")
-        else:
-            self._commit_survivors_steps(restore_step)
+        kept = [m for r in replicas[: recovery.keep] for m in r]
+        group.kill([m for r in replicas[recovery.keep :] for m in r])
+        newcomers = group.spawn(spare[: recovery.grow]) if recovery.grow else []
+        restore_step, source = self._restore_source(kept)
         members = group.rank_order(kept + newcomers)
         for cb in self.callbacks:
             if hasattr(cb, "on_reconfigure"):
                 cb.on_reconfigure(self.failures, group, members)
-        t = group.configure(members, dp, {"step": restore_step or 0, "batch_index": 0}, restore_step, source)
-        marks.append(("configured", time.monotonic()))
-        logger.info(
-            "recovery phases: %s; configure: %s",
-            _phases(marks),
-            {k: round(v, 3) for k, v in t.items() if k.endswith("_s")},
-        )
+        t = group.configure(members, recovery.dp, restore_step or 0, restore_step, source)
+        # Record.
         self.step = t["step"]
         self._pending.clear()
-        if dp != old_dp:
-            self.events.emit("resize", old_dp=old_dp, new_dp=dp, grad_accum=self.spec.grad_accum(dp), reason=f.cause)
-            self.dp_history.append([self.step, dp])
-        if source != "none":
-            self.events.emit(
-                "restore",
-                step=self.step,
-                source=source,
-                duration_s=t["restore_s"],
-                **({"bytes_read": t.get("restore_bytes_read", 0)} if source == "storage" else {}),
-            )
+        self._emit_reformed(old_dp, recovery.dp, f.cause, source, t)
         self._recovered_at_step = self.step
         for p in self._pending_recoveries:  # a recovery interrupted by this failure lost nothing more
             p.setdefault("lost_steps", 0)
         self._pending_recoveries.append(self._pending_entry(state, worker_step - self.step))
         return Running()
+
+    def _free_survivors(self, f: WorkerFailure) -> list[Any]:
+        """Kill the culprits, wait for the others to leave ``run()`` (killing those that
+        cannot), and collect the steps they finished meanwhile. Returns the survivors."""
+        group = self.group
+        culprits = [m for m in group.members if m.rank in f.ranks and f.cause != "worker_error"]
+        group.kill(culprits)
+        survivors = [m for m in group.members if m not in culprits and not m.dead]
+        stuck = group.wait_runs(survivors, timeout=self.spec.elastic.collective_timeout_s + 5)
+        group.kill(stuck)
+        survivors = [m for m in survivors if m not in stuck]
+        for rank, result in group.drain_results(survivors):
+            if isinstance(result, StepReport) and result.step > self.step:
+                self._pending.setdefault(result.step, {})[rank] = result
+        return survivors
+
+    def _release_dead_groups(self) -> None:
+        group = self.group
+        for m in group.members:
+            if m.dead and all(o.group is not m.group or o.dead for o in group.members):
+                group.release_group(m.group)
+
+    def _restore_source(self, kept: list[Any]) -> tuple[int | None, str]:
+        """The newest step the kept members' snapshots cover, else the newest checkpoint."""
+        step = self.group.common_snapshot_step(kept)
+        if step is not None:
+            self._commit_survivors_steps(step)
+            return step, "memory"
+        if self.committer is not None:
+            self.committer.join(timeout=60.0)  # a commit in flight may be the newest checkpoint
+            from elastic.checkpoint.restore import latest_storage_step
+
+            step = latest_storage_step(self.spec, self.group.storage_uri)
+            if step is not None:
+                return step, "storage"
+        logger.warning("no snapshot in memory or storage covers the lost shards: training restarts from step 0")
+        return None, "none"
+
+    def _emit_reformed(self, old_dp: int, dp: int, reason: str, source: str, t: dict[str, Any]) -> None:
+        if dp != old_dp:
+            self.events.emit("resize", old_dp=old_dp, new_dp=dp, grad_accum=self.spec.grad_accum(dp), reason=reason)
+            self.dp_history.append([self.step, dp])
+        if source != "none":
+            extra = {"bytes_read": t.get("restore_bytes_read", 0)} if source == "storage" else {}
+            self.events.emit("restore", step=self.step, source=source, duration_s=t["restore_s"], **extra)
 
     def _finish_recoveries(self) -> None:
         """The first step at the new size is done (its results from every rank reached the
@@ -465,14 +473,6 @@ class Controller:
                 )
             )
         self._pending_recoveries = []
-
-    def _storage_fallback(self) -> tuple[int | None, str]:
-        from elastic.checkpoint.committer import join_committer
-        from elastic.checkpoint.restore import latest_storage_step
-
-        join_committer(self, timeout=60.0)  # a commit in flight may be the newest checkpoint
-        step = latest_storage_step(self.spec, self.group.storage_uri)
-        return (step, "storage") if step is not None else (None, "none")
 
     # ------------------------------------------------------------------ growing back
     def _grow_check(self) -> State | None:
@@ -506,9 +506,7 @@ class Controller:
         restore_step = group.common_snapshot_step(group.members)
         if restore_step != self.step:
             logger.warning("newest common snapshot is step %s, live step %s", restore_step, self.step)
-        t = group.configure(
-            list(group.members) + newcomers, dp, {"step": self.step, "batch_index": 0}, restore_step, "memory"
-        )
+        t = group.configure(list(group.members) + newcomers, dp, self.step, restore_step, "memory")
         self.step = t["step"]
         self._pending.clear()
         self.events.emit("resize", old_dp=old_dp, new_dp=dp, grad_accum=self.spec.grad_accum(dp), reason=state.reason)
@@ -522,10 +520,6 @@ class Controller:
 
     def _on_failed(self, state: Failed) -> State:
         return state
-
-
-def _phases(marks: list[tuple[str, float]]) -> str:
-    return ", ".join(f"{name} +{t - marks[i][1]:.3f}s" for i, (name, t) in enumerate(marks[1:]))
 
 
 class _BudgetExhausted(Exception):

@@ -34,6 +34,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from elastic.policies import grad_accum
+
 TOKENS = "tokens"
 SOURCE_PROTOCOLS = ("file", "s3", "memory")  # the fsspec back ends this project installs and tests
 
@@ -97,7 +99,7 @@ class BatchLayout:
 
     @property
     def grad_accum(self) -> int:
-        return self.global_batch // (self.micro_batch * self.dp)
+        return grad_accum(self.global_batch, self.micro_batch, self.dp)
 
     @property
     def per_rank(self) -> int:
@@ -156,6 +158,7 @@ class ParquetCorpus:
     """Random access by global row index over a directory of parquet files (via fsspec)."""
 
     def __init__(self, uri: str, storage_options: dict[str, Any] | None = None, cache_row_groups: int = 8):
+        self.uri = uri
         self.fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
         if self.fs.isdir(root):
             files = sorted(p for p in self.fs.ls(root, detail=False) if p.endswith(".parquet"))

@@ -1,8 +1,10 @@
 """Failure diagnosis: turn what the worker group observed into one typed failure.
 
 Pure apart from the raylet liveness probe: it reads the members' last poll times, their
-returned ``run()`` results and Ray's death notices, and names the cause and the ranks at
-fault (DESIGN.md's ``failure.cause``).
+returned ``run()`` outcomes and Ray's death notices, and names the cause and the ranks at
+fault (``failure.cause`` in ``docs/outputs.md``). Every time it compares is on the
+driver's own monotonic clock: when a poll answer or a ``run()`` result arrived. No clock of
+another host is ever compared with the driver's.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ PEER_GRACE_S = 0.5  # after a peer error, how long a silent rank has to answer b
 NODE_PROBE_S = 1.0  # how long a dead rank's raylet is probed before the loss counts as one process
 
 
-def diagnose(members: list[Any], elastic: Any, now: float, raylets: dict[str, tuple[str, int]]) -> WorkerFailure | None:
+def diagnose(members: list[Any], elastic: Any, now: float, raylets: RayletProbe) -> WorkerFailure | None:
     """Turn evidence into one typed failure, attributed to the ranks at fault.
 
     A rank that dies is usually seen first by its peers: their collective fails with
@@ -26,15 +28,15 @@ def diagnose(members: list[Any], elastic: Any, now: float, raylets: dict[str, tu
     answering polls for ``PEER_GRACE_S`` are the dead ones.
     """
     dead = [m for m in members if m.dead]
-    peer_errors = [m for m in members if m.run_result and m.run_result.get("kind") == "peer"]
+    peer_errors = [m for m in members if m.run_result and m.run_result.kind == "peer"]
     if peer_errors and not dead:
-        first = min(m.run_result["error_at"] for m in peer_errors)
-        if time.time() - first >= PEER_GRACE_S:
+        first = min(m.returned_at for m in peer_errors)
+        if now - first >= PEER_GRACE_S:
             # Silence alone is not death: a loaded machine can delay a poll. A suspect
             # counts as dead once its node's raylet is gone; a lone dead process on a live
             # node is confirmed by Ray within moments, and a hung one by the heartbeat.
             suspects = [m for m in members if m.run_result is None and now - m.last_ok >= PEER_GRACE_S]
-            gone = probe_dead_nodes({m.node_id for m in suspects}, raylets, wait_s=0.0)
+            gone = raylets.dead({m.node_id for m in suspects}, wait_s=0.0)
             dead = [m for m in suspects if m.node_id in gone]
     if dead:
         lost_nodes = _lost_nodes(members, dead, raylets)
@@ -52,11 +54,11 @@ def diagnose(members: list[Any], elastic: Any, now: float, raylets: dict[str, tu
             ranks=[m.rank for m in silent],
             nodes=sorted({m.node_id for m in silent}),
         )
-    errors = {m.rank: m.run_result for m in members if m.run_result and m.run_result["status"] == "error"}
-    own = [r for r, res in errors.items() if res["kind"] == "worker_error"]
+    errors = {m.rank: m.run_result for m in members if m.run_result and m.run_result.status == "error"}
+    own = [r for r, res in errors.items() if res.kind == "worker_error"]
     if own:
-        return WorkerError(errors[own[0]]["detail"], ranks=own, nodes=_nodes_of(members, own))
-    timeouts = [r for r, res in errors.items() if res["kind"] == "timeout"]
+        return WorkerError(errors[own[0]].detail, ranks=own, nodes=_nodes_of(members, own))
+    timeouts = [r for r, res in errors.items() if res.kind == "timeout"]
     if timeouts:
         hung = [m.rank for m in members if m.run_result is None]
         return CollectiveTimeout(
@@ -64,40 +66,69 @@ def diagnose(members: list[Any], elastic: Any, now: float, raylets: dict[str, tu
             ranks=hung or timeouts,
             nodes=_nodes_of(members, hung or timeouts),
         )
+    if peer_errors and all(m.run_result is not None for m in members):
+        # Every rank is out of run(), some with a collective error, and no peer is dead or
+        # silent: an error of torch's own that looked like a collective's. The rank that
+        # reported first (on the driver's clock) is blamed; it is re-formed, not evicted.
+        first = min(peer_errors, key=lambda m: m.returned_at)
+        if now - first.returned_at >= PEER_GRACE_S:
+            return WorkerError(first.run_result.detail, ranks=[first.rank], nodes=[first.node_id])
     return None
 
 
-def _lost_nodes(members: list[Any], dead: list[Any], raylets: dict[str, tuple[str, int]]) -> set[str]:
+def _lost_nodes(members: list[Any], dead: list[Any], raylets: RayletProbe) -> set[str]:
     """Nodes whose every member died and whose raylet no longer accepts connections."""
     candidates = {m.node_id for m in dead}
     candidates = {n for n in candidates if all(m.dead or m in dead for m in members if m.node_id == n)}
     if not candidates:
         return set()
-    return probe_dead_nodes(candidates, raylets, wait_s=NODE_PROBE_S)
+    return raylets.dead(candidates, wait_s=NODE_PROBE_S)
 
 
 def _nodes_of(members: list[Any], ranks: list[int]) -> list[str]:
     return sorted({m.node_id for m in members if m.rank in ranks})
 
 
-def probe_dead_nodes(node_ids: set[str], raylets: dict[str, tuple[str, int]], wait_s: float) -> set[str]:
-    """Nodes whose raylet refuses (or does not answer) a TCP connection, probed up to ``wait_s``.
+class RayletProbe:
+    """Is a node's raylet still there? Asked by TCP connection, the fastest evidence there is.
 
-    Ray's node table can report a lost node alive for tens of seconds (DESIGN.md section 8);
-    a refused connection to its raylet is immediate evidence that the node is gone.
+    Ray's node table can report a lost node alive for tens of seconds, while a connection to
+    its raylet is refused at once. A refused connection is proof that the node is gone. A
+    connection that merely times out is not: a loaded machine's raylet can be slow to
+    accept. A node counts as dead on a timeout only after ``TIMEOUTS_TO_DEATH`` timeouts in
+    a row (a probe with ``wait_s`` keeps probing until then).
     """
-    deadline = time.monotonic() + wait_s
-    while True:
-        dead = set()
-        for n in node_ids:
-            addr = raylets.get(n)
-            if addr is None:
-                continue
-            try:
-                with socket.create_connection(addr, timeout=0.2):
-                    pass
-            except OSError:
-                dead.add(n)
-        if dead or time.monotonic() >= deadline:
-            return dead
-        time.sleep(0.05)
+
+    CONNECT_TIMEOUT_S = 0.2
+    TIMEOUTS_TO_DEATH = 3
+
+    def __init__(self) -> None:
+        self.addresses: dict[str, tuple[str, int]] = {}
+        self._timeouts: dict[str, int] = {}
+
+    def update(self, addresses: dict[str, tuple[str, int]]) -> None:
+        self.addresses.update(addresses)
+
+    def dead(self, node_ids: set[str], wait_s: float) -> set[str]:
+        """The nodes among ``node_ids`` whose raylet is gone, probed for up to ``wait_s``."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = {n for n in node_ids if self._probe(n)}
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.05)
+
+    def _probe(self, node: str) -> bool:
+        addr = self.addresses.get(node)
+        if addr is None:
+            return False
+        try:
+            with socket.create_connection(addr, timeout=self.CONNECT_TIMEOUT_S):
+                pass
+        except TimeoutError:
+            self._timeouts[node] = self._timeouts.get(node, 0) + 1
+            return self._timeouts[node] >= self.TIMEOUTS_TO_DEATH
+        except OSError:  # refused, reset, unreachable: nobody listens there any more
+            return True
+        self._timeouts[node] = 0
+        return False

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, TypeVar
 
 from elastic.errors import InfeasibleError, SpecError
+from elastic.parallel.dims import rank_coords, rank_of
 from elastic.topology import NVLINK_DOMAIN, ClusterTopology, NodeInfo
 
 MESH_DIM_NAMES: tuple[str, str, str] = ("dp", "pp", "tp")
@@ -94,14 +95,12 @@ class LayoutPlan:
         for name, value, size in (("dp", dp, self.dp), ("pp", pp, self.pp), ("tp", tp, self.tp)):
             if not 0 <= value < size:
                 raise IndexError(f"{name} rank {value} out of range [0, {size})")
-        return (dp * self.pp + pp) * self.tp + tp
+        return rank_of(dp, pp, tp, self.tp, self.pp)
 
     def coords_of(self, rank: int) -> tuple[int, int, int]:
         if not 0 <= rank < self.world_size:
             raise IndexError(f"rank {rank} out of range [0, {self.world_size})")
-        rest, tp = divmod(rank, self.tp)
-        dp, pp = divmod(rest, self.pp)
-        return dp, pp, tp
+        return tuple(rank_coords(rank, self.tp, self.pp))
 
     # ------------------------------------------------------------------ views
     @property

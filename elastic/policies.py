@@ -17,9 +17,10 @@ import enum
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from elastic.errors import SpecError
 
 
 class ElasticConfig(BaseModel):
@@ -55,6 +56,7 @@ def failure_decision(failures_so_far: int, max_failures: int) -> FailureDecision
 
 
 def allowed_dps(global_batch: int, micro_batch: int, min_dp: int, max_dp: int) -> list[int]:
+    """DP degrees in ``[min_dp, max_dp]`` that keep ``global_batch`` exact."""
     if global_batch % micro_batch:
         return []
     micro = global_batch // micro_batch
@@ -62,9 +64,13 @@ def allowed_dps(global_batch: int, micro_batch: int, min_dp: int, max_dp: int) -
 
 
 def grad_accum(global_batch: int, micro_batch: int, dp: int) -> int:
+    """Micro-batches per DP rank per optimizer step; the global batch must be exact."""
     per = micro_batch * dp
     if global_batch % per:
-        raise ValueError(f"dp={dp} does not keep global_batch={global_batch} exact with micro_batch={micro_batch}")
+        raise SpecError(
+            "train.global_batch",
+            f"global_batch={global_batch} is not a multiple of dp*micro_batch = {dp}*{micro_batch}",
+        )
     return global_batch // per
 
 
@@ -119,46 +125,3 @@ class LossMonitor:
 
     def accept(self, loss: float) -> None:
         self._history.append(loss)
-
-
-# --------------------------------------------------------------------------- snapshot replicas
-
-
-def replica_peers(nodes: list[str], tp: int, pp: int, zero: int) -> list[int | None]:
-    """For each rank (``nodes[r]`` is rank r's node), the rank that keeps a copy of its
-    memory snapshots, or None where no copy is needed.
-
-    A rank needs a copy unless a rank on another node already holds the same state: under
-    DDP (``zero`` 0) the DP replicas of a (pp, tp) coordinate are identical, under FSDP every
-    shard is unique. Copies go to another node, so a node loss never takes a shard and its
-    copy together. The same ring shift is used for every rank where one exists that moves
-    each rank off its node, so every rank holds at most one peer's copies; otherwise each
-    rank picks the least-loaded rank on another node, the nearest in ring order first. On a
-    single node the copy goes to the next rank (another process), unless an identical
-    replica already lives in another process.
-    """
-    n = len(nodes)
-
-    def content(r: int) -> Any:
-        return ((r // tp) % pp, r % tp) if zero == 0 else r
-
-    shift = next((k for k in range(1, n) if all(nodes[(r + k) % n] != nodes[r] for r in range(n))), None)
-    load = [0] * n
-    out: list[int | None] = []
-    for r in range(n):
-        twins = [q for q in range(n) if q != r and content(q) == content(r)]
-        if any(nodes[q] != nodes[r] for q in twins):
-            out.append(None)
-            continue
-        ring = [(r + k) % n for k in range(1, n)]
-        far = [q for q in ring if nodes[q] != nodes[r]]
-        if far:
-            peer = (
-                (r + shift) % n if shift is not None else min(far, key=lambda q: load[q])
-            )  # least loaded, nearest first
-        else:
-            peer = ring[0] if ring and not twins else None
-        if peer is not None:
-            load[peer] += 1
-        out.append(peer)
-    return out

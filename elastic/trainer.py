@@ -15,6 +15,7 @@ from elastic.data import synthetic_corpus
 from elastic.errors import JobFailed
 from elastic.events import EventLog, RunResult, write_summary
 from elastic.progress import ProgressDisplay, format_summary
+from elastic.worker.hooks import StepHook
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ class ElasticTrainer:
         address: str | None = None,
         resume: bool = False,
         callbacks: list[Any] | None = None,
-        worker_faults: list[dict] | None = None,
+        step_hook: StepHook | None = None,
         progress: bool = False,
     ):
         self.spec = spec
@@ -42,7 +43,7 @@ class ElasticTrainer:
         self.address = address
         self.resume = resume
         self.callbacks = list(callbacks or [])
-        self.worker_faults = worker_faults
+        self.step_hook = step_hook  # acts inside every worker step (fault injection: docs/faults.md)
         self.progress = progress
         self.result: RunResult | None = None
 
@@ -64,7 +65,7 @@ class ElasticTrainer:
                 events,
                 corpus,
                 callbacks=self.callbacks,
-                worker_faults=self.worker_faults,
+                step_hook=self.step_hook,
                 resume=resume,
                 storage_uri=self.checkpoint_uri,
             )

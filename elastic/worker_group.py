@@ -1,10 +1,13 @@
 """The worker group: the Ray-effectful half of the controller.
 
-It owns the actors and their placement groups, launches training, turns what it sees
-(polls, returned errors, dead actors, Ray's node table) into typed ``WorkerFailure``s, and
-carries out the controller's decisions: evict ranks, re-rendezvous the survivors on a fresh
-port, add new replicas and restore state. It decides nothing about *whether* to retry or
-*what* DP to run at; that is the pure policies' job.
+It owns the actors, their placement groups and the job's rendezvous store, launches
+training, turns what it sees (polls, returned errors, dead actors, raylets that refuse
+connections) into typed ``WorkerFailure``s, and carries out the controller's decisions:
+evict ranks, re-form the survivors as a new generation of the process group, add new
+replicas and restore state. It decides nothing: what to keep, in which order and from which
+snapshots comes from ``elastic/recovery_plan.py``; whether to retry and at what DP from
+``elastic/policies.py``. ``elastic/worker_group_api.py`` is the interface the controller
+uses, which the tests' fake group implements too.
 """
 
 from __future__ import annotations
@@ -17,11 +20,23 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
-from elastic import policies
-from elastic.diagnosis import NODE_PROBE_S, diagnose, probe_dead_nodes
+from elastic import recovery_plan as plan
+from elastic.diagnosis import NODE_PROBE_S, RayletProbe, diagnose
 from elastic.errors import ActorDied, NodeLost, WorkerError, WorkerFailure
+from elastic.messages import (
+    DEAD,
+    ConfigureReply,
+    ConfigureRequest,
+    MemoryRestore,
+    RunOutcome,
+    StorageRestore,
+    WorkerInfo,
+    WorkerReport,
+)
 from elastic.placement import ReplicaSlots
 from elastic.worker import TrainWorker
+from elastic.worker.hooks import StepHook
+from elastic.worker.process_group import RendezvousStore
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +53,11 @@ class Member:
     ip: str
     pid: int
     rank: int = -1
-    last_ok: float = field(default_factory=time.monotonic)
+    last_ok: float = field(default_factory=time.monotonic)  # driver clock: its last poll answer
     poll_ref: Any = None
     run_ref: Any = None
-    run_result: dict[str, Any] | None = None
+    run_result: RunOutcome | None = None
+    returned_at: float = 0.0  # driver clock: when its run() result arrived
     dead: bool = False
     step: int = 0
 
@@ -50,22 +66,24 @@ class Member:
 class Observation:
     """What one look at the group found."""
 
-    results: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (rank, result)
+    results: list[tuple[int, WorkerReport]] = field(default_factory=list)  # (rank, report)
     failure: WorkerFailure | None = None
     finished: bool = False
     stopped: bool = False
 
 
 class WorkerGroup:
-    def __init__(self, spec: Any, corpus_uri: str, worker_faults: list[dict] | None = None):
+    def __init__(self, spec: Any, corpus_uri: str, step_hook: StepHook | None = None, storage_uri: str = ""):
         self.spec = spec
         self.corpus_uri = corpus_uri
-        self.worker_faults = worker_faults or []
+        self.storage_uri = storage_uri  # where the storage tier writes ("" for none)
+        self.step_hook = step_hook
         self.replica_size = spec.parallel.replica_size
         self.slots = ReplicaSlots(spec.resources, self.replica_size, spec.parallel.tp, spec.parallel.pp)
         self.members: list[Member] = []  # ordered by rank
         self.dp = 0
-        self._raylets: dict[str, tuple[str, int]] = {}  # node id -> raylet address, for liveness probes
+        self.raylets = RayletProbe()  # node id -> raylet address, for liveness probes
+        self._store: RendezvousStore | None = None  # the job's rendezvous, made at the first configure
         self._node_labels: dict[str, dict[str, str]] = {}  # node id -> Ray node labels (rack, nvlink_domain)
 
     # ------------------------------------------------------------------ capacity
@@ -87,15 +105,15 @@ class WorkerGroup:
     def spawn(self, groups: list[Any]) -> list[Member]:
         """Create one actor per bundle of each placement group (a whole replica each)."""
         actors = []
-        # Injected worker faults go to the first workers only: each fires once per job,
-        # not again in a replacement that replays the step.
-        faults, self.worker_faults = self.worker_faults, []
+        # The step hook goes to the first workers only: an injected fault fires once per
+        # job, not again in a replacement that replays the step.
+        hook, self.step_hook = self.step_hook, None
         for g in groups:
             for b in range(self.replica_size):
                 opts = self.slots.actor_options(g, b)
-                actors.append((g, b, TrainWorker.options(**opts).remote(self.spec, self.corpus_uri, faults)))
+                actors.append((g, b, TrainWorker.options(**opts).remote(self.spec, self.corpus_uri, hook)))
         try:
-            infos = ray.get([a.info.remote() for _, _, a in actors], timeout=RPC_TIMEOUT_S)
+            infos: list[WorkerInfo] = ray.get([a.info.remote() for _, _, a in actors], timeout=RPC_TIMEOUT_S)
         except (RayActorError, ActorUnavailableError, GetTimeoutError) as exc:
             # A new node died (or never started its workers): none of these become members.
             for _, _, a in actors:
@@ -105,16 +123,20 @@ class WorkerGroup:
                     logger.debug("kill of a new worker failed: %s", kill_exc)
             raise ActorDied(f"a new worker was lost while starting: {type(exc).__name__}", ranks=[], nodes=[]) from None
         nodes = [n for n in ray.nodes() if n.get("Alive")]
-        self._raylets.update({n["NodeID"]: (n["NodeManagerAddress"], n["NodeManagerPort"]) for n in nodes})
+        self.raylets.update({n["NodeID"]: (n["NodeManagerAddress"], n["NodeManagerPort"]) for n in nodes})
         self._node_labels.update({n["NodeID"]: dict(n.get("Labels") or {}) for n in nodes})
-        return [Member(a, g, b, i["node_id"], i["ip"], i["pid"]) for (g, b, a), i in zip(actors, infos)]
+        return [Member(a, g, b, i.node_id, i.ip, i.pid) for (g, b, a), i in zip(actors, infos)]
 
     # ------------------------------------------------------------------ (re)configuration
     def configure(
-        self, members: list[Member], dp: int, start: dict[str, Any], restore_step: int | None, source: str
+        self, members: list[Member], dp: int, step: int, restore_step: int | None, source: str
     ) -> dict[str, float]:
-        """Give ``members`` ranks 0..n-1, rendezvous on a fresh port and restore state."""
-        tp, pp = self.spec.parallel.tp, self.spec.parallel.pp
+        """Give ``members`` ranks 0..n-1, form a new generation of the group and restore state.
+
+        ``source``: ``memory`` (snapshots of ``restore_step`` held by the old members),
+        ``storage`` (the checkpoint of ``restore_step``) or ``none`` (start at ``step``).
+        """
+        tp, pp, zero = self.spec.parallel.tp, self.spec.parallel.pp, self.spec.parallel.zero
         old_holders = self._snapshot_holders(restore_step) if source == "memory" else {}
         members = self.rank_order(members)
         for rank, m in enumerate(members):
@@ -122,68 +144,53 @@ class WorkerGroup:
         # From here on these are the members: a loss below is a failure of this layout,
         # and the next recovery evicts it by its new rank (newcomers are not leaked).
         self.members = list(members)
-        try:
-            port = ray.get(members[0].actor.free_port.remote(), timeout=RPC_TIMEOUT_S)
-        except (RayActorError, ActorUnavailableError, GetTimeoutError):
-            self.kill([members[0]])  # unreachable: evicted like a dead one
-            raise self._lost_failure([members[0]], "lost before the rendezvous") from None
+        if self._store is None:
+            self._store = RendezvousStore(ray.util.get_node_ip_address(), self.spec.elastic.collective_timeout_s)
+        generation = self._store.next_generation()
         hosts = _host_indices(members)
         peers = [None] * len(members)
         if self.spec.checkpoint.replicate:
-            peers = policies.replica_peers([m.node_id for m in members], tp, pp, self.spec.parallel.zero)
+            peers = plan.replica_peers([m.node_id for m in members], tp, pp, zero)
         refs = []
         for m, peer in zip(members, peers):
             restore = None
             if source == "memory":
-                restore = {"source": "memory", "step": restore_step, "holders": self._holders_for(m, old_holders)}
+                owners = plan.owners_for(m.rank, old_holders, m, tp, pp, zero)
+                holders = {o: (None if h is None else h.actor) for o, h in owners.items()}
+                restore = MemoryRestore(restore_step, holders)
             elif source == "storage":
-                restore = {
-                    "source": "storage",
-                    "step": restore_step,
-                    "uri": self.storage_uri,
-                    "storage_options": self.spec.checkpoint.storage_options,
-                }
-            start_m = dict(start, storage_uri=self.storage_uri)  # where the storage tier writes
-            start_m["replica_peer"] = members[peer].actor if peer is not None else None  # keeps copies of m's snapshots
-            refs.append(
-                m.actor.configure.remote(
-                    m.rank, (dp, tp, pp), (members[0].ip, port), start_m, restore, hosts[m.node_id]
-                )
+                restore = StorageRestore(restore_step, self.storage_uri, self.spec.checkpoint.storage_options)
+            req = ConfigureRequest(
+                generation=generation,
+                rank=m.rank,
+                dims=(dp, tp, pp),
+                store=self._store.address,
+                step=step,
+                host_index=hosts[m.node_id],
+                restore=restore,
+                storage_uri=self.storage_uri,
+                replica_peer=members[peer].actor if peer is not None else None,  # keeps copies of m's snapshots
             )
+            refs.append(m.actor.configure.remote(req))
         replies = self._gather_configure(members, refs)
         self.dp = dp
         now = time.monotonic()
         for m, r in zip(members, replies):
-            m.last_ok, m.step = now, r["step"]
+            m.last_ok, m.step = now, r.step
         return {
-            "init_s": max(r["init_s"] for r in replies),
-            "build_s": max(r["build_s"] for r in replies),
-            "restore_s": max(r["restore_s"] for r in replies),
-            "restore_bytes_read": sum(r.get("restore_bytes_read", 0) for r in replies),  # from storage, all ranks
-            "step": replies[0]["step"],
+            "init_s": max(r.init_s for r in replies),
+            "build_s": max(r.build_s for r in replies),
+            "restore_s": max(r.restore_s for r in replies),
+            "restore_bytes_read": sum(r.restore_bytes_read for r in replies),  # from storage, all ranks
+            "step": replies[0].step,
         }
 
-    storage_uri: str = ""
-
     def rank_order(self, members: list[Member]) -> list[Member]:
-        """Whole replicas (consecutive chunks of ``members``) ordered rack by rack, then by node.
-
-        DP ranks follow replica order, so the DP ring visits each rack's replicas
-        together and crosses racks as few times as possible. Inside a replica the order is
-        kept (TP fastest, then PP), matching the mesh ``("dp", "pp", "tp")``.
-        """
-        size = self.replica_size
-        replicas = [members[i : i + size] for i in range(0, len(members), size)]
+        """Whole replicas ordered rack by rack (``recovery_plan.rank_order``)."""
         labels = self._node_labels
+        return plan.rank_order(members, self.replica_size, lambda node: labels.get(node, {}).get("rack", ""))
 
-        def key(replica: list[Member]) -> tuple[str, str]:
-            node = replica[0].node_id
-            return (labels.get(node, {}).get("rack", ""), node)
-
-        replicas.sort(key=key)
-        return [m for r in replicas for m in r]
-
-    def _gather_configure(self, members: list[Member], refs: list[Any]) -> list[dict[str, Any]]:
+    def _gather_configure(self, members: list[Member], refs: list[Any]) -> list[ConfigureReply]:
         """Wait for every configure; a member lost meanwhile becomes a new typed failure.
 
         Peers of a lost member wait in the rendezvous until its timeout
@@ -215,37 +222,15 @@ class WorkerGroup:
     def _lost_failure(self, lost: list[Member], when: str) -> WorkerFailure:
         """``node_lost`` when the lost members' raylets are gone too, else ``actor_died``."""
         nodes = {m.node_id for m in lost}
-        gone = probe_dead_nodes(nodes, self._raylets, wait_s=NODE_PROBE_S)
+        gone = self.raylets.dead(nodes, wait_s=NODE_PROBE_S)
         cls = NodeLost if gone else ActorDied
         detail = f"{len(lost)} worker(s) {when}" + (f"; node(s) {sorted(gone)} left the cluster" if gone else "")
         return cls(detail, ranks=[m.rank for m in lost], nodes=sorted(nodes))
 
     def _snapshot_holders(self, step: int | None) -> dict[int, Member]:
         """Old rank -> a live member holding that rank's snapshot at ``step``."""
-        held: dict[int, Member] = {}
         live = [m for m in self.members if not m.dead]
-        for m, info in zip(live, self._query_snapshots(live)):
-            for owner, steps in (info or {}).items():
-                if step in steps and (int(owner) not in held or int(owner) == m.rank):
-                    held[int(owner)] = m
-        return held
-
-    def _holders_for(self, m: Member, holders: dict[int, Member]) -> dict[int, Any]:
-        """Old ranks whose snapshots ``m`` must read (None where it holds one itself).
-
-        ``m`` needs the shards of its own (pp, tp) coordinate: one DP replica's copy under
-        DDP (its own if it has one), every DP shard under FSDP (to reshard them).
-        """
-        tp, pp = self.spec.parallel.tp, self.spec.parallel.pp
-
-        def coord(rank: int) -> tuple[int, int]:
-            return ((rank // tp) % pp, rank % tp)
-
-        mine = {o: h for o, h in holders.items() if coord(o) == coord(m.rank)}
-        if self.spec.parallel.zero == 0 and mine:
-            owner = next((o for o, h in mine.items() if h is m), next(iter(mine)))
-            mine = {owner: mine[owner]}
-        return {owner: (None if h is m else h.actor) for owner, h in mine.items()}
+        return plan.holders_at(list(zip(live, self._query_snapshots(live))), step)
 
     def _query_snapshots(self, members: list[Member]) -> list[dict[int, list[int]] | None]:
         """Each member's snapshot holdings; None for one that is gone or silent (10 s in all).
@@ -253,7 +238,7 @@ class WorkerGroup:
         Members on a node whose raylet refuses connections are not asked: a call to an
         actor on a lost node can hang until Ray notices the loss.
         """
-        gone = probe_dead_nodes({m.node_id for m in members}, self._raylets, wait_s=0.0)
+        gone = self.raylets.dead({m.node_id for m in members}, wait_s=0.0)
         refs = [None if m.node_id in gone else m.actor.snapshot_holdings.remote() for m in members]
         asked = [r for r in refs if r is not None]
         if asked:
@@ -267,31 +252,10 @@ class WorkerGroup:
         return out
 
     def common_snapshot_step(self, members: list[Member]) -> int | None:
-        """Newest step whose snapshots, held by ``members``, cover the whole old layout."""
-        coverage: dict[int, set[int]] = {}
-        for info in self._query_snapshots(members):
-            for owner, steps in (info or {}).items():
-                for s in steps:
-                    coverage.setdefault(s, set()).add(int(owner))
-        needed = self.needed_owners()
-        good = [s for s, owners in coverage.items() if needed(owners)]
-        return max(good) if good else None
-
-    def needed_owners(self):
-        """A predicate: do these old ranks' snapshots hold the whole training state?
-
-        Under DDP (zero 0) DP replicas hold identical state, so one owner per (pp, tp)
-        coordinate suffices; under FSDP every old rank's shard is unique.
-        """
-        tp, pp, dp, zero = self.spec.parallel.tp, self.spec.parallel.pp, self.dp, self.spec.parallel.zero
-
-        def coord(rank: int) -> tuple[int, int]:
-            return ((rank // tp) % pp, rank % tp)
-
-        if zero == 0:
-            want = {(p, t) for p in range(pp) for t in range(tp)}
-            return lambda owners: want <= {coord(r) for r in owners}
-        return lambda owners: set(range(dp * tp * pp)) <= set(owners)
+        """Newest step whose snapshots, held by ``members``, cover the whole current layout."""
+        p = self.spec.parallel
+        world = self.dp * p.tp * p.pp
+        return plan.covering_step(self._query_snapshots(members), world, p.tp, p.pp, p.zero)
 
     # ------------------------------------------------------------------ running
     def launch(self, last_step: int) -> None:
@@ -317,10 +281,10 @@ class WorkerGroup:
         for m in self.members:
             self._read_poll(m, obs, now)
             self._read_run(m)
-        obs.failure = diagnose(self.members, self.spec.elastic, now, self._raylets)
+        obs.failure = diagnose(self.members, self.spec.elastic, now, self.raylets)
         if obs.failure is None and self.members and all(m.run_result is not None for m in self.members):
             self._drain(obs)
-            statuses = {m.run_result["status"] for m in self.members}
+            statuses = {m.run_result.status for m in self.members}
             obs.finished = statuses == {"done"}
             obs.stopped = "stopped" in statuses and statuses <= {"stopped", "done"}
         return obs
@@ -338,7 +302,7 @@ class WorkerGroup:
                 if m.poll_ref is not None:  # no answer in time
                     break
 
-    def drain_results(self, members: list[Member], timeout: float = 10.0) -> list[tuple[int, dict[str, Any]]]:
+    def drain_results(self, members: list[Member], timeout: float = 10.0) -> list[tuple[int, WorkerReport]]:
         """Results that survivors reported but the controller has not seen yet."""
         obs = Observation()
         self._drain(obs, members, timeout)
@@ -358,8 +322,8 @@ class WorkerGroup:
         except RayActorError:
             m.dead = True
             return
-        m.last_ok, m.step = now, reply["step"]
-        obs.results.extend((m.rank, r) for r in reply["results"])
+        m.last_ok, m.step = now, reply.step
+        obs.results.extend((m.rank, r) for r in reply.reports)
 
     def _read_run(self, m: Member) -> None:
         if m.run_ref is None or m.run_result is not None:
@@ -372,7 +336,8 @@ class WorkerGroup:
                 return
             except RayActorError:
                 m.dead = True
-                m.run_result = {"status": "dead"}
+                m.run_result = DEAD
+            m.returned_at = time.monotonic()
 
     def request_stop(self) -> None:
         for m in self.members:
@@ -397,11 +362,7 @@ class WorkerGroup:
 
     def complete_replicas(self, members: list[Member]) -> list[list[Member]]:
         """Survivors grouped into whole replicas (old DP rank), each in rank order."""
-        size = self.replica_size
-        by_replica: dict[int, list[Member]] = {}
-        for m in members:
-            by_replica.setdefault(m.rank // size, []).append(m)
-        return [sorted(ms, key=lambda m: m.rank) for _, ms in sorted(by_replica.items()) if len(ms) == size]
+        return plan.complete_replicas(members, self.replica_size)
 
     def release_group(self, group: Any) -> None:
         self.slots.release(group)

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from elastic import policies
 from elastic.checkpoint.config import CheckpointConfig
 from elastic.data import DataConfig
 from elastic.errors import SpecError
@@ -83,16 +84,13 @@ class JobSpec(BaseModel):
             )
 
     def allowed_dps(self) -> list[int]:
-        """DP degrees that keep ``global_batch`` exact (DeepSpeed-style elasticity)."""
-        per_step = self.train.global_batch
-        mb = self.parallel.micro_batch
-        if per_step % mb:
-            return []
-        micro = per_step // mb
-        return [dp for dp in range(self.elastic.min_dp, self.elastic.max_dp + 1) if micro % dp == 0]
+        """DP degrees that keep ``global_batch`` exact (``elastic.policies.allowed_dps``)."""
+        return policies.allowed_dps(
+            self.train.global_batch, self.parallel.micro_batch, self.elastic.min_dp, self.elastic.max_dp
+        )
 
     def grad_accum(self, dp: int) -> int:
-        return self.train.global_batch // (self.parallel.micro_batch * dp)
+        return policies.grad_accum(self.train.global_batch, self.parallel.micro_batch, dp)
 
     # ------------------------------------------------------------------ schema
     @classmethod

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from elastic.cli import main
+from jobs.cli import main
 
 
 def run(argv: list[str] | None = None) -> int:

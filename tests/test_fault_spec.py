@@ -117,7 +117,7 @@ def test_flip_bit_flips_exactly_one_bit():
     assert t[0, 0].item() != 0.02 and abs(t[0, 0].item() - 0.02) < 1e-8
 
 
-def _cli(*args: str, module: str = "elastic.cli") -> subprocess.CompletedProcess:
+def _cli(*args: str, module: str = "jobs.cli") -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=60)
 
 

@@ -1,7 +1,8 @@
 """Storage tier, controller side: commit a step once every rank of its group wrote its part.
 
-Ranks report ``{"type": "upload", ...}`` results (see :mod:`elastic.checkpoint.storage_tier`)
-through ``poll``; the controller hands them to :class:`CheckpointCommitter`. Results are
+Ranks send ``UploadReport``s (``elastic/messages.py``, written by
+:mod:`elastic.checkpoint.storage_tier`) through ``poll``; the controller owns one
+:class:`CheckpointCommitter` and hands them to it. Results are
 grouped by ``(gen, step)`` where ``gen = [base step, world size]`` identifies the
 configuration that produced them: a step commits only when ranks ``0..world-1`` of one
 configuration all reported, so parts written under two layouts are never mixed. Partial
@@ -10,7 +11,7 @@ groups left behind by a resize or a failure are dropped.
 The commit (``commit_checkpoint``: metadata, manifest, marker) and the retention pass run on
 one background thread, in step order, so the controller's loop never waits for storage.
 Each step ends in exactly one ``checkpoint`` event with ``tier: "storage"`` and
-``committed`` true or false (with ``error``). :func:`join_committer` bounds the wait for
+``committed`` true or false (with ``error``). :meth:`CheckpointCommitter.join` bounds the wait for
 in-flight commits at the end of a job and before a restore from storage.
 """
 
@@ -23,12 +24,12 @@ import time
 from typing import Any
 
 from elastic.checkpoint.storage_tier import open_store, scrub
+from elastic.messages import UploadReport
 from storage import RankWriteResult, commit_checkpoint, redact_uri
 
 log = logging.getLogger(__name__)
 
 JOIN_TIMEOUT_S = 300.0
-_ATTR = "_ckpt_committer"
 
 
 class CheckpointCommitter:
@@ -37,7 +38,7 @@ class CheckpointCommitter:
         self.options = spec.checkpoint.storage_options
         self.keep = spec.checkpoint.keep
         self._store = None
-        self._groups: dict[tuple[int, int, int], dict[int, dict]] = {}  # (base, world, step) -> rank -> result
+        self._groups: dict[tuple[int, int, int], dict[int, UploadReport]] = {}  # (base, world, step) -> rank -> report
         self._finished: set[tuple[int, int, int]] = set()  # groups already submitted
         self._queue: queue.Queue = queue.Queue()
         self._cond = threading.Condition()
@@ -50,10 +51,10 @@ class CheckpointCommitter:
             self._store = open_store(self.uri, self.options)
         return self._store
 
-    def add(self, rank: int, result: dict[str, Any]) -> None:
+    def add(self, rank: int, result: UploadReport) -> None:
         """One rank's upload report; submits the step once its group is complete."""
-        base, world = result["gen"]
-        step = result["step"]
+        base, world = result.gen
+        step = result.step
         key = (base, world, step)
         if key in self._finished:
             return
@@ -99,14 +100,14 @@ class CheckpointCommitter:
                     self._inflight -= 1
                     self._cond.notify_all()
 
-    def _commit(self, step: int, world: int, group: dict[int, dict]) -> None:
+    def _commit(self, step: int, world: int, group: dict[int, UploadReport]) -> None:
         results = [group[r] for r in range(world)]
-        first = min(r["started_at"] for r in results)
-        fields = {"step": step, "tier": "storage", "blocking_s": max(r["blocking_s"] for r in results)}
-        if any(r.get("already_committed") for r in results):
+        first = min(r.started_at for r in results)
+        fields = {"step": step, "tier": "storage", "blocking_s": max(r.blocking_s for r in results)}
+        if any(r.already_committed for r in results):
             log.info("step %d is already committed (a replay after a restore); keeping the first commit", step)
             return
-        errors = [f"rank {r['rank']}: {r['error']}" for r in results if r["error"]]
+        errors = [f"rank {r.rank}: {r.error}" for r in results if r.error]
         if errors:
             self._emit(
                 **fields,
@@ -123,8 +124,8 @@ class CheckpointCommitter:
             info = commit_checkpoint(
                 self.store,
                 step,
-                [RankWriteResult.from_dict(r["result"]) for r in results],
-                extra={"world": world, "layout": results[0]["layout"]},
+                [RankWriteResult.from_dict(r.result) for r in results],
+                extra={"world": world, "layout": results[0].layout},
             )
         except Exception as exc:  # noqa: BLE001 - storage down or parts missing: not committed
             error = scrub(f"commit failed: {type(exc).__name__}: {exc}", self.options)[:1000]
@@ -144,17 +145,3 @@ class CheckpointCommitter:
             self.events.emit("checkpoint", **fields)
         except Exception as exc:  # noqa: BLE001 - the event log may be closed when a failed job ends
             log.warning("could not record checkpoint event %s: %s", fields, exc)
-
-
-def committer_for(controller: Any) -> CheckpointCommitter:
-    """The controller's committer, created on first use (it lives as long as the controller)."""
-    committer = controller.__dict__.get(_ATTR)
-    if committer is None:
-        committer = CheckpointCommitter(controller.spec, controller.group.storage_uri, controller.events)
-        setattr(controller, _ATTR, committer)
-    return committer
-
-
-def join_committer(controller: Any, timeout: float = JOIN_TIMEOUT_S) -> bool:
-    committer = controller.__dict__.get(_ATTR)
-    return True if committer is None else committer.join(timeout)

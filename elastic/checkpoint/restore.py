@@ -170,16 +170,17 @@ def _broadcast(batch: dict[str, Any], group: Any, lead: bool) -> int:
     return moved
 
 
-def load_from_storage(worker: Any, restore: dict[str, Any]) -> dict[str, Any]:
-    """Staggered restore of ``restore['step']`` into ``worker.engine``; returns the objects.
+def load_from_storage(
+    engine: Any, step: int, uri: str, storage_options: dict[str, Any] | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Staggered restore of checkpoint ``step`` under ``uri`` into ``engine``.
 
-    Every rank of the new group calls this at the same time (it broadcasts over DP). It
-    records what it read in ``worker._storage_restore`` (``bytes_read`` from storage,
-    ``broadcast_bytes`` received from its DP leader) and logs it.
+    Every rank of the new group calls this at the same time (it broadcasts over DP).
+    Returns the checkpoint's plain objects and what this rank moved: ``bytes_read`` from
+    storage, ``broadcast_bytes`` received from its DP leader.
     """
     t0 = time.perf_counter()
-    engine, step = worker.engine, restore["step"]
-    store = open_store(restore["uri"], restore.get("storage_options"))
+    store = open_store(uri, storage_options)
     tensors, target_objects = flat_target(engine, scalars_are_tensors=True)
     group = engine.dims.dp_mesh.get_group() if engine.dims.dp > 1 else None
     lead = engine.coords.dp_rank == 0
@@ -207,17 +208,16 @@ def load_from_storage(worker: Any, restore: dict[str, Any]) -> dict[str, Any]:
         "broadcast_bytes": received,
         "duration_s": time.perf_counter() - t0,
     }
-    worker._storage_restore = stats
     log.info(
         "restored step %d from %s: read %d bytes from storage (%d tensor data), %d bytes by DP broadcast, %.2fs",
         step,
-        redact_uri(restore["uri"]),
+        redact_uri(uri),
         stats["bytes_read"],
         stats["data_bytes_read"],
         received,
         stats["duration_s"],
     )
-    return objects
+    return objects, stats
 
 
 def latest_storage_step(spec: Any, uri: str) -> int | None:

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from elastic.messages import UploadReport
 from storage import CheckpointStore, RetryPolicy, primary_replica, redact, redact_uri, write_rank_shard
 
 log = logging.getLogger(__name__)
@@ -303,20 +304,19 @@ class StorageUploader:
         started_at: float,
         already_committed: bool = False,
     ) -> None:
-        result = {
-            "type": "upload",
-            "step": job.step,
-            "rank": self.rank,
-            "gen": [self.base_step, self.world],
-            "layout": self.layout,
-            "result": res.to_dict() if res is not None else None,
-            "error": error,
-            "blocking_s": job.blocking_s,
-            "duration_s": duration_s,
-            "started_at": started_at,
-            "bytes": res.bytes_written if res is not None else 0,
-            "already_committed": already_committed,
-        }
+        result = UploadReport(
+            step=job.step,
+            rank=self.rank,
+            gen=(self.base_step, self.world),
+            layout=self.layout,
+            result=res.to_dict() if res is not None else None,
+            error=error,
+            blocking_s=job.blocking_s,
+            duration_s=duration_s,
+            started_at=started_at,
+            bytes=res.bytes_written if res is not None else 0,
+            already_committed=already_committed,
+        )
         with self._cond:
             if not self._closed:
                 self.results.append(result)

@@ -41,6 +41,18 @@ class RankCoords(NamedTuple):
     tp_rank: int
 
 
+def rank_coords(rank: int, tp: int, pp: int) -> RankCoords:
+    """The one formula from a global rank to its (dp, pp, tp) coordinates."""
+    rest, tp_rank = divmod(rank, tp)
+    dp_rank, pp_rank = divmod(rest, pp)
+    return RankCoords(dp_rank, pp_rank, tp_rank)
+
+
+def rank_of(dp_rank: int, pp_rank: int, tp_rank: int, tp: int, pp: int) -> int:
+    """The inverse of :func:`rank_coords`."""
+    return ((dp_rank * pp) + pp_rank) * tp + tp_rank
+
+
 def validate_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
     """TP splits heads and hidden size, PP splits layers: each must divide evenly."""
     if cfg.n_heads % tp:
@@ -95,27 +107,20 @@ class ParallelDims:
         validate_layout(cfg, self.tp, self.pp)
 
     def grad_accum(self, global_batch: int, micro_batch: int) -> int:
-        """Micro-batches per DP rank per optimizer step; the global batch must be exact."""
-        per_step = self.dp * micro_batch
-        if global_batch % per_step:
-            raise SpecError(
-                "train.global_batch",
-                f"global_batch={global_batch} is not a multiple of dp*micro_batch = {self.dp}*{micro_batch}",
-            )
-        return global_batch // per_step
+        """Micro-batches per DP rank per optimizer step (``elastic.policies.grad_accum``)."""
+        from elastic.policies import grad_accum
+
+        return grad_accum(global_batch, micro_batch, self.dp)
 
     # ----- pure rank arithmetic ---------------------------------------------------------
 
     def coords(self, rank: int) -> RankCoords:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of size {self.world_size}")
-        tp_rank = rank % self.tp
-        pp_rank = (rank // self.tp) % self.pp
-        dp_rank = rank // (self.tp * self.pp)
-        return RankCoords(dp_rank, pp_rank, tp_rank)
+        return rank_coords(rank, self.tp, self.pp)
 
     def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
-        return ((dp_rank * self.pp) + pp_rank) * self.tp + tp_rank
+        return rank_of(dp_rank, pp_rank, tp_rank, self.tp, self.pp)
 
     @property
     def dp_enabled(self) -> bool:

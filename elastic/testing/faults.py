@@ -57,12 +57,20 @@ def worker_fault(
 
 
 class WorkerFaults:
-    def __init__(
-        self, faults: list[dict[str, Any]], stop: threading.Event | None = None, beat: Callable[[], None] | None = None
-    ):
+    """Faults injected inside the workers' steps: a ``StepHook`` (``elastic/worker/hooks.py``).
+
+    Give it to a job as ``ElasticTrainer(spec, step_hook=WorkerFaults([...]))``; the list
+    comes from :func:`worker_fault` or from ``--fault`` (:func:`build_faults`).
+    """
+
+    def __init__(self, faults: list[dict[str, Any]]):
         self._pending = list(faults)
-        self._stop = stop or threading.Event()  # the worker's "stop at the next step boundary"
-        self._beat = beat or (lambda: None)  # the worker's heartbeat
+        # Set in the worker by ``attach`` (the hook travels there pickled, without them).
+        self._stop: threading.Event | None = None  # the worker's "stop at the next step boundary"
+        self._beat: Callable[[], None] | None = None  # the worker's heartbeat
+
+    def attach(self, stop: threading.Event, beat: Callable[[], None]) -> None:
+        self._stop, self._beat = stop, beat
 
     def pending(self, step: int, rank: int) -> bool:
         """A one-shot fault is due now (the worker then waits for its last snapshot)."""
@@ -101,14 +109,16 @@ class WorkerFaults:
 
     def _hold(self, fault: dict[str, Any], engine: Any) -> None:
         deadline = time.monotonic() + fault["seconds"]
+        stop = self._stop or threading.Event()
         while (
             engine.dims.dp < fault["below_dp"]
             and os.path.exists(fault["marker"])
-            and not self._stop.is_set()
+            and not stop.is_set()
             and time.monotonic() < deadline
         ):
-            self._beat()
-            self._stop.wait(0.05)
+            if self._beat is not None:
+                self._beat()
+            stop.wait(0.05)
 
 
 def flip_bit(tensor: Any, bit: int, index: int = 0) -> None:

@@ -11,7 +11,6 @@ import collections
 import os
 import pickle
 from datetime import timedelta
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -112,15 +111,15 @@ def staggered_restore(rank: int, world: int, port: int, root: str, zero: int, ou
             assert committer.join(60)
         dist.barrier()
         want = full_state(engine)
-        holder = SimpleNamespace(engine=build(spec, world))
-        objects = load_from_storage(holder, {"step": STEPS, "uri": root, "storage_options": {}})
-        got = full_state(holder.engine)
-        next_losses = (train(engine, STEPS, 1)[0], train(holder.engine, STEPS, 1)[0])
+        restored = build(spec, world)
+        objects, stats = load_from_storage(restored, STEPS, root, {})
+        got = full_state(restored)
+        next_losses = (train(engine, STEPS, 1)[0], train(restored, STEPS, 1)[0])
         _dump(
             out,
             rank,
             {
-                "stats": holder._storage_restore,
+                "stats": stats,
                 "diff": diff(want, got),
                 "step": objects["train/step"],
                 "batch_index": objects["train/batch_index"],

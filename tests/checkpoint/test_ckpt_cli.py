@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from elastic.cli import main
+from jobs.cli import main
 from storage import CheckpointStore, commit_checkpoint, write_rank_shard
 
 pytestmark = pytest.mark.timeout(120)
@@ -31,7 +31,7 @@ def root(tmp_path):
 
 def test_list_json_through_the_console_entry(root):
     proc = subprocess.run(
-        [sys.executable, "-m", "elastic.cli", "ckpt", "list", root, "--json"],
+        [sys.executable, "-m", "jobs.cli", "ckpt", "list", root, "--json"],
         capture_output=True,
         text=True,
         timeout=60,

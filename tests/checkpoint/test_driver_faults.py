@@ -35,7 +35,7 @@ STEPS = 9  # checkpoints at 3, 6, 9
 
 def _cli(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "elastic.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+        [sys.executable, "-m", "jobs.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
     )
 
 
@@ -204,7 +204,7 @@ def test_driver_killed_mid_upload_leaves_nothing_half_committed(ray_local, tiny_
             [
                 sys.executable,
                 "-m",
-                "elastic.cli",
+                "jobs.cli",
                 "run",
                 str(config),
                 "--run-dir",

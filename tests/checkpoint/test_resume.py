@@ -45,7 +45,7 @@ def test_resume_at_another_dp_continues_with_the_next_samples(ray_local, tiny_sp
         [
             sys.executable,
             "-m",
-            "elastic.cli",
+            "jobs.cli",
             "run",
             str(config),
             "--run-dir",
@@ -94,7 +94,7 @@ def test_fsdp_rank_lost_restores_from_peer_copy_else_storage(ray_local, tiny_spe
     holds rank 1's shard, and the restore comes from memory. Either way the losses are the
     fault-free run's.
     """
-    from elastic.testing.faults import Fault, FaultInjector, worker_fault
+    from elastic.testing.faults import Fault, FaultInjector, WorkerFaults, worker_fault
 
     steps = 12
 
@@ -111,12 +111,12 @@ def test_fsdp_rank_lost_restores_from_peer_copy_else_storage(ray_local, tiny_spe
     slow = [worker_fault("hang", s, rank=0, seconds=0.2) for s in range(1, steps + 1)]
     ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
     assert (
-        ElasticTrainer(spec(str(tmp_path / "ref_ckpt")), run_dir=ref_dir, worker_faults=slow).fit().status
+        ElasticTrainer(spec(str(tmp_path / "ref_ckpt")), run_dir=ref_dir, step_hook=WorkerFaults(slow)).fit().status
         == "succeeded"
     )
     injector = FaultInjector([Fault("kill_worker", at_step=5, rank=1)])
     result = ElasticTrainer(
-        spec(str(tmp_path / "ckpt")), run_dir=run_dir, callbacks=[injector], worker_faults=slow
+        spec(str(tmp_path / "ckpt")), run_dir=run_dir, callbacks=[injector], step_hook=WorkerFaults(slow)
     ).fit()
     assert result.status == "succeeded" and result.steps == steps and result.failures == 1
     (restore,) = events(run_dir, "restore")

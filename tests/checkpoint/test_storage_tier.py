@@ -10,7 +10,7 @@ from storage_testlib import FAKE_KEY, FAKE_SECRET
 
 from elastic import ElasticTrainer
 from elastic.checkpoint.storage_tier import open_store
-from elastic.testing.faults import worker_fault
+from elastic.testing.faults import WorkerFaults, worker_fault
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -95,7 +95,7 @@ def test_s3_outage_mid_run_fails_only_those_checkpoints(ray_local, tiny_spec_dic
                 moto_s3.start()
 
     run_dir = str(tmp_path / "run")
-    result = ElasticTrainer(spec, run_dir=run_dir, callbacks=[Outage()], worker_faults=slow).fit()
+    result = ElasticTrainer(spec, run_dir=run_dir, callbacks=[Outage()], step_hook=WorkerFaults(slow)).fit()
     assert result.status == "succeeded" and result.steps == steps and result.failures == 0
     stored = events(run_dir, "checkpoint", tier="storage")
     failed = [e for e in stored if not e["committed"]]

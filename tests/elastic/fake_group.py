@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastic.messages import StepReport
 from elastic.worker_group import Observation
 
 
@@ -28,12 +29,12 @@ class FakeMember:
 class FakeWorkerGroup:
     spec: Any
     corpus_uri: str
-    worker_faults: Any = None
+    step_hook: Any = None
+    storage_uri: str = ""
     capacity: int = 4  # replicas Ray could place now
     script: list[Observation] = field(default_factory=list)
     snapshot_step: int | None = None
     calls: list[tuple] = field(default_factory=list)
-    storage_uri: str = ""
     drain_progress: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -68,12 +69,12 @@ class FakeWorkerGroup:
     def rank_order(self, members):
         return list(members)
 
-    def configure(self, members, dp, start, restore_step, source):
+    def configure(self, members, dp, step, restore_step, source):
         self.calls.append(("configure", dp, restore_step, source))
         for rank, m in enumerate(members):
             m.rank = rank
         self.members, self.dp = list(members), dp
-        step = restore_step if restore_step is not None else start["step"]
+        step = restore_step if restore_step is not None else step
         for m in members:
             m.step = step
         return {"init_s": 0.01, "build_s": 0.01, "restore_s": 0.02, "step": step}
@@ -119,9 +120,12 @@ class FakeWorkerGroup:
     def pid_of(self, rank):
         return 0
 
+    def pids_on_node(self, node_id):
+        return []
 
-def step_results(step: int, ranks: int, loss: float = 1.0) -> list[tuple[int, dict]]:
-    return [
-        (r, {"type": "step", "step": step, "loss": loss, "step_time_s": 0.01, "batch_index": step - 1})
-        for r in range(ranks)
-    ]
+
+def step_results(step: int, ranks: int, loss: float = 1.0) -> list[tuple[int, StepReport]]:
+    report = StepReport(
+        step=step, loss=loss, grad_norm=1.0, step_time_s=0.01, batch_index=step - 1, peak_mem_bytes=0, done_at=0.0
+    )
+    return [(r, report) for r in range(ranks)]

@@ -18,7 +18,7 @@ from elastic_testlib import (
 )
 
 from elastic import ElasticTrainer
-from elastic.testing.faults import Fault, FaultInjector, worker_fault
+from elastic.testing.faults import Fault, FaultInjector, WorkerFaults, worker_fault
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -68,7 +68,7 @@ def test_stopped_worker_heartbeat_timeout(ray_local, reference_losses, tmp_path)
 def test_hung_collective_times_out(ray_local, reference_losses, tmp_path):
     spec = elastic_spec(min_dp=2, max_dp=2, heartbeat_timeout_s=30, collective_timeout_s=3)
     faults = [worker_fault("hang", step=FAULT_STEP, rank=1, seconds=8)]
-    run_dir, result = _run(tmp_path, spec, worker_faults=faults)
+    run_dir, result = _run(tmp_path, spec, step_hook=WorkerFaults(faults))
     failure = _check_recovery(run_dir, result, "collective_timeout", reference_losses)
     assert failure["ranks"] == [1]
 
@@ -77,7 +77,7 @@ def test_hung_collective_times_out(ray_local, reference_losses, tmp_path):
 def test_bad_loss_rolls_back(ray_local, reference_losses, tmp_path, kind, cause):
     spec = elastic_spec(min_dp=2, max_dp=2)
     faults = [worker_fault(kind, step=FAULT_STEP + 4, rank=0)]
-    run_dir, result = _run(tmp_path, spec, worker_faults=faults)
+    run_dir, result = _run(tmp_path, spec, step_hook=WorkerFaults(faults))
     _check_recovery(run_dir, result, cause, reference_losses)
     # The corrupted step was never committed: no step event carries a non-finite loss.
     assert all(e["loss"] is not None for e in events_of(run_dir, "step"))
@@ -86,7 +86,7 @@ def test_bad_loss_rolls_back(ray_local, reference_losses, tmp_path, kind, cause)
 def test_exception_in_step(ray_local, reference_losses, tmp_path):
     spec = elastic_spec(min_dp=2, max_dp=2)
     faults = [worker_fault("raise", step=FAULT_STEP, rank=1)]
-    run_dir, result = _run(tmp_path, spec, worker_faults=faults)
+    run_dir, result = _run(tmp_path, spec, step_hook=WorkerFaults(faults))
     failure = _check_recovery(run_dir, result, "worker_error", reference_losses)
     assert failure["ranks"] == [1] and "injected failure" in failure["detail"]
 
@@ -94,7 +94,7 @@ def test_exception_in_step(ray_local, reference_losses, tmp_path):
 def test_skip_policy_skips_the_bad_batch(ray_local, tmp_path):
     spec = elastic_spec(min_dp=2, max_dp=2, on_bad_loss="skip")
     faults = [worker_fault("nan", step=FAULT_STEP, rank=0)]
-    run_dir, result = _run(tmp_path, spec, worker_faults=faults)
+    run_dir, result = _run(tmp_path, spec, step_hook=WorkerFaults(faults))
     assert result.status == "succeeded" and result.steps == STEPS
     failure = events_of(run_dir, "failure")[0]
     assert failure["cause"] == "nan_loss" and "skip batch 7" in failure["detail"]
@@ -112,11 +112,11 @@ def test_failure_budget_exhausted_exits_1(ray_local, tmp_path, tiny_spec_dict):
     config.write_text(yaml.safe_dump(raw))
     # Two NaN faults, one budgeted failure: the second ends the job.
     script = (
-        "import sys; from elastic.cli import main; from elastic import trainer;"
-        "from elastic.testing.faults import worker_fault;"
+        "import sys; from jobs.cli import main; from elastic import trainer;"
+        "from elastic.testing.faults import WorkerFaults, worker_fault;"
         "orig = trainer.ElasticTrainer.__init__\n"
         "def init(self, spec, **kw):\n"
-        "    kw['worker_faults'] = [worker_fault('nan', 4, 0), worker_fault('nan', 7, 0)]\n"
+        "    kw['step_hook'] = WorkerFaults([worker_fault('nan', 4, 0), worker_fault('nan', 7, 0)])\n"
         "    orig(self, spec, **kw)\n"
         "trainer.ElasticTrainer.__init__ = init\n"
         f"sys.exit(main(['run', {str(config)!r}, '--run-dir', {str(tmp_path / 'run')!r}, "
@@ -148,7 +148,7 @@ def test_fault_flag_from_the_command_line(ray_local, reference_losses, tmp_path)
         [
             sys.executable,
             "-m",
-            "elastic.cli",
+            "jobs.cli",
             "run",
             str(config),
             "--run-dir",

@@ -16,7 +16,7 @@ from elastic_testlib import (
 )
 
 from elastic import ElasticTrainer
-from elastic.testing.faults import Fault, FaultInjector, worker_fault
+from elastic.testing.faults import Fault, FaultInjector, WorkerFaults, worker_fault
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -52,7 +52,10 @@ def test_node_lost_shrinks_then_grows_back(ray_cluster, reference_losses_cluster
     faults = [worker_fault("slow", step=1, rank=r, seconds=0.15) for r in range(4)]
     faults += [worker_fault("hold", step=1, rank=r, seconds=120, marker=marker, below_dp=4) for r in range(4)]
     trainer = ElasticTrainer(
-        spec, run_dir=str(tmp_path / "run"), callbacks=[injector, _MarkReturned(injector, marker)], worker_faults=faults
+        spec,
+        run_dir=str(tmp_path / "run"),
+        callbacks=[injector, _MarkReturned(injector, marker)],
+        step_hook=WorkerFaults(faults),
     )
     result = trainer.fit()
     assert result.status == "succeeded" and result.steps == STEPS

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from elastic import policies
+from elastic import policies, recovery_plan
+from elastic.errors import SpecError
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -36,7 +37,7 @@ def test_allowed_dps_keep_global_batch_exact(global_batch, micro, lo, hi, expect
 
 
 def test_grad_accum_refuses_inexact_dp():
-    with pytest.raises(ValueError):
+    with pytest.raises(SpecError, match="train.global_batch"):
         policies.grad_accum(48, 4, 5)
 
 
@@ -86,7 +87,7 @@ def test_loss_monitor_flags_nan_and_spikes_but_not_descent():
     ],
 )
 def test_replica_peers(nodes, tp, pp, zero, expected):
-    peers = policies.replica_peers(nodes, tp, pp, zero)
+    peers = recovery_plan.replica_peers(nodes, tp, pp, zero)
     assert peers == expected
     for r, p in enumerate(peers):  # a copy never lives on its owner's node when another node exists
         if p is not None and len(set(nodes)) > 1:

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from elastic.demo import benchmark_comparison
 from elastic.events import Recovery, RunResult
 from elastic.progress import format_summary
+from jobs.demo import benchmark_comparison
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -51,7 +51,7 @@ def test_elastic_run_cli_writes_contract_artefacts(ray_local, tiny_spec_dict, tm
         [
             sys.executable,
             "-m",
-            "elastic.cli",
+            "jobs.cli",
             "run",
             config,
             "--run-dir",

@@ -151,7 +151,7 @@ def _sets(extra):
 
 def _committed(env, uri) -> list[int]:
     proc = subprocess.run(
-        [sys.executable, "-m", "elastic.cli", "ckpt", "list", uri, "--json"],
+        [sys.executable, "-m", "jobs.cli", "ckpt", "list", uri, "--json"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -198,7 +198,7 @@ def test_ray_job_submit_runs_jobs_train_and_ray_job_stop_leaves_a_resumable_chec
         [
             sys.executable,
             "-m",
-            "elastic.cli",
+            "jobs.cli",
             "run",
             config,
             "--run-dir",
@@ -273,7 +273,7 @@ def test_ray_job_submit_runs_jobs_train_and_ray_job_stop_leaves_a_resumable_chec
     assert committed and all(s % 2 == 0 for s in committed)
     newest = max(committed)
     verify = subprocess.run(
-        [sys.executable, "-m", "elastic.cli", "ckpt", "verify", uri],
+        [sys.executable, "-m", "jobs.cli", "ckpt", "verify", uri],
         capture_output=True,
         text=True,
         timeout=60,
@@ -286,7 +286,7 @@ def test_ray_job_submit_runs_jobs_train_and_ray_job_stop_leaves_a_resumable_chec
         [
             sys.executable,
             "-m",
-            "elastic.cli",
+            "jobs.cli",
             "run",
             config,
             "--run-dir",

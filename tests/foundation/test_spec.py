@@ -55,7 +55,7 @@ def test_python_api_names_field(overrides, field):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "elastic.cli", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "jobs.cli", *args], capture_output=True, text=True, timeout=60)
 
 
 def test_cli_refuses_malformed_specs_with_one_line(tmp_path):

@@ -1,4 +1,4 @@
-"""The ``elastic`` command line (DESIGN.md section 5).
+"""The ``elastic`` command line (``docs/cli.md``).
 
 Exit codes: 0 ok, 1 the job failed, 2 bad input. Bad input is reported as one line naming
 the field, with no traceback.
@@ -89,7 +89,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         return cmd_run(args.config, args.overrides, args.address, args.run_dir, args.resume, args.faults)
     if args.command == "demo":
-        from elastic.demo import run_demo
+        from jobs.demo import run_demo
 
         return run_demo(args.run_dir, inject_fault=not args.no_fault)
     if args.command == "plan":
@@ -116,17 +116,18 @@ def cmd_run(
     resume: bool,
     faults: list[str] | None = None,
 ) -> int:
-    from elastic.testing.faults import build_faults, check_fault_specs, parse_fault_spec
+    from elastic.testing.faults import WorkerFaults, build_faults, check_fault_specs, parse_fault_spec
     from jobs.spec import JobSpec
 
     parsed = [parse_fault_spec(f) for f in faults or []]
     spec = JobSpec.from_yaml(config, overrides=overrides)  # validates before anything starts
     check_fault_specs(parsed, spec)
     driver_faults, worker_faults = build_faults(parsed, spec)
+    step_hook = WorkerFaults(worker_faults) if worker_faults else None
     from elastic.trainer import ElasticTrainer
 
     if any(f.kind == "kill_node" for f in driver_faults):
-        return _run_on_embedded_cluster(spec, run_dir, address, resume, driver_faults, worker_faults)
+        return _run_on_embedded_cluster(spec, run_dir, address, resume, driver_faults, step_hook)
     callbacks = []
     if driver_faults:
         from elastic.testing.faults import FaultInjector
@@ -139,13 +140,13 @@ def cmd_run(
         resume=resume,
         progress=True,
         callbacks=callbacks,
-        worker_faults=worker_faults or None,
+        step_hook=step_hook,
     )
     result = trainer.fit()
     return EXIT_OK if result.status == "succeeded" else EXIT_FAILED
 
 
-def _run_on_embedded_cluster(spec, run_dir, address, resume, driver_faults, worker_faults) -> int:
+def _run_on_embedded_cluster(spec, run_dir, address, resume, driver_faults, step_hook) -> int:
     """``--fault kill_node``: the job runs on an embedded multi-node Ray (a CPU-less head plus
     one node per worker, ``ray.cluster_utils.Cluster``), whose nodes can be killed for real."""
     from elastic.errors import SpecError
@@ -183,7 +184,7 @@ def _run_on_embedded_cluster(spec, run_dir, address, resume, driver_faults, work
             resume=resume,
             progress=True,
             callbacks=[injector],
-            worker_faults=worker_faults or None,
+            step_hook=step_hook,
         )
         result = trainer.fit()
     finally:

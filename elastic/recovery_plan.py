@@ -1,0 +1,163 @@
+"""Pure recovery planning: what a re-formation keeps, in which order, and from where.
+
+Everything here works on plain values (ranks, node ids, snapshot holdings) and is tested
+without Ray (``tests/elastic/test_recovery_plan.py``). The worker group
+(``elastic/worker_group.py``) gathers the facts and carries the plan out; the controller
+(``elastic/controller.py``) reads as plan, execute, emit.
+
+- which survivors form whole model replicas (``complete_replicas``);
+- the new rank order, rack by rack (``rank_order``);
+- which snapshot step the survivors can restore (``covering_step``), and which old ranks'
+  snapshots each new rank reads (``owners_for``);
+- which rank keeps a copy of which rank's snapshots (``replica_peers``);
+- the size to re-form at (``plan_recovery``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from elastic import policies
+from elastic.parallel.dims import rank_coords
+
+
+class Ranked(Protocol):
+    rank: int
+    node_id: str
+
+
+M = TypeVar("M", bound=Ranked)
+
+
+def shard_of(rank: int, tp: int, pp: int, zero: int) -> Any:
+    """What a rank's training state is: its (pp, tp) coordinate under DDP (every DP replica
+    holds the same), the rank itself under FSDP (every shard is unique)."""
+    c = rank_coords(rank, tp, pp)
+    return (c.pp_rank, c.tp_rank) if zero == 0 else rank
+
+
+def complete_replicas(members: Iterable[M], replica_size: int) -> list[list[M]]:
+    """``members`` grouped into whole replicas (by old DP rank), each in rank order."""
+    by_replica: dict[int, list[M]] = {}
+    for m in members:
+        by_replica.setdefault(m.rank // replica_size, []).append(m)
+    return [sorted(ms, key=lambda m: m.rank) for _, ms in sorted(by_replica.items()) if len(ms) == replica_size]
+
+
+def rank_order(members: Sequence[M], replica_size: int, rack_of: Callable[[str], str]) -> list[M]:
+    """Whole replicas (consecutive chunks of ``members``) ordered rack by rack, then by node.
+
+    DP ranks follow replica order, so the DP ring visits each rack's replicas together and
+    crosses racks as few times as possible. Inside a replica the order is kept (TP fastest,
+    then PP), matching the mesh ``("dp", "pp", "tp")``.
+    """
+    replicas = [list(members[i : i + replica_size]) for i in range(0, len(members), replica_size)]
+    replicas.sort(key=lambda r: (rack_of(r[0].node_id), r[0].node_id))
+    return [m for r in replicas for m in r]
+
+
+def covers(owners: Iterable[int], world: int, tp: int, pp: int, zero: int) -> bool:
+    """Do snapshots of these old ranks hold the whole training state of a ``world``-rank layout?"""
+    have = {shard_of(r, tp, pp, zero) for r in owners}
+    return all(shard_of(r, tp, pp, zero) in have for r in range(world))
+
+
+def covering_step(
+    holdings: Iterable[dict[int, list[int]] | None], world: int, tp: int, pp: int, zero: int
+) -> int | None:
+    """The newest step whose snapshots, over all ``holdings`` (owner rank -> steps, one
+    dict per live member; None for a member that did not answer), cover the old layout."""
+    owners_at: dict[int, set[int]] = {}
+    for held in holdings:
+        for owner, steps in (held or {}).items():
+            for s in steps:
+                owners_at.setdefault(s, set()).add(int(owner))
+    good = [s for s, owners in owners_at.items() if covers(owners, world, tp, pp, zero)]
+    return max(good) if good else None
+
+
+def holders_at(holdings: Sequence[tuple[M, dict[int, list[int]] | None]], step: int) -> dict[int, M]:
+    """Old rank -> a live member holding that rank's snapshot of ``step`` (its owner first)."""
+    held: dict[int, M] = {}
+    for m, info in holdings:
+        for owner, steps in (info or {}).items():
+            owner = int(owner)
+            if step in steps and (owner not in held or owner == m.rank):
+                held[owner] = m
+    return held
+
+
+def owners_for(new_rank: int, holders: dict[int, M], me: M, tp: int, pp: int, zero: int) -> dict[int, M | None]:
+    """The old ranks whose snapshots the member ``me`` (new rank ``new_rank``) reads, and
+    who serves each: None where ``me`` holds it itself.
+
+    It needs the shards of its own (pp, tp) coordinate: one DP replica's copy under DDP (its
+    own if it has one), every DP shard under FSDP (to reshard them).
+    """
+    coord = rank_coords(new_rank, tp, pp)[1:]
+    mine = {o: h for o, h in holders.items() if rank_coords(o, tp, pp)[1:] == coord}
+    if zero == 0 and mine:
+        owner = next((o for o, h in mine.items() if h is me), next(iter(mine)))
+        mine = {owner: mine[owner]}
+    return {owner: (None if h is me else h) for owner, h in mine.items()}
+
+
+@dataclass(frozen=True)
+class RecoveryPlan:
+    """How to re-form after a failure: keep the first ``dp - grow`` whole replicas, drop the
+    others, and start ``grow`` new replicas in spare placement groups."""
+
+    dp: int
+    keep: int
+    grow: int
+
+
+def plan_recovery(whole_replicas: int, spare: int, allowed: list[int]) -> RecoveryPlan | None:
+    """The largest allowed DP the surviving whole replicas plus spare capacity reach, or None."""
+    dp = policies.target_dp(whole_replicas + spare, allowed)
+    if dp is None:
+        return None
+    keep = min(dp, whole_replicas)
+    return RecoveryPlan(dp=dp, keep=keep, grow=dp - keep)
+
+
+def replica_peers(nodes: list[str], tp: int, pp: int, zero: int) -> list[int | None]:
+    """For each rank (``nodes[r]`` is rank r's node), the rank that keeps a copy of its
+    memory snapshots, or None where no copy is needed.
+
+    A rank needs a copy unless a rank on another node already holds the same state: under
+    DDP (``zero`` 0) the DP replicas of a (pp, tp) coordinate are identical, under FSDP every
+    shard is unique. Copies go to another node, so a node loss never takes a shard and its
+    copy together. The same ring shift is used for every rank where one exists that moves
+    each rank off its node, so every rank holds at most one peer's copies; otherwise each
+    rank picks the least-loaded rank on another node, the nearest in ring order first. On a
+    single node the copy goes to the next rank (another process), unless an identical
+    replica already lives in another process.
+    """
+    n = len(nodes)
+
+    def content(r: int) -> Any:
+        return shard_of(r, tp, pp, zero)
+
+    shift = next((k for k in range(1, n) if all(nodes[(r + k) % n] != nodes[r] for r in range(n))), None)
+    load = [0] * n
+    out: list[int | None] = []
+    for r in range(n):
+        twins = [q for q in range(n) if q != r and content(q) == content(r)]
+        if any(nodes[q] != nodes[r] for q in twins):
+            out.append(None)
+            continue
+        ring = [(r + k) % n for k in range(1, n)]
+        far = [q for q in ring if nodes[q] != nodes[r]]
+        if far:
+            peer = (
+                (r + shift) % n if shift is not None else min(far, key=lambda q: load[q])
+            )  # least loaded, nearest first
+        else:
+            peer = ring[0] if ring and not twins else None
+        if peer is not None:
+            load[peer] += 1
+        out.append(peer)
+    return out

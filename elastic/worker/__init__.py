@@ -1,0 +1,12 @@
+"""One rank of the job, in three layers (see each module's docstring):
+
+- ``trainer.py``: the training loop, with no Ray in it;
+- ``process_group.py``: the process group re-formed generation after generation, and every
+  private torch call;
+- ``actor.py``: the Ray actor, typed RPCs only.
+"""
+
+from elastic.worker.actor import CONCURRENCY_GROUPS, TrainWorker
+from elastic.worker.rng import capture_rng, restore_rng
+
+__all__ = ["CONCURRENCY_GROUPS", "TrainWorker", "capture_rng", "restore_rng"]

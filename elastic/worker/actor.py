@@ -1,0 +1,248 @@
+"""``TrainWorker``: the Ray actor of one rank. It exposes typed RPCs and nothing else.
+
+The actor outlives process groups. ``configure`` re-forms this rank in place: it leaves
+the old group (``ReconfigurableProcessGroup``), joins the new generation, builds a new
+``Trainer`` and restores its state from the memory tier (its own snapshots or a peer's) or
+from storage. Process, imports and CPU buffers survive; nothing is restarted.
+
+Two concurrency groups keep the actor observable while it trains:
+
+* ``train`` (one thread): ``configure`` and ``run``, the only code that touches the model
+  or the process group;
+* ``control``: ``poll`` (heartbeat and reports), ``request_stop``, snapshot queries and
+  transfers. A worker stopped with SIGSTOP answers none of these, which is how the
+  controller tells a silent worker from a slow collective.
+
+Errors inside ``run`` are returned as a ``RunOutcome``, never raised mid-collective: after
+any error the worker leaves its process group, which frees peers blocked in a collective
+with it within milliseconds.
+"""
+
+from __future__ import annotations
+
+import collections
+import faulthandler
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import ray
+import torch
+
+from elastic.checkpoint.memory_tier import MemoryTier, Snapshot
+from elastic.data import ParquetCorpus
+from elastic.messages import (
+    ConfigureReply,
+    ConfigureRequest,
+    MemoryRestore,
+    PollReply,
+    RunOutcome,
+    StorageRestore,
+    WorkerInfo,
+)
+from elastic.parallel.dims import ParallelDims
+from elastic.worker.hooks import StepHook
+from elastic.worker.process_group import ReconfigurableProcessGroup, is_collective_error
+from elastic.worker.trainer import Trainer
+
+CONCURRENCY_GROUPS = {"train": 1, "control": 4}
+
+# Dense fp32 (TF32 tensor-core) peak FLOP/s per device, for MFU; None where unknown (CPU).
+_PEAK_TF32 = {"H200": 494.7e12, "H100": 494.7e12, "A100": 156e12, "L40S": 183e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in _PEAK_TF32.items() if k in name), None)
+
+
+@ray.remote(concurrency_groups=CONCURRENCY_GROUPS, max_restarts=0)
+class TrainWorker:
+    def __init__(self, spec: Any, corpus_uri: str, step_hook: StepHook | None = None):
+        self.spec = spec
+        self.corpus_uri = corpus_uri
+        self.rank = -1
+        self._step = 0  # the last trainer's step, while none is built
+        self.trainer: Trainer | None = None
+        self.corpus: ParquetCorpus | None = None
+        self.device = self._pick_device()
+        self.tier = MemoryTier(self.device.type)
+        self.group = ReconfigurableProcessGroup(self.device.type, spec.elastic.collective_timeout_s)
+        self._reports: collections.deque = collections.deque()
+        self._beat = time.monotonic()
+        self._phase = "idle"
+        self._stop = threading.Event()
+        self.hook = step_hook
+        if step_hook is not None:
+            step_hook.attach(self._stop, self._touch_beat)
+        # `kill -USR1 <pid>` dumps every thread's stack to the worker's log: how to see
+        # where a hung rank is stuck.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        # Ray sizes the actor's CPU share; torch would otherwise use every core per worker.
+        torch.set_num_threads(max(1, int(spec.resources.cpus_per_worker)))
+
+    # ------------------------------------------------------------------ control group
+    @ray.method(concurrency_group="control")
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid())
+
+    # Task events (Ray's per-task state records sent to the GCS) are off for the polls: they
+    # come several times a second per rank and nobody reads them.
+    @ray.method(concurrency_group="control", enable_task_events=False)
+    def poll(self) -> PollReply:
+        """Heartbeat: progress counters plus the reports produced since the last poll."""
+        drained = []
+        while self._reports:
+            drained.append(self._reports.popleft())
+        trainer = self.trainer
+        if trainer is not None:
+            self._step = trainer.step
+        beat = max(self._beat, trainer.last_progress if trainer is not None else 0.0)
+        return PollReply(self.rank, self._step, self._phase, time.monotonic() - beat, drained)
+
+    def _touch_beat(self) -> None:
+        self._beat = time.monotonic()
+
+    @ray.method(concurrency_group="control")
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    @ray.method(concurrency_group="control")
+    def snapshot_holdings(self) -> dict[int, list[int]]:
+        """Owner rank -> steps this worker can serve from memory."""
+        return self.tier.holdings()
+
+    @ray.method(concurrency_group="control")
+    def fetch_snapshot(self, owner: int, step: int) -> dict[str, Any]:
+        """A snapshot this worker holds (its own as rank ``owner``, or a peer's copy), in
+        ``Snapshot.to_wire`` form."""
+        return self.tier.get(owner, step).to_wire()
+
+    @ray.method(concurrency_group="control")
+    def store_replica(self, wire: dict[str, Any]) -> bool:
+        """Keep a peer's snapshot; False when it belongs to a layout this worker has left."""
+        return self.tier.store_replica(Snapshot.from_wire(wire))
+
+    # ------------------------------------------------------------------ train group
+    @ray.method(concurrency_group="train")
+    def configure(self, req: ConfigureRequest) -> ConfigureReply:
+        """Join generation ``req.generation`` of the group and get ready to train from ``req.step``."""
+        self._phase = "configure"
+        self._beat = time.monotonic()
+        self._leave()
+        self.tier.replicate_to(None)  # nothing of the old layout is sent from now on
+        dp, tp, pp = req.dims
+        self.rank = req.rank
+        init_s = self.group.configure(req.generation, req.rank, dp * tp * pp, req.store)
+        dims = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=dp * tp * pp, timeout=self.group.timeout)
+        if self.corpus is None:
+            self.corpus = ParquetCorpus(self.corpus_uri, self.spec.data.storage_options)
+        t0 = time.perf_counter()
+        trainer = Trainer(
+            self.spec, dims, req.rank, self.device, self.tier, self.corpus, self._reports, self._stop,
+            hook=self.hook, peak_flops=peak_flops(self.device),
+        )  # fmt: skip
+        build_s = time.perf_counter() - t0
+        self.group.built()  # the group's and its mesh's connections, cut on a failure
+        trainer.step = req.step
+        t1 = time.perf_counter()
+        bytes_read = self._restore(trainer, req.restore)
+        restore_s = time.perf_counter() - t1
+        self.tier.layout = trainer.layout  # replicas of the old layout arriving late are refused
+        timeout = self.spec.elastic.collective_timeout_s
+        peer = req.replica_peer
+        self.tier.replicate_to(_sender(peer, timeout) if peer is not None else None, timeout_s=timeout)
+        trainer.start(req.host_index, req.storage_uri)
+        self.trainer = trainer
+        self._stop.clear()
+        self._phase = "ready"
+        self._beat = time.monotonic()
+        return ConfigureReply(req.rank, trainer.step, init_s, build_s, restore_s, bytes_read)
+
+    def _restore(self, trainer: Trainer, restore: MemoryRestore | StorageRestore | None) -> int:
+        """Load ``restore`` into ``trainer``; returns the bytes read from storage."""
+        if isinstance(restore, StorageRestore):
+            return trainer.load_storage(restore)["bytes_read"]
+        if isinstance(restore, MemoryRestore):
+            snaps: dict[int, Snapshot] = {}
+            for owner, holder in restore.holders.items():
+                if holder is None:  # this worker holds it itself
+                    snaps[owner] = self.tier.get(owner, restore.step)
+                else:
+                    wire = ray.get(holder.fetch_snapshot.remote(owner, restore.step), timeout=120)
+                    snaps[owner] = Snapshot.from_wire(wire)
+            trainer.load_snapshots(snaps)
+        return 0
+
+    @ray.method(concurrency_group="train")
+    def run(self, last_step: int) -> RunOutcome:
+        """Train until ``last_step`` or an agreed stop; errors are returned, not raised."""
+        self._phase = "train"
+        trainer = self.trainer
+        self.tier.keep_layout(trainer.layout)  # every peer has restored by now
+        try:
+            while trainer.step < last_step:
+                if trainer.train_step():
+                    trainer.snapshot_now()
+                    return RunOutcome("stopped", trainer.step)
+            self.tier.wait()
+            return RunOutcome("done", trainer.step)
+        except Exception as exc:
+            outcome = self._classify(exc, time.monotonic() - trainer.last_progress)
+        finally:
+            self._phase = "idle"
+            self._beat = time.monotonic()
+        # Outside the except block, so the traceback no longer pins the frames that hold
+        # the process group: dropping every reference closes its connections, and peers
+        # blocked in a collective with this rank fail at once instead of timing out.
+        trainer.drop_engine()
+        del trainer
+        self.group.leave()
+        return outcome
+
+    def _classify(self, exc: Exception, blocked_s: float) -> RunOutcome:
+        """Whose failure: a collective's (a peer went away, or it timed out) or this rank's own.
+
+        By exception type (see ``is_collective_error``) and by how long the failing call
+        was blocked, never by message text.
+        """
+        detail = f"{type(exc).__name__}: {str(exc)[:300]}"
+        step = self.trainer.step if self.trainer is not None else 0
+        if not is_collective_error(exc):
+            return RunOutcome("error", step, "worker_error", detail)
+        timed_out = blocked_s >= 0.9 * self.spec.elastic.collective_timeout_s
+        return RunOutcome("error", step, "timeout" if timed_out else "peer", detail)
+
+    # ------------------------------------------------------------------ helpers
+    def _pick_device(self) -> torch.device:
+        if self.spec.resources.device == "cuda":
+            torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _leave(self) -> None:
+        """Drop this generation's trainer and leave its process group."""
+        if self.trainer is not None:
+            self._step = self.trainer.step
+            self.trainer.close()
+            self.trainer = None
+        self.group.leave()
+
+
+def _sender(peer: Any, timeout_s: float):
+    """Deliver a snapshot to ``peer`` (a TrainWorker): serialise now, confirm later."""
+
+    def send(snap: Snapshot):
+        ref = peer.store_replica.remote(snap.to_wire())  # the arguments are serialised here
+
+        def delivered() -> None:
+            if not ray.get(ref, timeout=timeout_s):
+                raise RuntimeError(f"the peer refused the snapshot of step {snap.step}: it has left that layout")
+
+        return delivered
+
+    return send

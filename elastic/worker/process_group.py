@@ -1,0 +1,167 @@
+"""A process group that can be re-formed in place: one per worker process, for its whole life.
+
+``configure(generation, rank, world, ...)`` joins generation ``generation`` of the job's
+group; ``leave()`` tears the current one down so that peers blocked on this rank fail at
+once. Every private torch call the elastic runtime needs is made here, and
+``tests/elastic/test_torch_private_api.py`` fails loudly when a torch upgrade moves one.
+
+Rendezvous. The job has one long-lived ``TCPStore``, served by the driver for the whole
+run (:class:`RendezvousStore`). Each generation's ranks meet under their own key prefix
+(``PrefixStore("gen<N>/", store)``). Nothing is keyed by port: a rendezvous abandoned
+half-way by one generation (a member lost while the others were connecting) leaves keys
+under its own prefix that the next generation never reads, so survivors can never pair
+with a stale peer, and there is no free-port race to lose.
+
+Leaving a group (see ``elastic/parallel/sockets.py`` for why cutting sockets is needed on
+gloo): NCCL communicators are aborted; gloo's TCP connections are shut down. Then every
+reference torch keeps to the old groups (the device-mesh stack, DTensor's sharding caches)
+is dropped, and the group is destroyed.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from elastic.parallel.sockets import GroupSockets
+
+logger = logging.getLogger(__name__)
+
+
+class RendezvousStore:
+    """The job's ``TCPStore`` server, hosted by the driver (the controller's process).
+
+    It binds an OS-chosen port (port 0) and keeps it for the whole job, so no port is ever
+    handed from one process to another and reused.
+    """
+
+    def __init__(self, host: str, timeout_s: float):
+        self.host = host
+        self._store = dist.TCPStore(
+            host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+        )
+        self.port = self._store.port
+        self.generation = 0
+
+    def next_generation(self) -> int:
+        """A fresh generation number: the key prefix of the next rendezvous."""
+        self.generation += 1
+        return self.generation
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (self.host, self.port)
+
+
+class ReconfigurableProcessGroup:
+    """This process's membership in the job's process group, generation after generation."""
+
+    def __init__(self, device_type: str, timeout_s: float):
+        self.device_type = device_type
+        self.timeout = timedelta(seconds=timeout_s)
+        self.generation = 0
+        self._client: Any = None
+        self._client_address: tuple[str, int] | None = None
+        self._sockets = GroupSockets()
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device_type == "cuda" else "gloo"
+
+    def configure(self, generation: int, rank: int, world: int, store: tuple[str, int]) -> float:
+        """Leave the current group (if any) and join ``generation``; returns the join time in s."""
+        self.leave()
+        client = self._store_client(store)
+        self._sockets.before_init()  # after the store client: its connection outlives groups
+        t0 = time.perf_counter()
+        dist.init_process_group(
+            backend=self.backend,
+            store=dist.PrefixStore(f"gen{generation}/", client),
+            rank=rank,
+            world_size=world,
+            timeout=self.timeout,
+        )
+        self.generation = generation
+        return time.perf_counter() - t0
+
+    def built(self) -> None:
+        """Call after the mesh and wrappers are built: their connections are cut on a failure."""
+        self._sockets.capture()
+
+    def leave(self) -> None:
+        """Leave the group so that peers blocked on this rank fail at once, then destroy it.
+
+        Call only after dropping this process's own references to the engine and mesh.
+        """
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            try:
+                _abort_nccl()
+            except Exception as exc:  # already broken: destroyed below either way
+                logger.warning("NCCL abort failed: %s", exc)
+        else:
+            self._sockets.cut()
+        _drop_torch_group_references()
+        gc.collect()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:  # a broken group may fail to tear down; it is gone either way
+                logger.debug("destroy_process_group: %s", exc)
+
+    def _store_client(self, address: tuple[str, int]) -> Any:
+        if self._client is None or self._client_address != tuple(address):
+            self._client = dist.TCPStore(address[0], address[1], is_master=False, timeout=self.timeout)
+            self._client_address = tuple(address)
+        return self._client
+
+
+def is_collective_error(exc: BaseException) -> bool:
+    """Did ``exc`` come out of the collective layer, rather than from this rank's own code?
+
+    Decided by type, never by message text. torch raises ``DistError`` subclasses for NCCL
+    and store errors; gloo's transport errors (a peer closed the connection, a timeout)
+    reach Python as a plain ``RuntimeError`` converted from ``c10::Error``. Anything more
+    specific (``ValueError``, ``torch.OutOfMemoryError``, an injected error, a user's own
+    ``RuntimeError`` subclass) is the rank's own failure. A plain ``RuntimeError`` from
+    elsewhere in torch's C++ is possible too; the controller resolves that case: when no
+    peer turns out to be dead, the rank that reported first is blamed
+    (``elastic/diagnosis.py``).
+    """
+    return isinstance(exc, dist.DistError) or type(exc) is RuntimeError
+
+
+# --------------------------------------------------------------------------- private torch
+# Each private name below is checked by tests/elastic/test_torch_private_api.py.
+
+
+def _abort_nccl() -> None:
+    dist.distributed_c10d._abort_process_group()
+
+
+def _drop_torch_group_references() -> None:
+    """torch's own references to the groups: the device-mesh stack and DTensor's caches.
+
+    DTensor's sharding-propagation caches key on device meshes and keep their groups alive.
+    """
+    from torch.distributed.device_mesh import _mesh_resources
+    from torch.distributed.tensor import DTensor
+
+    _mesh_resources.mesh_stack.clear()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        cached = getattr(propagator, name, None)
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+
+
+PRIVATE_TORCH_API = (
+    "torch.distributed.distributed_c10d._abort_process_group",
+    "torch.distributed.device_mesh._mesh_resources.mesh_stack",
+    "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator",
+    "torch.distributed.ProcessGroupGloo._Options",
+)

@@ -1,0 +1,245 @@
+"""The training loop of one rank, with no Ray in it.
+
+A ``Trainer`` lives for one generation of the process group: the worker builds a new one
+after every re-formation (``elastic/worker/actor.py``), hands it the restored state, and
+calls ``train_step`` until the run ends or the group agrees to stop. Per step:
+
+1. read this DP rank's micro-batches (prefetched; the wait is ``data_wait_s``);
+2. forward and backward, agreeing with every rank on "stop after this step";
+3. check the loss: a NaN or spike rolls back to the newest own snapshot instead;
+4. optimizer step (after any snapshot copy of the previous step has finished);
+5. snapshot the state to the memory tier (and hand it to the storage tier when due);
+6. report the step.
+
+Reports go to ``reports`` (a deque the worker's ``poll`` drains), as the typed messages of
+``elastic/messages.py``.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import time
+from typing import Any
+
+from elastic.checkpoint.memory_tier import MemoryTier, Snapshot
+from elastic.checkpoint.restore import load_from_storage, load_snapshots_into
+from elastic.checkpoint.storage_tier import StorageUploader
+from elastic.data import BatchLayout, ParquetCorpus, RankStream, ray_data_batches
+from elastic.messages import AnomalyReport, SnapshotReport, StepReport, StorageRestore
+from elastic.parallel.dims import ParallelDims
+from elastic.parallel.engine import TrainEngine
+from elastic.policies import LossMonitor
+from elastic.worker.hooks import StepHook
+from elastic.worker.rng import capture_rng, restore_rng
+
+
+class Trainer:
+    def __init__(
+        self,
+        spec: Any,
+        dims: ParallelDims,
+        rank: int,
+        device: Any,
+        tier: MemoryTier,
+        corpus: ParquetCorpus,
+        reports: collections.deque,
+        stop: threading.Event,
+        hook: StepHook | None = None,
+        peak_flops: float | None = None,
+    ):
+        self.spec, self.dims, self.rank, self.tier, self.corpus = spec, dims, rank, tier, corpus
+        self.reports, self.stop, self.hook, self.peak_flops = reports, stop, hook, peak_flops
+        self.engine = TrainEngine(spec.model, spec.parallel, spec.train, dims, spec.seed, device=str(device))
+        self.monitor = LossMonitor(spec.elastic.loss_spike_factor)
+        self.step = 0
+        self.batch_index = 0
+        self.skip_batches: set[int] = set()
+        self.stream: RankStream | None = None
+        self.uploader: StorageUploader | None = None
+        self.last_progress = time.monotonic()  # the loop's own heartbeat
+        self._snapshot_blocking = 0.0
+
+    @property
+    def layout(self) -> dict[str, int]:
+        return {"dp": self.dims.dp, "tp": self.dims.tp, "pp": self.dims.pp, "zero": self.spec.parallel.zero}
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "app": self.engine.state_dict(),
+            "train": {
+                "step": self.step,
+                "batch_index": self.batch_index,
+                "skip_batches": sorted(self.skip_batches),
+                "rng": capture_rng(),
+            },
+        }
+
+    def load_snapshots(self, snaps: dict[int, Snapshot]) -> None:
+        """Restore from memory-tier snapshots (this rank's own, or resharded from several)."""
+        load_snapshots_into(self.engine, snaps)
+        self._load_progress(next(iter(snaps.values())).objects)
+        restore_rng(_rng_of(next(iter(snaps.values())).objects))
+
+    def load_storage(self, restore: StorageRestore) -> dict[str, Any]:
+        """Restore from a storage checkpoint; returns what this rank read."""
+        objects, stats = load_from_storage(self.engine, restore.step, restore.uri, restore.storage_options)
+        self._load_progress(objects)
+        restore_rng(_rng_of(objects))
+        return stats
+
+    def _load_progress(self, objects: dict[str, Any]) -> None:
+        self.step = int(objects["train/step"])
+        self.batch_index = int(objects["train/batch_index"])
+        self.skip_batches = set(objects.get("train/skip_batches", []))
+
+    # ------------------------------------------------------------------ start and stop
+    def start(self, host_index: int, storage_uri: str) -> None:
+        """Open the data stream (after this host's stagger slot) and the storage tier."""
+        self.stream = self._open_stream(self.batch_index, host_index * self.spec.data.stagger_s)
+        self.uploader = StorageUploader.create(
+            self.spec, storage_uri, self.rank, self.dims, self.tier, self.reports, base_step=self.step
+        )
+
+    def drop_engine(self) -> None:
+        """After a failure: let go of the model and its process groups (the stream and the
+        uploads of finished steps stay until the next generation replaces this trainer)."""
+        self.engine = None
+
+    def close(self) -> None:
+        """Stop the stream and drop the storage uploads of this generation."""
+        if self.uploader is not None:
+            self.uploader.close()
+        if self.stream is not None:
+            self.stream.close()
+        self.engine = None
+
+    # ------------------------------------------------------------------ the step
+    def train_step(self) -> bool:
+        """One optimizer step; returns True when the group agreed to stop after it."""
+        step = self.step + 1
+        t0 = time.perf_counter()
+        timeout = self.spec.elastic.collective_timeout_s
+        batch_index, micro_batches = self.stream.next(timeout=timeout)
+        while batch_index in self.skip_batches:
+            batch_index, micro_batches = self.stream.next(timeout=timeout)
+        data_wait_s = time.perf_counter() - t0
+        if self.hook is not None:
+            if self.hook.pending(step, self.rank):
+                self.tier.wait()  # corrupt nothing while the last snapshot is being copied
+            self.hook.before_step(step, self.rank, self.engine)
+        t1 = time.perf_counter()
+        self.last_progress = time.monotonic()
+        loss, stop = self.engine.forward_backward_agree(micro_batches, self.stop.is_set())
+        self.last_progress = time.monotonic()
+        anomaly = self.monitor.check(loss)
+        if anomaly is not None:
+            self._roll_back(step, batch_index, loss, anomaly)
+            return stop
+        wait_s = self.tier.wait()
+        grad_norm = self.engine.optimizer_step()
+        compute_s = time.perf_counter() - t1 - wait_s
+        self.monitor.accept(loss)
+        self.step, self.batch_index = step, batch_index + 1
+        step_time = time.perf_counter() - t0
+        snapshot = self._snapshot(step, wait_s)
+        mfu = None
+        if self.peak_flops:  # model FLOPs of the global step over what every device could do meanwhile
+            mfu = self.engine.flops_per_step / (step_time * self.dims.world_size * self.peak_flops)
+        self.reports.append(
+            StepReport(
+                step=step,
+                loss=loss,
+                grad_norm=grad_norm,
+                step_time_s=step_time,
+                batch_index=batch_index,
+                peak_mem_bytes=self.engine.peak_mem_bytes(),
+                done_at=time.time(),
+                data_wait_s=data_wait_s,
+                compute_s=compute_s,
+                mfu=mfu,
+                snapshot=snapshot,
+            )
+        )
+        self.last_progress = time.monotonic()
+        return stop
+
+    def _snapshot(self, step: int, wait_s: float) -> SnapshotReport | None:
+        """Snapshot this step when due; report the snapshot that completed since the last step.
+
+        ``blocking_s`` is what the loop was held for: starting the copy, plus any wait for it
+        to finish before the next optimizer step.
+        """
+        done = self.tier.unreported()
+        report = None
+        if done:
+            s = done[-1]
+            report = SnapshotReport(s.step, self._snapshot_blocking + wait_s, s.copy_s, s.nbytes)
+        ck = self.spec.checkpoint
+        to_storage = self.uploader is not None and self.uploader.due(step)
+        if to_storage or (ck.memory_every_steps and step % ck.memory_every_steps == 0):
+            t = time.perf_counter()
+            state = self.state_dict()
+            gather_s = time.perf_counter() - t
+            self._snapshot_blocking = gather_s + self.tier.snapshot_async(step, self.rank, state, self.layout)
+            if to_storage:
+                self.uploader.save(step, state, self._snapshot_blocking)
+        if self.uploader is not None:
+            self.uploader.secure(step)
+        return report
+
+    def snapshot_now(self) -> None:
+        """Make sure the memory tier holds the live step (a resize restores from it)."""
+        self.tier.wait()
+        if self.step not in self.tier.steps():
+            self.tier.snapshot_async(self.step, self.rank, self.state_dict(), self.layout)
+            self.tier.wait()
+
+    def _roll_back(self, step: int, batch_index: int, loss: float, cause: str) -> None:
+        """A NaN or spiking loss: do not commit; restore the newest own snapshot."""
+        self.engine.zero_grad()
+        self.tier.wait()
+        snap = self.tier.newest()
+        if snap is not None:  # the weights and counters of that step; the RNG goes on
+            load_snapshots_into(self.engine, {self.rank: snap})
+            self.step = snap.step
+            resume_batch = int(snap.objects["train/batch_index"])
+        else:  # nothing to roll back to: the live state is still the last committed one
+            resume_batch = batch_index
+        if self.spec.elastic.on_bad_loss == "skip":
+            self.skip_batches.add(batch_index)
+        skipping_this = resume_batch == batch_index and batch_index in self.skip_batches
+        if resume_batch != self.stream.next_batch and not skipping_this:
+            self.stream.close()
+            self.stream = self._open_stream(resume_batch, 0.0)
+        self.batch_index = resume_batch
+        self.reports.append(
+            AnomalyReport(
+                cause=cause,
+                step=step,
+                loss=loss if math.isfinite(loss) else None,
+                batch_index=batch_index,
+                restored_step=self.step,
+                action=self.spec.elastic.on_bad_loss,
+            )
+        )
+
+    def _open_stream(self, start_batch: int, delay_s: float) -> RankStream:
+        d = self.spec.data
+        layout = BatchLayout(self.spec.train.global_batch, self.spec.parallel.micro_batch, self.dims.dp)
+        dp_rank = self.dims.coords(self.rank).dp_rank
+        source = None
+        if d.loader == "ray_data":
+            remaining = self.spec.train.steps - self.step + 64  # enough to finish, with room for skipped batches
+            source = ray_data_batches(
+                self.corpus.uri, d.storage_options, layout, dp_rank, start_batch, remaining, d.prefetch_steps
+            )
+        return RankStream(
+            self.corpus, layout, dp_rank, start_batch, prefetch=d.prefetch_steps, start_delay_s=delay_s, source=source
+        )
+
+
+def _rng_of(objects: dict[str, Any]) -> dict[str, Any]:
+    return {k.removeprefix("train/rng/"): v for k, v in objects.items() if k.startswith("train/rng/")}

@@ -1,0 +1,34 @@
+"""The real worker group and the controller tests' fake both implement ``WorkerGroupAPI``."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from elastic_testlib import elastic_spec
+from fake_group import FakeWorkerGroup
+
+from elastic.worker_group import WorkerGroup
+from elastic.worker_group_api import WorkerGroupAPI
+
+pytestmark = pytest.mark.timeout(30)
+
+METHODS = [name for name, value in vars(WorkerGroupAPI).items() if callable(value) and not name.startswith("_")]
+
+
+@pytest.mark.parametrize("cls", [WorkerGroup, FakeWorkerGroup], ids=["real", "fake"])
+def test_group_implements_the_protocol(cls):
+    group = cls(elastic_spec(), "memory://corpus", step_hook=None, storage_uri="")  # no Ray call until spawn
+    assert isinstance(group, WorkerGroupAPI)
+    for name in METHODS:
+        want = inspect.signature(getattr(WorkerGroupAPI, name))
+        got = inspect.signature(getattr(cls, name))
+        assert list(got.parameters) == list(want.parameters), (cls.__name__, name, got, want)
+
+
+def test_protocol_lists_what_the_controller_calls():
+    import elastic.controller as controller
+
+    source = inspect.getsource(controller)
+    called = {name for name in METHODS if f"group.{name}(" in source}
+    assert called >= {"configure", "spawn", "observe", "kill", "complete_replicas", "rank_order"}
