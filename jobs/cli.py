@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("schema", help="print the JSON Schema of job specs")
 
-    from elastic.tune.cli import add_arguments as sweep_arguments
+    from jobs.sweep import add_arguments as sweep_arguments
 
     sweep_arguments(sub.add_parser("sweep", help="Ray Tune sweep over parallel configurations (docs/sweep.md)"))
     return p
@@ -97,7 +97,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "ckpt":
         return cmd_ckpt(args)
     if args.command == "sweep":
-        from elastic.tune.cli import main as sweep_main
+        from jobs.sweep import main as sweep_main
 
         return sweep_main(args)
     if args.command == "schema":

@@ -1,8 +1,8 @@
 """Ray Tune sweeps over parallel configurations (``elastic sweep``; docs/sweep.md).
 
 ``space`` prunes (pure), ``search`` orders the trials, ``trial`` runs one configuration as
-an elastic job inside its Tune placement group, ``report`` writes the results, ``api``
-ties them together and ``cli`` is the subcommand.
+an elastic job inside its Tune placement group, ``report`` writes the results and ``api``
+ties them together. The subcommand lives in ``jobs/sweep.py`` (elastic does not import jobs).
 """
 
 from __future__ import annotations

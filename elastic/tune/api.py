@@ -57,12 +57,13 @@ def run_sweep(
     refine_groups: int | None = None,
     grace_period: int | None = None,
     reduction_factor: int = 3,
-    faults: list[tuple[dict[str, Any], dict[str, Any]]] | None = None,
+    faults: list[tuple[dict[str, Any], Any]] | None = None,
     worker_slots: int | None = None,
     progress: bool = False,
 ) -> SweepOutcome:
-    """``faults``: ``(match, worker_fault)`` pairs; trials whose configuration contains every
-    item of ``match`` run with that worker fault (``elastic.testing.faults.worker_fault``).
+    """``faults``: ``(match, step_hook)`` pairs; a trial whose configuration contains every item
+    of ``match`` runs with that ``StepHook`` (``elastic/worker/hooks.py``; fault injection:
+    ``elastic.testing.faults.WorkerFaults``), the first match only.
     ``worker_slots`` sizes the embedded cluster (default ``elastic.max_dp`` replicas of the spec's layout)."""
     if trial_steps <= warmup_steps:
         raise SpecError("--trial-steps", f"must be larger than the {warmup_steps} warm-up steps, got {trial_steps}")
@@ -71,7 +72,7 @@ def run_sweep(
     if memory_per_worker_gb is not None and memory_per_worker_gb <= 0:
         raise SpecError("--memory-per-worker-gb", f"must be > 0, got {memory_per_worker_gb}")
     raw_spec = spec.model_dump(by_alias=True)
-    parsed = parse_space(space, raw_spec) if space is not None else None
+    parsed = parse_space(space, spec) if space is not None else None
     out = os.path.abspath(out or _default_out(spec.name))
     os.makedirs(out, exist_ok=True)
     started = _connect(address, spec, worker_slots)
@@ -84,15 +85,19 @@ def run_sweep(
         _say(progress, _pruning_line(candidates, cluster))
         ctx = {
             "spec": raw_spec,
+            "spec_cls": type(spec),
             "trial_steps": trial_steps,
             "warmup_steps": warmup_steps,
             "out": out,
             "device": spec.resources.device,
             "corpus_cache": _prepare_corpus(spec, out),
-            "faults": [(dict(m), dict(f)) for m, f in faults or []],
+            "faults": [(dict(m), hook) for m, hook in faults or []],
         }
         with open(os.path.join(out, "sweep.json"), "w") as f:
-            json.dump({"context": ctx, "space": parsed, "exhaustive": exhaustive}, f, indent=2, default=str)
+            plain = dict(
+                ctx, faults=[m for m, _ in ctx["faults"]], spec_cls=None
+            )  # the hooks are objects: their matches only
+            json.dump({"context": plain, "space": parsed, "exhaustive": exhaustive}, f, indent=2, default=str)
         grid = None
         by_key: dict[str, Any] = {}
         if feasible:
@@ -123,16 +128,16 @@ def run_sweep(
             ray.shutdown()
 
 
-def restore_trainable(out: str):
-    """The trainable (with its resources) of the sweep in ``out``, for ``Tuner.restore``."""
+def restore_trainable(out: str, spec_cls: type):
+    """The trainable (with its resources) of the sweep in ``out``, for ``Tuner.restore``;
+    ``spec_cls`` is ``jobs.JobSpec``."""
     from ray import tune
-
-    from jobs.spec import JobSpec
 
     with open(os.path.join(out, "sweep.json")) as f:
         ctx = json.load(f)["context"]
-    ctx["faults"] = [tuple(p) for p in ctx.get("faults", [])]
-    spec = JobSpec.from_dict(ctx["spec"])
+    ctx["faults"] = []  # step hooks are not restored
+    ctx["spec_cls"] = spec_cls
+    spec = spec_cls.from_dict(ctx["spec"])
     return tune.with_resources(
         tune.with_parameters(run_trial, ctx=ctx), resources=lambda config: trial_resources(spec, config["cfg"])
     )

@@ -79,11 +79,9 @@ def write_results(out: str, entries: list[dict[str, Any]]) -> str:
 
 def write_best(out: str, spec: Any, best: dict[str, Any]) -> str:
     """The winner as a complete job spec (validated before it is written)."""
-    from jobs.spec import JobSpec
-
     raw = trial_spec_dict(spec, best["config"])
     raw["run_dir"] = None
-    JobSpec.from_dict(raw)
+    type(spec).from_dict(raw)
     c = best["config"]
     head = (
         f"# Best configuration of the sweep in {os.path.abspath(out)}: {config_key(c)}\n"

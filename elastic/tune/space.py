@@ -53,10 +53,9 @@ def config_key(config: dict[str, Any]) -> str:
     return f"dp{c['dp']}-tp{c['tp']}-pp{c['pp']}-z{c['zero']}-mb{c['micro_batch']}{ac}"
 
 
-def parse_space(raw: Any, spec_raw: dict[str, Any]) -> dict[str, list[Any]]:
-    """Check a space mapping against the spec; every error names ``space.<key>``."""
-    from jobs.spec import JobSpec
-
+def parse_space(raw: Any, spec: Any) -> dict[str, list[Any]]:
+    """Check a space mapping against the spec (a ``jobs.JobSpec``); every error names ``space.<key>``."""
+    spec_raw = spec.model_dump(by_alias=True)
     if raw is None or raw == {}:
         raise SpecError("space", "is empty: list candidate values for at least one of " + ", ".join(SPACE_KEYS))
     if not isinstance(raw, dict):
@@ -74,7 +73,7 @@ def parse_space(raw: Any, spec_raw: dict[str, Any]) -> dict[str, list[Any]]:
             trial = copy.deepcopy(spec_raw)
             trial.setdefault("parallel", {})[name] = v
             try:
-                JobSpec.from_dict(trial)
+                type(spec).from_dict(trial)
             except SpecError as exc:
                 if exc.field.startswith("train.global_batch"):
                     continue  # reachability depends on the whole configuration: pruned_batch later
@@ -106,8 +105,6 @@ def enumerate_space(spec: Any, space: dict[str, list[Any]], cluster: Cluster, dt
 
 
 def _judge(spec: Any, cfg: dict[str, Any], cluster: Cluster, dtype_bytes: int) -> Candidate:
-    from jobs.spec import JobSpec
-
     tp, pp, mb = cfg["tp"], cfg["pp"], cfg["micro_batch"]
     config = {"dp": None, **cfg, "grad_accum": None}
     config = {k: config[k] for k in CONFIG_KEYS}
@@ -116,7 +113,7 @@ def _judge(spec: Any, cfg: dict[str, Any], cluster: Cluster, dtype_bytes: int) -
     raw = spec.model_dump(by_alias=True)
     raw["parallel"].update(cfg)
     try:
-        trial = JobSpec.from_dict(raw)
+        trial = type(spec).from_dict(raw)
     except SpecError as exc:
         return Candidate(config, "pruned_batch", str(exc))
     e, gb = spec.elastic, spec.train.global_batch

@@ -85,8 +85,8 @@ class TrialSlots(ReplicaSlots):
 
 def _controller_for(pg: Any, dp: int, listener: Any) -> type:
     class _TrialGroup(WorkerGroup):
-        def __init__(self, spec: Any, corpus_uri: str, worker_faults: list[dict] | None = None):
-            super().__init__(spec, corpus_uri, worker_faults)
+        def __init__(self, spec: Any, *args: Any, **kwargs: Any):
+            super().__init__(spec, *args, **kwargs)
             self.slots = TrialSlots(spec.resources, self.replica_size, pg, dp)
 
     class _TrialController(Controller):
@@ -102,8 +102,6 @@ def _controller_for(pg: Any, dp: int, listener: Any) -> type:
 def build_trial_spec(ctx: dict[str, Any], config: dict[str, Any]):
     """The job a trial runs: the user's spec at this configuration, for ``trial_steps`` steps,
     at exactly the sweep's DP, failing at the first failure, without storage checkpoints."""
-    from jobs.spec import JobSpec
-
     raw = trial_spec_dict(_Spec(ctx["spec"]), config)
     raw["name"] = f"{raw.get('name', 'job')}-{config_key(config)}"
     raw["run_dir"] = None
@@ -112,7 +110,7 @@ def build_trial_spec(ctx: dict[str, Any], config: dict[str, Any]):
     raw["checkpoint"]["every_steps"] = 0
     if ctx.get("corpus_cache"):
         raw["data"]["cache_dir"] = ctx["corpus_cache"]
-    spec = JobSpec.from_dict(raw)
+    spec = ctx["spec_cls"].from_dict(raw)  # jobs.JobSpec, passed in (elastic does not import jobs)
     if spec.resources.device == "cpu":
         spec.parallel = ProbedParallel(**spec.parallel.model_dump(), memory_probe_step=PROBE_STEP)
     return spec
@@ -194,11 +192,11 @@ def run_trial(config: dict[str, Any], ctx: dict[str, Any]) -> None:
         pg = ray.util.get_current_placement_group()
         if pg is None:
             raise RuntimeError("a trial must run in its Tune placement group (trial_resources)")
-        faults = [f for match, f in ctx.get("faults", []) if all(cfg.get(k) == v for k, v in match.items())]
+        hooks = [h for match, h in ctx.get("faults", []) if all(cfg.get(k) == v for k, v in match.items())]
         trainer = ElasticTrainer(
             spec,
             run_dir=os.path.join(ctx["out"], "trials", config_key(cfg)),
-            worker_faults=faults or None,
+            step_hook=hooks[0] if hooks else None,
         )
         trainer.controller_cls = _controller_for(pg, cfg["dp"], reporter)
         trainer.fit()

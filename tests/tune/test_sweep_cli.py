@@ -22,10 +22,10 @@ SPEC = {
 }
 
 
-def _run(tmp_path, space_text: str | None, *extra: str, module: str = "elastic.cli") -> subprocess.CompletedProcess:
+def _run(tmp_path, space_text: str | None, *extra: str, module: str = "jobs.cli") -> subprocess.CompletedProcess:
     cfg = tmp_path / "job.yaml"
     cfg.write_text(yaml.safe_dump(SPEC))
-    args = [sys.executable, "-m", module] + (["sweep"] if module == "elastic.cli" else []) + [str(cfg)]
+    args = [sys.executable, "-m", module] + (["sweep"] if module == "jobs.cli" else []) + [str(cfg)]
     if space_text is not None:
         space = tmp_path / "space.yaml"
         space.write_text(space_text)

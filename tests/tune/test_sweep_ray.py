@@ -20,7 +20,7 @@ import time
 import pytest
 import yaml
 
-from elastic.testing.faults import worker_fault
+from elastic.testing.faults import WorkerFaults, worker_fault
 from elastic.tune.space import config_key
 from jobs.spec import JobSpec
 
@@ -62,7 +62,7 @@ def test_failed_trial_is_a_result_trials_share_the_cluster_and_nothing_leaks(ray
         trial_steps=4,
         exhaustive=True,
         out=out,
-        faults=[({"zero": 3, "micro_batch": 4}, worker_fault("raise", step=3, rank=1))],
+        faults=[({"zero": 3, "micro_batch": 4}, WorkerFaults([worker_fault("raise", step=3, rank=1)]))],
     )
     from ray.tune import ResultGrid
 
@@ -101,7 +101,7 @@ def test_failed_trial_is_a_result_trials_share_the_cluster_and_nothing_leaks(ray
     # The experiment restores with Tune's own tool.
     from ray import tune
 
-    restored = tune.Tuner.restore(os.path.join(out, "tune"), trainable=restore_trainable(out)).get_results()
+    restored = tune.Tuner.restore(os.path.join(out, "tune"), trainable=restore_trainable(out, JobSpec)).get_results()
     assert sorted(config_key(r.config["cfg"]) for r in restored) == sorted(entries)
 
 
@@ -113,7 +113,7 @@ def test_cli_sweep_end_to_end_and_best_yaml_runs(ray_local, tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     address = ["--address", ray_local.get_runtime_context().gcs_address]  # the shared local Ray
     out = tmp_path / "out"
-    args = [sys.executable, "-m", "elastic.cli", "sweep", str(cfg), "--space", str(space), "--trial-steps", "4"]
+    args = [sys.executable, "-m", "jobs.cli", "sweep", str(cfg), "--space", str(space), "--trial-steps", "4"]
     args += address
     p = subprocess.run(
         args + ["--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=500, check=False
@@ -136,7 +136,7 @@ def test_cli_sweep_end_to_end_and_best_yaml_runs(ray_local, tmp_path):
         top["config"][k] for k in ("tp", "zero", "micro_batch")
     )
     run = subprocess.run(
-        [sys.executable, "-m", "elastic.cli", "run", str(out / "best.yaml"), "--set", "train.steps=2"]
+        [sys.executable, "-m", "jobs.cli", "run", str(out / "best.yaml"), "--set", "train.steps=2"]
         + ["--run-dir", str(tmp_path / "best-run")]
         + address,
         cwd=tmp_path,

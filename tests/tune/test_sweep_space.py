@@ -45,20 +45,20 @@ def spec():
 )
 def test_bad_spaces_name_the_key(space, field):
     with pytest.raises(SpecError) as info:
-        parse_space(space, RAW)
+        parse_space(space, spec())
     assert info.value.field == field, str(info.value)
     assert "\n" not in str(info.value)
 
 
 def test_unreachable_micro_batch_is_pruned_not_rejected():
-    space = parse_space({"micro_batch": [2, 3]}, RAW)  # 3 does not divide global_batch 8
+    space = parse_space({"micro_batch": [2, 3]}, spec())  # 3 does not divide global_batch 8
     cands = {c.config["micro_batch"]: c for c in enumerate_space(spec(), space, BIG)}
     assert cands[3].status == "pruned_batch" and "global_batch" in cands[3].reason
     assert cands[2].status == "feasible"
 
 
 def test_enumeration_dp_from_cluster_and_batch():
-    space = parse_space({"tp": [1, 2], "pp": [1, 2], "micro_batch": [1, 2, 4, 8]}, RAW)
+    space = parse_space({"tp": [1, 2], "pp": [1, 2], "micro_batch": [1, 2, 4, 8]}, spec())
     cands = enumerate_space(spec(), space, Cluster(4, 2, 1 << 40))
     assert len(cands) == 16
     by = {(c.config["tp"], c.config["pp"], c.config["micro_batch"]): c for c in cands}
@@ -74,14 +74,14 @@ def test_enumeration_dp_from_cluster_and_batch():
 
 
 def test_tp_larger_than_a_node_is_pruned():
-    space = parse_space({"tp": [1, 2]}, RAW)
+    space = parse_space({"tp": [1, 2]}, spec())
     cands = {c.config["tp"]: c for c in enumerate_space(spec(), space, Cluster(4, 1, 1 << 40))}
     assert cands[2].status == "pruned_batch" and "larger than a node" in cands[2].reason
     assert cands[1].status == "feasible"
 
 
 def test_memory_pruning_uses_the_memory_model():
-    space = parse_space({"zero": [0, 3], "activation_checkpointing": [False, True]}, RAW)
+    space = parse_space({"zero": [0, 3], "activation_checkpointing": [False, True]}, spec())
     s = spec()
     full = enumerate_space(s, space, BIG)
     preds = {config_key(c.config): c.predicted_mem_bytes for c in full}
