@@ -38,7 +38,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -62,26 +61,34 @@ SPACE = {
 
 def run_side(exhaustive: bool, trial_steps: int, out: str) -> dict:
     from elastic.tune.api import run_sweep
-    from elastic.tune.space import config_key
     from jobs.spec import JobSpec
 
-    spec = JobSpec.from_dict(SPEC)
-    t0 = time.monotonic()
-    o = run_sweep(spec, SPACE, trial_steps=trial_steps, exhaustive=exhaustive, out=out, progress=True, address="local")
-    wall = time.monotonic() - t0
-    ran = [e for e in o.entries if e.get("trial_s")]
+    run_sweep(JobSpec.from_dict(SPEC), SPACE, trial_steps=trial_steps, exhaustive=exhaustive, out=out, progress=True,
+              address="local")  # fmt: skip
+    return read_side(out, exhaustive)
+
+
+def read_side(out: str, exhaustive: bool) -> dict:
+    """A finished side from its files: ``results.json``; the search's wall time runs from
+    ``sweep.json`` (written as the search starts) to ``results.json`` (when it ends)."""
+    from elastic.tune.report import best_entry
+    from elastic.tune.space import config_key
+
+    entries = json.load(open(os.path.join(out, "results.json")))
+    best = best_entry(entries)
+    ran = [e for e in entries if e.get("trial_s")]
+    wall = os.path.getmtime(os.path.join(out, "results.json")) - os.path.getmtime(os.path.join(out, "sweep.json"))
     return {
         "exhaustive": exhaustive,
         "out": out,
-        "wall_s": wall,
-        "search_wall_s": o.wall_s,
+        "search_wall_s": wall,
         "trials": len(ran),
-        "feasible": sum(1 for e in o.entries if e["status"] not in ("pruned_memory", "pruned_batch")),
+        "feasible": sum(1 for e in entries if e["status"] not in ("pruned_memory", "pruned_batch")),
         "trial_s_total": sum(e["trial_s"] for e in ran),
-        "best": config_key(o.best["config"]) if o.best else None,
-        "best_tokens_per_s": o.best["tokens_per_s"] if o.best else None,
+        "best": config_key(best["config"]) if best else None,
+        "best_tokens_per_s": best["tokens_per_s"] if best else None,
         "mem_errors": [e["peak_mem_bytes"] / e["predicted_mem_bytes"] - 1 for e in ran if e.get("peak_mem_bytes")],
-        "entries": o.entries,
+        "entries": entries,
     }
 
 
@@ -94,16 +101,23 @@ def main() -> int:
     ap.add_argument("--trial-steps", type=int, default=10)
     ap.add_argument("--sweeps", type=int, default=2, help="sweep runs (the grid runs once, after the first)")
     ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "sweep_vs_grid.json"))
+    ap.add_argument("--summarize", default=None, metavar="ROOT", help="only report the finished runs under ROOT")
     args = ap.parse_args()
     from elastic.tune.space import config_key
 
-    root = tempfile.mkdtemp(prefix="sweep_vs_grid-")
-    order = [False] + [True] + [False] * (args.sweeps - 1)
-    runs = []
-    for i, exhaustive in enumerate(order):
-        side = "grid" if exhaustive else "sweep"
-        print(f"=== run {i + 1}/{len(order)}: {side}", flush=True)
-        runs.append(run_side(exhaustive, args.trial_steps, os.path.join(root, f"{i}-{side}")))
+    if args.summarize:
+        runs = []
+        for name in sorted(os.listdir(args.summarize)):
+            if os.path.exists(os.path.join(args.summarize, name, "results.json")):
+                runs.append(read_side(os.path.join(args.summarize, name), name.endswith("grid")))
+    else:
+        root = tempfile.mkdtemp(prefix="sweep_vs_grid-")
+        order = [False] + [True] + [False] * (args.sweeps - 1)
+        runs = []
+        for i, exhaustive in enumerate(order):
+            side = "grid" if exhaustive else "sweep"
+            print(f"=== run {i + 1}/{len(order)}: {side}", flush=True)
+            runs.append(run_side(exhaustive, args.trial_steps, os.path.join(root, f"{i}-{side}")))
     grid = next(r for r in runs if r["exhaustive"])
     sweeps = [r for r in runs if not r["exhaustive"]]
     grid_tps = {config_key(e["config"]): e["tokens_per_s"] for e in grid["entries"] if e["status"] == "ok"}
@@ -146,6 +160,7 @@ def main() -> int:
         "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
         "cores": os.cpu_count(),
         "note": "shared machine: other jobs ran at the same time",
+        "load_average_at_end": list(os.getloadavg()),
         "trial_steps": args.trial_steps,
         "spec": SPEC,
         "space": SPACE,
