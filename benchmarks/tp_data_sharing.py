@@ -49,7 +49,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -64,6 +63,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from elastic.data import BatchLayout, ParquetCorpus, synthetic_corpus  # noqa: E402
 from elastic.parallel.dims import ParallelDims  # noqa: E402
+from elastic.testing.ports import free_port as _free_port
 
 METHODS = ("read", "bcast", "bcast-i32")
 SHAPES = {
@@ -193,12 +193,6 @@ def _stats(wall: list[float], cpu: list[float], fetched: list[float]) -> dict:
         "wall_max_s": max(wall),
         "cpu_mean_s": statistics.fmean(cpu),
     }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

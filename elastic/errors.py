@@ -27,7 +27,9 @@ class JobFailed(ElasticError):
     """The job ended without finishing its steps (exit code 1)."""
 
 
-# ----- failures seen while training: each maps to one DESIGN.md `failure.cause` -----
+# ----- failures seen while training: each maps to one `failure.cause` (docs/outputs.md) -----
+# A NaN or spiking loss is not an exception: the workers roll back in place and report an
+# ``AnomalyReport`` (elastic/messages.py) whose cause is ``nan_loss`` or ``loss_spike``.
 
 
 class WorkerFailure(ElasticError):
@@ -58,21 +60,5 @@ class CollectiveTimeout(WorkerFailure):
     cause = "collective_timeout"
 
 
-class NanLoss(WorkerFailure):
-    cause = "nan_loss"
-
-
-class LossSpike(WorkerFailure):
-    cause = "loss_spike"
-
-
 class WorkerError(WorkerFailure):
     cause = "worker_error"
-
-
-class PeerCollectiveError(ElasticError):
-    """Raised inside a worker when a collective fails because a peer went away.
-
-    It is a symptom on a survivor, not a cause: the controller attributes the failure
-    to the rank that actually died or hung.
-    """

@@ -1,6 +1,6 @@
 """Run artefacts: ``events.jsonl`` (one JSON object per line) and ``summary.json``.
 
-Field names are the public contract of DESIGN.md section 6. Every event has ``ts`` (unix
+Field names are the public contract described in ``docs/outputs.md``. Every event has ``ts`` (unix
 seconds) and ``kind``; a few events carry extra fields (``step`` may add
 ``peak_mem_bytes`` and ``mfu``; ``job_end`` adds ``reason`` when the job failed).
 """

@@ -1,4 +1,9 @@
-"""Analytical per-rank memory of the reference GPT (``elastic/model.py``), in bytes.
+"""Analytical per-rank memory of a transformer (any ``model.kind``), in bytes.
+
+A model describes itself through ``MemoryInputs`` (parameter counts per block, per first
+and last stage, activation coefficients); the formulas below are written for the
+reference GPT (``elastic/models/gpt.py``) and read those inputs, so Llama and custom
+models use the same arithmetic (``elastic/models/config.py`` derives their inputs).
 
 Used to prune parallel configurations before measuring them (step 1 of the search:
 fit the model in memory). Pure arithmetic; every figure is an integer number of bytes.
@@ -70,6 +75,40 @@ _STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}
 
 
 @dataclass(frozen=True)
+class MemoryInputs:
+    """What the memory model needs to know about a model (per unsplit block or stage).
+
+    ``*_split`` parameters are divided by TP, ``*_whole`` ones replicated. ``act_whole``
+    and ``act_split`` are the stored activation bytes per ``s*b*h`` of one layer at 16
+    bits, kept whole / split by TP without sequence parallelism (the GPT's 10 and
+    ``8 + 4r``); the ``5as/h`` attention-score term is added to the split part.
+    """
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    seq_len: int
+    vocab_size: int
+    block_split: int
+    block_whole: int
+    first_split: int
+    first_whole: int
+    last_split: int
+    last_whole: int
+    act_whole: float = 10
+    act_split: float = 24
+
+
+def memory_inputs(cfg: Any) -> MemoryInputs:
+    """``cfg`` itself if it is ``MemoryInputs``, else what the model config derives."""
+    if isinstance(cfg, MemoryInputs):
+        return cfg
+    if hasattr(cfg, "memory_inputs"):
+        return cfg.memory_inputs()
+    raise SpecError("model", f"no memory-model inputs for {type(cfg).__name__}")
+
+
+@dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes per rank on the worst pipeline stage (``stage``)."""
 
@@ -101,24 +140,23 @@ def layers_per_stage(n_layers: int, pp: int) -> list[int]:
 
 def stage_param_count(cfg: Any, tp: int, pp: int, stage: int) -> int:
     """Parameters held by one rank of ``stage`` (split by TP, not by ZeRO)."""
-    d, V, T = cfg.d_model, cfg.vocab_size, cfg.seq_len
-    n = layers_per_stage(cfg.n_layers, pp)[stage] * block_param_count(cfg, tp)
+    m = memory_inputs(cfg)
+    n = layers_per_stage(m.n_layers, pp)[stage] * block_param_count(m, tp)
     if stage == 0:
-        n += _ceil(V * d, tp) + T * d
+        n += _ceil(m.first_split, tp) + m.first_whole
     if stage == pp - 1:
-        n += 2 * d
-        if not getattr(cfg, "tie_embeddings", False):
-            n += _ceil(V * d, tp)
+        n += _ceil(m.last_split, tp) + m.last_whole
     return n
 
 
 def block_param_count(cfg: Any, tp: int = 1) -> int:
-    """Parameters of one transformer block on one rank (linears split by TP, LayerNorms whole)."""
-    return _ceil((4 + 2 * cfg.mlp_ratio) * cfg.d_model * cfg.d_model, tp) + 4 * cfg.d_model
+    """Parameters of one transformer block on one rank (linears split by TP, norms whole)."""
+    m = memory_inputs(cfg)
+    return _ceil(m.block_split, tp) + m.block_whole
 
 
 def total_param_count(cfg: Any) -> int:
-    """All parameters of the unsplit model (equals ``GPT(cfg)``'s parameter count)."""
+    """All parameters of the unsplit model (equals the built model's parameter count)."""
     return stage_param_count(cfg, 1, 1, 0)
 
 
@@ -132,14 +170,15 @@ def activation_bytes_per_layer(
     dtype_bytes: int = 4,
 ) -> int:
     """Stored activations of one transformer layer for one micro-batch on one rank."""
-    s, b, h, a = cfg.seq_len, micro_batch, cfg.d_model, cfg.n_heads
+    m = memory_inputs(cfg)
+    s, b, h, a = m.seq_len, micro_batch, m.d_model, m.n_heads
     sbh = s * b * h
     sp = sequence_parallel or tp == 1
     if recompute:
         num, den = 2 * sbh, (tp if sp else 1)
     else:
-        kept_whole = 10 * sbh
-        split = (8 + 4 * cfg.mlp_ratio) * sbh + 5 * a * s * s * b  # (5as/h) * sbh = 5 a s^2 b
+        kept_whole = round(m.act_whole * sbh)
+        split = round(m.act_split * sbh) + 5 * a * s * s * b  # (5as/h) * sbh = 5 a s^2 b
         num, den = (kept_whole + split, tp) if sp else (kept_whole * tp + split, tp)
     # num / den bytes at 16 bits; scale by dtype_bytes / 2.
     return _ceil(num * dtype_bytes, den * 2)
@@ -159,8 +198,14 @@ def estimate_memory(
     sequence_parallel: bool = False,
     pp_schedule: str = "1f1b",
     num_microbatches: int | None = None,
+    compute_dtype_bytes: int | None = None,
 ) -> MemoryEstimate:
     """Per-rank memory of the worst pipeline stage; see the module doc for the model.
+
+    ``compute_dtype_bytes=2`` with ``dtype_bytes=4`` is the engine's ``train.dtype: bf16``:
+    fp32 parameters, gradients and optimizer state, 16-bit activations, plus the bf16
+    weight copies it computes with (all of the stage's under autocast, zero 0; one
+    all-gathered block under FSDP's mixed-precision policy).
 
     ``num_microbatches`` (gradient accumulation steps) caps the micro-batches in flight;
     ``None`` assumes at least ``pp`` of them (the steady state of 1F1B).
@@ -168,6 +213,9 @@ def estimate_memory(
     no sequence parallelism; True models a plan that would.
     """
     _check(model_cfg, tp, pp, dp, zero, micro_batch, dtype_bytes, optimizer, pp_schedule)
+    model_cfg = memory_inputs(model_cfg)
+    act_bytes = compute_dtype_bytes or dtype_bytes
+    mixed = act_bytes < dtype_bytes
     state_bytes = _STATE_BYTES[optimizer] + (4 if dtype_bytes < 4 else 0)
     per_layer = activation_bytes_per_layer(
         model_cfg,
@@ -175,7 +223,7 @@ def estimate_memory(
         tp,
         recompute=activation_checkpointing,
         sequence_parallel=sequence_parallel,
-        dtype_bytes=dtype_bytes,
+        dtype_bytes=act_bytes,
     )
     # Full recompute: one layer's activations rebuilt at a time in backward.
     working_set = (
@@ -184,7 +232,7 @@ def estimate_memory(
             micro_batch,
             tp,
             sequence_parallel=sequence_parallel,
-            dtype_bytes=dtype_bytes,
+            dtype_bytes=act_bytes,
         )
         if activation_checkpointing
         else 0
@@ -207,6 +255,9 @@ def estimate_memory(
             if zero >= 3:
                 root = (n - layers[stage] * block_param_count(model_cfg, tp)) * dtype_bytes
                 buffers += block + root - _ceil(root, dp)  # one gathered block; the unsharded root
+        if mixed:  # the 16-bit weights computed with
+            fsdp = zero >= 1 and dp > 1
+            buffers += block_param_count(model_cfg, tp) * act_bytes if fsdp else n * act_bytes
         in_flight = min(pp - stage, micro) if pp_schedule == "1f1b" else micro
         acts = layers[stage] * per_layer * in_flight + working_set
         logits = model_cfg.seq_len * micro_batch * model_cfg.vocab_size * 4 if stage == pp - 1 else 0
@@ -219,8 +270,16 @@ def estimate_memory(
 
 
 def estimate_for_spec(spec: Any, dp: int, dtype_bytes: int = 4, **kwargs: Any) -> MemoryEstimate:
-    """``estimate_memory`` for a ``jobs.JobSpec``-like object (duck-typed) at a DP degree."""
+    """``estimate_memory`` for a ``jobs.JobSpec``-like object (duck-typed) at a DP degree.
+
+    A spec training in bf16 (``train.dtype``, default bf16 on CUDA) gets 16-bit activations
+    and weight copies over fp32 state, unless ``compute_dtype_bytes`` is given.
+    """
     p = spec.parallel
+    train, resources = getattr(spec, "train", None), getattr(spec, "resources", None)
+    if "compute_dtype_bytes" not in kwargs and train is not None and hasattr(train, "resolved_dtype"):
+        device = getattr(resources, "device", "cpu")
+        kwargs["compute_dtype_bytes"] = 2 if train.resolved_dtype(device) == "bf16" else None
     if "num_microbatches" not in kwargs and hasattr(spec, "grad_accum"):
         kwargs["num_microbatches"] = max(1, spec.grad_accum(dp))
     kwargs.setdefault("pp_schedule", getattr(p, "pp_schedule", "1f1b"))
@@ -241,8 +300,9 @@ def _check(cfg, tp, pp, dp, zero, micro_batch, dtype_bytes, optimizer, pp_schedu
     for name, value in (("parallel.tp", tp), ("parallel.pp", pp), ("dp", dp), ("parallel.micro_batch", micro_batch)):
         if value < 1:
             raise SpecError(name, f"must be >= 1, got {value}")
-    if pp > cfg.n_layers:
-        raise SpecError("parallel.pp", f"{pp} stages for {cfg.n_layers} layers")
+    n_layers = memory_inputs(cfg).n_layers
+    if pp > n_layers:
+        raise SpecError("parallel.pp", f"{pp} stages for {n_layers} layers")
     if zero not in (0, 1, 2, 3):
         raise SpecError("parallel.zero", f"must be 0, 1, 2 or 3, got {zero}")
     if dtype_bytes not in (2, 4):

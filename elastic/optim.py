@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -18,6 +19,13 @@ class TrainConfig(BaseModel):
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     weight_decay: float = Field(0.1, ge=0)
     grad_clip: float = Field(1.0, ge=0, description="0 disables clipping")
+    dtype: Literal["fp32", "bf16"] | None = Field(
+        None, description="compute precision; default bf16 on CUDA, fp32 on CPU (state stays fp32)"
+    )
+    compile: bool = Field(False, description="torch.compile each transformer block")
+
+    def resolved_dtype(self, device_type: str) -> str:
+        return self.dtype or ("bf16" if device_type == "cuda" else "fp32")
 
     @property
     def warmup(self) -> int:

@@ -2,7 +2,7 @@
 
 A topology is plain data. It comes from one of two sources:
 
-* a topology file (DESIGN.md section 5), for ``elastic plan`` and for tests::
+* a topology file (``docs/cli.md``, `elastic plan`), for ``elastic plan`` and for tests::
 
       nodes:
         - {name: n0, gpus: 8, cpus: 96, labels: {rack: r0, nvlink_domain: n0}}

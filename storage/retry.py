@@ -72,9 +72,6 @@ class RetryPolicy:
         return max(0.0, base * (1.0 + random.uniform(-self.jitter, self.jitter)))
 
 
-NO_RETRY = RetryPolicy(initial_s=0.0, deadline_s=0.0)
-
-
 def call_with_retry(fn: Callable[[], T], policy: RetryPolicy, what: str) -> T:
     """Run ``fn`` until it succeeds, a permanent error occurs, or the deadline passes.
 

@@ -18,8 +18,7 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 
 
-def apply_ac(model: nn.Module) -> nn.Module:
-    """Checkpoint every block of ``model`` (a full GPT or a pipeline stage) in place."""
-    for block in model.blocks.values():
+def apply_ac(blocks: list[nn.Module]) -> None:
+    """Checkpoint every block (of a full model or a pipeline stage) in place."""
+    for block in blocks:
         checkpoint(block)
-    return model

@@ -29,14 +29,14 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, classic: bool) -> nn.Module:
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, classic: bool, blocks: list[nn.Module]) -> nn.Module:
     """Replicated data parallelism over ``dp_mesh``; returns the module to train.
 
     ``classic`` selects ``DistributedDataParallel`` (only valid without TP and PP).
     """
     if classic:
         return DistributedDataParallel(model, process_group=dp_mesh.get_group())
-    for block in model.blocks.values():
+    for block in blocks:
         replicate(block, mesh=dp_mesh)
     replicate(model, mesh=dp_mesh)
     return model

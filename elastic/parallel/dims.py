@@ -23,14 +23,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from elastic.errors import SpecError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from elastic.model import ModelConfig
 
 MESH_DIM_NAMES = ("dp", "pp", "tp")
 
@@ -53,18 +52,14 @@ def rank_of(dp_rank: int, pp_rank: int, tp_rank: int, tp: int, pp: int) -> int:
     return ((dp_rank * pp) + pp_rank) * tp + tp_rank
 
 
-def validate_layout(cfg: ModelConfig, tp: int, pp: int) -> None:
-    """TP splits heads and hidden size, PP splits layers: each must divide evenly."""
-    if cfg.n_heads % tp:
-        raise SpecError("parallel.tp", f"{tp} does not divide model.n_heads ({cfg.n_heads})")
-    if cfg.d_model % tp:
-        raise SpecError("parallel.tp", f"{tp} does not divide model.d_model ({cfg.d_model})")
-    if cfg.n_layers % pp:
-        raise SpecError("parallel.pp", f"{pp} does not divide model.n_layers ({cfg.n_layers})")
-    if pp > 1 and cfg.tie_embeddings:
-        raise SpecError(
-            "model.tie_embeddings", "tied embeddings need parallel.pp=1 (embedding and head sit on different stages)"
-        )
+def validate_layout(cfg: Any, tp: int, pp: int) -> None:
+    """Can the model (a config of elastic/models/config.py, or a ``ModelSpec``) run at tp x pp?
+
+    Each model says what must divide what (TP splits heads and hidden sizes, PP layers);
+    a model without a TP plan or a stage split refuses tp > 1 or pp > 1.
+    """
+    check = getattr(cfg, "check_layout", None) or cfg.validate_layout
+    check(tp, pp)
 
 
 @dataclass
@@ -103,7 +98,7 @@ class ParallelDims:
 
     # ----- validation against the model -----------------------------------------------
 
-    def validate_model(self, cfg: ModelConfig) -> None:
+    def validate_model(self, cfg: Any) -> None:
         validate_layout(cfg, self.tp, self.pp)
 
     def grad_accum(self, global_batch: int, micro_batch: int) -> int:

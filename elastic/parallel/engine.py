@@ -15,21 +15,24 @@ degree: the accumulated gradient is that of the global mean.
 
 from __future__ import annotations
 
+import contextlib
 import resource
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import FSDPModule
 
-from elastic.model import ModelConfig, build_model, flops_per_token, lm_loss
+from elastic.models.spec import ModelSpec, model_spec
 from elastic.optim import TrainConfig, build_optimizer
 from elastic.parallel import ddp, fsdp, pp
 from elastic.parallel.clip import clip_grad_norm
 from elastic.parallel.config import ParallelConfig
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.parallelize import parallelize
-from elastic.parallel.tp import loss_context, to_local_value
+from elastic.parallel.tp import to_local_value
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
 
@@ -37,7 +40,7 @@ MicroBatch = tuple[torch.Tensor, torch.Tensor]
 class TrainEngine:
     def __init__(
         self,
-        model_cfg: ModelConfig,
+        model_cfg: Any,
         parallel_cfg: ParallelConfig,
         train_cfg: TrainConfig,
         dims: ParallelDims,
@@ -46,7 +49,8 @@ class TrainEngine:
     ):
         if (parallel_cfg.tp, parallel_cfg.pp) != (dims.tp, dims.pp):
             raise ValueError(f"parallel config tp/pp {parallel_cfg.tp}/{parallel_cfg.pp} != dims {dims.tp}/{dims.pp}")
-        dims.validate_model(model_cfg)
+        self.spec: ModelSpec = model_spec(model_cfg)  # a model config, or a ModelSpec itself
+        self.spec.check_layout(dims.tp, dims.pp)
         self.model_cfg, self.parallel_cfg, self.train_cfg, self.dims = model_cfg, parallel_cfg, train_cfg, dims
         self.grad_accum = dims.grad_accum(train_cfg.global_batch, parallel_cfg.micro_batch)
         self.device = _resolve_device(device)
@@ -54,22 +58,31 @@ class TrainEngine:
             dims.build_mesh(self.device.type)
         self.coords = dims.local_coords()
 
-        # Full seeded model on every rank (on the host, so the accelerator only ever holds
-        # this rank's stage), then cut and shard it: the same weights under any layout.
-        model = build_model(model_cfg, seed, device="cpu")
+        self.dtype = train_cfg.resolved_dtype(self.device.type)
+        bf16 = self.dtype == "bf16"
+
+        # The full model on the meta device, cut to this rank's stage, then sharded,
+        # materialised and seeded in ``parallelize``: the same weights under any layout.
+        with torch.device("meta"):
+            model = self.spec.build()
         if dims.pp_enabled:
-            model = pp.build_stage_module(model, dims.pp, self.coords.pp_rank)
-        model = model.to(self.device)
-        self.gpt = model  # the (stage of the) GPT itself; ``model`` may be a DDP wrapper around it
-        self.model = parallelize(model, dims, parallel_cfg)
+            model = self.spec.split_stage(model, dims.pp, self.coords.pp_rank)
+        self.module = model  # the (stage of the) model itself; ``model`` may be a DDP wrapper around it
+        self.gpt = model  # historical name of ``module``
+        self.model = parallelize(
+            model, dims, parallel_cfg, self.spec, seed, self.device, bf16=bf16, compile=train_cfg.compile
+        )
         self.model.train()
+        # FSDP computes in bf16 through its mixed-precision policy; everything else autocasts
+        # (fp32 master weights, gradients and optimizer state in both cases).
+        self._autocast = bf16 and not isinstance(self.model, FSDPModule)
         self.optimizer, self.scheduler = build_optimizer(self.model, train_cfg)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
 
         self.schedule = None
         if dims.pp_enabled:
             self.schedule = pp.build_schedule(
-                self.model, dims.pp_mesh, self.device, self.grad_accum, lm_loss, parallel_cfg.pp_schedule
+                self.model, dims.pp_mesh, self.device, self.grad_accum, self.spec.loss_fn, parallel_cfg.pp_schedule
             )
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -97,7 +110,7 @@ class TrainEngine:
     @property
     def flops_per_step(self) -> float:
         """Model FLOPs (forward + backward, no recompute) of one global step, all ranks."""
-        return flops_per_token(self.model_cfg) * self.train_cfg.global_batch * self.model_cfg.seq_len
+        return self.spec.flops_per_token * self.train_cfg.global_batch * self.spec.seq_len
 
     def peak_mem_bytes(self) -> int:
         """Peak accelerator memory allocated by this process, or its peak RSS on CPU.
@@ -128,7 +141,7 @@ class TrainEngine:
         self._steps_begun += 1
         if self._steps_begun == self._probe_step:
             self._start_probe(micro_batches)
-        with loss_context(self.model_cfg, self.dims.tp):
+        with self.spec.loss_context(self.dims.tp), self._precision():
             if self.schedule is not None:
                 local = self._pipeline_forward_backward(micro_batches)
             else:
@@ -150,10 +163,15 @@ class TrainEngine:
             fsdp.prepare_micro_batch(self.model, self.parallel_cfg.zero, is_last)
             with ddp.micro_batch_context(self.model, is_last):
                 logits = self.model(inputs.to(self.device))
-                loss = lm_loss(logits, targets.to(self.device))
+                loss = self.spec.loss_fn(logits, targets.to(self.device))
                 (loss / self.grad_accum).backward()
             total += to_local_value(loss.detach())
         return total / self.grad_accum
+
+    def _precision(self) -> contextlib.AbstractContextManager:
+        if not self._autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def _pipeline_forward_backward(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
         # The schedule re-splits the concatenation along dim 0 into the same micro-batches.

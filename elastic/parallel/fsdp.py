@@ -40,20 +40,30 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero: int) -> nn.Module:
-    """Shard ``model`` (a GPT or a pipeline stage, possibly TP-sharded) over ``dp_mesh``."""
+def apply_fsdp(
+    model: nn.Module, dp_mesh: DeviceMesh, zero: int, blocks: list[nn.Module], bf16: bool = False
+) -> nn.Module:
+    """Shard ``model`` (a model or a pipeline stage, possibly TP-sharded) over ``dp_mesh``.
+
+    ``bf16``: FSDP2's mixed precision, bf16 parameters for compute (all-gathered in bf16),
+    gradients reduced in fp32; the sharded parameters and optimizer state stay fp32.
+    """
     if zero not in (1, 2, 3):
         raise ValueError(f"apply_fsdp needs zero in 1..3, got {zero}")
-    for block in model.blocks.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=zero == 3)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    )
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
     return model
 
 

@@ -1,50 +1,75 @@
 """The one place that applies every parallelism to a model, in a fixed order.
 
-``parallelize`` takes a model whose weights are already initialised (the full seeded
-model, or a pipeline stage cut from it by ``pp.build_stage_module``) and shards it in
-place. Since every rank starts from the same full weights, the initial weights are the
-same under every layout by construction. Rebuilding after an elastic resize is just a
-second call on a fresh model with a fresh ``ParallelDims``.
+``parallelize`` takes a model built on the meta device (the full model, or the pipeline
+stage its ``ModelSpec.split_stage`` cut from it), shards it with the model's TP plan,
+materialises it on the device, initialises it from the seed (``ModelSpec.init_weights``,
+per-FQN seeded, so the weights are the same under every layout by construction), then
+applies recompute, ``torch.compile`` and data parallelism. Rebuilding after an elastic
+resize is a second call on a fresh model with a fresh ``ParallelDims``.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from elastic.parallel.ac import apply_ac
 from elastic.parallel.ddp import apply_ddp
 from elastic.parallel.fsdp import apply_fsdp
-from elastic.parallel.tp import apply_tp
 
 if TYPE_CHECKING:
+    from elastic.models.spec import ModelSpec
     from elastic.parallel.config import ParallelConfig
     from elastic.parallel.dims import ParallelDims
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, cfg: ParallelConfig) -> nn.Module:
-    """Apply TP, then recompute, then FSDP or DDP; returns the module to train.
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    cfg: ParallelConfig,
+    spec: ModelSpec,
+    seed: int,
+    device: torch.device,
+    *,
+    bf16: bool = False,
+    compile: bool = False,
+) -> nn.Module:
+    """TP, then materialise and init, then recompute, compile, FSDP or DDP; returns the module to train.
 
     The returned module is ``model`` itself, except under classic DDP (zero 0, pure DP),
-    which wraps it.
+    which wraps it. With ``bf16`` and ``zero >= 1`` FSDP is applied even with one replica,
+    so that its mixed-precision policy (and so the numerics) does not change when an
+    elastic job shrinks to dp=1.
     """
-    # 1. Tensor parallelism first: it turns block weights into DTensors on the TP mesh.
-    #    FSDP/replicate applied later see those DTensors and compose 2-D (dp, tp)
-    #    placements; the reverse order is not supported by torch.
+    # 1. Tensor parallelism first (on the meta device): it turns block weights into
+    #    DTensors on the TP mesh. FSDP/replicate applied later see those DTensors and
+    #    compose 2-D (dp, tp) placements; the reverse order is not supported by torch.
     if dims.tp_enabled:
-        apply_tp(model, dims.tp_mesh)
+        spec.tp_plan(model, dims.tp_mesh)
 
-    # 2. Activation checkpointing next, before data parallelism (the order of torchtitan
+    # 2. Materialise this rank's shard of this stage only, and fill it from the seed.
+    model.to_empty(device=device)
+    spec.init_weights(model, seed)
+    blocks = spec.blocks(model)
+
+    # 3. Activation checkpointing next, before data parallelism (the order of torchtitan
     #    and of torch's FSDP2 tests): FSDP's hooks then wrap the checkpointed block, so
     #    its parameters are gathered for the recomputation in backward too.
     if cfg.activation_checkpointing:
-        apply_ac(model)
+        apply_ac(blocks)
 
-    # 3. Data parallelism last, over the DP mesh only. With one replica there is nothing
-    #    to shard or average.
+    # 4. torch.compile per block (torchtitan's grain): every block has the same code and
+    #    shapes, so one compiled graph serves them all; ``Module.compile`` keeps the FQNs.
+    if compile:
+        for block in blocks:
+            block.compile()
+
+    # 5. Data parallelism last, over the DP mesh only. With one replica there is nothing
+    #    to shard or average (but see bf16 above).
+    if cfg.zero >= 1 and (dims.dp_enabled or bf16):
+        return apply_fsdp(model, dims.dp_mesh, cfg.zero, blocks, bf16=bf16)
     if not dims.dp_enabled:
         return model
-    if cfg.zero == 0:
-        return apply_ddp(model, dims.dp_mesh, classic=not (dims.tp_enabled or dims.pp_enabled))
-    return apply_fsdp(model, dims.dp_mesh, cfg.zero)
+    return apply_ddp(model, dims.dp_mesh, classic=not (dims.tp_enabled or dims.pp_enabled), blocks=blocks)

@@ -1,10 +1,11 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``.
 
-Each PP rank builds the full seeded model, then deletes what it does not own
-(``build_stage_module``): the blocks outside its contiguous slice, the embeddings unless
-it is the first stage, the final norm and head unless it is the last. Blocks live in a
-``ModuleDict`` keyed by layer index, so every remaining parameter keeps its full-model FQN
-(``blocks.5.attn.wq.weight`` stays that on stage 1): checkpoints reshard across PP layouts.
+Each PP rank builds the full model on the meta device, then its ``ModelSpec.split_stage``
+deletes what the rank does not own (for the built-in models: the blocks outside its
+contiguous slice, the embeddings unless it is the first stage, the final norm and head
+unless it is the last). Blocks live in a ``ModuleDict`` keyed by layer index, so every
+remaining parameter keeps its full-model FQN (``blocks.5.attn.wq.weight`` stays that on
+stage 1): checkpoints reshard across PP layouts. Only the stage is then materialised.
 
 The stage module is then parallelized like a full model (TP, recompute, FSDP/DDP) and
 wrapped in a ``PipelineStage``. The schedule is 1F1B (PipeDream-Flush, Narayanan et al.
@@ -36,8 +37,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-    from elastic.model import GPT
-
 
 def stage_layers(n_layers: int, pp: int, pp_rank: int) -> range:
     """The contiguous block indices that stage ``pp_rank`` owns (``pp`` divides layers)."""
@@ -45,18 +44,11 @@ def stage_layers(n_layers: int, pp: int, pp_rank: int) -> range:
     return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
 
 
-def build_stage_module(model: GPT, pp: int, pp_rank: int) -> GPT:
-    """Turn a full model into stage ``pp_rank`` of ``pp`` in place, keeping FQNs."""
-    owned = {str(i) for i in stage_layers(model.cfg.n_layers, pp, pp_rank)}
-    for key in [k for k in model.blocks if k not in owned]:
-        del model.blocks[key]
-    if pp_rank != 0:
-        model.tok_emb = None
-        model.pos_emb = None
-    if pp_rank != pp - 1:
-        model.norm = None
-        model.head = None
-    return model
+def build_stage_module(model: nn.Module, pp: int, pp_rank: int) -> nn.Module:
+    """Turn a built-in model (``model.cfg``) into stage ``pp_rank`` of ``pp`` in place, keeping FQNs."""
+    from elastic.models.spec import model_spec
+
+    return model_spec(model.cfg).split_stage(model, pp, pp_rank)
 
 
 def build_schedule(

@@ -1,6 +1,8 @@
 """Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) with DTensor ``parallelize_module``.
 
-Plan for each transformer block (the two "f/g" conjugate pairs of the Megatron paper):
+The helpers here are model-agnostic; each model's ``ModelSpec.tp_plan`` (elastic/models/)
+applies them. For the reference GPT, the plan for each transformer block (the two "f/g"
+conjugate pairs of the Megatron paper):
 
 * attention: ``wq``, ``wk``, ``wv`` column-wise (each TP rank owns ``n_heads / tp`` whole
   heads, so attention itself runs locally with no communication), ``wo`` row-wise: one
@@ -34,10 +36,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 if TYPE_CHECKING:
+    from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
-    from elastic.model import GPT, ModelConfig
-
+# The reference GPT's block plan; a model's own plan lives with the model (elastic/models/).
 BLOCK_PLAN = {
     "attn.wq": ColwiseParallel(),
     "attn.wk": ColwiseParallel(),
@@ -48,30 +50,24 @@ BLOCK_PLAN = {
 }
 
 
-def shards_vocab(cfg: ModelConfig, tp: int) -> bool:
-    """Vocab-parallel embedding and loss-parallel head: only on an even split, untied."""
-    return tp > 1 and cfg.vocab_size % tp == 0 and not cfg.tie_embeddings
+def apply_block_plan(blocks: list[nn.Module], tp_mesh: DeviceMesh, plan: dict) -> None:
+    """Apply one ``parallelize_module`` plan to every block."""
+    for block in blocks:
+        parallelize_module(block, tp_mesh, plan)
 
 
-def apply_tp(model: GPT, tp_mesh: DeviceMesh) -> GPT:
-    """Shard ``model`` (a full model or a pipeline stage of it) over ``tp_mesh`` in place."""
-    for block in model.blocks.values():
-        parallelize_module(block, tp_mesh, BLOCK_PLAN)
-    if not shards_vocab(model.cfg, tp_mesh.size()):
-        return model
-    if model.tok_emb is not None:
-        parallelize_module(
-            model.tok_emb, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-        )
-    if model.head is not None:
+def apply_vocab_parallel(tok_emb: nn.Module | None, head: nn.Module | None, tp_mesh: DeviceMesh) -> None:
+    """Vocab-parallel embedding and a head whose logits stay sharded for ``loss_parallel``."""
+    if tok_emb is not None:
+        parallelize_module(tok_emb, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    if head is not None:
         # use_local_output=False keeps the logits a DTensor sharded on vocab for loss_parallel.
-        parallelize_module(model.head, tp_mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
-    return model
+        parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
 
 
-def loss_context(cfg: ModelConfig, tp: int) -> contextlib.AbstractContextManager:
+def loss_context(sharded_logits: bool) -> contextlib.AbstractContextManager:
     """The context the loss forward and backward must run in (loss parallelism or none)."""
-    return loss_parallel() if shards_vocab(cfg, tp) else contextlib.nullcontext()
+    return loss_parallel() if sharded_logits else contextlib.nullcontext()
 
 
 def to_local_value(loss: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,9 @@ Two halves:
 
 Driver-side signals need the workers on the driver's machine: that is the case for the
 embedded and ``Cluster``-based local clusters these faults are made for.
+
+Longer than the ~350 lines we aim for: every injected fault (worker-side hook, driver-side
+signals, the ``--fault`` parser) in one file, so that the fault tool has one home.
 """
 
 from __future__ import annotations
@@ -121,6 +124,14 @@ class WorkerFaults:
             stop.wait(0.05)
 
 
+def _kill_quietly(pid: int | None) -> None:
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def flip_bit(tensor: Any, bit: int, index: int = 0) -> None:
     """Flip bit ``bit`` of element ``index`` of a tensor in place: silent data corruption on
     one rank (bit 30 of a float32 is the top exponent bit: a small weight becomes ~1e38)."""
@@ -150,6 +161,7 @@ class Fault:
     node_index: int | None = None  # kill_node: index into the cluster's worker nodes (else the node of ``rank``)
     return_after_s: float | None = None  # kill_node: add an equal node back after this delay
     graceful_raylet: bool = False  # kill_node: SIGTERM the node's raylet instead of SIGKILL (quieter logs)
+    delay_s: float = 0.0  # during_recovery: fire this long after the re-rendezvous starts (from a thread)
     fired_at: float | None = field(default=None, init=False)
 
 
@@ -177,7 +189,12 @@ class FaultInjector:
             if fault.fired_at is None and fault.during_recovery == recovery:
                 self._next_members = members
                 try:
-                    self._fire(fault, group)
+                    if fault.delay_s > 0:  # resolve the target now, kill it once the rendezvous runs
+                        pid = self._pid(fault, group)
+                        fault.fired_at = time.time()
+                        threading.Timer(fault.delay_s, _kill_quietly, (pid,)).start()
+                    else:
+                        self._fire(fault, group)
                 finally:
                     self._next_members = None
 
@@ -196,15 +213,19 @@ class FaultInjector:
             self._stopped_pids.append(pid)
             os.kill(pid, signal.SIGSTOP)
 
-    @staticmethod
-    def _pid(fault: Fault, group: Any) -> int | None:
-        """The pid of ``fault.rank`` now, or None (with a warning) when the job has no such
-        rank at this moment (it shrank) or the worker is not on this machine."""
+    def _pid(self, fault: Fault, group: Any) -> int | None:
+        """The pid of ``fault.rank`` now (in a recovery: of the layout to come), or None
+        (with a warning) when the job has no such rank at this moment (it shrank) or the
+        worker is not on this machine."""
         members = getattr(group, "members", None)
+        if self._next_members is not None:
+            ranked = list(enumerate(self._next_members))
+        else:
+            ranked = [(m.rank, m) for m in members or []]
         member = (
             None
             if members is None
-            else next((m for m in members if m.rank == fault.rank and not getattr(m, "dead", False)), None)
+            else next((m for r, m in ranked if r == fault.rank and not getattr(m, "dead", False)), None)
         )
         if members is not None and member is None:
             log.warning("fault %s@%d: no rank %s at this step; not fired", fault.kind, fault.at_step, fault.rank)
@@ -219,7 +240,7 @@ class FaultInjector:
                 ip,
             )
             return None
-        return group.pid_of(fault.rank)
+        return member.pid if member is not None else group.pid_of(fault.rank)
 
     def _kill_node(self, fault: Fault, group: Any) -> None:
         index = fault.node_index
@@ -255,7 +276,7 @@ class FaultInjector:
 def kill_node(cluster: Any, node_index: int, group: Any = None, graceful_raylet: bool = False) -> Any:
     """SIGKILL every worker process on a worker node, then remove the node from the cluster.
 
-    Removing the node alone would leave its worker processes alive (DESIGN.md section 7).
+    Removing the node alone would leave its worker processes alive (see "kill_node" in ``docs/faults.md``).
     """
     node = worker_nodes(cluster)[node_index]
     node_id = node.node_id

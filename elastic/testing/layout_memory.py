@@ -44,6 +44,9 @@ tp/pp/dp/zero, micro-batch, recompute flag, ``dtype_bytes=4`` (the engine trains
 the real number of micro-batches per step and the PP schedule, with the model's default
 ``sequence_parallel`` (off, as in the TP plan). It is the worst pipeline stage; the
 measured figure is the worst rank.
+
+Longer than the ~350 lines we aim for: a measurement harness (layouts, gloo ranks, peak
+memory) used by one test and one benchmark, kept in one file.
 """
 
 from __future__ import annotations
@@ -55,7 +58,6 @@ import json
 import os
 import re
 import resource
-import socket
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -72,6 +74,7 @@ from elastic.optim import TrainConfig
 from elastic.parallel.config import ParallelConfig
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
+from elastic.testing.ports import free_port as _free_port
 
 # The benchmark's default model and batch: the test asserts on what the benchmark prints.
 DEFAULT_MODEL = ModelConfig(n_layers=4, d_model=128, n_heads=4, vocab_size=512, seq_len=64)
@@ -296,12 +299,6 @@ def rank_main(rank: int, world: int, cfg: dict, out_dir: str) -> None:
 
 
 # --------------------------------------------------------------------------- driver
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def predict(layout: Layout, model_cfg: ModelConfig, micro_batch: int, grad_accum: int) -> MemoryEstimate:

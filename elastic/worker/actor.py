@@ -42,7 +42,7 @@ from elastic.messages import (
     StorageRestore,
     WorkerInfo,
 )
-from elastic.parallel.dims import ParallelDims
+from elastic.parallel.dims import MESH_DIM_NAMES, ParallelDims
 from elastic.worker.hooks import StepHook
 from elastic.worker.process_group import ReconfigurableProcessGroup, is_collective_error
 from elastic.worker.trainer import Trainer
@@ -112,6 +112,11 @@ class TrainWorker:
         self._stop.set()
 
     @ray.method(concurrency_group="control")
+    def abandon_rendezvous(self, generation: int) -> None:
+        """Give up joining ``generation``: a peer was lost while it formed."""
+        self.group.abandon(generation)
+
+    @ray.method(concurrency_group="control")
     def snapshot_holdings(self) -> dict[int, list[int]]:
         """Owner rank -> steps this worker can serve from memory."""
         return self.tier.holdings()
@@ -130,7 +135,18 @@ class TrainWorker:
     # ------------------------------------------------------------------ train group
     @ray.method(concurrency_group="train")
     def configure(self, req: ConfigureRequest) -> ConfigureReply:
-        """Join generation ``req.generation`` of the group and get ready to train from ``req.step``."""
+        """Join generation ``req.generation`` of the group and get ready to train from ``req.step``.
+
+        On any error it leaves the half-formed group before raising, so that peers blocked
+        on this rank fail at once.
+        """
+        try:
+            return self._configure(req)
+        except BaseException:
+            self._leave()
+            raise
+
+    def _configure(self, req: ConfigureRequest) -> ConfigureReply:
         self._phase = "configure"
         self._beat = time.monotonic()
         self._leave()
@@ -138,7 +154,10 @@ class TrainWorker:
         dp, tp, pp = req.dims
         self.rank = req.rank
         init_s = self.group.configure(req.generation, req.rank, dp * tp * pp, req.store)
-        dims = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=dp * tp * pp, timeout=self.group.timeout)
+        # The mesh's sub-groups connect within the rendezvous timeout, then get the collective one.
+        dims = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=dp * tp * pp, timeout=self.group.rendezvous_timeout)
+        dims.build_mesh(self.device.type)
+        self.group.mesh_built([dims.world_mesh[name].get_group() for name in MESH_DIM_NAMES])
         if self.corpus is None:
             self.corpus = ParquetCorpus(self.corpus_uri, self.spec.data.storage_options)
         t0 = time.perf_counter()

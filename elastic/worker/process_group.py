@@ -5,12 +5,20 @@ group; ``leave()`` tears the current one down so that peers blocked on this rank
 once. Every private torch call the elastic runtime needs is made here, and
 ``tests/elastic/test_torch_private_api.py`` fails loudly when a torch upgrade moves one.
 
-Rendezvous. The job has one long-lived ``TCPStore``, served by the driver for the whole
-run (:class:`RendezvousStore`). Each generation's ranks meet under their own key prefix
-(``PrefixStore("gen<N>/", store)``). Nothing is keyed by port: a rendezvous abandoned
-half-way by one generation (a member lost while the others were connecting) leaves keys
-under its own prefix that the next generation never reads, so survivors can never pair
-with a stale peer, and there is no free-port race to lose.
+Rendezvous. The job has one long-lived ``TCPStore``, served by the driver
+(:class:`RendezvousStore`). Each generation's ranks meet under their own key prefix
+(``PrefixStore("gen<N>/", store)``). Nothing is keyed by port: keys a generation left
+behind are never read by the next one, so survivors can never pair with a stale peer, and
+there is no free-port race to lose. When a member is lost in the middle of a rendezvous,
+the driver abandons the generation (:meth:`ReconfigurableProcessGroup.abandon`, called
+from the worker's control thread): the rank's connection to the store is shut down, so a
+rank still waiting in that rendezvous fails at once instead of waiting out the timeout, and
+a rank that had not started it yet refuses it. The next generation reconnects.
+
+Two timeouts. Joining (the store rendezvous, and connecting to every peer) is bounded by
+``rendezvous_timeout``: a peer lost while the others connect to it is retried only that
+long (gloo retries a refused connection until its timeout). Once the group and its mesh
+exist, their collectives get the full ``collective_timeout_s``.
 
 Leaving a group (see ``elastic/parallel/sockets.py`` for why cutting sockets is needed on
 gloo): NCCL communicators are aborted; gloo's TCP connections are shut down. Then every
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -31,6 +40,8 @@ import torch.distributed as dist
 from elastic.parallel.sockets import GroupSockets
 
 logger = logging.getLogger(__name__)
+
+RENDEZVOUS_TIMEOUT_S = 10.0  # joining a generation, unless collective_timeout_s is shorter
 
 
 class RendezvousStore:
@@ -42,20 +53,19 @@ class RendezvousStore:
 
     def __init__(self, host: str, timeout_s: float):
         self.host = host
-        self._store = dist.TCPStore(
+        self._store: Any = dist.TCPStore(
             host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
         )
         self.port = self._store.port
-        self.generation = 0
-
-    def next_generation(self) -> int:
-        """A fresh generation number: the key prefix of the next rendezvous."""
-        self.generation += 1
-        return self.generation
 
     @property
     def address(self) -> tuple[str, int]:
         return (self.host, self.port)
+
+    def close(self) -> None:
+        """Stop serving: clients blocked on a key fail within milliseconds."""
+        self._store = None
+        gc.collect()
 
 
 class ReconfigurableProcessGroup:
@@ -63,10 +73,14 @@ class ReconfigurableProcessGroup:
 
     def __init__(self, device_type: str, timeout_s: float):
         self.device_type = device_type
-        self.timeout = timedelta(seconds=timeout_s)
+        self.timeout = timedelta(seconds=timeout_s)  # collectives
+        self.rendezvous_timeout = timedelta(seconds=min(timeout_s, max(RENDEZVOUS_TIMEOUT_S, timeout_s / 4)))
         self.generation = 0
         self._client: Any = None
         self._client_address: tuple[str, int] | None = None
+        self._client_sockets = GroupSockets()  # the store connection, shut down to abandon a rendezvous
+        self._abandoned: set[int] = set()
+        self._lock = threading.Lock()
         self._sockets = GroupSockets()
 
     @property
@@ -76,7 +90,10 @@ class ReconfigurableProcessGroup:
     def configure(self, generation: int, rank: int, world: int, store: tuple[str, int]) -> float:
         """Leave the current group (if any) and join ``generation``; returns the join time in s."""
         self.leave()
-        client = self._store_client(store)
+        with self._lock:
+            if generation in self._abandoned:
+                raise AbandonedRendezvous(f"generation {generation} was abandoned before this rank joined it")
+            client = self._store_client(store)
         self._sockets.before_init()  # after the store client: its connection outlives groups
         t0 = time.perf_counter()
         dist.init_process_group(
@@ -84,10 +101,17 @@ class ReconfigurableProcessGroup:
             store=dist.PrefixStore(f"gen{generation}/", client),
             rank=rank,
             world_size=world,
-            timeout=self.timeout,
+            timeout=self.rendezvous_timeout,
         )
+        _set_timeout(self.timeout, None)
         self.generation = generation
         return time.perf_counter() - t0
+
+    def mesh_built(self, groups: list[Any]) -> None:
+        """The mesh's sub-groups exist (created with ``rendezvous_timeout``): give them the
+        collective timeout."""
+        for g in groups:
+            _set_timeout(self.timeout, g)
 
     def built(self) -> None:
         """Call after the mesh and wrappers are built: their connections are cut on a failure."""
@@ -113,11 +137,29 @@ class ReconfigurableProcessGroup:
             except Exception as exc:  # a broken group may fail to tear down; it is gone either way
                 logger.debug("destroy_process_group: %s", exc)
 
+    def abandon(self, generation: int) -> None:
+        """The driver gave up on ``generation`` (a member was lost while it formed).
+
+        Safe to call from another thread while ``configure`` is blocked in the rendezvous:
+        the store connection is shut down under it, which fails its wait at once.
+        """
+        with self._lock:
+            self._abandoned.add(generation)
+            if self._client is not None:
+                self._client_sockets.cut()
+                self._client = None
+
     def _store_client(self, address: tuple[str, int]) -> Any:
         if self._client is None or self._client_address != tuple(address):
-            self._client = dist.TCPStore(address[0], address[1], is_master=False, timeout=self.timeout)
+            self._client_sockets.before_init()
+            self._client = dist.TCPStore(address[0], address[1], is_master=False, timeout=self.rendezvous_timeout)
+            self._client_sockets.capture()
             self._client_address = tuple(address)
         return self._client
+
+
+class AbandonedRendezvous(RuntimeError):
+    """This rank was told to give up the generation it was joining."""
 
 
 def is_collective_error(exc: BaseException) -> bool:
@@ -137,6 +179,10 @@ def is_collective_error(exc: BaseException) -> bool:
 
 # --------------------------------------------------------------------------- private torch
 # Each private name below is checked by tests/elastic/test_torch_private_api.py.
+
+
+def _set_timeout(timeout: timedelta, group: Any) -> None:
+    dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def _abort_nccl() -> None:
@@ -160,6 +206,7 @@ def _drop_torch_group_references() -> None:
 
 
 PRIVATE_TORCH_API = (
+    "torch.distributed.distributed_c10d._set_pg_timeout",
     "torch.distributed.distributed_c10d._abort_process_group",
     "torch.distributed.device_mesh._mesh_resources.mesh_stack",
     "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator",

@@ -5,18 +5,13 @@ from __future__ import annotations
 import json
 import math
 import pickle
-import socket
 
 import ckpt_gloo_workers
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from elastic.testing.ports import free_port as _free_port
 
 
 def _load(out, world: int) -> list[dict]:

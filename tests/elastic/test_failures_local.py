@@ -169,3 +169,28 @@ def test_fault_flag_from_the_command_line(ray_local, reference_losses, tmp_path)
     summary = __import__("json").load(open(f"{run_dir}/summary.json"))
     assert summary["status"] == "succeeded" and summary["steps"] == STEPS and summary["failures"] == 1
     assert_matches_reference(step_metrics(run_dir), reference_losses, rel=REL_SAME_ORDER)
+
+
+def test_members_lost_mid_rendezvous_again_and_again(ray_local, reference_losses, tmp_path):
+    """A member dies inside each of three re-formations in a row. The survivor waiting in
+    each abandoned rendezvous is freed at once (the driver abandons the generation): it
+    waits out neither ``collective_timeout_s`` nor the shorter rendezvous timeout, and the
+    job finishes on the fault-free loss curve."""
+    from elastic.worker.process_group import ReconfigurableProcessGroup
+
+    spec = elastic_spec(min_dp=2, max_dp=2, collective_timeout_s=120)
+    rendezvous_s = ReconfigurableProcessGroup("cpu", 120).rendezvous_timeout.total_seconds()  # 30 s
+    # Rank 1 of each new layout is the replacement just started (rank 0 keeps the snapshots).
+    mid = [Fault("kill_worker", during_recovery=n, rank=1, delay_s=0.3) for n in (1, 2, 3)]
+    run_dir, result = _run(
+        tmp_path, spec, callbacks=[FaultInjector([Fault("kill_worker", at_step=FAULT_STEP, rank=1)] + mid)]
+    )
+    assert result.status == "succeeded" and result.steps == STEPS
+    failures = events_of(run_dir, "failure")
+    assert len(failures) == 4 and all(f["cause"] == "actor_died" for f in failures), failures
+    # From each mid-rendezvous kill to the failure it caused: the loss is seen and every
+    # survivor has left the abandoned rendezvous.
+    freed = [f["ts"] - (fault.fired_at + fault.delay_s) for fault, f in zip(mid, failures[1:])]
+    print("kill -> survivors freed (s):", [round(x, 1) for x in freed])
+    assert max(freed) < rendezvous_s / 2, freed
+    assert_matches_reference(step_metrics(run_dir), reference_losses, rel=REL_SAME_ORDER)

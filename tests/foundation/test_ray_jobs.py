@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import pytest
 from waiting import wait_until
 
 from elastic.events import read_events
+from elastic.testing.ports import free_port as _free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -39,12 +39,6 @@ TINY = [
     "elastic.heartbeat_timeout_s=20",
     "elastic.collective_timeout_s=40",
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(condition, timeout: float, what: str, every: float = 0.5):

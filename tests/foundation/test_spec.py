@@ -33,7 +33,7 @@ MALFORMED = [
     (["parallel.zero=4"], "parallel.zero"),
     (["resources.device=tpu"], "resources.device"),
     (["resources.device=cuda", "resources.gpus_per_worker=0"], "resources.gpus_per_worker"),
-    (["model.kind=llama"], "model.kind"),
+    (["model.kind=bert"], "model.kind"),
     (["data.source=not-a-uri"], "data.source"),
     (["data.source=ftp://host/data"], "data.source"),
     (["data.source=gs://bucket/corpus"], "data.source"),
@@ -44,6 +44,10 @@ MALFORMED = [
     (["name=has space"], "name"),
     (["model.tie_embeddings=true", "parallel.pp=2"], "model.tie_embeddings"),
     (["noequals"], "--set"),
+    (["model.kind=llama", "model.n_kv_heads=2", "parallel.tp=4"], "parallel.tp"),  # tp > n_kv_heads
+    (["model.kind=llama", "model.n_kv_heads=3"], "model.n_kv_heads"),
+    (["model.kind=llama", "model.size=llama3-1b"], "model.size"),
+    (["train.dtype=fp16"], "train.dtype"),
 ]
 
 

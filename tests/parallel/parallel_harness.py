@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from elastic.model import ModelConfig, build_model, lm_loss
+from elastic.model import ModelConfig
+from elastic.models.spec import model_spec
 from elastic.optim import TrainConfig, build_optimizer
 
 SEED = 7
@@ -55,23 +56,26 @@ def global_batch(step: int, n: int = TRAIN.global_batch, cfg: ModelConfig = MODE
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def dp_micro_batches(step: int, dp: int, dp_rank: int, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def dp_micro_batches(
+    step: int, dp: int, dp_rank: int, micro_batch: int, cfg=MODEL
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """DP rank r takes samples [r*G/dp, (r+1)*G/dp) of the step's batch, in micro-batches."""
-    inputs, targets = global_batch(step)
+    inputs, targets = global_batch(step, cfg=cfg)
     per_rank = inputs.shape[0] // dp
     lo = dp_rank * per_rank
     return [(inputs[i : i + micro_batch], targets[i : i + micro_batch]) for i in range(lo, lo + per_rank, micro_batch)]
 
 
-def reference_run(steps: int = STEPS) -> tuple[list[float], list[float]]:
+def reference_run(steps: int = STEPS, model_cfg=MODEL) -> tuple[list[float], list[float]]:
     """Single process, whole global batch in one forward, torch's own clip_grad_norm_."""
     torch.manual_seed(0)
-    model = build_model(MODEL, SEED)
+    spec = model_spec(model_cfg)
+    model = spec.build_full(SEED)
     opt, sched = build_optimizer(model, TRAIN)
     losses, norms = [], []
     for step in range(steps):
-        inputs, targets = global_batch(step)
-        loss = lm_loss(model(inputs), targets)
+        inputs, targets = global_batch(step, cfg=model_cfg)
+        loss = spec.loss_fn(model(inputs), targets)
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), TRAIN.grad_clip)))
         opt.step()

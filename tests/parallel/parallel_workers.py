@@ -11,13 +11,13 @@ import torch.distributed.checkpoint as dcp
 from parallel_harness import MODEL, SEED, STEPS, TRAIN, Layout, dp_micro_batches, init_group
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from elastic.model import build_model
+from elastic.models.spec import model_spec
 from elastic.parallel.config import ParallelConfig
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
 
 
-def make_engine(layout: Layout, world: int) -> TrainEngine:
+def make_engine(layout: Layout, world: int, model_cfg=MODEL, train=TRAIN) -> TrainEngine:
     dims = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, world_size=world)
     pcfg = ParallelConfig(
         tp=layout.tp,
@@ -27,14 +27,16 @@ def make_engine(layout: Layout, world: int) -> TrainEngine:
         activation_checkpointing=layout.ac,
         pp_schedule=layout.schedule,
     )
-    return TrainEngine(MODEL, pcfg, TRAIN, dims, SEED)
+    return TrainEngine(model_cfg, pcfg, train, dims, SEED)
 
 
 def train_steps(engine: TrainEngine, layout: Layout, steps: range) -> tuple[list[float], list[float]]:
     dp_rank = engine.coords.dp_rank
     losses, norms = [], []
     for step in steps:
-        loss = engine.forward_backward(dp_micro_batches(step, layout.dp, dp_rank, layout.micro_batch))
+        loss = engine.forward_backward(
+            dp_micro_batches(step, layout.dp, dp_rank, layout.micro_batch, cfg=engine.model_cfg)
+        )
         norms.append(engine.optimizer_step())
         losses.append(loss)
     return losses, norms
@@ -43,7 +45,7 @@ def train_steps(engine: TrainEngine, layout: Layout, steps: range) -> tuple[list
 def initial_weight_diffs(engine: TrainEngine) -> dict[str, float]:
     """Max |full parameter - single-process seeded init| for each FQN this rank holds."""
     full = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True))
-    reference = build_model(MODEL, SEED).state_dict()
+    reference = model_spec(engine.model_cfg).build_full(SEED).state_dict()
     return {fqn: float((value.cpu() - reference[fqn]).abs().max()) for fqn, value in full.items()}
 
 
@@ -91,13 +93,13 @@ def state_dict_matches_fresh(engine: TrainEngine) -> tuple[bool, bool]:
     return bool(same), cached
 
 
-def train_layouts(rank: int, world: int, out_dir: str, layouts: list[Layout]) -> dict:
+def train_layouts(rank: int, world: int, out_dir: str, layouts: list[Layout], model_cfg=MODEL, train=TRAIN) -> dict:
     """Train every layout in turn on one world-sized process group."""
     init_group(rank, world, os.path.join(out_dir, "store"))
     results = {}
     for layout in layouts:
         t0 = time.perf_counter()
-        engine = make_engine(layout, world)
+        engine = make_engine(layout, world, model_cfg, train)
         init_diffs = initial_weight_diffs(engine)
         placements = param_placements(engine)
         losses, norms = train_steps(engine, layout, range(1))
@@ -128,7 +130,9 @@ def train_layouts(rank: int, world: int, out_dir: str, layouts: list[Layout]) ->
     return results
 
 
-def resize_and_resume(rank: int, world: int, out_dir: str, before: Layout, after: Layout, split: int) -> dict:
+def resize_and_resume(
+    rank: int, world: int, out_dir: str, before: Layout, after: Layout, split: int, model_cfg=MODEL, train=TRAIN
+) -> dict:
     """Train ``before`` on the full world, checkpoint, shrink the group in-process, resume.
 
     The process group is destroyed and re-created with ``after.world`` ranks in the same
@@ -137,23 +141,35 @@ def resize_and_resume(rank: int, world: int, out_dir: str, before: Layout, after
     """
     ckpt = os.path.join(out_dir, "ckpt")
     init_group(rank, world, os.path.join(out_dir, "store_a"))
-    engine = make_engine(before, world)
+    engine = make_engine(before, world, model_cfg, train)
     losses, norms = train_steps(engine, before, range(split))
     dcp.save(engine.state_dict(), checkpoint_id=ckpt)
+    saved_dtypes = sorted(
+        {
+            str(m.properties.dtype)
+            for m in dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata.values()
+            if hasattr(m, "properties")
+        }
+    )
     del engine
     dist.destroy_process_group()
     if rank >= after.world:
-        return {"losses": losses, "norms": norms}
+        return {"losses": losses, "norms": norms, "saved_dtypes": saved_dtypes}
 
     init_group(rank, after.world, os.path.join(out_dir, "store_b"))
-    engine = make_engine(after, after.world)
+    engine = make_engine(after, after.world, model_cfg, train)
     state = engine.state_dict()
     dcp.load(state, checkpoint_id=ckpt)
     engine.load_state_dict(state)
     resumed_at = engine.step
     more_losses, more_norms = train_steps(engine, after, range(split, STEPS))
     dist.destroy_process_group()
-    return {"losses": losses + more_losses, "norms": norms + more_norms, "resumed_at": resumed_at}
+    return {
+        "losses": losses + more_losses,
+        "norms": norms + more_norms,
+        "resumed_at": resumed_at,
+        "saved_dtypes": saved_dtypes,
+    }
 
 
 def blocked_peer_after_leave(rank: int, world: int, out_dir: str, cut: bool, timeout_s: float) -> dict:
@@ -198,3 +214,38 @@ def blocked_peer_after_leave(rank: int, world: int, out_dir: str, cut: bool, tim
     except Exception:
         pass
     return result
+
+
+def compile_resize(rank: int, world: int, out_dir: str, before: Layout, after: Layout, model_cfg, train) -> dict:
+    """``train.compile``: train ``before``, shrink the group in-process to ``after`` (a new
+    engine, as an elastic resize does) and count what dynamo compiled on each side."""
+    from torch._dynamo.utils import counters
+
+    ckpt = os.path.join(out_dir, "ckpt")
+
+    def run(layout: Layout, world: int, steps: range) -> dict:
+        engine = make_engine(layout, world, model_cfg, train)
+        if steps.start > 0:  # resume from the state saved before the resize
+            state = engine.state_dict()
+            dcp.load(state, checkpoint_id=ckpt)
+            engine.load_state_dict(state)
+        times, losses, norms = [], [], []
+        for step in steps:
+            t0 = time.perf_counter()
+            loss, norm = train_steps(engine, layout, range(step, step + 1))
+            times.append(time.perf_counter() - t0)
+            losses += loss
+            norms += norm
+        if steps.start == 0:
+            dcp.save(engine.state_dict(), checkpoint_id=ckpt)
+        return {"times": times, "losses": losses, "norms": norms, "graphs": counters["stats"]["unique_graphs"]}
+
+    init_group(rank, world, os.path.join(out_dir, "store_a"))
+    first = run(before, world, range(2))
+    dist.destroy_process_group()
+    if rank >= after.world:
+        return {"before": first}
+    init_group(rank, after.world, os.path.join(out_dir, "store_b"))
+    second = run(after, after.world, range(2, STEPS))
+    dist.destroy_process_group()
+    return {"before": first, "after": second}

@@ -11,18 +11,13 @@ import uuid
 
 import torch
 
+from elastic.testing.ports import free_port as _free_port
 from storage import ShardRecord, chunk_boxes
 
 WORLD = 4
 
 FAKE_KEY = "AKIAFAKEKEY0TESTONLY"
 FAKE_SECRET = "fAkE/SeCrEt+0nly4Tests0000000000000000000"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MotoS3:

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import storage_gloo_worker
 import torch.multiprocessing as mp
 
+from elastic.testing.ports import free_port as _free_port
 from storage import CheckpointStore
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(180)

@@ -1,0 +1,253 @@
+"""The ``model`` section of a job spec, one pydantic class per ``model.kind`` (torch-free).
+
+``gpt`` (the reference GPT), ``llama`` (Llama 3 family) and ``custom`` (a user factory).
+Each config also knows, by pure arithmetic, what the memory model needs
+(``memory_inputs``) and its training FLOPs per token, so ``elastic plan``, the sweep and
+the memory model can reason about a 70B model without building it. See docs/models.md.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, model_validator
+
+from elastic.errors import SpecError
+from elastic.memory_model import MemoryInputs
+
+
+class GPTConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["gpt"] = "gpt"
+    n_layers: int = Field(4, ge=1)
+    d_model: int = Field(128, ge=8)
+    n_heads: int = Field(4, ge=1)
+    vocab_size: int = Field(512, ge=2)
+    seq_len: int = Field(64, ge=2)
+    tie_embeddings: bool = False
+    mlp_ratio: int = Field(4, ge=1)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def check(self) -> None:
+        if self.d_model % self.n_heads:
+            raise SpecError("model.n_heads", f"{self.n_heads} does not divide model.d_model ({self.d_model})")
+
+    def validate_layout(self, tp: int, pp: int) -> None:
+        if self.n_heads % tp:
+            raise SpecError("parallel.tp", f"{tp} does not divide model.n_heads ({self.n_heads})")
+        if self.d_model % tp:
+            raise SpecError("parallel.tp", f"{tp} does not divide model.d_model ({self.d_model})")
+        if self.n_layers % pp:
+            raise SpecError("parallel.pp", f"{pp} does not divide model.n_layers ({self.n_layers})")
+        if pp > 1 and self.tie_embeddings:
+            raise SpecError(
+                "model.tie_embeddings",
+                "tied embeddings need parallel.pp=1 (embedding and head sit on different stages)",
+            )
+
+    def memory_inputs(self) -> MemoryInputs:
+        d, r = self.d_model, self.mlp_ratio
+        return MemoryInputs(
+            n_layers=self.n_layers,
+            d_model=d,
+            n_heads=self.n_heads,
+            seq_len=self.seq_len,
+            vocab_size=self.vocab_size,
+            block_split=(4 + 2 * r) * d * d,
+            block_whole=4 * d,  # two LayerNorms (weight + bias)
+            first_split=self.vocab_size * d,
+            first_whole=self.seq_len * d,
+            last_split=0 if self.tie_embeddings else self.vocab_size * d,
+            last_whole=2 * d,
+            act_whole=10,
+            act_split=8 + 4 * r,
+        )
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (forward + backward), 6N + 12·L·d·T as in PaLM's MFU."""
+        d, L, T = self.d_model, self.n_layers, self.seq_len
+        per_layer = 4 * d * d + 2 * self.mlp_ratio * d * d
+        n = L * per_layer + self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        return 6.0 * n + 12.0 * L * d * T
+
+
+# Published Llama 3 shapes (Meta's model cards / reference code) and tiny test sizes.
+LLAMA_SIZES: dict[str, dict[str, Any]] = {
+    "llama3-8b": dict(
+        n_layers=32,
+        d_model=4096,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128_256,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        rope_theta=500_000.0,
+        seq_len=8192,
+    ),
+    "llama3-70b": dict(
+        n_layers=80,
+        d_model=8192,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=128_256,
+        ffn_dim_multiplier=1.3,
+        multiple_of=4096,
+        rope_theta=500_000.0,
+        seq_len=8192,
+    ),
+    "debug": dict(n_layers=4, d_model=256, n_heads=8, n_kv_heads=4, vocab_size=2048, multiple_of=64, seq_len=128),
+    "tiny": dict(n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, seq_len=16),
+}
+
+
+class LlamaConfig(BaseModel):
+    """Llama 3 family: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["llama"] = "llama"
+    size: Literal["llama3-8b", "llama3-70b", "debug", "tiny"] | None = Field(
+        None, description="a named shape (docs/models.md); the other keys override it"
+    )
+    n_layers: int = Field(4, ge=1)
+    d_model: int = Field(256, ge=8)
+    n_heads: int = Field(8, ge=1)
+    n_kv_heads: int | None = Field(None, ge=1, description="key/value heads (GQA); default n_heads")
+    vocab_size: int = Field(2048, ge=2)
+    seq_len: int = Field(128, ge=2)
+    multiple_of: int = Field(256, ge=1, description="SwiGLU hidden size is rounded up to a multiple of this")
+    ffn_dim_multiplier: float | None = Field(None, gt=0)
+    rope_theta: float = Field(500_000.0, gt=0)
+    norm_eps: float = Field(1e-5, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_size(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("size") in LLAMA_SIZES:  # an unknown one fails on the field
+            data = {**LLAMA_SIZES[data["size"]], **data}
+        return data
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """SwiGLU hidden size, as Meta's reference code computes it (14336 for 8B)."""
+        hidden = int(2 * 4 * self.d_model / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def check(self) -> None:
+        if self.d_model % self.n_heads:
+            raise SpecError("model.n_heads", f"{self.n_heads} does not divide model.d_model ({self.d_model})")
+        if self.head_dim % 2:
+            raise SpecError("model.n_heads", f"head dim d_model/n_heads = {self.head_dim} must be even for RoPE")
+        if self.n_heads % self.kv_heads:
+            raise SpecError("model.n_kv_heads", f"{self.kv_heads} does not divide model.n_heads ({self.n_heads})")
+
+    def validate_layout(self, tp: int, pp: int) -> None:
+        if tp > self.kv_heads or self.kv_heads % tp:
+            raise SpecError(
+                "parallel.tp",
+                f"{tp} must divide model.n_kv_heads ({self.kv_heads}): each TP rank needs whole key/value heads",
+            )
+        if self.n_heads % tp:
+            raise SpecError("parallel.tp", f"{tp} does not divide model.n_heads ({self.n_heads})")
+        if self.hidden_dim % tp:
+            raise SpecError("parallel.tp", f"{tp} does not divide the SwiGLU hidden size ({self.hidden_dim})")
+        if self.n_layers % pp:
+            raise SpecError("parallel.pp", f"{pp} does not divide model.n_layers ({self.n_layers})")
+
+    def block_params(self) -> int:
+        d, kv = self.d_model, self.kv_heads * self.head_dim
+        return 2 * d * d + 2 * d * kv + 3 * d * self.hidden_dim
+
+    def memory_inputs(self) -> MemoryInputs:
+        d, h = self.d_model, self.hidden_dim
+        kv_frac = self.kv_heads / self.n_heads
+        return MemoryInputs(
+            n_layers=self.n_layers,
+            d_model=d,
+            n_heads=self.n_heads,
+            seq_len=self.seq_len,
+            vocab_size=self.vocab_size,
+            block_split=self.block_params(),
+            block_whole=2 * d,  # two RMSNorm weights
+            first_split=self.vocab_size * d,
+            first_whole=0,
+            last_split=self.vocab_size * d,
+            last_whole=d,
+            # Whole (16-bit, per s*b*h): the inputs of both norms and of the QKV and MLP
+            # matmuls. Split: q, k, v and their rotated copies, the attention output, and
+            # the SwiGLU w1/w3 outputs, their gated product and the SiLU output.
+            act_whole=8,
+            act_split=6 + 6 * kv_frac + 8 * h / d,
+        )
+
+    def flops_per_token(self) -> float:
+        """6N (weights, embeddings counted once as in torchtitan) + 12·L·d·T attention."""
+        n = self.n_layers * self.block_params() + self.vocab_size * self.d_model
+        return 6.0 * n + 12.0 * self.n_layers * self.d_model * self.seq_len
+
+
+class CustomConfig(BaseModel):
+    """A user's model: ``factory`` is ``package.module:function``, called with ``args``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["custom"] = "custom"
+    factory: str = Field(..., min_length=3, description="package.module:function returning an elastic ModelSpec")
+    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the factory")
+    vocab_size: int | None = Field(None, ge=2, description="default: the factory's ModelSpec.vocab_size")
+    seq_len: int | None = Field(None, ge=2, description="default: the factory's ModelSpec.seq_len")
+    _import_root: str | None = PrivateAttr(None)  # where the driver found the module (see custom.py)
+
+    def check(self) -> None:
+        """Import and call the factory (exit 2 naming ``model.factory`` if that fails)."""
+        from elastic.models.custom import load_spec
+
+        spec = load_spec(self)
+        self.vocab_size = self.vocab_size or spec.vocab_size
+        self.seq_len = self.seq_len or spec.seq_len
+
+    def validate_layout(self, tp: int, pp: int) -> None:
+        from elastic.models.custom import load_spec
+
+        load_spec(self).check_layout(tp, pp)
+
+    def memory_inputs(self) -> MemoryInputs:
+        from elastic.models.custom import load_spec
+
+        inputs = load_spec(self).memory
+        if inputs is None:
+            raise SpecError("model.factory", f"{self.factory} gives no memory-model inputs (ModelSpec.memory)")
+        return inputs
+
+    def flops_per_token(self) -> float:
+        from elastic.models.custom import load_spec
+
+        return load_spec(self).flops_per_token
+
+
+def _kind_of(value: Any) -> str:
+    if isinstance(value, dict):
+        return value.get("kind", "gpt")
+    return getattr(value, "kind", "gpt")
+
+
+# The type of ``JobSpec.model``: the kind picks the class; no kind means gpt.
+AnyModelConfig = Annotated[
+    Annotated[GPTConfig, Tag("gpt")] | Annotated[LlamaConfig, Tag("llama")] | Annotated[CustomConfig, Tag("custom")],
+    Discriminator(_kind_of, custom_error_type="model_kind", custom_error_message="must be gpt, llama or custom"),
+]
+MODEL_KINDS = ("gpt", "llama", "custom")

@@ -1,0 +1,185 @@
+"""``model.kind: llama``: the Llama 3 architecture, written for this engine.
+
+RMSNorm (in fp32), rotary position embeddings (RoPE, Su et al. 2021), a SwiGLU MLP
+(``w2(silu(w1 x) * w3 x)``, Shazeer 2020) and grouped-query attention (``n_kv_heads``
+key/value heads shared by ``n_heads / n_kv_heads`` query heads each, Ainslie et al. 2023).
+Shapes follow Meta's reference code, so ``size: llama3-8b`` has 8.03e9 parameters.
+
+The layout rules of the reference GPT hold: blocks in a ``ModuleDict`` keyed by layer
+index (a pipeline stage keeps its FQNs), separate ``wq/wk/wv/wo`` and ``w1/w2/w3``
+linears (the TP plan is column/row-wise over named submodules), a forward that tolerates
+a missing embedding or head, and per-FQN seeded init. The rotary tables are computed in
+the forward from positions (no buffers: the engine's state is parameters only).
+
+TP plan: ``wq``, ``wk``, ``wv`` column-wise (each TP rank owns ``n_heads / tp`` query and
+``n_kv_heads / tp`` key/value heads, so ``tp`` must divide ``n_kv_heads``), ``wo``
+row-wise; ``w1`` and ``w3`` column-wise, ``w2`` row-wise; the embedding vocab-parallel
+and the head's logits sharded for ``loss_parallel`` when ``tp`` divides the vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from elastic.models.config import LlamaConfig
+from elastic.models.spec import ModelSpec, lm_loss, normal_or_ones, register_model, seeded_init
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+def rope_tables(seq: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of ``pos * theta^(-2i/head_dim)``, shape ``[seq, head_dim / 2]`` (fp32)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs ``(x[2i], x[2i+1])`` of ``x`` (``[b, heads, seq, head_dim]``) by the angles."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    a, b = xf[..., 0], xf[..., 1]
+    out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.head_dim, self.theta = cfg.head_dim, cfg.rope_theta
+        self.n_rep = cfg.n_heads // cfg.kv_heads
+        kv_dim = cfg.kv_heads * cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wk = nn.Linear(cfg.d_model, kv_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, kv_dim, bias=False)
+        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds n_heads / tp (n_kv_heads / tp) of them.
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        cos, sin = rope_tables(seq, self.head_dim, self.theta, x.device)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.n_rep > 1:  # each key/value head serves n_rep consecutive query heads
+            k = k.repeat_interleave(self.n_rep, dim=1)
+            v = v.repeat_interleave(self.n_rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=False)
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.d_model, bias=False)
+        self.w3 = nn.Linear(cfg.d_model, cfg.hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids -> logits on a full model; hidden states in or out on a pipeline stage."""
+        if self.tok_emb is not None:
+            x = self.tok_emb(x)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.head is not None:
+            x = self.head(x)
+        return x
+
+    def init_weights(self, seed: int) -> None:
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        norms = ("attn_norm.weight", "mlp_norm.weight", "norm.weight")
+        seeded_init(self, seed, normal_or_ones(0.02, residual_std, norms, ("wo.weight", "w2.weight")))
+
+
+def build_stage(model: Llama, pp: int, pp_rank: int) -> Llama:
+    """Keep stage ``pp_rank`` of ``pp`` in place, keeping FQNs (``pp`` divides the layers)."""
+    per_stage = model.cfg.n_layers // pp
+    owned = {str(i) for i in range(pp_rank * per_stage, (pp_rank + 1) * per_stage)}
+    for key in [k for k in model.blocks if k not in owned]:
+        del model.blocks[key]
+    if pp_rank != 0:
+        model.tok_emb = None
+    if pp_rank != pp - 1:
+        model.norm = None
+        model.head = None
+    return model
+
+
+def _block_plan() -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    col, row = ColwiseParallel(), RowwiseParallel()
+    return {"attn.wq": col, "attn.wk": col, "attn.wv": col, "attn.wo": row, "mlp.w1": col, "mlp.w3": col, "mlp.w2": row}
+
+
+def apply_tp(model: Llama, tp_mesh) -> Llama:
+    from elastic.parallel.tp import apply_block_plan, apply_vocab_parallel
+
+    apply_block_plan(list(model.blocks.values()), tp_mesh, _block_plan())
+    if model.cfg.vocab_size % tp_mesh.size() == 0:
+        apply_vocab_parallel(model.tok_emb, model.head, tp_mesh)
+    return model
+
+
+def llama_spec(cfg: LlamaConfig) -> ModelSpec:
+    from elastic.parallel.tp import loss_context
+
+    return ModelSpec(
+        name="llama",
+        build=lambda: Llama(cfg),
+        init_weights=lambda model, seed: model.init_weights(seed),
+        vocab_size=cfg.vocab_size,
+        seq_len=cfg.seq_len,
+        flops_per_token=cfg.flops_per_token(),
+        tp_plan=apply_tp,
+        split_stage=build_stage,
+        loss_fn=lm_loss,
+        loss_context=lambda tp: loss_context(tp > 1 and cfg.vocab_size % tp == 0),
+        validate_layout=cfg.validate_layout,
+        memory=cfg.memory_inputs(),
+    )
+
+
+register_model("llama", llama_spec)
