@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     from elastic.ingest import cli as ingest_cli
 
     ingest_cli.add_arguments(sub.add_parser("prepare", help="tokenize and pack text into a training corpus"))
+
+    from jobs.sweep import add_arguments as sweep_arguments
+
+    sweep_arguments(sub.add_parser("sweep", help="Ray Tune sweep over parallel configurations (docs/sweep.md)"))
     return p
 
 
@@ -109,6 +113,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         from elastic.ingest import cli as ingest_cli
 
         return ingest_cli.main(args)
+
+    if args.command == "sweep":
+        from jobs.sweep import main as sweep_main
+
+        return sweep_main(args)
     if args.command == "schema":
         from jobs.spec import JobSpec
 

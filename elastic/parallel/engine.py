@@ -86,6 +86,12 @@ class TrainEngine:
             )
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        # The sweep's CPU memory probe (docs/sweep.md): a ParallelConfig subclass may carry
+        # ``memory_probe_step``; that step (counted from this engine's build) is tracked.
+        self._probe_step = getattr(parallel_cfg, "memory_probe_step", None) if self.device.type == "cpu" else None
+        self._steps_begun = 0
+        self._probe = None
+        self.probed_peak_bytes: int | None = None
 
     # ----- properties a worker reports ----------------------------------------------------
 
@@ -107,7 +113,13 @@ class TrainEngine:
         return self.spec.flops_per_token * self.train_cfg.global_batch * self.spec.seq_len
 
     def peak_mem_bytes(self) -> int:
-        """Peak accelerator memory allocated by this process, or its peak RSS on CPU."""
+        """Peak accelerator memory allocated by this process, or its peak RSS on CPU.
+
+        On CPU with a memory probe, once the probed step is done: that step's peak of live
+        tensor bytes (``elastic/memtrack.py``), the figure the memory model predicts.
+        """
+        if self.probed_peak_bytes is not None:
+            return self.probed_peak_bytes
         if self.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated(self.device))
         return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
@@ -126,6 +138,9 @@ class TrainEngine:
         """
         if len(micro_batches) != self.grad_accum:
             raise ValueError(f"expected {self.grad_accum} micro-batches, got {len(micro_batches)}")
+        self._steps_begun += 1
+        if self._steps_begun == self._probe_step:
+            self._start_probe(micro_batches)
         with self.spec.loss_context(self.dims.tp), self._precision():
             if self.schedule is not None:
                 local = self._pipeline_forward_backward(micro_batches)
@@ -187,7 +202,20 @@ class TrainEngine:
         self.optimizer.step()
         self.scheduler.step()
         self.zero_grad()
+        if self._probe is not None:
+            self._probe.__exit__(None, None, None)
+            self.probed_peak_bytes, self._probe = self._probe.peak, None
         return norm
+
+    def _start_probe(self, micro_batches: Sequence[MicroBatch]) -> None:
+        from elastic.memtrack import LiveTensorBytes, tensors_in
+
+        probe = LiveTensorBytes(self.device)
+        probe.__enter__()
+        probe.register(list(self.model.parameters()) + list(self.model.buffers()))
+        probe.register(tensors_in(self.optimizer.state))
+        probe.register([t for pair in micro_batches for t in pair])
+        self._probe = probe
 
     def zero_grad(self) -> None:
         """Drop the accumulated gradients without stepping (an uncommitted step)."""

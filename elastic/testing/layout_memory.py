@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import ctypes
 import datetime
-import functools
 import gc
 import json
 import os
@@ -61,15 +60,15 @@ import re
 import resource
 import tempfile
 import time
-import weakref
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from elastic.memory_model import MemoryEstimate, estimate_memory
+from elastic.memtrack import LiveTensorBytes, tensor_bytes
+from elastic.memtrack import tensors_in as _tensors
 from elastic.model import ModelConfig
 from elastic.optim import TrainConfig
 from elastic.parallel.config import ParallelConfig
@@ -109,110 +108,6 @@ LAYOUTS = [
 
 
 # --------------------------------------------------------------------------- memory probes
-
-
-def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
-    """The real storages behind ``t`` (wrapper subclasses such as DTensor flattened)."""
-    if is_traceable_wrapper_subclass(t):
-        attrs, _ = t.__tensor_flatten__()
-        out: list[torch.UntypedStorage] = []
-        for attr in attrs:
-            inner = getattr(t, attr)
-            if isinstance(inner, torch.Tensor):
-                out.extend(_storages(inner))
-        return out
-    if t.device.type == "meta":
-        return []
-    try:
-        return [t.untyped_storage()]
-    except (RuntimeError, NotImplementedError):
-        return []
-
-
-def _tensors(obj) -> list[torch.Tensor]:
-    """The tensors in a nest of dicts, lists and tuples (no closure: no reference cycle
-    that would keep the tensors alive past their last use)."""
-    out: list[torch.Tensor] = []
-    stack = [obj]
-    while stack:
-        o = stack.pop()
-        if isinstance(o, torch.Tensor):
-            out.append(o)
-        elif isinstance(o, dict):
-            stack.extend(o.values())
-        elif isinstance(o, (list, tuple)):
-            stack.extend(o)
-    return out
-
-
-def tensor_bytes(tensors, device: torch.device) -> int:
-    """Bytes of the distinct storages behind ``tensors`` on ``device``."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        for st in _storages(t):
-            if st.device.type == device.type:
-                seen[st.data_ptr() or id(st)] = st.nbytes()
-    return sum(seen.values())
-
-
-class LiveTensorBytes(TorchDispatchMode):
-    """Peak bytes of live tensor storages on one device type; see the module docstring."""
-
-    def __init__(self, device: torch.device):
-        super().__init__()
-        self.device_type = device.type
-        self._live: dict[int, list] = {}  # id(storage) -> [weakref, bytes counted]
-        self.current = 0
-        self.peak = 0
-        self._orig_resize = None
-
-    def register(self, tensors) -> None:
-        for t in tensors:
-            for st in _storages(t):
-                self._track(st)
-
-    def _track(self, st: torch.UntypedStorage) -> None:
-        if st.device.type != self.device_type:
-            return
-        nbytes = st.nbytes()
-        entry = self._live.get(id(st))
-        if entry is None:
-            key = id(st)
-            self._live[key] = [weakref.ref(st, functools.partial(self._gone, key)), nbytes]
-            self.current += nbytes
-        elif entry[1] != nbytes:
-            self.current += nbytes - entry[1]
-            entry[1] = nbytes
-        if self.current > self.peak:
-            self.peak = self.current
-
-    def _gone(self, key: int, _ref) -> None:
-        entry = self._live.pop(key, None)
-        if entry is not None:
-            self.current -= entry[1]
-
-    def __enter__(self):
-        tracker, orig = self, torch.UntypedStorage.resize_
-        self._orig_resize = orig
-
-        def resize_(st, size):
-            out = orig(st, size)
-            tracker._track(st)
-            return out
-
-        torch.UntypedStorage.resize_ = resize_
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self._orig_resize
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in _tensors(out):
-            for st in _storages(t):
-                self._track(st)
-        return out
 
 
 _LIBC = None
