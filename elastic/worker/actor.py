@@ -145,6 +145,8 @@ class TrainWorker:
         except BaseException:
             self._leave()
             raise
+        finally:
+            self.group.settled()
 
     def _configure(self, req: ConfigureRequest) -> ConfigureReply:
         self._phase = "configure"

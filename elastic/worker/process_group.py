@@ -80,6 +80,7 @@ class ReconfigurableProcessGroup:
         self._client_address: tuple[str, int] | None = None
         self._client_sockets = GroupSockets()  # the store connection, shut down to abandon a rendezvous
         self._abandoned: set[int] = set()
+        self._joining: int | None = None  # the generation this rank is forming, until settled()
         self._lock = threading.Lock()
         self._sockets = GroupSockets()
 
@@ -93,8 +94,12 @@ class ReconfigurableProcessGroup:
         with self._lock:
             if generation in self._abandoned:
                 raise AbandonedRendezvous(f"generation {generation} was abandoned before this rank joined it")
+            self._joining = generation
             client = self._store_client(store)
         self._sockets.before_init()  # after the store client: its connection outlives groups
+        # Every rank must name its groups alike: the names prefix their store keys, and a
+        # join that failed half-way leaves torch's group counter advanced in this process.
+        _reset_group_names()
         t0 = time.perf_counter()
         dist.init_process_group(
             backend=self.backend,
@@ -137,15 +142,22 @@ class ReconfigurableProcessGroup:
             except Exception as exc:  # a broken group may fail to tear down; it is gone either way
                 logger.debug("destroy_process_group: %s", exc)
 
+    def settled(self) -> None:
+        """This rank's part in forming its generation is over (it joined, or it failed)."""
+        with self._lock:
+            self._joining = None
+
     def abandon(self, generation: int) -> None:
         """The driver gave up on ``generation`` (a member was lost while it formed).
 
-        Safe to call from another thread while ``configure`` is blocked in the rendezvous:
-        the store connection is shut down under it, which fails its wait at once.
+        Safe to call from another thread while ``configure`` is blocked forming that
+        generation: the store connection is shut down under it, which fails its wait at
+        once. A notice that arrives late (the rank has settled, or moved on to a newer
+        generation) cuts nothing.
         """
         with self._lock:
             self._abandoned.add(generation)
-            if self._client is not None:
+            if self._joining == generation and self._client is not None:
                 self._client_sockets.cut()
                 self._client = None
 
@@ -185,6 +197,10 @@ def _set_timeout(timeout: timedelta, group: Any) -> None:
     dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
+def _reset_group_names() -> None:
+    dist.distributed_c10d._world.group_count = 0
+
+
 def _abort_nccl() -> None:
     dist.distributed_c10d._abort_process_group()
 
@@ -207,6 +223,7 @@ def _drop_torch_group_references() -> None:
 
 PRIVATE_TORCH_API = (
     "torch.distributed.distributed_c10d._set_pg_timeout",
+    "torch.distributed.distributed_c10d._world.group_count",
     "torch.distributed.distributed_c10d._abort_process_group",
     "torch.distributed.device_mesh._mesh_resources.mesh_stack",
     "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator",

@@ -54,3 +54,17 @@ def test_gloo_options_take_a_timeout():
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = datetime.timedelta(seconds=5)
     assert opts._timeout == datetime.timedelta(seconds=5)
+
+
+def test_group_counter_names_the_default_group():
+    """The default group's name (its store-key prefix) comes from torch's group counter,
+    which a half-failed join leaves advanced; the worker resets it before joining."""
+    from torch.distributed import distributed_c10d as c10d
+
+    before = c10d._world.group_count
+    try:
+        c10d._world.group_count = 3
+        assert c10d._process_group_name([], use_hashed_name=False) == "3"
+        assert c10d._world.group_count == 4
+    finally:
+        c10d._world.group_count = before

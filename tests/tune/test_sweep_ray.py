@@ -54,6 +54,8 @@ def test_failed_trial_is_a_result_trials_share_the_cluster_and_nothing_leaks(ray
 
     ray = ray_local
     before_pgs = set(placement_group_table())
+    # The shared cluster may hold other tests' actors (Ray Data's detached system actors).
+    before_actors = {a for a, v in ray._private.state.actors().items() if v["State"] != "DEAD"}
     spec = JobSpec.from_dict(SPEC)
     out = str(tmp_path / "sweep")
     grid = elastic.sweep(
@@ -93,7 +95,7 @@ def test_failed_trial_is_a_result_trials_share_the_cluster_and_nothing_leaks(ray
     # No actor or placement group of any trial is left.
     def leftovers():
         pgs = {k: v for k, v in placement_group_table().items() if k not in before_pgs and v["state"] != "REMOVED"}
-        actors = [a for a in ray._private.state.actors().values() if a["State"] != "DEAD"]
+        actors = [v for a, v in ray._private.state.actors().items() if v["State"] != "DEAD" and a not in before_actors]
         return pgs, actors
 
     _wait_until(lambda: leftovers() == ({}, []), 60, f"trial actors and placement groups to go: {leftovers()}")
