@@ -290,13 +290,13 @@ class WorkerGroup:
         running = [m for m in self.members if m.run_ref is not None and m.run_result is None]
         for m in self.members:
             if m.poll_ref is None and not m.dead:
-                m.poll_ref = m.actor.poll.remote()
+                m.poll_ref = m.actor.poll.remote(POLL_INTERVAL_S)  # a long poll: back with the next report
         polls = [m.poll_ref for m in self.members if m.poll_ref is not None]
         runs = [m.run_ref for m in running]
         if runs:
-            # Back as soon as any rank leaves run() (a failure is seen at once); polls
-            # answered meanwhile are read now or at the next look.
-            ray.wait(runs, num_returns=1, timeout=timeout)
+            # Back as soon as any rank leaves run() (a failure is seen at once) or a poll
+            # brings a report; other polls answered meanwhile are read now or at the next look.
+            ray.wait(runs + polls, num_returns=1, timeout=timeout)
         elif polls:
             ray.wait(polls, num_returns=len(polls), timeout=timeout)
         now = time.monotonic()
