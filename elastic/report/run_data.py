@@ -127,8 +127,12 @@ def load_run(run_dir: str) -> RunData:
 
 
 def _step_around(events: list[dict[str, Any]], i: int) -> tuple[dict | None, dict | None]:
-    before = next((e for e in reversed(events[:i]) if e["kind"] == "step"), None)
-    after = next((e for e in events[i + 1 :] if e["kind"] == "step"), None)
+    """The last step finished at or before event ``i`` and the first one after it, by time: a
+    step that survivors finished before a failure may be written after the failure's line."""
+    ts = events[i]["ts"]
+    steps = [e for e in events if e["kind"] == "step"]
+    before = max((e for e in steps if e["ts"] <= ts), key=lambda e: e["ts"], default=None)
+    after = min((e for e in steps if e["ts"] > ts), key=lambda e: e["ts"], default=None)
     return before, after
 
 
