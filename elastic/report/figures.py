@@ -27,6 +27,11 @@ def _save(fig: Any, out_dir: str, name: str) -> str:
     return path
 
 
+def _style(points: int) -> str:
+    """Dots on each point of a short run; a plain line for a long one."""
+    return ".-" if points <= 2000 else "-"
+
+
 def _step_at(data: RunData, ts: float) -> float:
     """The step axis position of a moment: the last step committed before it, + 0.5."""
     last = 0
@@ -44,7 +49,7 @@ def loss_figure(data: RunData, out_dir: str) -> str:
     fig, ax = plt.subplots(figsize=SIZE)
     pts = [(s["step"], s["loss"]) for s in data.steps if s.get("loss") is not None]
     if pts:
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], ".-", color="tab:blue", ms=3, lw=1, label="loss")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], _style(len(pts)), color="tab:blue", ms=3, lw=1, label="loss")
     else:
         _nothing(ax, "no completed step yet")
     seen: set[str] = set()
@@ -121,7 +126,7 @@ def throughput_figure(data: RunData, out_dir: str) -> str:
     _shade_pauses(ax, data, end_ts)
     if data.steps:
         x, y = _broken_at_pauses(data, [(s["ts"], s["tokens_per_s"]) for s in data.steps])
-        ax.plot(x, y, ".-", ms=3, lw=1, color="tab:blue", label="tokens/s")
+        ax.plot(x, y, _style(len(x)), ms=3, lw=1, color="tab:blue", label="tokens/s")
     else:
         _nothing(ax, "no completed step yet")
     ax.set_xlabel("wall time since job start (s)")
@@ -229,18 +234,35 @@ def breakdown_figure(data: RunData, out_dir: str) -> str:
             rows["checkpoint blocking"].append(float(store.get(n, 0.0) or 0.0))
             rows["other"].append(max(0.0, float(s["step_time_s"]) - wait - compute - comm))
         colors = ["tab:orange", "tab:blue", "tab:cyan", "tab:green", "tab:red", "0.7"]
+        width, per_bin = 1.0, 1
+        if len(steps) > MAX_BARS:  # a long run: the mean of each bin of consecutive steps
+            per_bin = -(-len(steps) // MAX_BARS)
+            steps = [sum(steps[i : i + per_bin]) / len(steps[i : i + per_bin]) for i in range(0, len(steps), per_bin)]
+            rows = {k: _bin_means(v, per_bin) for k, v in rows.items()}
+            width = float(per_bin)
         bottom = [0.0] * len(steps)
         for (name, vals), color in zip(rows.items(), colors, strict=True):
             if not any(vals):
                 continue
-            ax.bar(steps, [v * 1e3 for v in vals], bottom=[b * 1e3 for b in bottom], width=1.0, color=color, label=name)
+            ax.bar(
+                steps, [v * 1e3 for v in vals], bottom=[b * 1e3 for b in bottom], width=width, color=color, label=name
+            )
             bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        if per_bin > 1:
+            ax.text(0.01, 0.98, f"each bar: the mean of {per_bin} steps", transform=ax.transAxes, va="top", fontsize=8)
     ax.set_xlabel("step (optimizer steps)")
     ax.set_ylabel("time (ms)")
     ax.set_title("Where each step's time went (slowest rank per component)")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(loc="upper right", fontsize=8)
     return _save(fig, out_dir, "step_breakdown.png")
+
+
+MAX_BARS = 500
+
+
+def _bin_means(values: list[float], per_bin: int) -> list[float]:
+    return [sum(values[i : i + per_bin]) / len(values[i : i + per_bin]) for i in range(0, len(values), per_bin)]
 
 
 def all_figures(data: RunData, out_dir: str) -> list[str]:

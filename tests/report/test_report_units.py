@@ -141,3 +141,16 @@ def test_report_at_the_end_of_a_run_never_raises(tmp_path, capsys):
     assert print_report(str(tmp_path / "missing")) is None
     assert "report: not written" in capsys.readouterr().err
     assert print_report(write_run(tmp_path, synthetic_events())).endswith("report.md")
+
+
+def test_a_long_run_is_binned(tmp_path):
+    """More steps than bars: the breakdown shows bin means, and the figures stay quick."""
+    import time
+
+    ev = [{"ts": T0, "kind": "job_start", "dp": 2, "tp": 1, "pp": 1, "nodes": 2}]
+    ev += [_step(T0 + 0.1 * s, s, 2, 500.0) for s in range(1, 3001)]
+    run = write_run(tmp_path, ev)
+    t = time.perf_counter()
+    md = open(report_cli.write_report(run)).read()
+    print(f"3000 steps: report in {time.perf_counter() - t:.2f}s")
+    assert "steps completed: 3000" in md and "scale factor" not in md
