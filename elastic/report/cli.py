@@ -71,6 +71,10 @@ def render_markdown(data: RunData, figures: list[str]) -> str:
         for i, f in enumerate(data.failures, 1):
             gap = "rolled back in place" if f.cause in ANOMALIES else _num(f.gap_s)
             lines.append(f"| {i} | {f.ts - data.t0:.1f} | {f.cause} | {f.ranks} | {gap} | {_num(f.downtime_s)} |")
+        for i, r in enumerate((data.summary or {}).get("recoveries") or [], 1):
+            if r.get("breakdown"):
+                parts = ", ".join(f"{k} {v:.3f}" for k, v in r["breakdown"].items())
+                lines.append(f"\nRecovery {i} ({r.get('cause')}), where its time went (s, summary.json): {parts}")
         lines += [
             "",
             "The step gap is the time between the last step finished before the failure and the first one "

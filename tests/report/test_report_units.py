@@ -83,7 +83,12 @@ def test_partial_last_line_and_no_summary(tmp_path):
 
 def test_numbers_match_an_independent_computation(tmp_path):
     ev = synthetic_events()
-    summary = {"recoveries": [{"cause": "node_lost", "downtime_s": 2.05}, {"cause": "nan_loss", "downtime_s": 0.0}]}
+    summary = {
+        "recoveries": [
+            {"cause": "node_lost", "downtime_s": 2.05, "breakdown": {"detect_s": 0.5, "rendezvous_s": 1.25}},
+            {"cause": "nan_loss", "downtime_s": 0.0},
+        ]
+    }
     run = write_run(tmp_path, ev, summary)
     data = load_run(run)
     steps = [e for e in ev if e["kind"] == "step"]
@@ -106,6 +111,7 @@ def test_numbers_match_an_independent_computation(tmp_path):
     assert f"| 4 | {med[4]:,.0f} | 15 | {want[4]:.3f} |" in md
     assert f"| node_lost | [2] | {ts[11] - ts[10]:.2f} | 2.05 |" in md
     assert "DP over the run: 4 -> 3 -> 4" in md
+    assert "Recovery 1 (node_lost), where its time went (s, summary.json): detect_s 0.500, rendezvous_s 1.250" in md
 
 
 def test_figures_are_written_and_not_blank(tmp_path):
