@@ -101,6 +101,12 @@ def render_markdown(data: RunData, figures: list[str]) -> str:
                 f"T is the per-replica throughput at the smallest DP of the run (T = T_{m} / {m}); a scale factor "
                 "of 1 is perfect linear scaling.",
             ]
+            few = [n for n in tput if sum(1 for s in data.steps if s["dp"] == n) < 20]
+            if few:
+                lines.append(
+                    f"Few steps at DP {', '.join(map(str, few))} (under 20): warm-up after a re-formation weighs "
+                    "on the median there, so take that factor as rough."
+                )
         lines.append("")
     lines += ["## Figures", ""]
     for fig in figures:

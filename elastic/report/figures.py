@@ -189,7 +189,7 @@ def timeline_figure(data: RunData, out_dir: str) -> str:
         ax.annotate(
             f"dp {r.get('old_dp')} -> {r.get('new_dp')}\n{r.get('reason', '')}"
             + ("" if gap is None else f"\nstep gap {gap:.2f} s"),
-            xy=(x, 0.3),
+            xy=(x, 0.3 + 1.1 * (i % 2)),  # alternate heights: resizes close in time stay readable
             xytext=(4, 0),
             textcoords="offset points",
             fontsize=8,
