@@ -28,7 +28,7 @@ def run_demo(run_dir: str | None = None, inject_fault: bool = True) -> int:
 
     spec = JobSpec.from_yaml(EXAMPLE)
     if not inject_fault:
-        result = ElasticTrainer(spec, run_dir=run_dir, progress=True).fit()
+        result = ElasticTrainer(spec, run_dir=run_dir, progress=True, report=True).fit()
         return 0 if result.status == "succeeded" else 1
 
     logging.getLogger("ray").setLevel(logging.ERROR)
@@ -55,7 +55,7 @@ def run_demo(run_dir: str | None = None, inject_fault: bool = True) -> int:
     )
     print(f"plan: kill a worker node after step {KILL_AT_STEP}, bring one back {RETURN_AFTER_S:g}s later\n", flush=True)
     try:
-        trainer = ElasticTrainer(spec, run_dir=run_dir, callbacks=[injector], progress=True)
+        trainer = ElasticTrainer(spec, run_dir=run_dir, callbacks=[injector], progress=True, report=True)
         result = trainer.fit()
     finally:
         ray.shutdown()
