@@ -79,6 +79,8 @@ def _explain(result) -> None:
             f"{r.detect_s:.2f}s (detect_s), then {r.recover_s:.2f}s to that step (recover_s); {r.lost_steps} step(s) "
             f"of work lost (lost_steps)"
         )
+        if r.breakdown:
+            print("  where the downtime went: " + ", ".join(f"{k} {v:.3f}s" for k, v in r.breakdown.items()))
     line = benchmark_comparison(RESULTS)
     if line:
         print(line)
