@@ -82,7 +82,7 @@ class WorkerFaults:
     def before_step(self, step: int, rank: int, engine: Any) -> None:
         for fault in self._pending:
             if fault["kind"] == "slow" and step >= fault["step"] and fault["rank"] == rank:
-                time.sleep(fault["seconds"])  # a straggler: every step from then on
+                _slow_forward(engine, fault["seconds"])  # a straggler: every step from then on
             if fault["kind"] == "hold" and step >= fault["step"] and fault["rank"] == rank:
                 self._hold(fault, engine)
         for fault in list(self._pending):
@@ -122,6 +122,17 @@ class WorkerFaults:
             if self._beat is not None:
                 self._beat()
             stop.wait(0.05)
+
+
+def _slow_forward(engine: Any, seconds: float) -> None:
+    """Make this rank's forward passes take ``seconds`` more per step, like a slow device:
+    the time counts in the rank's own compute, before it joins the gradient sync. Installed
+    once per engine (a new layout builds a new one)."""
+    if getattr(engine, "_injected_slow", None) == seconds:
+        return
+    per_micro_batch = seconds / max(1, getattr(engine, "grad_accum", 1))
+    engine.module.register_forward_pre_hook(lambda module, args: time.sleep(per_micro_batch))
+    engine._injected_slow = seconds
 
 
 def _kill_quietly(pid: int | None) -> None:

@@ -27,12 +27,13 @@ from elastic.checkpoint.memory_tier import MemoryTier, Snapshot
 from elastic.checkpoint.restore import load_from_storage, load_snapshots_into
 from elastic.checkpoint.storage_tier import StorageUploader
 from elastic.data import BatchLayout, ParquetCorpus, RankStream, ray_data_batches
-from elastic.messages import AnomalyReport, SnapshotReport, StepReport, StorageRestore
+from elastic.messages import AnomalyReport, SdcReport, SnapshotReport, StepReport, StorageRestore
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
 from elastic.policies import LossMonitor
 from elastic.worker.hooks import StepHook
 from elastic.worker.rng import capture_rng, restore_rng
+from elastic.worker.sdc import SdcGuard
 
 
 class Trainer:
@@ -62,6 +63,7 @@ class Trainer:
         self.last_progress = time.monotonic()  # the loop's own heartbeat
         self._snapshot_blocking = 0.0
         self.source = source  # opens this rank's batch stream when set (elastic.ingest.feeder.FeederSource)
+        self.sdc = SdcGuard(spec, dims, rank, tier)  # silent data corruption checks (docs/health.md)
 
     @property
     def layout(self) -> dict[str, int]:
@@ -124,6 +126,7 @@ class Trainer:
     def train_step(self) -> bool:
         """One optimizer step; returns True when the group agreed to stop after it."""
         step = self.step + 1
+        self.sdc.baseline(self)
         t0 = time.perf_counter()
         timeout = self.spec.elastic.collective_timeout_s
         batch_index, micro_batches = self.stream.next(timeout=timeout)
@@ -144,7 +147,9 @@ class Trainer:
             return stop
         wait_s = self.tier.wait()
         grad_norm = self.engine.optimizer_step()
-        compute_s = time.perf_counter() - t1 - wait_s
+        compute_s = time.perf_counter() - t1 - wait_s - self.engine.sync_wait_s  # own compute
+        if self.sdc.due(step) and self._sdc_rolled_back(step):
+            return stop
         self.monitor.accept(loss)
         self.step, self.batch_index = step, batch_index + 1
         step_time = time.perf_counter() - t0
@@ -183,13 +188,15 @@ class Trainer:
             report = SnapshotReport(s.step, self._snapshot_blocking + wait_s, s.copy_s, s.nbytes)
         ck = self.spec.checkpoint
         to_storage = self.uploader is not None and self.uploader.due(step)
-        if to_storage or (ck.memory_every_steps and step % ck.memory_every_steps == 0):
+        if to_storage or (ck.memory_every_steps and step % ck.memory_every_steps == 0) or self.sdc.due(step):
             t = time.perf_counter()
             state = self.state_dict()
             gather_s = time.perf_counter() - t
             self._snapshot_blocking = gather_s + self.tier.snapshot_async(step, self.rank, state, self.layout)
             if to_storage:
                 self.uploader.save(step, state, self._snapshot_blocking)
+            if self.sdc.due(step):
+                self.sdc.passed(step)
         if self.uploader is not None:
             self.uploader.secure(step)
         return report
@@ -229,6 +236,25 @@ class Trainer:
                 action=self.spec.elastic.on_bad_loss,
             )
         )
+
+    def _sdc_rolled_back(self, step: int) -> bool:
+        """The SDC check of ``step`` (every rank reaches the same verdict); on a mismatch,
+        roll back to the last verified snapshot and report it. True when rolled back."""
+        verdict = self.sdc.check(self.engine)
+        if verdict.ok:
+            return False
+        t = time.perf_counter()
+        verified = self.sdc.verified
+        snap = self.tier.get(self.rank, verified)
+        load_snapshots_into(self.engine, {self.rank: snap})
+        self._load_progress(snap.objects)
+        restore_rng(_rng_of(snap.objects))
+        self.tier.discard_after(verified)
+        self.stream.close()
+        self.stream = self._open_stream(self.batch_index, 0.0)
+        odd = self.sdc.odd_replica(verdict)
+        self.reports.append(SdcReport(step, verdict.odd, odd, verdict.decided, verified, time.perf_counter() - t))
+        return True
 
     def _open_stream(self, start_batch: int, delay_s: float) -> RankStream:
         d = self.spec.data
