@@ -97,9 +97,8 @@ class WorkerGroup:
 
     def exclude_nodes(self, nodes: list[str]) -> None:
         """Lemon nodes (docs/health.md): no replica is placed on them again in this job."""
-        self.slots.exclude(
-            set(nodes), keep={id(m.group) for m in self.members if not m.dead and m.node_id not in nodes}
-        )
+        # Workers already there stay until they fail or are evicted: only new placements avoid them.
+        self.slots.exclude(set(nodes), keep={id(m.group) for m in self.members if not m.dead})
         self.request_capacity()
 
     def spare_groups(self, timeout: float = 0.0) -> list[Any]:
