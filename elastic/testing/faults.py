@@ -125,13 +125,20 @@ class WorkerFaults:
 
 
 def _slow_forward(engine: Any, seconds: float) -> None:
-    """Make this rank's forward passes take ``seconds`` more per step, like a slow device:
-    the time counts in the rank's own compute, before it joins the gradient sync. Installed
-    once per engine (a new layout builds a new one)."""
+    """Make this rank's forward passes need ``seconds`` more work per step, like a slower
+    device: a busy loop on the training thread (its CPU time, which is what a CPU rank's own
+    compute measures; on an idle core, the same in wall time), before the rank joins the
+    gradient sync. Installed once per engine (a new layout builds a new one)."""
     if getattr(engine, "_injected_slow", None) == seconds:
         return
     per_micro_batch = seconds / max(1, getattr(engine, "grad_accum", 1))
-    engine.module.register_forward_pre_hook(lambda module, args: time.sleep(per_micro_batch))
+
+    def burn(module: Any, args: Any) -> None:
+        end = time.thread_time() + per_micro_batch
+        while time.thread_time() < end:
+            pass
+
+    engine.module.register_forward_pre_hook(burn)
     engine._injected_slow = seconds
 
 

@@ -137,7 +137,7 @@ class Trainer:
             if self.hook.pending(step, self.rank):
                 self.tier.wait()  # corrupt nothing while the last snapshot is being copied
             self.hook.before_step(step, self.rank, self.engine)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         self.last_progress = time.monotonic()
         loss, stop = self.engine.forward_backward_agree(micro_batches, self.stop.is_set())
         self.last_progress = time.monotonic()
@@ -147,7 +147,7 @@ class Trainer:
             return stop
         wait_s = self.tier.wait()
         grad_norm = self.engine.optimizer_step()
-        compute_s = time.perf_counter() - t1 - wait_s - self.engine.sync_wait_s  # own compute
+        compute_s = self._own_compute(t1, c1, wait_s)
         if self.sdc.due(step) and self._sdc_rolled_back(step):
             return stop
         self.monitor.accept(loss)
@@ -174,6 +174,15 @@ class Trainer:
         )
         self.last_progress = time.monotonic()
         return stop
+
+    def _own_compute(self, t1: float, c1: float, wait_s: float) -> float:
+        """This rank's own forward, backward and optimizer step, without waiting for peers
+        (what straggler detection compares, docs/health.md). On a GPU: the wall time less
+        the gradient-sync and loss all-reduce waits. On CPU: the training thread's CPU time, which
+        neither those waits nor the scheduler's sharing of cores with other processes add to."""
+        if self.engine.device.type == "cpu":
+            return time.thread_time() - c1
+        return time.perf_counter() - t1 - wait_s - self.engine.sync_wait_s
 
     def _snapshot(self, step: int, wait_s: float) -> SnapshotReport | None:
         """Snapshot this step when due; report the snapshot that completed since the last step.
