@@ -155,3 +155,29 @@ def test_commit_gate_commits_only_verified_steps():
     assert inner.added == [(5, 0), (5, 1)]
     gate.add(0, _Upload(8))  # at or before a verified step: straight through
     assert inner.added[-1] == (8, 0) and gate.join() is True
+
+
+# ----- own compute
+
+
+def test_own_backward_marks_the_end_of_the_local_backward():
+    """The callback queued from the loss's hook runs when this rank's backward is done, before
+    any later callback (DDP's wait for the gradient sync is one): what follows it is a wait.
+    ``torch.autograd.Variable._execution_engine.queue_callback`` is private torch API."""
+    from torch.autograd import Variable
+
+    from elastic.parallel.engine import _own_backward
+
+    order = []
+    w = torch.randn(8, 8, requires_grad=True)
+    loss = (w @ w).sum()
+
+    def later(grad):  # queued after ours (like DDP's, from a gradient hook), blocks 50 ms
+        Variable._execution_engine.queue_callback(lambda: (order.append("later"), __import__("time").sleep(0.05)))
+
+    w.register_hook(later)
+    with _own_backward(loss) as own:
+        loss.backward()
+    assert own.local_done is not None
+    assert 0.04 <= own.waited_s < 1.0, own.waited_s
+    assert order == ["later"]
