@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.health import SdcVerdict, sdc_due, twin_groups, vote
+from elastic.worker.rng import capture_rng, restore_rng
 
 _MASK = (1 << 64) - 1
 
@@ -60,6 +61,7 @@ class SdcGuard:
         self.dims, self.rank, self.tier = dims, rank, tier
         self.verified: int | None = None  # the protected snapshot's step
         self.check_s = 0.0  # the last check's cost (fingerprint and all-gather)
+        self.initial: dict[str, Any] | None = None  # a fresh start's state (see ``baseline``)
 
     @property
     def enabled(self) -> bool:
@@ -70,13 +72,45 @@ class SdcGuard:
 
     def baseline(self, trainer: Any) -> None:
         """Before a generation's first step: its starting state is the first verified one
-        (replicas start identical: seeded, or restored from one consistent state)."""
-        if self.enabled and self.verified is None:
-            trainer.snapshot_now()
-            self.passed(trainer.step)
+        (replicas start identical: seeded, or restored from one consistent state).
+
+        A fresh start is kept apart from the tier: before the first optimizer step the
+        optimizer has no state, and building a state dict of it would initialise that
+        state (a zero-gradient step), changing the run. The weights, learning rates, LR
+        schedule and RNG are copied instead; rolling back to them restarts the optimizer empty.
+        """
+        if not self.enabled or self.verified is not None:
+            return
+        engine = trainer.engine
+        if trainer.step == 0 and not engine.optimizer.state:
+            self.initial = {
+                "params": [p.detach().clone() for p in engine.model.parameters()],
+                "lrs": [g["lr"] for g in engine.optimizer.param_groups],
+                "scheduler": engine.scheduler.state_dict(),
+                "rng": capture_rng(),
+            }
+            self.verified = 0
+            return
+        trainer.snapshot_now()
+        self.passed(trainer.step)
+
+    def restore_initial(self, engine: Any) -> None:
+        """Back to the fresh start of the run (see ``baseline``)."""
+        init = self.initial
+        with torch.no_grad():
+            for p, saved in zip(engine.model.parameters(), init["params"]):
+                (p.to_local() if hasattr(p, "to_local") else p).copy_(
+                    saved.to_local() if hasattr(saved, "to_local") else saved
+                )
+        engine.optimizer.state.clear()
+        for g, lr in zip(engine.optimizer.param_groups, init["lrs"]):
+            g["lr"] = lr
+        engine.scheduler.load_state_dict(init["scheduler"])
+        engine._sd_cache = None
+        restore_rng(init["rng"])
 
     def passed(self, step: int) -> None:
-        self.verified = step
+        self.verified, self.initial = step, None
         self.tier.protect(step)
 
     def check(self, engine: Any) -> SdcVerdict:

@@ -254,10 +254,14 @@ class Trainer:
             return False
         t = time.perf_counter()
         verified = self.sdc.verified
-        snap = self.tier.get(self.rank, verified)
-        load_snapshots_into(self.engine, {self.rank: snap})
-        self._load_progress(snap.objects)
-        restore_rng(_rng_of(snap.objects))
+        if self.sdc.initial is not None and verified == 0:  # nothing verified since a fresh start
+            self.sdc.restore_initial(self.engine)
+            self.step, self.batch_index, self.skip_batches = 0, 0, set()
+        else:
+            snap = self.tier.get(self.rank, verified)
+            load_snapshots_into(self.engine, {self.rank: snap})
+            self._load_progress(snap.objects)
+            restore_rng(_rng_of(snap.objects))
         self.tier.discard_after(verified)
         self.stream.close()
         self.stream = self._open_stream(self.batch_index, 0.0)
