@@ -91,10 +91,10 @@ def test_bitflip_detected_repaired_and_loss_exact(ray_cluster, tmp_path, dp, ran
     5 steps: found at step 15, every rank rolls back to step 10 and replays the same samples.
     At dp 3 the vote names the odd replica; at dp 2 nobody can, and both roll back. The
     later checks pass (every replica bitwise identical again) and every step's loss and grad
-    norm equal the fault-free run's exactly."""
+    norm equal those of the fault-free run without checks, exactly."""
     address = ray_cluster.address
     spec = _spec(32, min_dp=dp, max_dp=dp, sdc_check_every=5)
-    ref, _ = _cli_run(tmp_path, "ref", spec, address)
+    ref, _ = _cli_run(tmp_path, "ref", _spec(32, min_dp=dp, max_dp=dp), address)  # checks off
     run_dir, summary = _cli_run(tmp_path, "flip", spec, address, f"bitflip@12:rank={rank}:bit=20")
     assert summary["status"] == "succeeded" and summary["steps"] == 32
     sdc = events_of(run_dir, "sdc")
