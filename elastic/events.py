@@ -53,6 +53,9 @@ class RunResult(BaseModel):
     failures: int
     dp_history: list[list[int]] = Field(default_factory=list)
     recoveries: list[Recovery] = Field(default_factory=list)
+    stop: dict[str, Any] | None = Field(
+        None, description="a stopped job only: signal, checkpoint_step (null: none written), stop_reason"
+    )
 
 
 class EventLog:

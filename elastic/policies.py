@@ -37,6 +37,9 @@ class ElasticConfig(BaseModel):
         "skip", pattern="^(skip|retry)$", description="after a NaN/spike: skip the batch or retry it"
     )
     grow_check_s: float = Field(1.0, gt=0, description="how often to look for returned capacity")
+    stop_grace_s: float = Field(
+        30.0, gt=0, description="on SIGINT/SIGTERM: how long to wait for the step boundary before stopping at once"
+    )
 
 
 # --------------------------------------------------------------------------- failure policy

@@ -88,5 +88,13 @@ def format_summary(result: Any, run_dir: str) -> str:
             f"  recovery          {r.cause}: downtime_s {r.downtime_s:.2f} (detect_s {r.detect_s:.2f} + recover_s "
             f"{r.recover_s:.2f}), lost_steps {r.lost_steps}"
         )
+    stop = getattr(result, "stop", None)
+    if stop:
+        ckpt = stop.get("checkpoint_step")
+        lines.append(
+            f"  stopped           on {stop.get('signal')}: "
+            + (f"checkpoint of step {ckpt} committed" if ckpt is not None else "no checkpoint")
+            + f" ({stop.get('stop_reason')}); continue with --resume"
+        )
     lines.append(f"  artefacts         {run_dir}/events.jsonl, {run_dir}/summary.json")
     return "\n".join(lines)

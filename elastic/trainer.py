@@ -15,6 +15,7 @@ from elastic.data import synthetic_corpus
 from elastic.errors import JobFailed
 from elastic.events import EventLog, RunResult, write_summary
 from elastic.progress import ProgressDisplay, format_summary
+from elastic.stop import StopSignals
 from elastic.worker.hooks import StepHook
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ class ElasticTrainer:
         events = EventLog(self.run_dir)
         if self.progress:
             events.subscribe(ProgressDisplay(self.spec.train.steps))
+        signals = StopSignals(self.spec.elastic.stop_grace_s)  # after ray.init, which installs its own
+        signals.install()
         try:
             corpus = self._prepare_data()
             resume = self._resume_point() if self.resume else None
@@ -69,6 +72,7 @@ class ElasticTrainer:
                 resume=resume,
                 storage_uri=self.checkpoint_uri,
             )
+            controller.stop_signals = signals
             try:
                 self.result = controller.run()
             except JobFailed as exc:
@@ -81,6 +85,7 @@ class ElasticTrainer:
                         out = sys.stderr if self.result.status != "succeeded" else sys.stdout
                         print(format_summary(self.result, self.run_dir), file=out)
         finally:
+            signals.uninstall()
             events.close()
             for cb in self.callbacks:
                 if hasattr(cb, "close"):
