@@ -38,7 +38,7 @@ from elastic.errors import JobFailed, WorkerFailure
 from elastic.events import EventLog, Recovery, RunResult
 from elastic.messages import AnomalyReport, StepReport, UploadReport, WorkerReport
 from elastic.states import Failed, Finished, Recovering, Resizing, Running, Starting, State
-from elastic.stop import StopNow, StopSignals, stopped_state
+from elastic.stop import StopSignals, stop_now_in, stopped_state
 from elastic.worker.hooks import StepHook
 from elastic.worker_group import WorkerGroup
 from elastic.worker_group_api import WorkerGroupAPI
@@ -93,8 +93,11 @@ class Controller:
                 self.state = self._step(self.state)
                 if isinstance(self.state, Running):  # stop and drain notices (elastic/stop.py, elastic/drain.py)
                     self.state = notices.act(self, self.state)
-        except StopNow as exc:  # a second signal, or elastic.stop_grace_s passed
-            self.state = stopped_state(self.stop_signals, self.step, None, exc.reason)
+        except BaseException as exc:  # a second signal, or elastic.stop_grace_s passed (elastic/stop.py)
+            stop = stop_now_in(exc)
+            if stop is None:
+                raise
+            self.state = stopped_state(self.stop_signals, self.step, None, stop.reason)
         finally:
             self.group.shutdown()
         status = getattr(self.state, "status", None) or ("succeeded" if isinstance(self.state, Finished) else "failed")

@@ -47,6 +47,18 @@ class StopNow(BaseException):
         self.reason = reason
 
 
+def stop_now_in(exc: BaseException) -> StopNow | None:
+    """The ``StopNow`` behind ``exc``: raised from the handler inside a Ray call, it comes
+    out wrapped (Cython reports it as a ``SystemError`` caused by it)."""
+    seen = 0
+    while exc is not None and seen < 5:
+        if isinstance(exc, StopNow):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None
+
+
 @dataclass
 class Stopped(State):
     """The job was stopped on a signal; ``fields`` go into ``job_end`` and ``summary.json``."""
