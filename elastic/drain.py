@@ -160,6 +160,7 @@ def shrink(ctl: Any, hit: dict[str, DrainNotice]) -> State | None:
             if isinstance(result, StepReport) and result.step > ctl.step:
                 ctl._pending.setdefault(result.step, {})[rank] = result
         last_seen = ctl._last_seen_step()
+        t_stopped = time.monotonic()
         newcomers = group.spawn(spare[: recovery.grow]) if recovery.grow else []
         restore_step, source = ctl._restore_source(kept)
         t = group.configure(kept + newcomers, recovery.dp, restore_step or 0, restore_step, source)
@@ -174,6 +175,7 @@ def shrink(ctl: Any, hit: dict[str, DrainNotice]) -> State | None:
                 obs.failure or WorkerFailure("workers did not stop at a step boundary", ranks=[m.rank for m in stuck])
             )
         last_seen = ctl.step
+        t_stopped = time.monotonic()
         newcomers = group.spawn(spare[: recovery.grow]) if recovery.grow else []
         # The leaving workers are still alive: their snapshots of this step count.
         restore_step = group.common_snapshot_step(group.members)
@@ -198,6 +200,7 @@ def shrink(ctl: Any, hit: dict[str, DrainNotice]) -> State | None:
         at_once=urgent,
         lost_steps=max(0, last_seen - ctl.step),
         reform_s=round(time.monotonic() - t_notice, 3),
+        stop_s=round(t_stopped - t_notice, 3),  # of which: until every rank left the step (and was collected)
     )
     if source != "none":
         ctl.events.emit("restore", step=ctl.step, source=source, duration_s=t["restore_s"])

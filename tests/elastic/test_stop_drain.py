@@ -199,3 +199,23 @@ def test_drain_shrinks_at_a_boundary_then_grows_back(ray_cluster, reference_loss
     )
     assert gap <= ordinary + drain["reform_s"] + 1.0
     assert_matches_reference(step_metrics(run_dir), reference_losses_cluster, rel=REL_SAME_ORDER, steps=STEPS)
+
+
+def test_drain_with_a_near_deadline_drops_the_replica_at_once(ray_cluster, reference_losses_cluster, tmp_path):
+    """A 1 s notice is too short to finish the step in flight: the drained worker is dropped
+    at once and the survivors restore the previous step's snapshot, still without a failure."""
+    spec = elastic_spec(min_dp=1, max_dp=4)
+    injector = FaultInjector(
+        [Fault("drain", at_step=8, node_index=3, deadline_s=1.0)], cluster=ray_cluster, node_args={"num_cpus": 1}
+    )
+    faults = [worker_fault("slow", step=1, rank=r, seconds=0.15) for r in range(4)]
+    run_dir = str(tmp_path / "run")
+    result = ElasticTrainer(spec, run_dir=run_dir, callbacks=[injector], step_hook=WorkerFaults(faults)).fit()
+    assert result.status == "succeeded"
+    assert events_of(run_dir, "failure") == [] and result.failures == 0
+    drain = events_of(run_dir, "resize")[0]
+    assert (drain["reason"], drain["old_dp"], drain["new_dp"], drain["at_once"]) == ("drain", 4, 3, True)
+    print(f"drain at once: lost_steps {drain['lost_steps']}, re-form {drain['reform_s']:.2f}s")
+    assert drain["lost_steps"] <= 1  # at most the step in flight when the replica was dropped
+    assert events_of(run_dir, "restore")[0]["source"] == "memory"
+    assert_matches_reference(step_metrics(run_dir), reference_losses_cluster, rel=REL_SAME_ORDER, steps=STEPS)
