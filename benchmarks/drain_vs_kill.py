@@ -100,6 +100,19 @@ def one_run(mode: str, args: argparse.Namespace) -> dict:
     }
 
 
+def _with_retry(mode: str, args: argparse.Namespace, tries: int = 3) -> dict:
+    """A run again when the local cluster itself fails to start (a loaded machine's raylet
+    or GCS start timing out); a run that started is never retried."""
+    for attempt in range(tries):
+        try:
+            return one_run(mode, args)
+        except Exception as exc:  # noqa: BLE001 - only cluster start-up fails before the run
+            if "timed out during startup" not in str(exc) or attempt == tries - 1:
+                raise
+            print(f"cluster start-up timed out ({exc}); starting it again", flush=True)
+    raise AssertionError("unreachable")
+
+
 def summarize(values: list[float]) -> str:
     return f"median {statistics.median(values):.2f}s (range {min(values):.2f}-{max(values):.2f})"
 
@@ -115,7 +128,7 @@ def main() -> int:
     runs = []
     for i in range(args.repeats):
         for mode in ("drain", "kill"):
-            r = one_run(mode, args)
+            r = _with_retry(mode, args)
             runs.append(r)
             print(
                 f"[{i + 1}/{args.repeats}] {mode:5s}: gap {r['gap_s']:.2f}s "
