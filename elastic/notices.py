@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from elastic.errors import WorkerFailure
 from elastic.states import State
 
 
@@ -20,4 +21,7 @@ def act(ctl: Any, state: State) -> State:
         from elastic.drain import DrainWatch
 
         watch = ctl.__dict__["_drain_watch"] = DrainWatch()
-    return watch.act(ctl, state)
+    try:
+        return watch.act(ctl, state)
+    except WorkerFailure as failure:  # lost while shrinking around a drained node: an ordinary recovery
+        return ctl._recovering(failure)
