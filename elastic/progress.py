@@ -88,6 +88,10 @@ def format_summary(result: Any, run_dir: str) -> str:
             f"  recovery          {r.cause}: downtime_s {r.downtime_s:.2f} (detect_s {r.detect_s:.2f} + recover_s "
             f"{r.recover_s:.2f}), lost_steps {r.lost_steps}"
         )
+        if r.breakdown:
+            lines.append(
+                "                    where it went: " + ", ".join(f"{k} {v:.3f}" for k, v in r.breakdown.items())
+            )
     stop = getattr(result, "stop", None)
     if stop:
         ckpt = stop.get("checkpoint_step")
