@@ -16,6 +16,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -131,11 +132,18 @@ def test_sigint_exits_130_and_a_second_signal_stops_at_once(ray_cluster, tmp_pat
     spec_file = _spec_file(tmp_path, str(tmp_path / "ckpt"))
     run_dir = str(tmp_path / "run")
     proc = _start(spec_file, run_dir, ray_cluster.address, "--fault", f"slow@1:rank=0:seconds={SLOW_S}")
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
     _signal_at(proc, run_dir, 4, signal.SIGINT)
-    time.sleep(0.05)  # inside the stop: the step in flight has not ended yet
+    # Two signals that arrive before the driver's main thread runs are one (Python keeps a
+    # flag per signal, not a count): send the second once the first was acknowledged.
+    wait_until(lambda: any("stopping at the next step boundary" in x for x in lines), 60, "the first SIGINT")
     t_second = time.time()
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    proc.wait(timeout=120)
+    reader.join(timeout=30)
+    err = "".join(lines)
     assert proc.returncode == 130, err[-3000:]
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     end = events_of(run_dir, "job_end")[-1]
