@@ -31,7 +31,7 @@ import logging
 import time
 from typing import Any
 
-from elastic import policies
+from elastic import notices, policies
 from elastic import recovery_plan as plan
 from elastic.checkpoint.committer import CheckpointCommitter
 from elastic.errors import JobFailed, WorkerFailure
@@ -40,6 +40,7 @@ from elastic.health import HealthMonitor, gate_commits
 from elastic.messages import AnomalyReport, SdcReport, StepReport, UploadReport, WorkerReport
 from elastic.recovery_timing import PhaseTimer
 from elastic.states import Failed, Finished, Recovering, Resizing, Running, Starting, State
+from elastic.stop import StopSignals, stop_now_in, stopped_state
 from elastic.worker.hooks import StepHook
 from elastic.worker_group import WorkerGroup
 from elastic.worker_group_api import WorkerGroupAPI
@@ -53,6 +54,7 @@ logger = logging.getLogger(__name__)
 class Controller:
     worker_group_cls: type[WorkerGroupAPI] = WorkerGroup
     clock = staticmethod(time.monotonic)  # the driver's clock for recovery figures (test seam)
+    stop_signals: StopSignals | None = None  # set by ElasticTrainer.fit (elastic/stop.py)
 
     def __init__(
         self,
@@ -93,11 +95,19 @@ class Controller:
         try:
             while not self.state.is_terminal:
                 self.state = self._step(self.state)
+                if isinstance(self.state, Running):  # stop and drain notices (elastic/stop.py, elastic/drain.py)
+                    self.state = notices.act(self, self.state)
+        except BaseException as exc:  # a second signal, or elastic.stop_grace_s passed (elastic/stop.py)
+            stop = stop_now_in(exc)
+            if stop is None:
+                raise
+            self.state = stopped_state(self.stop_signals, self.step, None, stop.reason)
         finally:
             self.group.shutdown()
-        status = "succeeded" if isinstance(self.state, Finished) else "failed"
+        status = getattr(self.state, "status", None) or ("succeeded" if isinstance(self.state, Finished) else "failed")
         reason = getattr(self.state, "reason", None)
-        self.events.emit("job_end", status=status, steps=self.step, **({"reason": reason} if reason else {}))
+        extra = getattr(self.state, "fields", {})
+        self.events.emit("job_end", status=status, steps=self.step, **({"reason": reason} if reason else {}), **extra)
         result = RunResult(
             status=status,
             steps=self.step,
@@ -108,6 +118,7 @@ class Controller:
             dp_history=self.dp_history,
             recoveries=self.recoveries,
             excluded_nodes=self.health.excluded_nodes(),
+            **({"stop": extra} if status == "stopped" else {}),
         )
         if status == "failed":
             raise _attach(JobFailed(reason or "job failed"), result)

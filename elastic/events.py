@@ -71,6 +71,9 @@ class RunResult(BaseModel):
     excluded_nodes: list[dict] = Field(
         default_factory=list, description="lemon nodes not used again: {node_id, reason} (docs/health.md)"
     )
+    stop: dict[str, Any] | None = Field(
+        None, description="a stopped job only: signal, checkpoint_step (null: none written), stop_reason"
+    )
 
 
 class EventLog:

@@ -48,6 +48,9 @@ class ElasticConfig(BaseModel):
         pattern="^(repair|evict)$",
         description="roll back to the last verified step; evict: also drop the odd node",
     )
+    stop_grace_s: float = Field(
+        30.0, gt=0, description="on SIGINT/SIGTERM: how long to wait for the step boundary before stopping at once"
+    )
 
 
 # --------------------------------------------------------------------------- failure policy

@@ -92,5 +92,13 @@ def format_summary(result: Any, run_dir: str) -> str:
             lines.append(
                 "                    where it went: " + ", ".join(f"{k} {v:.3f}" for k, v in r.breakdown.items())
             )
+    stop = getattr(result, "stop", None)
+    if stop:
+        ckpt = stop.get("checkpoint_step")
+        lines.append(
+            f"  stopped           on {stop.get('signal')}: "
+            + (f"checkpoint of step {ckpt} committed" if ckpt is not None else "no checkpoint")
+            + f" ({stop.get('stop_reason')}); continue with --resume"
+        )
     lines.append(f"  artefacts         {run_dir}/events.jsonl, {run_dir}/summary.json")
     return "\n".join(lines)

@@ -17,6 +17,7 @@ from elastic.events import EventLog, RunResult, write_summary
 from elastic.progress import ProgressDisplay, format_summary
 from elastic.report.metrics import start_metrics
 from elastic.report.print_report import print_report
+from elastic.stop import StopSignals
 from elastic.worker.hooks import StepHook
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ class ElasticTrainer:
         metrics = start_metrics(os.path.basename(self.run_dir))  # live Ray metrics (docs/observability.md)
         if metrics is not None:
             events.subscribe(metrics)
+        signals = StopSignals(self.spec.elastic.stop_grace_s)  # after ray.init, which installs its own
+        signals.install()
         try:
             corpus = self._prepare_data()
             resume = self._resume_point() if self.resume else None
@@ -78,6 +81,7 @@ class ElasticTrainer:
             )
             if metrics is not None:
                 metrics.recoveries = lambda: controller.recoveries
+            controller.stop_signals = signals
             try:
                 self.result = controller.run()
             except JobFailed as exc:
@@ -90,6 +94,7 @@ class ElasticTrainer:
                         out = sys.stderr if self.result.status != "succeeded" else sys.stdout
                         print(format_summary(self.result, self.run_dir), file=out)
         finally:
+            signals.uninstall()
             events.close()
             for cb in self.callbacks:
                 if hasattr(cb, "close"):

@@ -90,6 +90,7 @@ class WorkerGroup:
         self._store: RendezvousStore | None = None  # the job's rendezvous, made at the first configure
         self._generation = 0  # of the process group: the rendezvous key prefix
         self._node_labels: dict[str, dict[str, str]] = {}  # node id -> Ray node labels (rack, nvlink_domain)
+        self.avoid_nodes: set[str] = set()  # node ids Ray is draining (elastic/drain.py)
 
     # ------------------------------------------------------------------ capacity
     def request_capacity(self) -> None:
@@ -104,7 +105,10 @@ class WorkerGroup:
     def spare_groups(self, timeout: float = 0.0) -> list[Any]:
         """Ready placement groups that host no member: capacity to grow into."""
         used = {id(m.group) for m in self.members}
-        return [g for g in self.slots.ready(timeout) if id(g) not in used]
+        spare = [g for g in self.slots.ready(timeout) if id(g) not in used]
+        if self.avoid_nodes:  # draining nodes are not grown into (elastic/drain.py)
+            spare = [g for g in spare if not group_nodes(g) & self.avoid_nodes]
+        return spare
 
     def wait_spare(self, count: int, timeout: float) -> list[Any]:
         deadline = time.monotonic() + timeout
@@ -414,6 +418,13 @@ class WorkerGroup:
         if self._store is not None:
             self._store.close()
             self._store = None
+
+
+def group_nodes(group: Any) -> set[str]:
+    """The node ids a placement group's bundles are on."""
+    from ray.util.placement_group import placement_group_table
+
+    return set((placement_group_table(group).get("bundles_to_node_id") or {}).values())
 
 
 def _host_indices(members: list[Member]) -> dict[str, int]:

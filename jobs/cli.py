@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KIND@STEP[:key=value...]",
         help="inject a failure (repeatable): kill_worker, kill_node, stop_worker, nan, spike, raise, "
-        "hang, slow or bitflip, e.g. kill_worker@20:rank=2",
+        "hang, slow, bitflip or drain (a Ray drain notice), e.g. kill_worker@20:rank=2, drain@20:node=3:deadline_s=30",
     )
 
     demo = sub.add_parser("demo", help="the quickstart job with a node failure and recovery")
@@ -92,9 +92,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except JobFailed as exc:
         print(f"job failed: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C before the job's own handler is installed (docs/cli.md)
         print("interrupted", file=sys.stderr)
-        return EXIT_FAILED
+        return 130
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -152,7 +152,7 @@ def cmd_run(
     step_hook = WorkerFaults(worker_faults) if worker_faults else None
     from elastic.trainer import ElasticTrainer
 
-    if any(f.kind == "kill_node" for f in driver_faults):
+    if any(f.kind in ("kill_node", "drain") for f in driver_faults):
         return _run_on_embedded_cluster(spec, run_dir, address, resume, driver_faults, step_hook)
     callbacks = []
     if driver_faults:
@@ -170,7 +170,7 @@ def cmd_run(
         report=True,
     )
     result = trainer.fit()
-    return EXIT_OK if result.status == "succeeded" else EXIT_FAILED
+    return _exit_code(result)
 
 
 def _run_on_embedded_cluster(spec, run_dir, address, resume, driver_faults, step_hook) -> int:
@@ -183,7 +183,7 @@ def _run_on_embedded_cluster(spec, run_dir, address, resume, driver_faults, step
     if joined:
         raise SpecError(
             "--fault",
-            f"kill_node needs the embedded multi-node cluster that elastic run starts itself; "
+            f"kill_node and drain need the embedded multi-node cluster that elastic run starts itself; "
             f"it cannot kill nodes of the cluster at {joined} (--address, RAY_ADDRESS or a running head)",
         )
     import ray
@@ -218,6 +218,15 @@ def _run_on_embedded_cluster(spec, run_dir, address, resume, driver_faults, step
     finally:
         ray.shutdown()
         cluster.shutdown()
+    return _exit_code(result)
+
+
+def _exit_code(result) -> int:
+    """0 succeeded, 1 failed, 128 + the signal for a job stopped on a signal (130 SIGINT, 143 SIGTERM)."""
+    if result.status == "stopped":
+        from elastic.stop import exit_code_of
+
+        return exit_code_of(result)
     return EXIT_OK if result.status == "succeeded" else EXIT_FAILED
 
 

@@ -30,6 +30,7 @@ GOOD = {
     "hang@10:rank=1": ("hang", 10, {"rank": 1}),
     "slow@5:rank=2:seconds=0.3": ("slow", 5, {"rank": 2, "seconds": 0.3}),
     "bitflip@7:rank=1:bit=29": ("bitflip", 7, {"rank": 1, "bit": 29}),
+    "drain@12:node=3:deadline_s=30": ("drain", 12, {"node": 3, "deadline_s": 30.0}),
 }
 
 BAD = [

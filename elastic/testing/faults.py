@@ -15,7 +15,10 @@ Two halves:
 * ``FaultInjector`` runs in the driver as a controller callback and acts on processes
   with real signals when step ``k`` completes: SIGKILL a worker, SIGSTOP a worker, or kill a
   whole node of a ``ray.cluster_utils.Cluster`` (SIGKILL its worker processes, then
-  ``remove_node``), and optionally bring a node back later.
+  ``remove_node``), and optionally bring a node back later. ``drain`` asks Ray itself to
+  drain a node (``GcsClient.drain_node``, the API of ``ray drain-node`` and of autoscaler
+  v2) with a deadline, as a preemption notice does, and reclaims the node (``kill_node``)
+  when the deadline passes if it is still there.
 
 Driver-side signals need the workers on the driver's machine: that is the case for the
 embedded and ``Cluster``-based local clusters these faults are made for.
@@ -41,8 +44,9 @@ log = logging.getLogger(__name__)
 # ``hold`` is a test's condition, not a failure: it is not offered by ``--fault``.
 WORKER_FAULT_KINDS = ("nan", "spike", "raise", "hang", "slow", "bitflip", "hold")
 _EVERY_STEP = ("slow", "hold")  # from ``step`` on, not once
-DRIVER_FAULT_KINDS = ("kill_worker", "stop_worker", "kill_node")
-FAULT_KINDS = ("kill_worker", "kill_node", "stop_worker", "nan", "spike", "raise", "hang", "slow", "bitflip")
+DRIVER_FAULT_KINDS = ("kill_worker", "stop_worker", "kill_node", "drain")
+FAULT_KINDS = ("kill_worker", "kill_node", "stop_worker", "nan", "spike", "raise", "hang", "slow", "bitflip", "drain")
+DRAIN_DEADLINE_S = 30.0  # drain: the default notice before the node is reclaimed
 
 
 class InjectedError(RuntimeError):
@@ -176,7 +180,7 @@ class Fault:
     the survivors were chosen and before they re-rendezvous: a loss mid-reconfiguration.
     """
 
-    kind: str  # kill_worker | stop_worker | kill_node
+    kind: str  # kill_worker | stop_worker | kill_node | drain
     at_step: int = 0
     during_recovery: int | None = None
     rank: int | None = None  # kill_worker / stop_worker: the rank at that moment
@@ -184,6 +188,7 @@ class Fault:
     return_after_s: float | None = None  # kill_node: add an equal node back after this delay
     graceful_raylet: bool = False  # kill_node: SIGTERM the node's raylet instead of SIGKILL (quieter logs)
     delay_s: float = 0.0  # during_recovery: fire this long after the re-rendezvous starts (from a thread)
+    deadline_s: float = DRAIN_DEADLINE_S  # drain: the notice given before the node is reclaimed
     fired_at: float | None = field(default=None, init=False)
 
 
@@ -197,9 +202,12 @@ class FaultInjector:
         self.returned_nodes: list[Any] = []
         self._stopped_pids: list[int] = []
         self._due: list[float] = []  # monotonic times at which to add a node back
+        self._reclaims: list[tuple[float, Any]] = []  # (monotonic deadline, node) of drained nodes
+        self.drained: list[tuple[float, str]] = []  # (wall time, node id) of each drain request
         self._next_members: list[Any] | None = None  # during on_reconfigure: the layout to come
 
     def on_step(self, step: int, group: Any) -> None:
+        self._reclaim_due_nodes(group)
         self._return_due_nodes()
         for fault in self.faults:
             if fault.fired_at is None and fault.during_recovery is None and step >= fault.at_step:
@@ -264,14 +272,42 @@ class FaultInjector:
             return None
         return member.pid if member is not None else group.pid_of(fault.rank)
 
-    def _kill_node(self, fault: Fault, group: Any) -> None:
+    def _node_index(self, fault: Fault, group: Any) -> int | None:
         index = fault.node_index
         if index is None:  # the node hosting ``fault.rank``
             members = self._next_members or sorted(group.members, key=lambda m: m.rank)
             host = members[fault.rank].node_id
             index = next(i for i, n in enumerate(worker_nodes(self.cluster)) if n.node_id == host)
         if index >= len(worker_nodes(self.cluster)):
-            log.warning("fault kill_node@%d: no worker node %d left; not fired", fault.at_step, index)
+            log.warning("fault %s@%d: no worker node %d left; not fired", fault.kind, fault.at_step, index)
+            return None
+        return index
+
+    def _drain(self, fault: Fault, group: Any) -> Any:
+        """Ray's own drain (a preemption notice with a deadline); the node is reclaimed at the deadline."""
+        index = self._node_index(fault, group)
+        if index is None:
+            return None
+        node = worker_nodes(self.cluster)[index]
+        drain_node(node.node_id, fault.deadline_s, message=f"elastic fault drain@{fault.at_step}")
+        self.drained.append((time.time(), node.node_id))
+        self._reclaims.append((time.monotonic() + fault.deadline_s, node))
+        if fault.return_after_s is not None:
+            self._due.append(time.monotonic() + fault.return_after_s)
+        return node
+
+    def _reclaim_due_nodes(self, group: Any) -> None:
+        """A drained node still there at its deadline is killed, as a cloud reclaims it."""
+        now = time.monotonic()
+        for item in [r for r in self._reclaims if r[0] <= now]:
+            self._reclaims.remove(item)
+            nodes = worker_nodes(self.cluster)
+            if item[1] in nodes:
+                kill_node(self.cluster, nodes.index(item[1]), group, graceful_raylet=True)
+
+    def _kill_node(self, fault: Fault, group: Any) -> None:
+        index = self._node_index(fault, group)
+        if index is None:
             return None
         node = kill_node(self.cluster, index, group, graceful_raylet=fault.graceful_raylet)
         if fault.return_after_s is not None:
@@ -314,6 +350,26 @@ def kill_node(cluster: Any, node_index: int, group: Any = None, graceful_raylet:
             pass
     cluster.remove_node(node, allow_graceful=graceful_raylet)
     return node
+
+
+def drain_node(node_id: str, deadline_s: float | None, reason: str = "preemption", message: str = "") -> None:
+    """Ask Ray to drain ``node_id`` (``ray drain-node``'s API, the one autoscaler v2 uses).
+
+    ``reason``: ``preemption`` or ``idle_termination``. Ray does not kill the node at the
+    deadline: the caller does (``FaultInjector`` reclaims it).
+    """
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    reasons = {
+        "preemption": autoscaler_pb2.DRAIN_NODE_REASON_PREEMPTION,
+        "idle_termination": autoscaler_pb2.DRAIN_NODE_REASON_IDLE_TERMINATION,
+    }
+    deadline_ms = 0 if deadline_s is None else int(time.time() * 1000 + deadline_s * 1000)
+    gcs = ray._private.worker.global_worker.gcs_client
+    accepted, why = gcs.drain_node(node_id, reasons[reason], message or f"drain {reason}", deadline_ms)
+    if not accepted:
+        raise RuntimeError(f"Ray did not accept the drain of node {node_id}: {why}")
 
 
 def _is_local(ip: str) -> bool:
@@ -360,6 +416,7 @@ FAULT_KEYS: dict[str, dict[str, type]] = {
     "kill_worker": {"rank": int},
     "stop_worker": {"rank": int},
     "kill_node": {"node": int, "rank": int, "return_after_s": float},
+    "drain": {"node": int, "rank": int, "deadline_s": float, "return_after_s": float},
     "nan": {"rank": int},
     "spike": {"rank": int},
     "raise": {"rank": int},
@@ -425,7 +482,7 @@ def parse_fault_spec(text: str) -> FaultSpec:
         options[key] = parsed
     if kind == "bitflip" and not 0 <= options.get("bit", 30) <= 31:
         raise _bad(text, f"bit must be in 0..31 (float32 weights), got {options['bit']}")
-    if kind == "kill_node" and "node" in options and "rank" in options:
+    if kind in ("kill_node", "drain") and "node" in options and "rank" in options:
         raise _bad(text, "give node or rank, not both")
     return FaultSpec(kind, step, options, text)
 
@@ -456,16 +513,18 @@ def build_faults(faults: list[FaultSpec], spec: Any) -> tuple[list[Fault], list[
     for f in faults:
         if f.kind in DRIVER_FAULT_KINDS:
             node = f.get("node")
-            if f.kind == "kill_node" and node is None and f.get("rank") is None:
+            on_node = f.kind in ("kill_node", "drain")
+            if on_node and node is None and f.get("rank") is None:
                 node = spec.elastic.max_dp * spec.parallel.replica_size - 1  # the last worker node
             driver.append(
                 Fault(
                     f.kind,
                     at_step=f.step,
-                    rank=f.get("rank", 0 if f.kind != "kill_node" else None),
-                    node_index=node if f.kind == "kill_node" else None,
+                    rank=f.get("rank", None if on_node else 0),
+                    node_index=node if on_node else None,
                     return_after_s=f.get("return_after_s"),
-                    graceful_raylet=f.kind == "kill_node",
+                    graceful_raylet=on_node,
+                    deadline_s=f.get("deadline_s", DRAIN_DEADLINE_S),
                 )
             )
         else:

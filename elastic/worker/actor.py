@@ -236,6 +236,13 @@ class TrainWorker:
         return 0
 
     @ray.method(concurrency_group="train")
+    def save_checkpoint(self, timeout_s: float) -> bool:
+        """After a stop at a step boundary: write the live step to storage (``elastic/stop.py``)."""
+        from elastic.stop import save_live_step
+
+        return self.trainer is not None and save_live_step(self.trainer, timeout_s)
+
+    @ray.method(concurrency_group="train")
     def run(self, last_step: int) -> RunOutcome:
         """Train until ``last_step`` or an agreed stop; errors are returned, not raised."""
         self._phase = "train"

@@ -52,6 +52,9 @@ def ray_head(tmp_path_factory):
     env = dict(
         os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0"
     )
+    # `ray job stop` waits this long between SIGTERM and SIGKILL (Ray's default: 3 s), read by
+    # the head's job supervisor: time for the stop checkpoint (docs/stopping.md).
+    env["RAY_JOB_STOP_WAIT_TIME_S"] = "90"
     env.pop("RAY_ADDRESS", None)
     port, dash = _free_port(), _free_port()
     ports = {
@@ -263,8 +266,13 @@ def test_ray_job_submit_runs_jobs_train_and_ray_job_stop_leaves_a_resumable_chec
         _wait(no_train_worker_alive, 120, "the stopped job's workers to end", every=2)
     except AssertionError as exc:
         raise AssertionError(f"{exc}; last `ray list actors`: {last}") from None
+    # SIGTERM stopped it at a step boundary with a checkpoint of that step (docs/stopping.md).
+    summary = json.load(open(f"{stop_dir}/summary.json"))
+    assert summary["status"] == "stopped" and summary["stop"]["signal"] == "SIGTERM", summary
+    stop_step = summary["stop"]["checkpoint_step"]
+    assert stop_step == summary["steps"], summary
     committed = _committed(env, uri)
-    assert committed and all(s % 2 == 0 for s in committed)
+    assert committed and max(committed) == stop_step and all(s % 2 == 0 or s == stop_step for s in committed)
     newest = max(committed)
     verify = subprocess.run(
         [sys.executable, "-m", "jobs.cli", "ckpt", "verify", uri],

@@ -1,0 +1,234 @@
+"""Graceful stop of a whole job on SIGINT or SIGTERM (``docs/outputs.md``, "Stopping a job").
+
+* :class:`StopSignals` lives in the driver. Its handler only records the signal: the
+  controller's loop acts on it at its next look (every poll interval while training).
+  A second signal, or ``elastic.stop_grace_s`` passing before the step boundary is reached,
+  raises :class:`StopNow` in the main thread: the job stops at once, without a checkpoint.
+* :func:`stop_at_boundary` is what the controller does with the first signal: every rank
+  stops after the same step, the storage tier gets a committed, verified checkpoint of that
+  step (unless one exists), and the controller ends in :class:`Stopped`.
+* :func:`save_live_step` is the worker's half: write the live step to the storage tier.
+
+Why our own SIGTERM handler: ``ray.init`` installs one in the driver that calls
+``sys.exit(15)`` from whatever the main thread is doing. The ``SystemExit`` then unwinds
+through Ray's native calls while Ray's C++ threads still run, and the process ends by
+SIGABRT after a native stack dump, with no summary and no checkpoint. We replace it after
+``ray.init`` and put back the previous handlers when the job is over.
+"""
+
+from __future__ import annotations
+
+import _thread
+import logging
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from elastic.states import State
+
+log = logging.getLogger(__name__)
+
+SIGNAL_NAMES = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}
+CHECKPOINT_TIMEOUT_S = 300.0  # writing and committing the stop checkpoint (after the boundary)
+
+
+class StopNow(BaseException):
+    """Raised in the driver's main thread: stop at once, without a checkpoint.
+
+    A ``BaseException`` (like ``KeyboardInterrupt``) so that no ``except Exception`` on the
+    way swallows it.
+    """
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def stop_now_in(exc: BaseException) -> StopNow | None:
+    """The ``StopNow`` behind ``exc``: raised from the handler inside a Ray call, it comes
+    out wrapped (Cython reports it as a ``SystemError`` caused by it)."""
+    seen = 0
+    while exc is not None and seen < 5:
+        if isinstance(exc, StopNow):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return None
+
+
+@dataclass
+class Stopped(State):
+    """The job was stopped on a signal; ``fields`` go into ``job_end`` and ``summary.json``."""
+
+    name = "stopped"
+    is_terminal = True
+    status = "stopped"
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+class StopSignals:
+    """SIGINT/SIGTERM handler of the driver, installed for the lifetime of one job."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.signum: int | None = None
+        self.at: float | None = None  # monotonic time of the first signal
+        self.second = False
+        self.grace_expired = False
+        self.boundary_reached = False  # past the step boundary: the grace no longer applies
+        self.finished = False  # the job is over: further signals are ignored
+        self._previous: dict[int, Any] = {}
+        self._timer: threading.Timer | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def signal_name(self) -> str:
+        return SIGNAL_NAMES.get(self.signum, str(self.signum))
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal number: 130 after SIGINT, 143 after SIGTERM."""
+        return 128 + int(self.signum or signal.SIGTERM)
+
+    def remaining_s(self) -> float:
+        if self.at is None:
+            return self.grace_s
+        return max(0.0, self.grace_s - (time.monotonic() - self.at))
+
+    def install(self) -> bool:
+        """Install the handlers (main thread only); returns False where that is impossible."""
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("not in the main thread: SIGINT/SIGTERM keep their handlers (no graceful stop)")
+            return False
+        for sig in SIGNAL_NAMES:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return True
+
+    def uninstall(self) -> None:
+        self.finished = True
+        if self._timer is not None:
+            self._timer.cancel()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def past_boundary(self) -> None:
+        self.boundary_reached = True
+        if self._timer is not None:
+            self._timer.cancel()
+
+    # Runs in the main thread between two bytecodes: record, and raise only to stop at once.
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.finished:
+            return
+        if self.signum is None:
+            self.signum, self.at = signum, time.monotonic()
+            print(
+                f"\n{SIGNAL_NAMES.get(signum, signum)}: stopping at the next step boundary and checkpointing "
+                f"(within elastic.stop_grace_s={self.grace_s:g}s); signal again to stop at once",
+                file=sys.stderr,
+                flush=True,
+            )
+            self._timer = threading.Timer(self.grace_s, self._expire)
+            self._timer.daemon = True
+            self._timer.start()
+            return
+        if self.grace_expired and not self.second:
+            raise StopNow(f"the step boundary was not reached within elastic.stop_grace_s={self.grace_s:g}s")
+        self.second = True
+        raise StopNow(f"second signal ({SIGNAL_NAMES.get(signum, signum)}): stopped at once")
+
+    def _expire(self) -> None:  # timer thread: wake the main thread through the handler
+        if self.finished or self.boundary_reached:
+            return
+        self.grace_expired = True
+        _thread.interrupt_main(self.signum)
+
+
+# --------------------------------------------------------------------------- controller side
+
+
+def stopped_state(signals: StopSignals, step: int, checkpoint_step: int | None, reason: str) -> Stopped:
+    fields = {"signal": signals.signal_name, "checkpoint_step": checkpoint_step, "stop_reason": reason}
+    if checkpoint_step is None:
+        print(f"stopped without a checkpoint of step {step}: {reason}", file=sys.stderr, flush=True)
+    return Stopped(fields=fields)
+
+
+def stop_at_boundary(ctl: Any) -> State:
+    """The first signal: stop every rank after the same step and checkpoint that step."""
+    signals: StopSignals = ctl.stop_signals
+    group = ctl.group
+    group.request_stop()
+    stuck = group.wait_runs(group.members, timeout=signals.remaining_s())
+    obs = group.observe(timeout=0)
+    for rank, result in obs.results:
+        ctl._collect(rank, result)
+    if stuck:
+        return stopped_state(
+            signals,
+            ctl.step,
+            None,
+            f"the step boundary was not reached within elastic.stop_grace_s={signals.grace_s:g}s",
+        )
+    signals.past_boundary()
+    if obs.failure is not None:
+        return stopped_state(signals, ctl.step, None, f"a failure while stopping: {obs.failure.cause}")
+    return checkpoint_and_stop(ctl, signals)
+
+
+def checkpoint_and_stop(ctl: Any, signals: StopSignals) -> Stopped:
+    step, committer = ctl.step, ctl.committer
+    if committer is None:
+        return stopped_state(signals, step, None, "no storage tier (checkpoint.every_steps=0)")
+    if step == 0:
+        return stopped_state(signals, step, None, "no step completed yet")
+    group = ctl.group
+    import ray
+
+    refs = [m.actor.save_checkpoint.remote(CHECKPOINT_TIMEOUT_S) for m in group.members]
+    ray.wait(refs, num_returns=len(refs), timeout=CHECKPOINT_TIMEOUT_S)
+    for rank, result in group.drain_results(group.members):
+        ctl._collect(rank, result)
+    committer.join(timeout=CHECKPOINT_TIMEOUT_S)
+    try:
+        store = committer.store
+        if store.read_marker(step) is None:
+            return stopped_state(signals, step, None, f"the checkpoint of step {step} was not committed")
+        damage = store.verify(step)
+    except Exception as exc:  # noqa: BLE001 - storage unreadable: say so, the job still stops
+        return stopped_state(signals, step, None, f"the checkpoint of step {step} could not be checked: {exc}")
+    if damage:
+        return stopped_state(signals, step, None, f"the checkpoint of step {step} failed verification: {damage[0]}")
+    print(f"stopped at step {step}; checkpoint of step {step} committed and verified", file=sys.stderr, flush=True)
+    return stopped_state(signals, step, step, "stopped at a step boundary")
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+def save_live_step(trainer: Any, timeout_s: float) -> bool:
+    """Write the trainer's live step to the storage tier and wait for the upload (its
+    ``UploadReport`` goes out with the next poll). A step the tier already took on its
+    schedule is not written twice. False when there is no storage tier."""
+    uploader = getattr(trainer, "uploader", None)
+    if uploader is None or trainer.step == 0:
+        return False
+    if not uploader.due(trainer.step):
+        trainer.snapshot_now()
+        uploader.save(trainer.step, trainer.state_dict(), 0.0)
+    uploader.flush(timeout_s)
+    return True
+
+
+def exit_code_of(result: Any) -> int:
+    """The exit code of a stopped job: 128 + its signal (130 SIGINT, 143 SIGTERM)."""
+    name = (getattr(result, "stop", None) or {}).get("signal")
+    codes = {v: 128 + int(k) for k, v in SIGNAL_NAMES.items()}
+    return codes.get(name, 128 + int(signal.SIGTERM))
