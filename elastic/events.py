@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-EVENT_KINDS = ("job_start", "step", "checkpoint", "failure", "resize", "restore", "job_end")
+EVENT_KINDS = ("job_start", "step", "checkpoint", "failure", "resize", "restore", "placement", "job_end")
 
 
 class Recovery(BaseModel):
