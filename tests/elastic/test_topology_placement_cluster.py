@@ -9,11 +9,15 @@ against the same job under the old placement (one PACK group per replica, Ray's 
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections import defaultdict
 
 import psutil
 import pytest
+import yaml
 from elastic_testlib import REL_SAME_ORDER, assert_matches_reference, elastic_spec, events_of, step_metrics
 
 from elastic import ElasticTrainer
@@ -95,7 +99,32 @@ def _check_placement(event, truth: _RayletTruth, spec) -> None:
     assert event["ring_rack_crossings"] == _expected_crossings(spec, names)
 
 
-def test_plan_drives_placement_through_loss_and_grow_back(rack_cluster, tmp_path, monkeypatch):
+def _plan_cli_matches_topology_file(cluster, tmp_path, capsys) -> dict:
+    """`elastic plan CONFIG --address ADDR --json` on the live cluster prints what the same
+    nodes written as a topology file give."""
+    from jobs.cli import main
+
+    config, topo_file = tmp_path / "job.yaml", tmp_path / "topology.yaml"
+    config.write_text(yaml.safe_dump(_spec().model_dump(mode="json")))
+    nodes = [{"name": n, "gpus": 4, "cpus": 2, "labels": {"rack": RACKS[n]}} for n in ("w0", "w1", "w2", "w3")]
+    topo_file.write_text(yaml.safe_dump({"nodes": nodes}))
+    live = subprocess.run(
+        [sys.executable, "-m", "jobs.cli", "plan", str(config), "--address", cluster.address, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert live.returncode == 0, live.stderr[-2000:]
+    capsys.readouterr()
+    assert main(["plan", str(config), "--topology", str(topo_file), "--json"]) == 0
+    from_file = capsys.readouterr().out
+    assert json.loads(live.stdout) == json.loads(from_file)
+    return json.loads(from_file)
+
+
+def test_plan_drives_placement_through_loss_and_grow_back(rack_cluster, tmp_path, monkeypatch, capsys):
+    planned = _plan_cli_matches_topology_file(rack_cluster, tmp_path, capsys)
+    assert planned["dp"] == 2
     # The same job under the old placement (one PACK group per replica, Ray's order), no fault.
     with monkeypatch.context() as m:
         m.setattr(WorkerGroup, "planned_placement", False)
