@@ -164,7 +164,7 @@ class PlannedSlots(ReplicaSlots):
     def request(self, total: int) -> None:
         self._target = total
         if self.fallback is None:
-            self._replan()
+            self._replan(wait_s=READY_WAIT_S)
         if self.fallback is not None:
             super().request(total)
 
@@ -174,7 +174,7 @@ class PlannedSlots(ReplicaSlots):
             and len(self._groups) < self._target
             and time.monotonic() - self._last_plan >= REPLAN_S
         ):
-            self._replan()
+            self._replan(wait_s=0.0)  # a new group is seen ready at a later look
         return super().ready(timeout)
 
     def release(self, group: Any) -> None:
@@ -184,7 +184,7 @@ class PlannedSlots(ReplicaSlots):
     def exclude(self, node_ids: Iterable[str]) -> None:
         self.excluded.update(node_ids)
 
-    def _replan(self) -> None:
+    def _replan(self, wait_s: float) -> None:
         import ray
         from ray.util.placement_group import placement_group
 
@@ -217,7 +217,8 @@ class PlannedSlots(ReplicaSlots):
                 self.planned[g.id.hex()] = nodes
                 new.append(g)
             logger.info("placement: %d replica(s) planned on %s", len(new), [sorted(set(r)) for r in replicas])
-            ray.wait([g.ready() for g in new], num_returns=len(new), timeout=READY_WAIT_S)
+            if wait_s > 0:
+                ray.wait([g.ready() for g in new], num_returns=len(new), timeout=wait_s)
             return
 
     def _forget_groups_on(self, alive: set[str]) -> None:
