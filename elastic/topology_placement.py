@@ -43,7 +43,11 @@ logger = logging.getLogger(__name__)
 
 NODE_ID_LABEL = "ray.io/node-id"  # every Ray node carries it
 REPLAN_S = 1.0  # at most one look at the cluster per second while capacity is missing
-READY_WAIT_S = 2.0  # a group pinned to live nodes with room is placed in milliseconds
+# A group pinned to live nodes with room is placed in milliseconds. The grow path looks this
+# long for it, so a returning node is used at this grow check, not the next. Starting and
+# recovering do not wait: a group pinned to a node that is dying could be placed just before
+# the node goes, and the actor started on it would hang until Ray notices the loss.
+GROW_READY_WAIT_S = 0.2
 
 
 # ---------------------------------------------------------------------- pure helpers
@@ -158,13 +162,14 @@ class PlannedSlots(ReplicaSlots):
         self.excluded: set[str] = set()  # node ids found dead: never planned again
         self.node_labels: dict[str, dict[str, str]] = {}
         self.fallback: str | None = None  # why the old placement is used, if it is
+        self._vetted: set[str] = set()  # groups whose nodes were probed once placed
         self._target = 0
         self._last_plan = float("-inf")
 
     def request(self, total: int) -> None:
         self._target = total
         if self.fallback is None:
-            self._replan(wait_s=READY_WAIT_S)
+            self._replan(wait_s=0.0)
         if self.fallback is not None:
             super().request(total)
 
@@ -174,8 +179,25 @@ class PlannedSlots(ReplicaSlots):
             and len(self._groups) < self._target
             and time.monotonic() - self._last_plan >= REPLAN_S
         ):
-            self._replan(wait_s=0.0)  # a new group is seen ready at a later look
-        return super().ready(timeout)
+            self._replan(wait_s=GROW_READY_WAIT_S)
+        return self._vet(super().ready(timeout))
+
+    def _vet(self, created: list[Any]) -> list[Any]:
+        """Drop a newly placed group whose node's raylet is gone: Ray may place a group on a
+        node in the moments before it dies, and an actor started there hangs until Ray
+        notices. Each group is probed once, when it is first seen placed."""
+        new = [g for g in created if g.id.hex() in self.planned and g.id.hex() not in self._vetted]
+        if not new:
+            return created
+        dead = self.raylets.dead({n for g in new for n in self.planned[g.id.hex()]}, wait_s=0.0)
+        self._vetted.update(g.id.hex() for g in new)
+        if not dead:
+            return created
+        self.excluded |= dead
+        gone = [g for g in new if dead & set(self.planned[g.id.hex()])]
+        for g in gone:
+            self.release(g)
+        return [g for g in created if g not in gone]
 
     def release(self, group: Any) -> None:
         self.planned.pop(group.id.hex(), None)
