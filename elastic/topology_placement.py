@@ -189,7 +189,7 @@ class PlannedSlots(ReplicaSlots):
         new = [g for g in created if g.id.hex() in self.planned and g.id.hex() not in self._vetted]
         if not new:
             return created
-        dead = self.raylets.dead({n for g in new for n in self.planned[g.id.hex()]}, wait_s=0.0)
+        dead = self.raylets.dead({n for g in new for n in self.planned[g.id.hex()]}, wait_s=0.0, refused_only=True)
         self._vetted.update(g.id.hex() for g in new)
         if not dead:
             return created
@@ -228,7 +228,7 @@ class PlannedSlots(ReplicaSlots):
             if plan is None:
                 return
             replicas = replica_nodes(plan, topology)
-            dead = self.raylets.dead({n for r in replicas for n in r}, wait_s=0.0)
+            dead = self.raylets.dead({n for r in replicas for n in r}, wait_s=0.0, refused_only=True)
             if dead:
                 self.excluded |= dead
                 continue
