@@ -163,6 +163,7 @@ class Controller:
             pp=self.spec.parallel.pp,
             nodes=len({m.node_id for m in members}),
         )
+        self.events.emit("placement", **self.group.placement())
         if source == "storage":
             self.events.emit(
                 "restore",
@@ -379,6 +380,7 @@ class Controller:
         self.step = t["step"]
         self._pending.clear()
         self._emit_reformed(old_dp, recovery.dp, f.cause, source, t, breakdown)
+        self.events.emit("placement", **self.group.placement())
         self._recovered_at_step = self.step
         for p in self._pending_recoveries:  # a recovery interrupted by this failure lost nothing more
             p.setdefault("lost_steps", 0)
@@ -500,6 +502,7 @@ class Controller:
             "restore", step=self.step, source="memory", duration_s=t["restore_s"], breakdown=timer.rounded()
         )
         self.dp_history.append([self.step, dp])
+        self.events.emit("placement", **self.group.placement())
         logger.info("grew from dp=%d to dp=%d in %.2fs", old_dp, dp, time.monotonic() - t_start)
         return Running()
 

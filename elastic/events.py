@@ -24,6 +24,7 @@ EVENT_KINDS = (
     "failure",
     "resize",
     "restore",
+    "placement",
     "job_end",
     "straggler",
     "sdc",

@@ -239,27 +239,40 @@ def plan_from_spec(spec: Any, topology: ClusterTopology, *, allow_cross_node_tp:
     """Plan for a ``jobs.JobSpec``-like object (duck-typed: elastic never imports jobs).
 
     ``allow_cross_node_tp`` defaults to True on cpu (gloo has no NVLink to protect, and
-    local multi-node tests run TP groups over single-CPU nodes) and False on cuda.
+    local multi-node tests run TP groups over single-CPU nodes) and False on cuda. A cpu
+    job that asks for GPUs (``gpus_per_worker > 0``, logical GPUs declared by the nodes)
+    is placed exactly like a GPU job: by GPUs, TP groups inside one node or NVLink domain.
     """
-    res = spec.resources
-    cuda = res.device == "cuda"
-    per_worker = res.gpus_per_worker if cuda else res.cpus_per_worker
-    if per_worker <= 0:
-        key = "gpus_per_worker" if cuda else "cpus_per_worker"
-        raise SpecError(f"resources.{key}", f"must be > 0 to plan a {res.device} layout")
-    return plan_layout(
+    args = spec_placement_args(spec)
+    if allow_cross_node_tp is not None:
+        args["allow_cross_node_tp"] = allow_cross_node_tp
+    plan = plan_layout(
         topology,
         tp=spec.parallel.tp,
         pp=spec.parallel.pp,
         min_dp=spec.elastic.min_dp,
         max_dp=spec.elastic.max_dp,
         allowed_dps=spec.allowed_dps(),
-        slots_per_worker=per_worker,
-        device=res.device,
-        allow_cross_node_tp=(not cuda) if allow_cross_node_tp is None else allow_cross_node_tp,
-        cpus_per_worker=res.cpus_per_worker if cuda else 0,
-        custom=dict(res.custom or {}),
+        **args,
     )
+    return plan if plan.device == spec.resources.device else replace(plan, device=spec.resources.device)
+
+
+def spec_placement_args(spec: Any) -> dict[str, Any]:
+    """The worker size of a spec as :func:`plan_layout` keywords (see :func:`plan_from_spec`)."""
+    res = spec.resources
+    by_gpu = res.device == "cuda" or res.gpus_per_worker > 0
+    per_worker = res.gpus_per_worker if by_gpu else res.cpus_per_worker
+    if per_worker <= 0:
+        key = "gpus_per_worker" if by_gpu else "cpus_per_worker"
+        raise SpecError(f"resources.{key}", f"must be > 0 to plan a {res.device} layout")
+    return {
+        "slots_per_worker": per_worker,
+        "device": "cuda" if by_gpu else "cpu",
+        "allow_cross_node_tp": not by_gpu,
+        "cpus_per_worker": res.cpus_per_worker if by_gpu else 0,
+        "custom": dict(res.custom or {}),
+    }
 
 
 def drop_nodes(target: LayoutPlan | ClusterTopology, lost_nodes: Iterable[str]) -> Any:

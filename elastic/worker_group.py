@@ -38,6 +38,7 @@ from elastic.messages import (
     WorkerReport,
 )
 from elastic.placement import ReplicaSlots
+from elastic.topology_placement import PlannedSlots, placement_fields
 from elastic.worker import TrainWorker
 from elastic.worker.hooks import StepHook
 from elastic.worker.process_group import RendezvousStore
@@ -77,16 +78,21 @@ class Observation:
 
 
 class WorkerGroup:
+    planned_placement = True  # docs/placement.md; False: the old one PACK group per replica, in Ray's order
+
     def __init__(self, spec: Any, corpus_uri: str, step_hook: StepHook | None = None, storage_uri: str = ""):
         self.spec = spec
         self.corpus_uri = corpus_uri
         self.storage_uri = storage_uri  # where the storage tier writes ("" for none)
         self.step_hook = step_hook
         self.replica_size = spec.parallel.replica_size
-        self.slots = ReplicaSlots(spec.resources, self.replica_size, spec.parallel.tp, spec.parallel.pp)
+        self.raylets = RayletProbe()  # node id -> raylet address, for liveness probes
+        if self.planned_placement:
+            self.slots: ReplicaSlots = PlannedSlots(spec, self.raylets)
+        else:
+            self.slots = ReplicaSlots(spec.resources, self.replica_size, spec.parallel.tp, spec.parallel.pp)
         self.members: list[Member] = []  # ordered by rank
         self.dp = 0
-        self.raylets = RayletProbe()  # node id -> raylet address, for liveness probes
         self._store: RendezvousStore | None = None  # the job's rendezvous, made at the first configure
         self._generation = 0  # of the process group: the rendezvous key prefix
         self._node_labels: dict[str, dict[str, str]] = {}  # node id -> Ray node labels (rack, nvlink_domain)
@@ -405,6 +411,11 @@ class WorkerGroup:
 
     def release_group(self, group: Any) -> None:
         self.slots.release(group)
+
+    def placement(self) -> dict[str, Any]:
+        """The ``placement`` event's fields for the current members (docs/outputs.md)."""
+        p = self.spec.parallel
+        return placement_fields(self.dp, p.tp, p.pp, self.members, self._node_labels)
 
     def pid_of(self, rank: int) -> int:
         return next(m.pid for m in self.members if m.rank == rank)

@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="print the rank placement plan")
     plan.add_argument("config")
-    plan.add_argument("--topology", default=None)
+    plan_src = plan.add_mutually_exclusive_group()
+    plan_src.add_argument("--topology", default=None)
+    plan_src.add_argument("--address", default=None, help="plan for this live Ray cluster (default: RAY_ADDRESS, auto)")
     plan.add_argument("--json", action="store_true")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
@@ -105,7 +107,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_demo(args.run_dir, inject_fault=not args.no_fault)
     if args.command == "plan":
-        return cmd_plan(args.config, args.topology, args.json, args.overrides)
+        return cmd_plan(args.config, args.topology, args.json, args.overrides, args.address)
     if args.command == "ckpt":
         return cmd_ckpt(args)
     if args.command == "simulate":
@@ -230,7 +232,7 @@ def _exit_code(result) -> int:
     return EXIT_OK if result.status == "succeeded" else EXIT_FAILED
 
 
-def cmd_plan(config: str, topology: str | None, as_json: bool, overrides: list[str]) -> int:
+def cmd_plan(config: str, topology: str | None, as_json: bool, overrides: list[str], address: str | None = None) -> int:
     from jobs.spec import JobSpec
 
     spec = JobSpec.from_yaml(config, overrides=overrides)
@@ -242,8 +244,16 @@ def cmd_plan(config: str, topology: str | None, as_json: bool, overrides: list[s
     else:
         import ray
 
-        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False, logging_level=logging.ERROR)
-        topo = topology_from_ray(ray.nodes())
+        address = address or os.environ.get("RAY_ADDRESS", "auto")
+        try:
+            ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            print(f"error: --address: no Ray cluster answers at {address!r} ({type(exc).__name__})", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        try:
+            topo = topology_from_ray(ray.nodes())
+        finally:
+            ray.shutdown()
     plan = plan_from_spec(spec, topo)
     print(plan.to_json() if as_json else plan.to_table())
     return EXIT_OK

@@ -69,6 +69,24 @@ def ray_cluster():
     _shutdown()
 
 
+@pytest.fixture
+def rack_cluster():
+    """A fresh labelled cluster: a CPU-less head and 4 nodes in 2 racks (w0, w1 in r0; w2, w3
+    in r1), each with 2 CPUs and 4 logical GPUs (docs/placement.md). Fresh: tests remove nodes."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    _shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    for i in range(4):
+        cluster.add_node(num_cpus=2, num_gpus=4, labels={"rack": f"r{i // 2}", "name": f"w{i}"})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    _RayState.kind, _RayState.cluster = "cluster", cluster
+    yield cluster
+    _shutdown()
+
+
 def pytest_sessionfinish(session, exitstatus):
     _shutdown()
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic.messages import StepReport
+from elastic.topology_placement import placement_fields
 from elastic.worker_group import Observation
 
 
@@ -23,6 +24,7 @@ class FakeMember:
     step: int = 0
     last_ok: float = 0.0
     pid: int = 0
+    ip: str = ""
 
 
 @dataclass
@@ -116,6 +118,10 @@ class FakeWorkerGroup:
 
     def shutdown(self):
         self.calls.append(("shutdown",))
+
+    def placement(self):
+        p = self.spec.parallel
+        return placement_fields(self.dp, p.tp, p.pp, [m for m in self.members if not m.dead], {})
 
     def pid_of(self, rank):
         return 0
