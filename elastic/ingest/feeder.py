@@ -24,8 +24,8 @@ import pyarrow.parquet as pq
 import ray
 
 from elastic.ingest.index import read_index, sha256
+from elastic.ingest.rounds import wave_of
 from elastic.ingest.waves import gate as get_gate
-from elastic.ingest.waves import wave_of
 from storage import open_storage
 
 log = logging.getLogger(__name__)
