@@ -93,6 +93,23 @@ def list_inputs(uri: str, storage_options: dict[str, Any] | None = None) -> tupl
     return fs, files
 
 
+BLOCK_BYTES = 8 << 20  # input bytes per Ray Data block when --blocks is not given
+
+
+def _blocks(fs: Any, files: list[str]) -> int:
+    """Read blocks: one per ``BLOCK_BYTES`` of input, at most one per cluster CPU. A small
+    input is one block: each extra block is a task, and often a worker process, to start,
+    which costs more than it saves below a few MB (docs/data.md, "Throughput")."""
+    import ray
+
+    try:
+        size = sum(int(fs.size(f) or 0) for f in files)
+    except (OSError, TypeError):
+        return max(1, int(ray.cluster_resources().get("CPU", 1)))
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    return max(1, min(cpus, -(-size // BLOCK_BYTES)))
+
+
 def infer_format(files: list[str], given: str | None) -> str:
     if given:
         if given not in FORMATS:
@@ -237,7 +254,7 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
-    ds = _dataset(fmt, fs, files, cfg.text_field, cfg.blocks)
+    ds = _dataset(fmt, fs, files, cfg.text_field, cfg.blocks or _blocks(fs, files))
     tok = _tokenizer(cfg, tspec, ds)
     described = toks.describe(tok, tspec.kind)
     out = open_storage(cfg.output, cfg.storage_options)
