@@ -975,6 +975,8 @@ def versions(res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def summarise(res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    from elastic.recovery_timing import PHASES
+
     summary: dict[str, Any] = {}
     for side, runs in res.items():
         s: dict[str, Any] = {
@@ -991,6 +993,13 @@ def summarise(res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             s["summary_json"] = {
                 k: stats([(r.get("summary_recovery") or {}).get(k) for r in runs])
                 for k in ("detect_s", "recover_s", "downtime_s", "lost_steps")
+            }
+            phases = [
+                k for k in PHASES if any(k in ((r.get("summary_recovery") or {}).get("breakdown") or {}) for r in runs)
+            ]
+            s["phases"] = {
+                k: stats([((r.get("summary_recovery") or {}).get("breakdown") or {}).get(k) for r in runs])
+                for k in phases
             }
         if side == "torchft" and all(r.get("status") == "skipped" for r in runs):
             s["skipped"] = runs[0].get("error")
@@ -1136,6 +1145,10 @@ def main(argv: list[str] | None = None) -> int:
                         for k, v in s["summary_json"].items()
                     )
                 )
+            if s.get("phases"):
+                print(f"{'':19s}where our downtime went (summary.json recoveries[0].breakdown, driver clock):")
+                for k, v in s["phases"].items():
+                    print(f"{'':21s}{k:32s} {fmt_stats(v)}")
         ratios = {}
         o = summary.get("ours", {}).get("recovery_s")
         for base in ("raytrain_tuned", "raytrain_default", "torchft"):

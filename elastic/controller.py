@@ -37,6 +37,7 @@ from elastic.checkpoint.committer import CheckpointCommitter
 from elastic.errors import JobFailed, WorkerFailure
 from elastic.events import EventLog, Recovery, RunResult
 from elastic.messages import AnomalyReport, StepReport, UploadReport, WorkerReport
+from elastic.recovery_timing import PhaseTimer
 from elastic.states import Failed, Finished, Recovering, Resizing, Running, Starting, State
 from elastic.worker.hooks import StepHook
 from elastic.worker_group import WorkerGroup
@@ -317,9 +318,10 @@ class Controller:
                 f"elastic.max_failures={self.spec.elastic.max_failures} (last: {f.cause})"
             )
         group, e = self.group, self.spec.elastic
-        t0 = time.monotonic()
+        timer = PhaseTimer(self.clock, state.detected_at, state.detected_at - state.failed_at)
+        timer.mark("decide_s")
         replicas = group.complete_replicas(self._free_survivors(f))
-        t_freed = time.monotonic()
+        timer.mark("free_s")
         # The newest step any worker completed (the culprits' last reports included).
         worker_step = max(state.last_seen_step, self._last_seen_step())
         group.kill([m for m in group.members if not m.dead and not any(m in r for r in replicas)])
@@ -340,29 +342,29 @@ class Controller:
         old_dp = group.dp
         kept = [m for r in replicas[: recovery.keep] for m in r]
         group.kill([m for r in replicas[recovery.keep :] for m in r])
+        timer.mark("decide_s")
         newcomers = group.spawn(spare[: recovery.grow]) if recovery.grow else []
-        t_spawned = time.monotonic()
+        timer.mark("spawn_s")
         restore_step, source = self._restore_source(kept)
         members = group.rank_order(kept + newcomers)
         for cb in self.callbacks:
             if hasattr(cb, "on_reconfigure"):
                 cb.on_reconfigure(self.failures, group, members)
+        timer.mark("decide_s")
         t = group.configure(members, recovery.dp, restore_step or 0, restore_step, source)
-        logger.info(
-            "recovery: survivors freed %.2fs, capacity and spawn %.2fs, configure %.2fs (%s)",
-            t_freed - t0,
-            t_spawned - t_freed,
-            time.monotonic() - t_spawned,
-            {k: round(v, 3) for k, v in t.items() if k.endswith("_s")},
-        )
+        configured_at = timer.configured(t)
+        breakdown = timer.rounded()
+        logger.info("recovery breakdown: %s", breakdown)
         # Record.
         self.step = t["step"]
         self._pending.clear()
-        self._emit_reformed(old_dp, recovery.dp, f.cause, source, t)
+        self._emit_reformed(old_dp, recovery.dp, f.cause, source, t, breakdown)
         self._recovered_at_step = self.step
         for p in self._pending_recoveries:  # a recovery interrupted by this failure lost nothing more
             p.setdefault("lost_steps", 0)
-        self._pending_recoveries.append(self._pending_entry(state, worker_step - self.step))
+        entry = self._pending_entry(state, worker_step - self.step)
+        entry.update(breakdown=breakdown, configured_at=configured_at)
+        self._pending_recoveries.append(entry)
         return Running()
 
     def _free_survivors(self, f: WorkerFailure) -> list[Any]:
@@ -402,19 +404,26 @@ class Controller:
         logger.warning("no snapshot in memory or storage covers the lost shards: training restarts from step 0")
         return None, "none"
 
-    def _emit_reformed(self, old_dp: int, dp: int, reason: str, source: str, t: dict[str, Any]) -> None:
+    def _emit_reformed(
+        self, old_dp: int, dp: int, reason: str, source: str, t: dict[str, Any], breakdown: dict[str, float]
+    ) -> None:
         if dp != old_dp:
             self.events.emit("resize", old_dp=old_dp, new_dp=dp, grad_accum=self.spec.grad_accum(dp), reason=reason)
             self.dp_history.append([self.step, dp])
         if source != "none":
             extra = {"bytes_read": t.get("restore_bytes_read", 0)} if source == "storage" else {}
-            self.events.emit("restore", step=self.step, source=source, duration_s=t["restore_s"], **extra)
+            self.events.emit(
+                "restore", step=self.step, source=source, duration_s=t["restore_s"], breakdown=breakdown, **extra
+            )
 
     def _finish_recoveries(self) -> None:
         """The first step at the new size is done (its results from every rank reached the
         driver): close every recovery that led here, timed on the driver's clock."""
         now = self.clock()
         for p in self._pending_recoveries:
+            breakdown = dict(p.get("breakdown", {}))
+            if "configured_at" in p:
+                breakdown["first_step_s"] = round(max(0.0, now - p["configured_at"]), 3)
             self.recoveries.append(
                 Recovery(
                     cause=p["cause"],
@@ -422,6 +431,7 @@ class Controller:
                     recover_s=round(now - p["detected_at"], 3),
                     downtime_s=round(now - p["failed_at"], 3),
                     lost_steps=p["lost_steps"],
+                    breakdown=breakdown,
                 )
             )
         self._pending_recoveries = []
@@ -452,17 +462,23 @@ class Controller:
             )
             return self._recovering(failure)
         t_start = time.monotonic()
+        timer = PhaseTimer(self.clock, self.clock())
         old_dp = group.dp
         newcomers = group.spawn(state.groups)
+        timer.mark("spawn_s")
         dp = old_dp + len(state.groups)
         restore_step = group.common_snapshot_step(group.members)
         if restore_step != self.step:
             logger.warning("newest common snapshot is step %s, live step %s", restore_step, self.step)
+        timer.mark("decide_s")
         t = group.configure(list(group.members) + newcomers, dp, self.step, restore_step, "memory")
+        timer.configured(t)
         self.step = t["step"]
         self._pending.clear()
         self.events.emit("resize", old_dp=old_dp, new_dp=dp, grad_accum=self.spec.grad_accum(dp), reason=state.reason)
-        self.events.emit("restore", step=self.step, source="memory", duration_s=t["restore_s"])
+        self.events.emit(
+            "restore", step=self.step, source="memory", duration_s=t["restore_s"], breakdown=timer.rounded()
+        )
         self.dp_history.append([self.step, dp])
         logger.info("grew from dp=%d to dp=%d in %.2fs", old_dp, dp, time.monotonic() - t_start)
         return Running()

@@ -30,8 +30,14 @@ def diagnose(members: list[Any], elastic: Any, now: float, raylets: RayletProbe)
     dead = [m for m in members if m.dead]
     peer_errors = [m for m in members if m.run_result and m.run_result.kind == "peer"]
     if peer_errors and not dead:
+        # The first signal: a peer's collective failed. Ask the raylets of the ranks still
+        # inside run() at once; a refused connection is proof that the node is gone. (A
+        # connection that merely times out proves nothing yet: see below.)
+        in_run = [m for m in members if m.run_result is None]
+        gone = raylets.dead({m.node_id for m in in_run}, wait_s=0.0, refused_only=True)
+        dead = [m for m in in_run if m.node_id in gone]
         first = min(m.returned_at for m in peer_errors)
-        if now - first >= PEER_GRACE_S:
+        if not dead and now - first >= PEER_GRACE_S:
             # Silence alone is not death: a loaded machine can delay a poll. A suspect
             # counts as dead once its node's raylet is gone; a lone dead process on a live
             # node is confirmed by Ray within moments, and a hung one by the heartbeat.
@@ -109,16 +115,21 @@ class RayletProbe:
     def update(self, addresses: dict[str, tuple[str, int]]) -> None:
         self.addresses.update(addresses)
 
-    def dead(self, node_ids: set[str], wait_s: float) -> set[str]:
-        """The nodes among ``node_ids`` whose raylet is gone, probed for up to ``wait_s``."""
+    def dead(self, node_ids: set[str], wait_s: float, refused_only: bool = False) -> set[str]:
+        """The nodes among ``node_ids`` whose raylet is gone, probed for up to ``wait_s``.
+
+        ``refused_only``: only a refused connection counts, and a timeout is not tallied
+        (for the eager probes made on the first peer error, which may ask a loaded live
+        node several times in a row).
+        """
         deadline = time.monotonic() + wait_s
         while True:
-            dead = {n for n in node_ids if self._probe(n)}
+            dead = {n for n in node_ids if self._probe(n, refused_only)}
             if dead or time.monotonic() >= deadline:
                 return dead
             time.sleep(0.05)
 
-    def _probe(self, node: str) -> bool:
+    def _probe(self, node: str, refused_only: bool = False) -> bool:
         addr = self.addresses.get(node)
         if addr is None:
             return False
@@ -126,6 +137,8 @@ class RayletProbe:
             with socket.create_connection(addr, timeout=self.CONNECT_TIMEOUT_S):
                 pass
         except TimeoutError:
+            if refused_only:
+                return False
             self._timeouts[node] = self._timeouts.get(node, 0) + 1
             return self._timeouts[node] >= self.TIMEOUTS_TO_DEATH
         except OSError:  # refused, reset, unreachable: nobody listens there any more

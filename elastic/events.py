@@ -40,6 +40,10 @@ class Recovery(BaseModel):
     lost_steps: int = Field(
         description="the newest step any worker reported completing minus the step training resumed from"
     )
+    breakdown: dict[str, float] = Field(
+        default_factory=dict,
+        description="where the downtime went, phase by phase (elastic/recovery_timing.py; docs/outputs.md)",
+    )
 
 
 class RunResult(BaseModel):

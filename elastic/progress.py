@@ -88,5 +88,9 @@ def format_summary(result: Any, run_dir: str) -> str:
             f"  recovery          {r.cause}: downtime_s {r.downtime_s:.2f} (detect_s {r.detect_s:.2f} + recover_s "
             f"{r.recover_s:.2f}), lost_steps {r.lost_steps}"
         )
+        if r.breakdown:
+            lines.append(
+                "                    where it went: " + ", ".join(f"{k} {v:.3f}" for k, v in r.breakdown.items())
+            )
     lines.append(f"  artefacts         {run_dir}/events.jsonl, {run_dir}/summary.json")
     return "\n".join(lines)

@@ -312,17 +312,24 @@ class WorkerGroup:
         return obs
 
     def _drain(self, obs: Observation, members: list[Member] | None = None, timeout: float = RPC_TIMEOUT_S) -> None:
-        """Collect the results ``members`` (default: all) produced since their last poll."""
-        for m in members if members is not None else self.members:
-            if m.dead:
-                continue
-            for _ in range(2):  # the poll in flight, then a fresh one
+        """Collect the results ``members`` (default: all) produced since their last poll.
+
+        Two rounds, all members at once: the poll in flight (or a new one), then a fresh one
+        for each member that answered, for what it reported meanwhile. A member that does
+        not answer within ``timeout`` is left for the next look.
+        """
+        todo = [m for m in (members if members is not None else self.members) if not m.dead]
+        for _ in range(2):
+            for m in todo:
                 if m.poll_ref is None:
                     m.poll_ref = m.actor.poll.remote()
-                ray.wait([m.poll_ref], timeout=timeout)
-                self._read_poll(m, obs, time.monotonic())
-                if m.poll_ref is not None:  # no answer in time
-                    break
+            refs = [m.poll_ref for m in todo]
+            if refs:
+                ray.wait(refs, num_returns=len(refs), timeout=timeout)
+            now = time.monotonic()
+            for m in todo:
+                self._read_poll(m, obs, now)
+            todo = [m for m in todo if m.poll_ref is None and not m.dead]  # answered: ask once more
 
     def drain_results(self, members: list[Member], timeout: float = 10.0) -> list[tuple[int, WorkerReport]]:
         """Results that survivors reported but the controller has not seen yet."""

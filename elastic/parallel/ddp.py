@@ -29,13 +29,17 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, classic: bool, blocks: list[nn.Module]) -> nn.Module:
+def apply_ddp(
+    model: nn.Module, dp_mesh: DeviceMesh, classic: bool, blocks: list[nn.Module], init_sync: bool = True
+) -> nn.Module:
     """Replicated data parallelism over ``dp_mesh``; returns the module to train.
 
     ``classic`` selects ``DistributedDataParallel`` (only valid without TP and PP).
+    ``init_sync=False`` skips DDP's start-up check and broadcast of rank 0's weights: for a
+    re-formation, where every rank then loads the same restored state.
     """
     if classic:
-        return DistributedDataParallel(model, process_group=dp_mesh.get_group())
+        return DistributedDataParallel(model, process_group=dp_mesh.get_group(), init_sync=init_sync)
     for block in blocks:
         replicate(block, mesh=dp_mesh)
     replicate(model, mesh=dp_mesh)

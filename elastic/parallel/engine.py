@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import resource
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +47,7 @@ class TrainEngine:
         dims: ParallelDims,
         seed: int,
         device: str | torch.device = "cpu",
+        restoring: bool = False,
     ):
         if (parallel_cfg.tp, parallel_cfg.pp) != (dims.tp, dims.pp):
             raise ValueError(f"parallel config tp/pp {parallel_cfg.tp}/{parallel_cfg.pp} != dims {dims.tp}/{dims.pp}")
@@ -63,20 +65,35 @@ class TrainEngine:
 
         # The full model on the meta device, cut to this rank's stage, then sharded,
         # materialised and seeded in ``parallelize``: the same weights under any layout.
+        # ``build_timings``: where the build's time went (logged by the worker on a re-formation).
+        t0 = time.perf_counter()
+        self.build_timings: dict[str, float] = {}
         with torch.device("meta"):
             model = self.spec.build()
         if dims.pp_enabled:
             model = self.spec.split_stage(model, dims.pp, self.coords.pp_rank)
         self.module = model  # the (stage of the) model itself; ``model`` may be a DDP wrapper around it
         self.gpt = model  # historical name of ``module``
+        self.build_timings["meta_s"] = time.perf_counter() - t0
         self.model = parallelize(
-            model, dims, parallel_cfg, self.spec, seed, self.device, bf16=bf16, compile=train_cfg.compile
+            model,
+            dims,
+            parallel_cfg,
+            self.spec,
+            seed,
+            self.device,
+            bf16=bf16,
+            compile=train_cfg.compile,
+            timings=self.build_timings,
+            restoring=restoring,
         )
         self.model.train()
         # FSDP computes in bf16 through its mixed-precision policy; everything else autocasts
         # (fp32 master weights, gradients and optimizer state in both cases).
         self._autocast = bf16 and not isinstance(self.model, FSDPModule)
+        t1 = time.perf_counter()
         self.optimizer, self.scheduler = build_optimizer(self.model, train_cfg)
+        self.build_timings["optimizer_s"] = time.perf_counter() - t1
         self._params = [p for p in self.model.parameters() if p.requires_grad]
 
         self.schedule = None

@@ -10,6 +10,7 @@ resize is a second call on a fresh model with a fresh ``ParallelDims``.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +36,8 @@ def parallelize(
     *,
     bf16: bool = False,
     compile: bool = False,
+    timings: dict[str, float] | None = None,
+    restoring: bool = False,
 ) -> nn.Module:
     """TP, then materialise and init, then recompute, compile, FSDP or DDP; returns the module to train.
 
@@ -46,6 +49,7 @@ def parallelize(
     # 1. Tensor parallelism first (on the meta device): it turns block weights into
     #    DTensors on the TP mesh. FSDP/replicate applied later see those DTensors and
     #    compose 2-D (dp, tp) placements; the reverse order is not supported by torch.
+    t0 = time.perf_counter()
     if dims.tp_enabled:
         spec.tp_plan(model, dims.tp_mesh)
 
@@ -53,6 +57,9 @@ def parallelize(
     model.to_empty(device=device)
     spec.init_weights(model, seed)
     blocks = spec.blocks(model)
+    t1 = time.perf_counter()
+    if timings is not None:
+        timings["materialize_s"] = t1 - t0
 
     # 3. Activation checkpointing next, before data parallelism (the order of torchtitan
     #    and of torch's FSDP2 tests): FSDP's hooks then wrap the checkpointed block, so
@@ -69,7 +76,12 @@ def parallelize(
     # 5. Data parallelism last, over the DP mesh only. With one replica there is nothing
     #    to shard or average (but see bf16 above).
     if cfg.zero >= 1 and (dims.dp_enabled or bf16):
-        return apply_fsdp(model, dims.dp_mesh, cfg.zero, blocks, bf16=bf16)
-    if not dims.dp_enabled:
-        return model
-    return apply_ddp(model, dims.dp_mesh, classic=not (dims.tp_enabled or dims.pp_enabled), blocks=blocks)
+        wrapped = apply_fsdp(model, dims.dp_mesh, cfg.zero, blocks, bf16=bf16)
+    elif not dims.dp_enabled:
+        wrapped = model
+    else:
+        classic = not (dims.tp_enabled or dims.pp_enabled)
+        wrapped = apply_ddp(model, dims.dp_mesh, classic=classic, blocks=blocks, init_sync=not restoring)
+    if timings is not None:
+        timings["wrap_s"] = time.perf_counter() - t1
+    return wrapped

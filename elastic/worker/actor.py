@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import collections
 import faulthandler
+import gc
+import logging
 import os
 import signal
 import threading
@@ -46,6 +48,8 @@ from elastic.parallel.dims import MESH_DIM_NAMES, ParallelDims
 from elastic.worker.hooks import StepHook
 from elastic.worker.process_group import ReconfigurableProcessGroup, is_collective_error
 from elastic.worker.trainer import Trainer
+
+logger = logging.getLogger(__name__)
 
 CONCURRENCY_GROUPS = {"train": 1, "control": 4}
 
@@ -84,6 +88,12 @@ class TrainWorker:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
         # Ray sizes the actor's CPU share; torch would otherwise use every core per worker.
         torch.set_num_threads(max(1, int(spec.resources.cpus_per_worker)))
+        # Everything alive now (torch, Ray, imported modules: ~300k objects) lives as long as
+        # the process. Freezing it keeps the full collections that leaving a process group
+        # makes (to release the old group) from scanning it again: ~40 ms saved per
+        # collection here, several times per re-formation (benchmarks/reconfigure_profile.py).
+        gc.collect()
+        gc.freeze()
 
     # ------------------------------------------------------------------ control group
     @ray.method(concurrency_group="control")
@@ -155,11 +165,14 @@ class TrainWorker:
         self.tier.replicate_to(None)  # nothing of the old layout is sent from now on
         dp, tp, pp = req.dims
         self.rank = req.rank
-        init_s = self.group.configure(req.generation, req.rank, dp * tp * pp, req.store)
+        join_s = self.group.configure(req.generation, req.rank, dp * tp * pp, req.store)
         # The mesh's sub-groups connect within the rendezvous timeout, then get the collective one.
+        t_mesh = time.perf_counter()
         dims = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=dp * tp * pp, timeout=self.group.rendezvous_timeout)
         dims.build_mesh(self.device.type)
         self.group.mesh_built([dims.world_mesh[name].get_group() for name in MESH_DIM_NAMES])
+        mesh_s = time.perf_counter() - t_mesh
+        init_s = join_s + mesh_s  # the rendezvous: the group and its mesh sub-groups
         source = None
         if req.read_plan is not None:  # a prepared corpus: read through the replica's host feeder
             from elastic.ingest.feeder import FeederSource
@@ -172,7 +185,7 @@ class TrainWorker:
         t0 = time.perf_counter()
         trainer = Trainer(
             self.spec, dims, req.rank, self.device, self.tier, self.corpus, self._reports, self._stop,
-            hook=self.hook, peak_flops=peak_flops(self.device), source=source,
+            hook=self.hook, peak_flops=peak_flops(self.device), source=source, restoring=req.restore is not None,
         )  # fmt: skip
         build_s = time.perf_counter() - t0
         self.group.built()  # the group's and its mesh's connections, cut on a failure
@@ -184,11 +197,19 @@ class TrainWorker:
         timeout = self.spec.elastic.collective_timeout_s
         peer = req.replica_peer
         self.tier.replicate_to(_sender(peer, timeout) if peer is not None else None, timeout_s=timeout)
-        trainer.start(req.host_index, req.storage_uri)
+        # Hosts stagger their first reads at a cold start (a job's start, or a restore from
+        # storage, when every host reads at once); a re-formation from memory re-opens the
+        # streams of a running job and does not wait (docs/data.md).
+        stagger = not isinstance(req.restore, MemoryRestore)
+        trainer.start(req.host_index if stagger else 0, req.storage_uri)
         self.trainer = trainer
         self._stop.clear()
         self._phase = "ready"
         self._beat = time.monotonic()
+        logger.info(
+            "configure gen %d rank %d: join %.3fs mesh %.3fs build %.3fs restore %.3fs",
+            req.generation, req.rank, join_s, mesh_s, build_s, restore_s,
+        )  # fmt: skip
         return ConfigureReply(req.rank, trainer.step, init_s, build_s, restore_s, bytes_read)
 
     def _restore(self, trainer: Trainer, restore: MemoryRestore | StorageRestore | None) -> int:

@@ -126,7 +126,10 @@ class ReconfigurableProcessGroup:
         """Leave the group so that peers blocked on this rank fail at once, then destroy it.
 
         Call only after dropping this process's own references to the engine and mesh.
+        A second call, with no group left, does nothing.
         """
+        if not dist.is_initialized() and not self._sockets.sockets:
+            return
         if dist.is_initialized() and dist.get_backend() == "nccl":
             try:
                 _abort_nccl()

@@ -49,10 +49,15 @@ class Trainer:
         hook: StepHook | None = None,
         peak_flops: float | None = None,
         source: Any = None,
+        restoring: bool = False,
     ):
         self.spec, self.dims, self.rank, self.tier, self.corpus = spec, dims, rank, tier, corpus
         self.reports, self.stop, self.hook, self.peak_flops = reports, stop, hook, peak_flops
-        self.engine = TrainEngine(spec.model, spec.parallel, spec.train, dims, spec.seed, device=str(device))
+        # ``restoring``: state is loaded right after the build, so the engine skips making
+        # the ranks' fresh weights agree (every rank loads the same state).
+        self.engine = TrainEngine(
+            spec.model, spec.parallel, spec.train, dims, spec.seed, device=str(device), restoring=restoring
+        )
         self.monitor = LossMonitor(spec.elastic.loss_spike_factor)
         self.step = 0
         self.batch_index = 0

@@ -16,6 +16,7 @@ from elastic_testlib import (
 )
 
 from elastic import ElasticTrainer
+from elastic.recovery_timing import PHASES
 from elastic.testing.faults import Fault, FaultInjector, WorkerFaults, worker_fault
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -68,6 +69,13 @@ def test_node_lost_shrinks_then_grows_back(ray_cluster, reference_losses_cluster
     print("recoveries:", result.recoveries)
     # Detected by a failed call or the raylet probe, not by the heartbeat timeout.
     assert rec.cause == "node_lost" and rec.lost_steps == 0 and rec.detect_s < spec.elastic.heartbeat_timeout_s
+    # The breakdown names every phase, and its phases account for the downtime (each is a
+    # driver-clock interval, or the slowest rank's time inside configure: within 5%).
+    assert list(rec.breakdown) == list(PHASES)
+    assert rec.breakdown["detect_s"] == rec.detect_s
+    assert sum(rec.breakdown.values()) == pytest.approx(rec.downtime_s, rel=0.05, abs=0.01)
+    restore = events_of(trainer.run_dir, "restore")[0]
+    assert restore["breakdown"] == {k: v for k, v in rec.breakdown.items() if k != "first_step_s"}
     # Global batch is exact at every DP: grad_accum follows DP.
     for e in events_of(trainer.run_dir, "step"):
         assert e["dp"] * e["grad_accum"] * spec.parallel.micro_batch == spec.train.global_batch

@@ -28,6 +28,17 @@ def test_summary_prints_the_recovery_fields_by_name():
     )
     text = format_summary(result, "/tmp/run")
     assert "node_lost: downtime_s 1.24 (detect_s 0.41 + recover_s 0.83), lost_steps 0" in text
+    assert "where it went" not in text  # no breakdown recorded: none printed
+
+
+def test_summary_prints_the_breakdown_in_phase_order():
+    breakdown = {"detect_s": 0.05, "decide_s": 0.01, "free_s": 0.02, "rendezvous_s": 0.1, "first_step_s": 0.3}
+    rec = Recovery(cause="node_lost", detect_s=0.05, recover_s=0.43, downtime_s=0.48, lost_steps=0, breakdown=breakdown)
+    result = RunResult(
+        status="succeeded", steps=10, final_loss=1.0, wall_s=5.0, mean_tokens_per_s=1.0, failures=1, recoveries=[rec]
+    )
+    text = format_summary(result, "/tmp/run")
+    assert "where it went: detect_s 0.050, decide_s 0.010, free_s 0.020, rendezvous_s 0.100, first_step_s 0.300" in text
 
 
 def test_no_results_file_prints_no_comparison(tmp_path):
