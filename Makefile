@@ -41,7 +41,8 @@ FAST_TESTS := tests/test_memory_model.py tests/test_planner.py tests/test_topolo
 	tests/parallel/test_parallel_dims.py tests/checkpoint/test_memory_tier.py \
 	tests/storage/test_storage_store.py tests/storage/test_storage_fs.py tests/storage/test_storage_dcp.py \
 	tests/test_layers.py tests/elastic/test_recovery_plan.py tests/elastic/test_worker_group_api.py \
-	tests/elastic/test_torch_private_api.py tests/simulator/test_simulator.py tests/tune/test_sweep_space.py
+	tests/elastic/test_torch_private_api.py tests/simulator/test_simulator.py tests/tune/test_sweep_space.py \
+	tests/data/test_waves.py
 
 lint: install
 	$(BIN)/ruff check .
