@@ -190,7 +190,12 @@ def data_wait(moto, corpus, tmp):
             )
             run_dir = os.path.join(tmp, f"wait-{loader}")
             t_start = time.time()
-            ElasticTrainer(s, run_dir=run_dir).fit()
+            try:
+                ElasticTrainer(s, run_dir=run_dir).fit()
+            except Exception as exc:  # noqa: BLE001 - a loader that cannot start is a result too
+                out[loader] = {"failed": f"{type(exc).__name__}: {str(exc)[:300]}", "after_s": time.time() - t_start}
+                print(f"[wait] {loader}: {out[loader]}", flush=True)
+                continue
             first = next(e["ts"] for e in events(run_dir) if e["kind"] == "step")
             steps = [e for e in events(run_dir) if e["kind"] == "step"][5:]
             waits = [e["data_wait_s"] for e in steps]
