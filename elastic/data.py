@@ -55,7 +55,7 @@ class DataConfig(BaseModel):
         "auto",
         description="ray_data: one reader per host shared by the ranks of a replica, reading through Ray Data "
         "(a prepared corpus; otherwise a Ray Data pipeline per rank); feeder: the same host reader with its "
-        "own read threads; native: a prefetch thread per rank; auto: ray_data for a prepared corpus "
+        "own read threads; native: a prefetch thread per rank; auto: feeder for a prepared corpus "
         "(with index.json), native otherwise (docs/data.md)",
     )
     stagger_s: float = Field(0.05, ge=0, description="delay between hosts' first reads (native loader)")

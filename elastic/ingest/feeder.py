@@ -332,8 +332,8 @@ def resolve_loader(data_cfg: Any, uri: str) -> str:
     """``data.loader`` resolved for ``uri``: ``ray_data`` or ``feeder`` (a host feeder, its
     reads run as Ray Data tasks or by its own threads) for a prepared corpus (with an
     ``index.json``); ``native``, or ``ray_data_per_rank`` (the per-rank pipeline,
-    ``elastic.data``) for any other parquet corpus. ``auto`` is ``ray_data`` for a prepared
-    corpus and ``native`` otherwise. The index is looked up once per driver."""
+    ``elastic.data``) for any other parquet corpus. ``auto`` is ``feeder`` for a prepared
+    corpus and ``native`` otherwise (why not ``ray_data``: docs/data.md). The index is looked up once per driver."""
     if data_cfg.loader == "native":
         return "native"
     key = (uri, repr(sorted(data_cfg.storage_options)))
@@ -344,7 +344,7 @@ def resolve_loader(data_cfg: Any, uri: str) -> str:
             log.warning("data.source index lookup failed (%s)", type(exc).__name__)
             _INDEXED[key] = False
     if data_cfg.loader == "auto":
-        return "ray_data" if _INDEXED[key] else "native"
+        return "feeder" if _INDEXED[key] else "native"
     if data_cfg.loader == "ray_data" and not _INDEXED[key]:
         return "ray_data_per_rank"
     return data_cfg.loader

@@ -69,14 +69,14 @@ def _steps(run_dir: str) -> list[dict]:
 
 
 def test_training_from_the_feeder_matches_the_native_reader(local_corpus, tmp_path):
-    assert resolve_loader(_spec(local_corpus, "auto").data, local_corpus) == "ray_data"  # the default path
+    assert resolve_loader(_spec(local_corpus, "auto").data, local_corpus) == "feeder"  # the default path
     got = {}
-    for loader in ("auto", "native"):
+    for loader in ("ray_data", "native"):
         run_dir = str(tmp_path / loader)
         ElasticTrainer(_spec(local_corpus, loader), run_dir=run_dir).fit()
         got[loader] = _steps(run_dir)
-    assert len(got["auto"]) == len(got["native"]) == 10
-    for a, b in zip(got["auto"], got["native"]):
+    assert len(got["ray_data"]) == len(got["native"]) == 10
+    for a, b in zip(got["ray_data"], got["native"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["grad_norm"] == pytest.approx(
             b["grad_norm"], rel=1e-6
         )
