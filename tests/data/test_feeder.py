@@ -68,7 +68,7 @@ def _steps(run_dir: str) -> list[dict]:
     return [e for e in map(json.loads, open(f"{run_dir}/events.jsonl")) if e["kind"] == "step"]
 
 
-def test_training_from_the_feeder_matches_the_native_reader(local_corpus, tmp_path):
+def test_training_through_ray_data_matches_the_native_reader(local_corpus, tmp_path):
     assert resolve_loader(_spec(local_corpus, "auto").data, local_corpus) == "feeder"  # the default path
     got = {}
     for loader in ("ray_data", "native"):
