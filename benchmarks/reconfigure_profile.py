@@ -53,6 +53,8 @@ def _rank(rank: int, world: int, out_dir: str, cfg: dict[str, Any]) -> list[dict
     from elastic.worker.process_group import _drop_torch_group_references
     from jobs import JobSpec
 
+    gc.collect()
+    gc.freeze()  # as the worker does at its start (elastic/worker/actor.py)
     spec = JobSpec.from_dict(spec_dict(10, out_dir))  # data.source must exist; no data is read
     tier = MemoryTier("cpu")
     gen = torch.Generator().manual_seed(rank)

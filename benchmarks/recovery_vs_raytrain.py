@@ -81,8 +81,14 @@ if ROOT not in sys.path:
 NODES = 4
 GLOBAL_BATCH = 12  # divisible by every DP degree from 1 to 4 with micro-batch 1
 MICRO_BATCH = 1
-# 4,207,104 parameters: 16.8 MB of fp32 weights + 33.7 MB of AdamW moments = 50.5 MB of state.
-MODEL = {"n_layers": 4, "d_model": 256, "n_heads": 4, "vocab_size": 2048, "seq_len": 32}
+# ``--model small`` (the default): 4,207,104 parameters, 16.8 MB of fp32 weights + 33.7 MB of
+# AdamW moments = 50.5 MB of state. ``--model 10m``: 11,162,240 parameters (134 MB of state).
+# The choice reaches every side's child process through BENCH_RECOVERY_MODEL.
+MODELS = {
+    "small": {"n_layers": 4, "d_model": 256, "n_heads": 4, "vocab_size": 2048, "seq_len": 32},
+    "10m": {"n_layers": 8, "d_model": 320, "n_heads": 5, "vocab_size": 2048, "seq_len": 32},
+}
+MODEL = MODELS[os.environ.get("BENCH_RECOVERY_MODEL", "small")]
 SIDES = ("ours", "raytrain_tuned", "raytrain_default", "torchft")
 RAY_TUNED_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "5", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
 RAY_TUNED_SYSTEM_CONFIG = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
@@ -92,6 +98,12 @@ DEFAULT_RESULTS = os.path.join(ROOT, "benchmarks", "results", "recovery.json")
 
 
 # --------------------------------------------------------------------------- shared
+
+
+def _param_count(m: dict[str, Any]) -> int:
+    from elastic.model import ModelConfig, build_model
+
+    return sum(p.numel() for p in build_model(ModelConfig(**m), seed=0).parameters())
 
 
 def spec_dict(steps: int, corpus_uri: str) -> dict[str, Any]:
@@ -1047,8 +1059,14 @@ def main(argv: list[str] | None = None) -> int:
         help=f"results JSON (default {os.path.relpath(DEFAULT_RESULTS, ROOT)}; '' to skip)",
     )
     ap.add_argument("--keep", action="store_true", help="keep the working directory (logs, events, progress)")
+    ap.add_argument("--model", choices=sorted(MODELS), default=None, help="model size (default small)")
     ap.add_argument("--_child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.model is not None and MODELS[args.model] is not MODEL:  # re-run with the size fixed for the children
+        env = dict(os.environ, BENCH_RECOVERY_MODEL=args.model)
+        rest = [a for a in (argv if argv is not None else sys.argv[1:]) if a != args.model and a != "--model"]
+        rest = [a for a in rest if not a.startswith("--model=")]
+        return subprocess.call([sys.executable, os.path.abspath(__file__), *rest], env=env)
 
     if args._child:
         with open(args._child) as f:
@@ -1079,13 +1097,15 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.datetime.now(datetime.timezone.utc)
     try:
         m = MODEL
+        state_mb = 12 * _param_count(m) / 1e6  # fp32 weights + two AdamW moments
         corpus = synthetic_corpus(os.path.join(work, "data"), 4000, m["seq_len"], m["vocab_size"], 0)
         spec = spec_dict(args.steps, "file://" + os.path.abspath(corpus))
         spec_path = os.path.join(work, "spec.json")
         write_json(spec_path, spec)
         print(
-            f"{NODES}-node local cluster (head num_cpus=0, {NODES} x num_cpus=1), GPT {m} (50.5 MB of weights + AdamW "
-            f"state), global_batch {GLOBAL_BATCH}, {args.steps} steps (ours and TorchFT: {args.rejoin_steps}, to "
+            f"{NODES}-node local cluster (head num_cpus=0, {NODES} x num_cpus=1), GPT {m} ({state_mb:.1f} MB of "
+            f"weights + AdamW state), global_batch {GLOBAL_BATCH}, {args.steps} steps "
+            f"(ours and TorchFT: {args.rejoin_steps}, to "
             "time a "
             f"returning node {args.return_delay:g} s after the first step at the smaller size); "
             f"the node of rank {args.kill_rank} is killed "

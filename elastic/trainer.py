@@ -15,6 +15,8 @@ from elastic.data import synthetic_corpus
 from elastic.errors import JobFailed
 from elastic.events import EventLog, RunResult, write_summary
 from elastic.progress import ProgressDisplay, format_summary
+from elastic.report.metrics import start_metrics
+from elastic.report.print_report import print_report
 from elastic.worker.hooks import StepHook
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,7 @@ class ElasticTrainer:
         callbacks: list[Any] | None = None,
         step_hook: StepHook | None = None,
         progress: bool = False,
+        report: bool = False,
     ):
         self.spec = spec
         self.run_dir = os.path.abspath(run_dir or spec.run_dir or _default_run_dir(spec.name))
@@ -45,6 +48,7 @@ class ElasticTrainer:
         self.callbacks = list(callbacks or [])
         self.step_hook = step_hook  # acts inside every worker step (fault injection: docs/faults.md)
         self.progress = progress
+        self.report = report  # write RUN_DIR/report at the end and print its path (docs/observability.md)
         self.result: RunResult | None = None
 
     @property
@@ -57,6 +61,9 @@ class ElasticTrainer:
         events = EventLog(self.run_dir)
         if self.progress:
             events.subscribe(ProgressDisplay(self.spec.train.steps))
+        metrics = start_metrics(os.path.basename(self.run_dir))  # live Ray metrics (docs/observability.md)
+        if metrics is not None:
+            events.subscribe(metrics)
         try:
             corpus = self._prepare_data()
             resume = self._resume_point() if self.resume else None
@@ -69,6 +76,8 @@ class ElasticTrainer:
                 resume=resume,
                 storage_uri=self.checkpoint_uri,
             )
+            if metrics is not None:
+                metrics.recoveries = lambda: controller.recoveries
             try:
                 self.result = controller.run()
             except JobFailed as exc:
@@ -87,6 +96,8 @@ class ElasticTrainer:
                     cb.close()
             if started_ray:
                 ray.shutdown()
+            if self.report:
+                print_report(self.run_dir)
         return self.result
 
     def _prepare_data(self) -> str:

@@ -95,6 +95,12 @@ class WorkerGroup:
     def request_capacity(self) -> None:
         self.slots.request(self.spec.elastic.max_dp)
 
+    def exclude_nodes(self, nodes: list[str]) -> None:
+        """Lemon nodes (docs/health.md): no replica is placed on them again in this job."""
+        # Workers already there stay until they fail or are evicted: only new placements avoid them.
+        self.slots.exclude(set(nodes), keep={id(m.group) for m in self.members if not m.dead})
+        self.request_capacity()
+
     def spare_groups(self, timeout: float = 0.0) -> list[Any]:
         """Ready placement groups that host no member: capacity to grow into."""
         used = {id(m.group) for m in self.members}
@@ -290,13 +296,13 @@ class WorkerGroup:
         running = [m for m in self.members if m.run_ref is not None and m.run_result is None]
         for m in self.members:
             if m.poll_ref is None and not m.dead:
-                m.poll_ref = m.actor.poll.remote()
+                m.poll_ref = m.actor.poll.remote(POLL_INTERVAL_S)  # a long poll: back with the next report
         polls = [m.poll_ref for m in self.members if m.poll_ref is not None]
         runs = [m.run_ref for m in running]
         if runs:
-            # Back as soon as any rank leaves run() (a failure is seen at once); polls
-            # answered meanwhile are read now or at the next look.
-            ray.wait(runs, num_returns=1, timeout=timeout)
+            # Back as soon as any rank leaves run() (a failure is seen at once) or a poll
+            # brings a report; other polls answered meanwhile are read now or at the next look.
+            ray.wait(runs + polls, num_returns=1, timeout=timeout)
         elif polls:
             ray.wait(polls, num_returns=len(polls), timeout=timeout)
         now = time.monotonic()

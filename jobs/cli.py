@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     from jobs.sweep import add_arguments as sweep_arguments
 
     sweep_arguments(sub.add_parser("sweep", help="Ray Tune sweep over parallel configurations (docs/sweep.md)"))
+
+    from elastic.report import cli as report_cli
+
+    report_cli.add_arguments(sub.add_parser("report", help="figures and report.md of a run (docs/observability.md)"))
     return p
 
 
@@ -118,6 +122,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from jobs.sweep import main as sweep_main
 
         return sweep_main(args)
+    if args.command == "report":
+        from elastic.report import cli as report_cli
+
+        return report_cli.main(args)
     if args.command == "schema":
         from jobs.spec import JobSpec
 
@@ -159,6 +167,7 @@ def cmd_run(
         progress=True,
         callbacks=callbacks,
         step_hook=step_hook,
+        report=True,
     )
     result = trainer.fit()
     return EXIT_OK if result.status == "succeeded" else EXIT_FAILED
@@ -203,6 +212,7 @@ def _run_on_embedded_cluster(spec, run_dir, address, resume, driver_faults, step
             progress=True,
             callbacks=[injector],
             step_hook=step_hook,
+            report=True,
         )
         result = trainer.fit()
     finally:

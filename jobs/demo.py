@@ -28,7 +28,7 @@ def run_demo(run_dir: str | None = None, inject_fault: bool = True) -> int:
 
     spec = JobSpec.from_yaml(EXAMPLE)
     if not inject_fault:
-        result = ElasticTrainer(spec, run_dir=run_dir, progress=True).fit()
+        result = ElasticTrainer(spec, run_dir=run_dir, progress=True, report=True).fit()
         return 0 if result.status == "succeeded" else 1
 
     logging.getLogger("ray").setLevel(logging.ERROR)
@@ -55,7 +55,7 @@ def run_demo(run_dir: str | None = None, inject_fault: bool = True) -> int:
     )
     print(f"plan: kill a worker node after step {KILL_AT_STEP}, bring one back {RETURN_AFTER_S:g}s later\n", flush=True)
     try:
-        trainer = ElasticTrainer(spec, run_dir=run_dir, callbacks=[injector], progress=True)
+        trainer = ElasticTrainer(spec, run_dir=run_dir, callbacks=[injector], progress=True, report=True)
         result = trainer.fit()
     finally:
         ray.shutdown()
@@ -79,6 +79,8 @@ def _explain(result) -> None:
             f"{r.detect_s:.2f}s (detect_s), then {r.recover_s:.2f}s to that step (recover_s); {r.lost_steps} step(s) "
             f"of work lost (lost_steps)"
         )
+        if r.breakdown:
+            print("  where the downtime went: " + ", ".join(f"{k} {v:.3f}s" for k, v in r.breakdown.items()))
     line = benchmark_comparison(RESULTS)
     if line:
         print(line)

@@ -76,7 +76,7 @@ class TrainWorker:
         self.device = self._pick_device()
         self.tier = MemoryTier(self.device.type)
         self.group = ReconfigurableProcessGroup(self.device.type, spec.elastic.collective_timeout_s)
-        self._reports: collections.deque = collections.deque()
+        self._reports = ReportQueue()
         self._beat = time.monotonic()
         self._phase = "idle"
         self._stop = threading.Event()
@@ -103,8 +103,16 @@ class TrainWorker:
     # Task events (Ray's per-task state records sent to the GCS) are off for the polls: they
     # come several times a second per rank and nobody reads them.
     @ray.method(concurrency_group="control", enable_task_events=False)
-    def poll(self) -> PollReply:
-        """Heartbeat: progress counters plus the reports produced since the last poll."""
+    def poll(self, wait_s: float = 0.0) -> PollReply:
+        """Heartbeat: progress counters plus the reports produced since the last poll.
+
+        With ``wait_s``, a long poll: it answers as soon as a report is produced, or after
+        ``wait_s`` with none, so that a step's result reaches the driver within
+        milliseconds rather than at its next look.
+        """
+        if wait_s > 0 and not self._reports:
+            self._reports.ready.wait(wait_s)
+        self._reports.ready.clear()
         drained = []
         while self._reports:
             drained.append(self._reports.popleft())
@@ -280,6 +288,18 @@ class TrainWorker:
             self.trainer.close()
             self.trainer = None
         self.group.leave()
+
+
+class ReportQueue(collections.deque):
+    """The reports the worker's poll hands over; ``ready`` is set by every append."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ready = threading.Event()
+
+    def append(self, item: Any) -> None:
+        super().append(item)
+        self.ready.set()
 
 
 def _sender(peer: Any, timeout_s: float):

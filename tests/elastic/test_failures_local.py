@@ -169,6 +169,9 @@ def test_fault_flag_from_the_command_line(ray_local, reference_losses, tmp_path)
     summary = __import__("json").load(open(f"{run_dir}/summary.json"))
     assert summary["status"] == "succeeded" and summary["steps"] == STEPS and summary["failures"] == 1
     assert_matches_reference(step_metrics(run_dir), reference_losses, rel=REL_SAME_ORDER)
+    # `elastic run` ends by writing the report and printing its path (docs/observability.md).
+    report = f"{run_dir}/report/report.md"
+    assert f"report            {report}" in proc.stdout and __import__("os").path.isfile(report), proc.stdout[-1000:]
 
 
 def test_members_lost_mid_rendezvous_again_and_again(ray_local, reference_losses, tmp_path):

@@ -1,0 +1,150 @@
+"""A real node loss on a 4-node Ray cluster, seen two ways: the live metrics read from Ray's
+Prometheus endpoint during the run, and ``elastic report`` on its run directory afterwards."""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "elastic"))
+from elastic_testlib import FAULT_STEP, STEPS, elastic_spec, events_of  # noqa: E402
+
+from elastic import ElasticTrainer  # noqa: E402
+from elastic.report import load_run, scale_factors, write_report  # noqa: E402
+from elastic.testing.faults import Fault, FaultInjector, WorkerFaults, worker_fault  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+SAMPLE = re.compile(r"^(\w+)\{(.*)\} (\S+)$")
+LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+@pytest.fixture
+def fast_metrics(monkeypatch):
+    """Ray's processes flush metrics every RAY_metrics_report_interval_ms (10 s by default);
+    every 0.5 s here so that a short run shows up. Set before the cluster starts."""
+    monkeypatch.setenv("RAY_metrics_report_interval_ms", "500")
+
+
+def scrape(run: str) -> dict[tuple[str, tuple], float]:
+    """Every ``ray_elastic_*`` sample of this run on every node's metrics export endpoint,
+    keyed by (name, the labels other than Ray's own)."""
+    import ray
+
+    samples = {}
+    for node in ray.nodes():
+        if not node["Alive"]:
+            continue
+        url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+        try:
+            body = urllib.request.urlopen(url, timeout=2).read().decode()
+        except OSError:
+            continue
+        for line in body.splitlines():
+            m = SAMPLE.match(line)
+            if not m or not m.group(1).startswith("ray_elastic_"):
+                continue
+            labels = dict(LABEL.findall(m.group(2)))
+            if labels.get("run") != run:
+                continue
+            key = tuple(sorted((k, v) for k, v in labels.items() if k in ("cause", "tier", "le")))
+            samples[(m.group(1), key)] = float(m.group(3))
+    return samples
+
+
+class Scraper(threading.Thread):
+    """Scrapes the endpoints every 0.2 s; keeps (time, samples) and the latest value of each
+    sample. (Ray exports a gauge only in the flushes after it was set: once the run stops
+    setting it, it leaves the endpoint, so the last values are caught while they are there.)"""
+
+    def __init__(self, run: str):
+        super().__init__(daemon=True)
+        self.run_name, self.scrapes, self.latest, self.stop = run, [], {}, threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(0.2):
+            s = scrape(self.run_name)
+            if s:
+                self.scrapes.append((time.time(), s))
+                self.latest = {**self.latest, **s}
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def test_node_loss_live_metrics_and_report(fast_metrics, ray_cluster, tmp_path):
+    spec = elastic_spec(min_dp=1, max_dp=4)
+    run_dir = str(tmp_path / "run")
+    run = os.path.basename(run_dir)
+    injector = FaultInjector([Fault("kill_node", at_step=FAULT_STEP, node_index=1)], cluster=ray_cluster)
+    # Steps of at least 0.15 s: the run lasts long enough for a few metric flushes.
+    slow = WorkerFaults([worker_fault("slow", step=1, rank=r, seconds=0.15) for r in range(4)])
+    scraper = Scraper(run)
+    scraper.start()
+    try:
+        result = ElasticTrainer(spec, run_dir=run_dir, callbacks=[injector], step_hook=slow).fit()
+
+        def final():  # the last flush after the last step
+            s = scraper.latest
+            done = s.get(("ray_elastic_step", ())) == STEPS
+            return s if done and ("ray_elastic_last_recovery_downtime_s", ()) in s else None
+
+        try:
+            s = wait_for(final, 30, "the final metric values")
+        finally:
+            print("latest samples:", scraper.latest)
+    finally:
+        scraper.stop.set()
+        scraper.join(timeout=10)
+    assert result.status == "succeeded" and result.steps == STEPS
+    assert [dp for _, dp in result.dp_history] == [4, 3]
+    job_end = events_of(run_dir, "job_end")[0]["ts"]
+
+    # Live: the endpoint showed the run's progress before it ended.
+    during = [(t, s) for t, s in scraper.scrapes if t < job_end and s.get(("ray_elastic_step", ())) is not None]
+    assert during, f"no elastic metric on the endpoint during the run ({len(scraper.scrapes)} scrapes)"
+    print(f"{len(during)} scrapes during the run; first at step {during[0][1][('ray_elastic_step', ())]:.0f}")
+
+    # After the last flush: the final values, equal to what events.jsonl and summary.json say.
+    steps = events_of(run_dir, "step")
+    rec = result.recoveries[0]
+    assert s[("ray_elastic_dp", ())] == 3
+    assert s[("ray_elastic_failures_total", (("cause", "node_lost"),))] == 1
+    assert s[("ray_elastic_steps_completed_total", ())] == len(steps)
+    assert s[("ray_elastic_step_duration_s_count", ())] == len(steps)
+    assert abs(s[("ray_elastic_last_recovery_downtime_s", ())] - rec.downtime_s) < 1e-9
+    assert abs(s[("ray_elastic_loss", ())] - steps[-1]["loss"]) < 1e-6 * abs(steps[-1]["loss"])
+    assert abs(s[("ray_elastic_tokens_per_s", ())] - steps[-1]["tokens_per_s"]) < 1e-6 * steps[-1]["tokens_per_s"]
+    assert abs(s[("ray_elastic_data_wait_s", ())] - steps[-1]["data_wait_s"]) < 1e-9
+
+    # The report, against figures computed here from events.jsonl.
+    t = time.perf_counter()
+    md_path = write_report(run_dir)
+    print(f"report written in {time.perf_counter() - t:.2f}s")
+    md = open(md_path).read()
+    out = os.path.dirname(md_path)
+    for name in ("loss.png", "throughput.png", "timeline.png", "step_breakdown.png"):
+        assert os.path.getsize(os.path.join(out, name)) > 20_000, name
+    med = {dp: statistics.median(e["tokens_per_s"] for e in steps if e["dp"] == dp) for dp in (3, 4)}
+    factor4 = med[4] / (4 * med[3] / 3)
+    assert abs(scale_factors(load_run(run_dir).steps)[4] - factor4) < 1e-12
+    assert f"| 4 | {med[4]:,.0f} | {sum(e['dp'] == 4 for e in steps)} | {factor4:.3f} |" in md
+    failure = events_of(run_dir, "failure")[0]
+    before = max(e["ts"] for e in steps if e["ts"] <= failure["ts"])
+    after = min(e["ts"] for e in steps if e["ts"] > failure["ts"])
+    assert f"| node_lost | {failure['ranks']} | {after - before:.2f} | {rec.downtime_s:.2f} |" in md
+    assert "DP over the run: 4 -> 3" in md
