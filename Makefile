@@ -45,7 +45,8 @@ FAST_TESTS := tests/test_memory_model.py tests/test_planner.py tests/test_topolo
 	tests/report/test_report_units.py tests/elastic/test_diagnosis.py tests/elastic/test_recovery_report.py \
 	tests/elastic/test_health_units.py \
 	tests/test_stop_signals.py \
-	tests/test_topology_placement.py
+	tests/test_topology_placement.py \
+	tests/data/test_waves.py
 
 lint: install
 	$(BIN)/ruff check .

@@ -7,7 +7,7 @@
    after it), with ``data.waves: 4`` against ``data.waves: 1``; the bound is
    ``ceil(hosts / waves) * max_reads_per_host``.
 2. **Data wait**: the quickstart model from ``s3://`` at dp 4; steady state (steps after the
-   first 5): sum of ``data_wait_s`` over sum of ``step_time_s``, feeder against the native
+   first 5): sum of ``data_wait_s`` over sum of ``step_time_s``, ray_data and feeder against the native
    reader.
 3. **Prepare throughput**: ``elastic prepare`` on the cluster against a plain single-process
    loop (read, ``encode_batch`` with the same tokenizer, pack, write the same shards) on the
@@ -176,7 +176,7 @@ def data_wait(moto, corpus, tmp):
     out = {}
     c = cluster(4)
     try:
-        for loader in ("feeder", "native"):
+        for loader in ("ray_data", "feeder", "native"):
             s = spec(
                 corpus,
                 moto.options(),
@@ -189,7 +189,14 @@ def data_wait(moto, corpus, tmp):
                 data__loader=loader,
             )
             run_dir = os.path.join(tmp, f"wait-{loader}")
-            ElasticTrainer(s, run_dir=run_dir).fit()
+            t_start = time.time()
+            try:
+                ElasticTrainer(s, run_dir=run_dir).fit()
+            except Exception as exc:  # noqa: BLE001 - a loader that cannot start is a result too
+                out[loader] = {"failed": f"{type(exc).__name__}: {str(exc)[:300]}", "after_s": time.time() - t_start}
+                print(f"[wait] {loader}: {out[loader]}", flush=True)
+                continue
+            first = next(e["ts"] for e in events(run_dir) if e["kind"] == "step")
             steps = [e for e in events(run_dir) if e["kind"] == "step"][5:]
             waits = [e["data_wait_s"] for e in steps]
             times = [e["step_time_s"] for e in steps]
@@ -199,6 +206,7 @@ def data_wait(moto, corpus, tmp):
                 "median_wait_s": statistics.median(waits),
                 "max_wait_s": max(waits),
                 "median_step_s": statistics.median(times),
+                "first_step_after_s": first - t_start,  # start-up: cluster join, build, first reads
             }
             print(f"[wait] {loader}: {out[loader]}", flush=True)
     finally:

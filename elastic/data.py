@@ -12,10 +12,11 @@ The only training-state a resume needs is ``batch_index``: the next batch to rea
 
 Reading is per DP rank with a bounded background prefetch (``prefetch_steps`` batches
 ahead), from the replica's host feeder for a corpus made by ``elastic prepare``
-(``loader: feeder``, ``elastic/ingest/feeder.py``: one read per host, staggered in
-``data.waves``), by a thread that reads the parquet row groups itself (``loader: native``;
-hosts start ``stagger_s * host_index`` apart) or from a Ray Data pipeline per rank
-(``loader: ray_data``), all in the same order. See docs/data.md.
+(``loader: ray_data`` or ``feeder``, ``elastic/ingest/feeder.py``: one read per host, as Ray
+Data tasks or by its own threads, staggered in ``data.waves``), by a thread that reads the
+parquet row groups itself (``loader: native``; hosts start ``stagger_s * host_index`` apart)
+or from a Ray Data pipeline per rank (``loader: ray_data`` on a corpus without an index),
+all in the same order. See docs/data.md.
 """
 
 from __future__ import annotations
@@ -52,9 +53,10 @@ class DataConfig(BaseModel):
     prefetch_steps: int = Field(2, ge=0, description="batches read ahead per rank")
     loader: Literal["auto", "feeder", "native", "ray_data"] = Field(
         "auto",
-        description="feeder: one reader per host shared by the ranks of a replica (prepared corpora, "
-        "docs/data.md); native: a prefetch thread per rank; ray_data: a Ray Data pipeline per rank; "
-        "auto: feeder for a prepared corpus (with index.json), native otherwise",
+        description="ray_data: one reader per host shared by the ranks of a replica, reading through Ray Data "
+        "(a prepared corpus; otherwise a Ray Data pipeline per rank); feeder: the same host reader with its "
+        "own read threads; native: a prefetch thread per rank; auto: feeder for a prepared corpus "
+        "(with index.json), native otherwise (docs/data.md)",
     )
     stagger_s: float = Field(0.05, ge=0, description="delay between hosts' first reads (native loader)")
     waves: int = Field(
@@ -63,7 +65,9 @@ class DataConfig(BaseModel):
         description="hosts start reading in this many groups, at start-up and after "
         "every resize or restore (docs/data.md)",
     )
-    max_reads_per_host: int = Field(2, ge=1, description="storage reads in flight per host (feeder loader)")
+    max_reads_per_host: int = Field(
+        2, ge=1, description="storage reads in flight per host (host readers, and checkpoint restore)"
+    )
     storage_options: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("source")

@@ -14,7 +14,8 @@ position with the current schedule: exactly what a fault-free run has at that st
 Staggered restore from storage: replicated state is read by DP rank 0 of each (pp, tp)
 coordinate only, and broadcast over the DP group of the freshly built mesh, so storage
 serves the state once (1x), not once per replica. DP-sharded state (FSDP) is read by its
-owner, again once in total.
+owner, again once in total. With ``data.waves`` or ``data.max_reads_per_host``, the reading
+ranks also read in rounds by host (``load_from_storage``), so storage is not stampeded.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from elastic.checkpoint.memory_tier import Snapshot, unflatten_state
 from elastic.checkpoint.storage_tier import open_store, scrub, walk_state
+from elastic.ingest.rounds import read_rounds
 from storage import CheckpointReader, SnapshotReader, load_into, redact_uri
 from storage.errors import LayoutMismatch
 from storage.records import ShardRecord
@@ -171,13 +173,23 @@ def _broadcast(batch: dict[str, Any], group: Any, lead: bool) -> int:
 
 
 def load_from_storage(
-    engine: Any, step: int, uri: str, storage_options: dict[str, Any] | None
+    engine: Any,
+    step: int,
+    uri: str,
+    storage_options: dict[str, Any] | None,
+    waves: int = 1,
+    max_reads_per_host: int = 0,
+    host: str | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Staggered restore of checkpoint ``step`` under ``uri`` into ``engine``.
 
     Every rank of the new group calls this at the same time (it broadcasts over DP).
-    Returns the checkpoint's plain objects and what this rank moved: ``bytes_read`` from
-    storage, ``broadcast_bytes`` received from its DP leader.
+    ``waves`` and ``max_reads_per_host`` (``data.waves``, ``data.max_reads_per_host``; 0: no
+    cap) stagger the reading ranks by host, like the data reads (docs/data.md): then every
+    reader reads all it needs in its round, the rounds separated by barriers of the whole
+    group, and the DP broadcasts follow. ``host`` names this rank's host (default: its Ray
+    node, or the machine's name). Returns the checkpoint's plain objects and what this rank
+    moved: ``bytes_read`` from storage, ``broadcast_bytes`` received from its DP leader.
     """
     t0 = time.perf_counter()
     store = open_store(uri, storage_options)
@@ -186,28 +198,42 @@ def load_from_storage(
     lead = engine.coords.dp_rank == 0
     shared = {k: v for k, v in tensors.items() if group is not None and _replicated_over_dp(v)}
     own = {k: v for k, v in tensors.items() if k not in shared}
-    reader = _TensorReader(store, step) if lead or own else None
-    objects = CheckpointReader.read_objects(reader) if lead else None
-    if group is not None:
-        box = [objects]
-        dist.broadcast_object_list(box, group=group, group_src=0)
-        objects = box[0]
-    received = 0
-    for batch in _batches(shared):  # the leader reads a batch while the others wait for it
-        if lead:
-            load_into(reader, batch)
-        moved = _broadcast(batch, group, lead)
-        received += 0 if lead else moved
-    if own:
-        load_into(reader, own)
+    my_round, rounds = _my_round(lead or bool(own), waves, max_reads_per_host, host)
+    stats: dict[str, Any] = {"step": step, "read_round": my_round, "read_rounds": rounds}
+    reader, objects, received = None, None, 0
+    if rounds > 1:  # staggered: read everything in this rank's round, then broadcast
+        for r in range(rounds):
+            if r == my_round:
+                stats["read_started_at"] = time.time()
+                reader = _TensorReader(store, step)
+                objects = CheckpointReader.read_objects(reader) if lead else None
+                if lead and shared:
+                    load_into(reader, shared)
+                if own:
+                    load_into(reader, own)
+                stats["read_ended_at"] = time.time()
+            dist.barrier()
+        objects = _broadcast_objects(objects, group)
+        for batch in _batches(shared):
+            moved = _broadcast(batch, group, lead)
+            received += 0 if lead else moved
+    else:
+        reader = _TensorReader(store, step) if lead or own else None
+        objects = _broadcast_objects(CheckpointReader.read_objects(reader) if lead else None, group)
+        for batch in _batches(shared):  # the leader reads a batch while the others wait for it
+            if lead:
+                load_into(reader, batch)
+            moved = _broadcast(batch, group, lead)
+            received += 0 if lead else moved
+        if own:
+            load_into(reader, own)
     finish_load(engine, tensors, target_objects, objects)
-    stats = {
-        "step": step,
-        "bytes_read": reader.bytes_read if reader else 0,
-        "data_bytes_read": reader.data_bytes_read if reader else 0,
-        "broadcast_bytes": received,
-        "duration_s": time.perf_counter() - t0,
-    }
+    stats.update(
+        bytes_read=reader.bytes_read if reader else 0,
+        data_bytes_read=reader.data_bytes_read if reader else 0,
+        broadcast_bytes=received,
+        duration_s=time.perf_counter() - t0,
+    )
     log.info(
         "restored step %d from %s: read %d bytes from storage (%d tensor data), %d bytes by DP broadcast, %.2fs",
         step,
@@ -218,6 +244,36 @@ def load_from_storage(
         stats["duration_s"],
     )
     return objects, stats
+
+
+def _broadcast_objects(objects: Any, group: Any) -> Any:
+    if group is None:
+        return objects
+    box = [objects]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return box[0]
+
+
+def _my_round(reads: bool, waves: int, max_reads_per_host: int, host: str | None) -> tuple[int | None, int]:
+    """This rank's read round and the number of rounds (``elastic.ingest.rounds``); one
+    round, and no collective, when nothing is staggered."""
+    if (waves <= 1 and max_reads_per_host <= 0) or not dist.is_initialized() or dist.get_world_size() == 1:
+        return (0 if reads else None), 1
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (host or _host_name()) if reads else None)
+    rounds, n = read_rounds(everyone, waves, max_reads_per_host)
+    return rounds[dist.get_rank()], n
+
+
+def _host_name() -> str:
+    """This process's Ray node (the test clusters' nodes share one machine), else the machine."""
+    import socket
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return ray.get_runtime_context().get_node_id()
+    return socket.gethostname()
 
 
 def latest_storage_step(spec: Any, uri: str) -> int | None:

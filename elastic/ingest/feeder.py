@@ -24,8 +24,8 @@ import pyarrow.parquet as pq
 import ray
 
 from elastic.ingest.index import read_index, sha256
+from elastic.ingest.rounds import wave_of
 from elastic.ingest.waves import gate as get_gate
-from elastic.ingest.waves import wave_of
 from storage import open_storage
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,10 @@ class HostFeeder:
         hosts: int,
         waves: int,
         timeout_s: float,
+        engine: str = "threads",
     ):
-        self.root, self.storage_options = root, storage_options
+        self.root, self.storage_options, self.engine = root, storage_options, engine
+        self._window_busy = False  # engine "ray_data": a Ray Data pipeline is reading a window
         self.fs = open_storage(root, storage_options).fs
         self.index = None  # read after this host's wave opens: the index is a read too
         self.wave = wave_of(host_index, hosts, waves)
@@ -120,7 +122,15 @@ class HostFeeder:
                 low = self._low_unit()
                 for k in [k for k in self._units if k < low]:
                     del self._units[k]
-                if len(self._inflight) < self.max_reads and self._next_unit < low + self.lookahead:
+                if self.engine == "ray_data":
+                    if not self._window_busy and self._next_unit < low + self.lookahead:
+                        window = list(range(self._next_unit, low + self.lookahead))
+                        self._next_unit = window[-1] + 1
+                        self._inflight.update(window)
+                        self._window_busy = True
+                        threading.Thread(target=self._read_window, args=(window,), daemon=True).start()
+                        continue
+                elif len(self._inflight) < self.max_reads and self._next_unit < low + self.lookahead:
                     k = self._next_unit
                     self._next_unit += 1
                     self._inflight.add(k)
@@ -132,10 +142,7 @@ class HostFeeder:
         shard = self.index.shards[k % self.n]
         try:
             data = self.fs.cat_file(self.index.uri(shard))  # one GET
-            if sha256(data) != shard.sha256:
-                raise OSError(f"{shard.path}: checksum mismatch (damaged or replaced shard)")
-            col = pq.read_table(io.BytesIO(data), columns=["tokens"]).column("tokens").combine_chunks()
-            rows = col.flatten().to_numpy().astype(np.int32, copy=False).reshape(len(col), -1)
+            rows = _decode_shard(data, shard.sha256, shard.path)
             with self._lock:
                 self.stats["gets"] += 1
                 self.stats["bytes_read"] += len(data)
@@ -146,6 +153,46 @@ class HostFeeder:
         finally:
             with self._lock:
                 self._inflight.discard(k)
+                self._lock.notify_all()
+
+    def _read_window(self, window: list[int]) -> None:
+        """Engine ``ray_data``: read shards ``window`` (in order) as a Ray Data pipeline whose
+        read tasks run on this node with no CPU, at most ``max_reads`` at once."""
+        import ray.data
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        try:
+            ctx = ray.data.DataContext.get_current()
+            ctx.execution_options.preserve_order = True
+            ctx.enable_progress_bars = False
+            files = {
+                k: (self.index.uri(self.index.shards[k % self.n]), self.index.shards[k % self.n].sha256) for k in window
+            }
+            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+            ds = ray.data.from_items([{"unit": k} for k in window], override_num_blocks=len(window)).map_batches(
+                _read_units,
+                fn_kwargs={"files": files, "storage_options": self.storage_options},
+                batch_size=1,
+                batch_format="numpy",
+                compute=ray.data.TaskPoolStrategy(size=self.max_reads),
+                num_cpus=0,
+                scheduling_strategy=here,
+            )
+            for batch in ds.iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=0):
+                k, rows = int(batch["unit"][0]), np.asarray(batch["tokens"][0], dtype=np.int32)
+                with self._lock:
+                    self.stats["gets"] += 1
+                    self.stats["bytes_read"] += int(batch["nbytes"][0])
+                    self._units[k] = rows
+                    self._inflight.discard(k)
+                    self._lock.notify_all()
+        except BaseException as exc:  # surfaced to every caller of rows()
+            with self._lock:
+                self._error = exc
+        finally:
+            with self._lock:
+                self._window_busy = False
+                self._inflight.difference_update(window)
                 self._lock.notify_all()
 
     # ------------------------------------------------------------------ serving
@@ -206,6 +253,31 @@ class HostFeeder:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _decode_shard(data: bytes, digest: str, name: str) -> np.ndarray:
+    """A shard's bytes, verified against the index's sha256, as int32 rows."""
+    if sha256(data) != digest:
+        raise OSError(f"{name}: checksum mismatch (damaged or replaced shard)")
+    col = pq.read_table(io.BytesIO(data), columns=["tokens"]).column("tokens").combine_chunks()
+    return col.flatten().to_numpy().astype(np.int32, copy=False).reshape(len(col), -1)
+
+
+_FS: dict[str, Any] = {}  # per read-task process: fsspec filesystem by options
+
+
+def _read_units(batch: dict[str, np.ndarray], files: dict[int, tuple[str, str]], storage_options: dict[str, Any]):
+    """Ray Data map stage of engine ``ray_data``: shard numbers -> their rows (one GET each)."""
+    rows, sizes = [], []
+    for k in batch["unit"]:
+        uri, digest = files[int(k)]
+        key = repr(sorted(storage_options.items()))
+        if key not in _FS:
+            _FS[key] = open_storage(uri, storage_options).fs
+        data = _FS[key].cat_file(uri)
+        rows.append(_decode_shard(data, digest, uri.rsplit("/", 1)[-1]))
+        sizes.append(len(data))
+    return {"unit": batch["unit"], "tokens": np.stack(rows), "nbytes": np.asarray(sizes, dtype=np.int64)}
+
+
 def open_feeder(
     plan: dict[str, Any], uri: str, data_cfg: Any, global_batch: int, start_row: int, timeout_s: float, gen: int = 0
 ):
@@ -239,6 +311,7 @@ def open_feeder(
         plan["hosts"],
         data_cfg.waves,
         timeout_s * (data_cfg.waves + 1),  # a late wave waits for the earlier ones first
+        plan.get("engine", "threads"),
     )
 
 
@@ -252,35 +325,43 @@ def feeder_batches(feeder, layout: Any, dp_rank: int, start_batch: int, timeout_
         b += 1
 
 
-_LOADER_CACHE: dict[tuple[str, str], str] = {}
+_INDEXED: dict[tuple[str, str], bool] = {}
 
 
 def resolve_loader(data_cfg: Any, uri: str) -> str:
-    """``data.loader`` with ``auto`` resolved: ``feeder`` when ``uri`` is a prepared corpus
-    (it has an ``index.json``), ``native`` otherwise. Looked up once per driver."""
-    if data_cfg.loader != "auto":
-        return data_cfg.loader
+    """``data.loader`` resolved for ``uri``: ``ray_data`` or ``feeder`` (a host feeder, its
+    reads run as Ray Data tasks or by its own threads) for a prepared corpus (with an
+    ``index.json``); ``native``, or ``ray_data_per_rank`` (the per-rank pipeline,
+    ``elastic.data``) for any other parquet corpus. ``auto`` is ``feeder`` for a prepared
+    corpus and ``native`` otherwise (why not ``ray_data``: docs/data.md). The index is looked up once per driver."""
+    if data_cfg.loader == "native":
+        return "native"
     key = (uri, repr(sorted(data_cfg.storage_options)))
-    if key not in _LOADER_CACHE:
+    if key not in _INDEXED:
         try:
-            found = read_index(uri, data_cfg.storage_options) is not None
+            _INDEXED[key] = read_index(uri, data_cfg.storage_options) is not None
         except Exception as exc:  # noqa: BLE001 - unreadable here: let the native reader report it
-            log.warning("data.source index lookup failed (%s): using the native loader", type(exc).__name__)
-            found = False
-        _LOADER_CACHE[key] = "feeder" if found else "native"
-    return _LOADER_CACHE[key]
+            log.warning("data.source index lookup failed (%s)", type(exc).__name__)
+            _INDEXED[key] = False
+    if data_cfg.loader == "auto":
+        return "feeder" if _INDEXED[key] else "native"
+    if data_cfg.loader == "ray_data" and not _INDEXED[key]:
+        return "ray_data_per_rank"
+    return data_cfg.loader
 
 
 def read_plans(spec: Any, uri: str, node_ids: list[str], generation: int) -> list[dict[str, Any] | None]:
-    """Per rank (in rank order): its ``ReadPlan`` as a dict, or None when the feeder is not used."""
-    if resolve_loader(spec.data, uri) != "feeder":
+    """Per rank (in rank order): its ``ReadPlan`` as a dict, or None when no feeder is used."""
+    loader = resolve_loader(spec.data, uri)
+    if loader not in ("feeder", "ray_data"):
         return [None] * len(node_ids)
     import uuid
 
     from elastic.ingest.waves import read_plans as plans
 
     epoch = f"{generation}-{uuid.uuid4().hex[:8]}"
-    return [p.as_dict() for p in plans(node_ids, spec.parallel.replica_size, epoch)]
+    engine = "ray_data" if loader == "ray_data" else "threads"
+    return [dict(p.as_dict(), engine=engine) for p in plans(node_ids, spec.parallel.replica_size, epoch)]
 
 
 class FeederSource:

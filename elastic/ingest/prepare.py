@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from elastic.errors import SpecError
@@ -92,6 +93,23 @@ def list_inputs(uri: str, storage_options: dict[str, Any] | None = None) -> tupl
     return fs, files
 
 
+BLOCK_BYTES = 8 << 20  # input bytes per Ray Data block when --blocks is not given
+
+
+def _blocks(fs: Any, files: list[str]) -> int:
+    """Read blocks: one per ``BLOCK_BYTES`` of input, at most one per cluster CPU. A small
+    input is one block: each extra block is a task, and often a worker process, to start,
+    which costs more than it saves below a few MB (docs/data.md, "Throughput")."""
+    import ray
+
+    try:
+        size = sum(int(fs.size(f) or 0) for f in files)
+    except (OSError, TypeError):
+        return max(1, int(ray.cluster_resources().get("CPU", 1)))
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    return max(1, min(cpus, -(-size // BLOCK_BYTES)))
+
+
 def infer_format(files: list[str], given: str | None) -> str:
     if given:
         if given not in FORMATS:
@@ -117,30 +135,57 @@ def _dataset(fmt: str, fs: Any, files: list[str], text_field: str, blocks: int |
     else:  # one document per file
         ds = ray.data.read_binary_files(files, **kw)
         return ds.map_batches(_decode_files, batch_format="pyarrow")
-    names = ds.schema().names
-    if text_field not in names:
+    names = _field_names(fmt, fs, files)  # read here: a Ray Data schema() would run a whole read job
+    if names is not None and text_field not in names:
         raise SpecError("--text-field", f"no field {text_field!r} in the input (fields: {', '.join(names) or 'none'})")
     return ds.select_columns([text_field]).rename_columns({text_field: "text"})
+
+
+def _field_names(fmt: str, fs: Any, files: list[str]) -> list[str] | None:
+    """The input's field names, from its first record (jsonl) or schema (parquet); None if none."""
+    import json
+
+    for f in files:
+        with fs.open(f, "rb") as fh:
+            if fmt == "parquet":
+                return pq.read_schema(fh).names
+            for line in fh:
+                if line.strip():
+                    try:
+                        return list(json.loads(line))
+                    except (ValueError, TypeError):
+                        raise SpecError("INPUT", f"{f} is not JSON lines") from None
+    return None
 
 
 def _decode_files(batch: pa.Table) -> pa.Table:
     return pa.table({"text": [b.decode("utf-8", errors="replace") for b in batch.column("bytes").to_pylist()]})
 
 
-class _Tokenize:
-    """Ray Data map stage: documents -> token ids, each followed by end-of-text."""
+_TOKENIZERS: dict[str, Any] = {}  # per worker process: tokenizer JSON -> (Tokenizer, end-of-text id)
 
-    def __init__(self, tokenizer_json: str):
+
+def _tokenize(batch: pa.Table, tokenizer_json: str) -> pa.Table:
+    """Ray Data map stage (a plain task: no actor to start): a block of documents -> one row
+    holding their token ids as one flat array, each document followed by end-of-text.
+
+    One flat array per block, not one list per document: the driver only needs the ordered
+    stream, and Arrow handles one large list far faster than thousands of small ones.
+    """
+    if tokenizer_json not in _TOKENIZERS:  # worker processes are reused: load it once each
         from tokenizers import Tokenizer
 
-        self.tok = Tokenizer.from_str(tokenizer_json)
-        self.eot = toks.eot_id(self.tok)
-
-    def __call__(self, batch: pa.Table) -> pa.Table:
-        texts = [t for t in batch.column("text").to_pylist() if t]  # null or empty documents are skipped
-        encoded = self.tok.encode_batch(texts, add_special_tokens=False) if texts else []
-        ids = [np.append(np.asarray(e.ids, dtype=np.int32), np.int32(self.eot)) for e in encoded]
-        return pa.table({"ids": pa.array(ids, type=pa.list_(pa.int32()))})
+        tok = Tokenizer.from_str(tokenizer_json)
+        _TOKENIZERS[tokenizer_json] = (tok, toks.eot_id(tok))
+    tok, eot = _TOKENIZERS[tokenizer_json]
+    texts = [t for t in batch.column("text").to_pylist() if t]  # null or empty documents are skipped
+    eot_arr = np.asarray([eot], dtype=np.int32)
+    parts: list[np.ndarray] = []
+    for e in tok.encode_batch(texts, add_special_tokens=False) if texts else []:
+        parts += [np.asarray(e.ids, dtype=np.int32), eot_arr]
+    flat = np.concatenate(parts) if parts else np.empty(0, dtype=np.int32)
+    ids = pa.LargeListArray.from_arrays(pa.array([0, len(flat)], type=pa.int64()), pa.array(flat))
+    return pa.table({"ids": ids, "docs": pa.array([len(texts)], type=pa.int64())})
 
 
 def _tokenizer(cfg: PrepareConfig, spec: toks.TokenizerSpec, ds):
@@ -209,7 +254,7 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
-    ds = _dataset(fmt, fs, files, cfg.text_field, cfg.blocks)
+    ds = _dataset(fmt, fs, files, cfg.text_field, cfg.blocks or _blocks(fs, files))
     tok = _tokenizer(cfg, tspec, ds)
     described = toks.describe(tok, tspec.kind)
     out = open_storage(cfg.output, cfg.storage_options)
@@ -224,15 +269,15 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
 
     packer = _Packer(cfg.seq_len + 1, cfg.rows_per_shard, write)
     tokenized = ds.map_batches(
-        _Tokenize, fn_constructor_kwargs={"tokenizer_json": tok.to_str()}, batch_format="pyarrow", concurrency=(1, 64)
+        _tokenize, fn_kwargs={"tokenizer_json": tok.to_str()}, batch_format="pyarrow", batch_size=None
     )
     docs = 0
     progress = _Progress(cfg.progress)
     t_tok = time.perf_counter()
     for batch in tokenized.iter_batches(batch_format="pyarrow", batch_size=None):
-        col = batch.column("ids").combine_chunks()
-        docs += len(col)
-        packer.add(col.flatten().to_numpy(zero_copy_only=False).astype(np.int32, copy=False))
+        docs += int(pc.sum(batch.column("docs")).as_py() or 0)
+        for chunk in batch.column("ids").chunks:
+            packer.add(chunk.flatten().to_numpy(zero_copy_only=False).astype(np.int32, copy=False))
         progress.show(docs, packer.rows, len(shards), cfg.seq_len + 1, t0)
     packer.finish()
     tokenize_s = time.perf_counter() - t_tok

@@ -11,15 +11,12 @@ delays the later ones by at most ``timeout_s``.
 from __future__ import annotations
 
 import asyncio
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
-
-def wave_of(host_index: int, hosts: int, waves: int) -> int:
-    return host_index // math.ceil(hosts / max(1, min(waves, hosts)))
+from elastic.ingest.rounds import wave_of
 
 
 @dataclass(frozen=True)

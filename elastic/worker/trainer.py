@@ -94,7 +94,10 @@ class Trainer:
 
     def load_storage(self, restore: StorageRestore) -> dict[str, Any]:
         """Restore from a storage checkpoint; returns what this rank read."""
-        objects, stats = load_from_storage(self.engine, restore.step, restore.uri, restore.storage_options)
+        d = self.spec.data  # the restore's reads follow the data's waves (docs/data.md)
+        objects, stats = load_from_storage(
+            self.engine, restore.step, restore.uri, restore.storage_options, d.waves, d.max_reads_per_host
+        )
         self._load_progress(objects)
         restore_rng(_rng_of(objects))
         return stats

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -79,8 +80,11 @@ def diff(want: dict, got: dict) -> list[str]:
     return bad
 
 
-def staggered_restore(rank: int, world: int, out: str, root: str, zero: int) -> dict:
-    """dp=2: save step 3 through the storage tier, restore it into fresh engines from storage."""
+def staggered_restore(
+    rank: int, world: int, out: str, root: str, zero: int, waves: int = 1, max_reads: int = 0, hosts: int = 0
+) -> dict:
+    """dp=world: save step 3 through the storage tier, restore it into fresh engines from
+    storage (in ``waves`` over ``hosts`` pretend hosts, ranks spread round-robin, when set)."""
     init_group(rank, world, os.path.join(out, "store"))
     try:
         spec = make_spec(zero, root)
@@ -100,7 +104,11 @@ def staggered_restore(rank: int, world: int, out: str, root: str, zero: int) -> 
         dist.barrier()
         want = full_state(engine)
         restored = build(spec, world)
-        objects, stats = load_from_storage(restored, STEPS, root, {})
+        host = f"host{rank % hosts}" if hosts else None
+        dist.barrier()
+        t0 = time.time()
+        objects, stats = load_from_storage(restored, STEPS, root, {}, waves, max_reads, host)
+        stats["window"] = (t0, time.time())
         got = full_state(restored)
         next_losses = (train(engine, STEPS, 1)[0], train(restored, STEPS, 1)[0])
         return {

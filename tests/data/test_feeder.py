@@ -12,7 +12,7 @@ from ingest_testlib import stdlib_texts, write_jsonl
 
 from elastic import ElasticTrainer
 from elastic.data import BatchLayout, ParquetCorpus
-from elastic.ingest.feeder import HostFeeder, feeder_batches
+from elastic.ingest.feeder import HostFeeder, feeder_batches, resolve_loader
 from elastic.ingest.prepare import PrepareConfig, prepare
 from jobs import JobSpec
 
@@ -28,16 +28,17 @@ def local_corpus(ray_local, tmp_path_factory):
     return out
 
 
-def _feeder(uri, start_row, rows_ahead=64, max_reads=2):
-    return HostFeeder.remote(uri, {}, start_row, rows_ahead, max_reads, None, 0, 1, 1, 30.0)
+def _feeder(uri, start_row, rows_ahead=64, max_reads=2, engine="threads"):
+    return HostFeeder.remote(uri, {}, start_row, rows_ahead, max_reads, None, 0, 1, 1, 30.0, engine)
 
 
-def test_feeder_rows_equal_the_native_reader_at_any_dp_and_start(local_corpus):
+@pytest.mark.parametrize("engine", ["ray_data", "threads"])
+def test_feeder_rows_equal_the_native_reader_at_any_dp_and_start(local_corpus, engine):
     native = ParquetCorpus(local_corpus)
     total = native.num_rows
     for dp, start_batch in [(1, 0), (2, 3), (3, 7), (2, total // 12)]:  # the last one wraps past the epoch end
         layout = BatchLayout(global_batch=12, micro_batch=2, dp=dp)
-        feeder = _feeder(local_corpus, start_batch * 12)
+        feeder = _feeder(local_corpus, start_batch * 12, engine=engine)
         streams = [feeder_batches(feeder, layout, r, start_batch, 30.0) for r in range(dp)]
         for b in range(start_batch, start_batch + 30):
             for r, s in enumerate(streams):
@@ -67,14 +68,15 @@ def _steps(run_dir: str) -> list[dict]:
     return [e for e in map(json.loads, open(f"{run_dir}/events.jsonl")) if e["kind"] == "step"]
 
 
-def test_training_from_the_feeder_matches_the_native_reader(local_corpus, tmp_path):
+def test_training_through_ray_data_matches_the_native_reader(local_corpus, tmp_path):
+    assert resolve_loader(_spec(local_corpus, "auto").data, local_corpus) == "feeder"  # the default path
     got = {}
-    for loader in ("auto", "native"):
+    for loader in ("ray_data", "native"):
         run_dir = str(tmp_path / loader)
         ElasticTrainer(_spec(local_corpus, loader), run_dir=run_dir).fit()
         got[loader] = _steps(run_dir)
-    assert len(got["auto"]) == len(got["native"]) == 10
-    for a, b in zip(got["auto"], got["native"]):
+    assert len(got["ray_data"]) == len(got["native"]) == 10
+    for a, b in zip(got["ray_data"], got["native"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["grad_norm"] == pytest.approx(
             b["grad_norm"], rel=1e-6
         )

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from elastic.ingest.rounds import read_rounds
 from elastic.ingest.waves import read_plans, wave_of
 
 pytestmark = pytest.mark.timeout(30)
@@ -25,3 +26,16 @@ def test_ranks_of_a_replica_read_from_their_leaders_host():
     plans = read_plans(["a", "b", "a", "c", "c", "d"], replica_size=2, epoch="e")
     assert [p.feeder_node for p in plans] == ["a", "a", "a", "a", "c", "c"]
     assert [p.feeder_host for p in plans] == [0, 0, 0, 0, 1, 1] and {p.hosts for p in plans} == {2}
+
+
+def test_restore_read_rounds_by_wave_then_per_host_cap():
+    # 4 hosts in 2 waves, host "a" has 3 readers with a cap of 2: 2 slots per wave.
+    hosts = ["a", "a", "b", None, "c", "d", "a"]
+    rounds, n = read_rounds(hosts, waves=2, max_reads_per_host=2)
+    assert n == 4 and rounds == [0, 0, 0, None, 2, 2, 1]
+    assert read_rounds(["a", "b"], waves=1, max_reads_per_host=0) == ([0, 0], 1)
+    assert read_rounds([None, None], waves=4, max_reads_per_host=1) == ([None, None], 0)
+    for hs, waves, cap in ((["a", "b", "c", "d", "e"], 4, 1), (["a"] * 5 + ["b"] * 2, 1, 2)):
+        rounds, n = read_rounds(hs, waves, cap)
+        per_round = [sum(r == k for r in rounds) for k in range(n)]
+        assert max(per_round) <= math.ceil(len(set(hs)) / waves) * cap and all(per_round)
