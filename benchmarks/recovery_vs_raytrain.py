@@ -45,7 +45,11 @@ Sides:
   from ``TORCHFT_LIGHTHOUSE``, the replica group's store from ``MASTER_ADDR/PORT``, both set
   by Ray Train) and trains exactly as ``torchft`` does (3 rows per replica per step, one
   ``Manager.allreduce`` of the gradients, ``should_commit``). Ray Train replaces the lost
-  replica group in the dead worker's placement-group slot; the node is added back after the
+  replica group in the dead worker's placement-group slot. This side's head has 1 CPU (Ray
+  Train pins the lighthouse actor, which needs 1 CPU to be scheduled, to the head with a hard
+  node affinity: with ``num_cpus=0`` there, ``fit()`` fails at start with ControllerError
+  "The actor is not schedulable"), and its workers ask for a custom resource that only the
+  4 worker nodes carry; the node is added back after the
   first step without it (as for ``torchft``), so the replacement can be placed and heal from
   a live peer. ``fit()`` runs in a thread: a run whose ``fit()`` has not returned by the time
   limit is reported ``completed: false`` with the reason (the project saw the job hang after
@@ -107,6 +111,7 @@ RAY_TUNED_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "5", "RAY_TRAIN_HEALT
 RAY_TUNED_SYSTEM_CONFIG = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
 TORCHFT_HEARTBEAT_TIMEOUT_MS = 1000
 TORCHFT_JOIN_TIMEOUT_MS = 10000
+RTFT_NODE_RESOURCE = "bench_worker_node"  # raytrain_torchft: keeps its workers off the head
 DEFAULT_RESULTS = os.path.join(ROOT, "benchmarks", "results", "recovery.json")
 
 
@@ -134,16 +139,18 @@ def spec_dict(steps: int, corpus_uri: str) -> dict[str, Any]:
     }
 
 
-def start_cluster(system_config: dict[str, Any] | None = None):
+def start_cluster(
+    system_config: dict[str, Any] | None = None, head_cpus: int = 0, node_resources: dict[str, float] | None = None
+):
     import ray
     from ray.cluster_utils import Cluster
 
-    head = {"num_cpus": 0}
+    head: dict[str, Any] = {"num_cpus": head_cpus}
     if system_config:
         head["_system_config"] = system_config
     cluster = Cluster(initialize_head=True, head_node_args=head)
     for _ in range(NODES):
-        cluster.add_node(num_cpus=1)
+        cluster.add_node(num_cpus=1, **({"resources": node_resources} if node_resources else {}))
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False, logging_level=logging.WARNING)
     return cluster
@@ -1032,7 +1039,13 @@ def raytrain_torchft_child(cfg: dict[str, Any]) -> None:
     steps_total = spec["train"]["steps"]
     progress = os.path.join(cfg["work"], "progress.jsonl")
     t0 = time.time()
-    cluster = start_cluster()
+    # Ray Train pins its lighthouse actor (default resources: 1 CPU to be scheduled) to the
+    # controller's node with a hard NodeAffinity; the controller runs on the driver's node,
+    # the head, and a head with num_cpus=0 (as the other sides use) makes the lighthouse
+    # infeasible: fit() fails at start with ControllerError "The actor is not schedulable"
+    # (measured here). So this side's head has 1 CPU, and the workers ask for a resource only
+    # the 4 worker nodes carry, so that none is placed on the head.
+    cluster = start_cluster(head_cpus=1, node_resources={RTFT_NODE_RESOURCE: 1})
     out["cluster_start_s"] = time.time() - t0
     stop = threading.Event()
     return_due: list[float] = []
@@ -1057,7 +1070,9 @@ def raytrain_torchft_child(cfg: dict[str, Any]) -> None:
     trainer = TorchTrainer(
         raytrain_torchft_loop,
         train_loop_config={"spec": spec, "progress": progress},
-        scaling_config=ScalingConfig(num_workers=NODES, use_gpu=False),
+        scaling_config=ScalingConfig(
+            num_workers=NODES, use_gpu=False, resources_per_worker={"CPU": 1, RTFT_NODE_RESOURCE: 1}
+        ),
         torch_config=TorchftConfig(
             lighthouse_kwargs={
                 "min_replicas": 1,
@@ -1092,7 +1107,7 @@ def raytrain_torchft_child(cfg: dict[str, Any]) -> None:
         while fitter.is_alive() and time.time() < deadline:
             if return_due and "node_added_ts" not in out and time.time() >= return_due[0]:
                 out["node_added_ts"] = time.time()
-                cluster.add_node(num_cpus=1)
+                cluster.add_node(num_cpus=1, resources={RTFT_NODE_RESOURCE: 1})
                 out["node_added_done_ts"] = time.time()
             fitter.join(timeout=0.05)
         stop.set()
