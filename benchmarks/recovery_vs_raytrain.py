@@ -1021,6 +1021,7 @@ def raytrain_torchft_child(cfg: dict[str, Any]) -> None:
         "completed": False,
         "completion_reason": "the side's time limit fired before fit() returned",
     }
+    t_armed = time.time()
     arm_deadline(cfg["side_timeout"], cfg["out"], out)
     try:
         import torchft
@@ -1102,7 +1103,7 @@ def raytrain_torchft_child(cfg: dict[str, Any]) -> None:
     fitter = threading.Thread(target=fit, daemon=True)
     fitter.start()
     # Leave time to write the result and stop the cluster before the hard deadline.
-    deadline = t0 + cfg["side_timeout"] - 30
+    deadline = t_armed + cfg["side_timeout"] - 40
     try:
         while fitter.is_alive() and time.time() < deadline:
             if return_due and "node_added_ts" not in out and time.time() >= return_due[0]:
