@@ -1145,6 +1145,13 @@ def raytrain_torchft_child(cfg: dict[str, Any]) -> None:
         out["status"] = "error"
         out["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
         out["completion_reason"] = f"the benchmark's driver raised {out['error'][:300]}"
+    # The lighthouse runs in Ray Train's actor: its quorum lines are in that worker's log.
+    import glob
+
+    logs = glob.glob(os.path.join(os.environ.get("TMPDIR", "/tmp"), "ray", "session_*", "logs", "worker-*"))
+    out["lighthouse_quorums"] = sorted(
+        (q for path in logs for q in lighthouse_quorums(path)), key=lambda q: q["created"]
+    )
     out.update(analyse_torchft(read_progress(progress), out))
     # Written before the cluster stops: a hung controller may hold ray.shutdown up, and the
     # deadline then kills the process group with the figures already on disk.
