@@ -36,7 +36,8 @@ from elastic import recovery_plan as plan
 from elastic.checkpoint.committer import CheckpointCommitter
 from elastic.errors import JobFailed, WorkerFailure
 from elastic.events import EventLog, Recovery, RunResult
-from elastic.messages import AnomalyReport, StepReport, UploadReport, WorkerReport
+from elastic.health import HealthMonitor, gate_commits
+from elastic.messages import AnomalyReport, SdcReport, StepReport, UploadReport, WorkerReport
 from elastic.recovery_timing import PhaseTimer
 from elastic.states import Failed, Finished, Recovering, Resizing, Running, Starting, State
 from elastic.worker.hooks import StepHook
@@ -70,6 +71,7 @@ class Controller:
         self.group = self.worker_group_cls(spec, corpus_uri, step_hook=step_hook, storage_uri=storage_uri)
         # The storage tier's commits (its store is opened on first use).
         self.committer = CheckpointCommitter(spec, storage_uri, events) if storage_uri else None
+        self.committer = gate_commits(self.committer, spec)  # with SDC checks: verified steps only
         self.resume = resume  # {"step": N} from the storage tier, or None
         self.allowed = spec.allowed_dps()
         self.state: State = Starting()
@@ -83,6 +85,7 @@ class Controller:
         self._pending: dict[int, dict[int, StepReport]] = {}  # step -> rank -> report
         self._pending_recoveries: list[dict[str, Any]] = []  # recovered, waiting for the first step
         self._last_grow_check = 0.0
+        self.health = HealthMonitor(self)  # stragglers, lemon nodes, SDC (docs/health.md)
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> RunResult:
@@ -104,6 +107,7 @@ class Controller:
             failures=self.failures,
             dp_history=self.dp_history,
             recoveries=self.recoveries,
+            excluded_nodes=self.health.excluded_nodes(),
         )
         if status == "failed":
             raise _attach(JobFailed(reason or "job failed"), result)
@@ -175,6 +179,8 @@ class Controller:
             )
         if obs.failure is not None:
             return self._recovering(obs.failure)
+        if (evict := self.health.take_failure()) is not None:  # on_straggler / on_sdc: evict
+            return self._recovering(evict)
         if obs.finished:
             return Finished()
         if obs.stopped:  # stopped at a boundary without a resize request: restart the loop
@@ -190,6 +196,8 @@ class Controller:
         if isinstance(result, AnomalyReport):
             self._on_anomaly(rank, result)
             return
+        if isinstance(result, SdcReport) or self.health.stale(rank):
+            return self.health.on_sdc(rank, result) if isinstance(result, SdcReport) else None
         step = result.step
         if step <= self.step:
             return  # a replay after a rollback: already committed
@@ -235,6 +243,7 @@ class Controller:
         if r0.mfu is not None:
             fields["mfu"] = r0.mfu
         self.events.emit("step", ts=max(r.done_at for r in results.values()), **fields)
+        self.health.on_step(step, results)
         snaps = [r.snapshot for r in results.values() if r.snapshot is not None]
         if snaps:
             self.events.emit(

@@ -62,3 +62,15 @@ class CollectiveTimeout(WorkerFailure):
 
 class WorkerError(WorkerFailure):
     cause = "worker_error"
+
+
+class Straggler(WorkerFailure):
+    """A straggler evicted by ``elastic.on_straggler: evict`` (docs/health.md)."""
+
+    cause = "straggler"
+
+
+class SilentCorruption(WorkerFailure):
+    """The odd replica of an SDC check, evicted by ``elastic.on_sdc: evict`` (docs/health.md)."""
+
+    cause = "sdc"

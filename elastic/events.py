@@ -17,7 +17,18 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-EVENT_KINDS = ("job_start", "step", "checkpoint", "failure", "resize", "restore", "job_end")
+EVENT_KINDS = (
+    "job_start",
+    "step",
+    "checkpoint",
+    "failure",
+    "resize",
+    "restore",
+    "job_end",
+    "straggler",
+    "sdc",
+    "node_excluded",
+)
 
 
 class Recovery(BaseModel):
@@ -57,6 +68,9 @@ class RunResult(BaseModel):
     failures: int
     dp_history: list[list[int]] = Field(default_factory=list)
     recoveries: list[Recovery] = Field(default_factory=list)
+    excluded_nodes: list[dict] = Field(
+        default_factory=list, description="lemon nodes not used again: {node_id, reason} (docs/health.md)"
+    )
 
 
 class EventLog:

@@ -36,7 +36,7 @@ class StepReport:
     peak_mem_bytes: int
     done_at: float  # the worker's wall clock; recorded as the step event's ``ts``, never compared
     data_wait_s: float = 0.0  # waiting for this step's batch
-    compute_s: float = 0.0  # forward, backward and optimizer step (communication included)
+    compute_s: float = 0.0  # this rank's own forward, backward and optimizer step (waits for peers excluded)
     mfu: float | None = None
     snapshot: SnapshotReport | None = None
 
@@ -51,6 +51,19 @@ class AnomalyReport:
     batch_index: int
     restored_step: int
     action: str
+
+
+@dataclass(frozen=True)
+class SdcReport:
+    """An SDC check found twin replicas whose parameters differ: every rank rolled back to
+    ``restored_step``, the last step whose check passed (see ``docs/health.md``)."""
+
+    step: int
+    ranks: tuple[int, ...]  # the odd ranks (without a majority: every rank of the disagreeing groups)
+    replica: int | None  # the odd replica's DP rank; None when no majority decides, or several are odd
+    decided: bool
+    restored_step: int
+    restore_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -70,7 +83,7 @@ class UploadReport:
     already_committed: bool = False
 
 
-WorkerReport = StepReport | AnomalyReport | UploadReport
+WorkerReport = StepReport | AnomalyReport | UploadReport | SdcReport
 
 
 @dataclass(frozen=True)

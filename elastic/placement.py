@@ -41,6 +41,7 @@ class ReplicaSlots:
         # (NVLink), so its group is STRICT_PACK. Pipeline replicas may span nodes.
         self.strategy = "STRICT_PACK" if resources.device == "cuda" and pp == 1 and tp > 1 else "PACK"
         self._groups: list[Any] = []
+        self.excluded: set[str] = set()  # lemon nodes (docs/health.md): never placed on again
 
     def bundle(self) -> dict[str, float]:
         r = self.resources
@@ -54,7 +55,14 @@ class ReplicaSlots:
         from ray.util.placement_group import placement_group
 
         while len(self._groups) < total:
-            self._groups.append(placement_group([self.bundle()] * self.replica_size, strategy=self.strategy))
+            selector = None
+            if self.excluded:  # Ray's node-id label; "!in(...)" keeps the bundles off these nodes
+                selector = [{"ray.io/node-id": f"!in({','.join(sorted(self.excluded))})"}] * self.replica_size
+            self._groups.append(
+                placement_group(
+                    [self.bundle()] * self.replica_size, strategy=self.strategy, bundle_label_selector=selector
+                )
+            )
 
     def ready(self, timeout: float = 0.0) -> list[Any]:
         """Placement groups whose bundles are all placed now (polls the GCS table)."""
@@ -62,10 +70,30 @@ class ReplicaSlots:
 
         deadline = time.monotonic() + timeout
         while True:
-            created = [g for g in self._groups if placement_group_table(g).get("state") == "CREATED"]
+            created = []
+            for g in self._groups:
+                table = placement_group_table(g)
+                if table.get("state") == "CREATED" and not self.excluded & set(
+                    table.get("bundles_to_node_id", {}).values()
+                ):
+                    created.append(g)
             if created or time.monotonic() >= deadline:
                 return created
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    def exclude(self, nodes: set[str], keep: set[int]) -> None:
+        """Never place on ``nodes`` again: groups there or still pending (placed by a request
+        without this exclusion) are released, except those in ``keep`` (ids of groups with
+        live workers); ``request`` replaces them with groups that avoid these nodes."""
+        from ray.util.placement_group import placement_group_table
+
+        self.excluded |= set(nodes)
+        for g in list(self._groups):
+            if id(g) in keep:
+                continue
+            table = placement_group_table(g)
+            if table.get("state") != "CREATED" or self.excluded & set(table.get("bundles_to_node_id", {}).values()):
+                self.release(g)
 
     def release(self, group: Any) -> None:
         from ray.util.placement_group import remove_placement_group

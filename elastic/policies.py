@@ -37,6 +37,17 @@ class ElasticConfig(BaseModel):
         "skip", pattern="^(skip|retry)$", description="after a NaN/spike: skip the batch or retry it"
     )
     grow_check_s: float = Field(1.0, gt=0, description="how often to look for returned capacity")
+    # Health (docs/health.md): stragglers, lemon nodes, silent data corruption.
+    straggler_factor: float = Field(1.3, gt=1, description="straggler: own compute > factor x median of its peers")
+    straggler_steps: int = Field(5, ge=1, description="for this many steps in a row")
+    on_straggler: str = Field("report", pattern="^(report|evict)$", description="report it, or evict its node")
+    lemon_failures: int = Field(2, ge=0, description="failures or evictions that exclude a node (0: never)")
+    sdc_check_every: int = Field(0, ge=0, description="compare replicas' parameter fingerprints every N steps (0: off)")
+    on_sdc: str = Field(
+        "repair",
+        pattern="^(repair|evict)$",
+        description="roll back to the last verified step; evict: also drop the odd node",
+    )
 
 
 # --------------------------------------------------------------------------- failure policy

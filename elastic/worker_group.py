@@ -95,6 +95,12 @@ class WorkerGroup:
     def request_capacity(self) -> None:
         self.slots.request(self.spec.elastic.max_dp)
 
+    def exclude_nodes(self, nodes: list[str]) -> None:
+        """Lemon nodes (docs/health.md): no replica is placed on them again in this job."""
+        # Workers already there stay until they fail or are evicted: only new placements avoid them.
+        self.slots.exclude(set(nodes), keep={id(m.group) for m in self.members if not m.dead})
+        self.request_capacity()
+
     def spare_groups(self, timeout: float = 0.0) -> list[Any]:
         """Ready placement groups that host no member: capacity to grow into."""
         used = {id(m.group) for m in self.members}

@@ -73,6 +73,11 @@ class JobSpec(BaseModel):
         self.data.check_source_exists()
         if e.min_dp > e.max_dp:
             raise SpecError("elastic.min_dp", f"{e.min_dp} is larger than elastic.max_dp ({e.max_dp})")
+        if e.sdc_check_every and p.zero:
+            raise SpecError(
+                "elastic.sdc_check_every",
+                f"needs replicated parameters (parallel.zero: 0); with zero={p.zero} no two ranks hold the same shard",
+            )
         if self.resources.device == "cuda" and self.resources.gpus_per_worker <= 0:
             raise SpecError("resources.gpus_per_worker", "must be > 0 when resources.device is cuda")
         if not self.allowed_dps():

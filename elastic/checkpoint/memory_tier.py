@@ -176,6 +176,7 @@ class MemoryTier:
         self._sender: threading.Thread | None = None
         self.replicated: list[tuple[int, float, int]] = []  # (step, seconds, bytes) delivered, newest last
         self.replication_errors = 0
+        self._protected: int | None = None  # an own snapshot kept until another is protected (docs/health.md)
 
     # ------------------------------------------------------------------ own snapshots
     def snapshot_async(self, step: int, rank: int, state: dict[str, Any], layout: dict[str, int]) -> float:
@@ -296,11 +297,32 @@ class MemoryTier:
 
     def _retire_old(self) -> None:
         """Keep the two newest complete snapshots; recycle older unleased buffers."""
-        complete = [s for s in self._own if s.complete]
+        complete = [s for s in self._own if s.complete and s.step != self._protected]
         for old in complete[:-2]:
             if old.leases == 0:
                 self._own.remove(old)
                 self._free.append(old)
+
+    def protect(self, step: int | None) -> None:
+        """Keep the own snapshot of ``step`` (taken or still to come) beyond the two newest,
+        until another step is protected: the SDC check's last verified state."""
+        with self._lock:
+            self._protected = step
+            self._retire_old()
+
+    def discard_after(self, step: int) -> None:
+        """Forget own snapshots and peer replicas newer than ``step`` (after a rollback to it)."""
+        with self._lock:
+            for s in [s for s in self._own if s.complete and s.step > step]:
+                self._own.remove(s)
+                if s.leases == 0:
+                    self._free.append(s)
+            for owner in list(self._replicas):
+                held = {k: v for k, v in self._replicas[owner].items() if k <= step}
+                if held:
+                    self._replicas[owner] = held
+                else:
+                    del self._replicas[owner]
 
     def unreported(self) -> list[Snapshot]:
         """Complete snapshots not yet reported to the controller (marks them reported)."""

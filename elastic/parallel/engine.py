@@ -109,6 +109,7 @@ class TrainEngine:
         self._steps_begun = 0
         self._probe = None
         self.probed_peak_bytes: int | None = None
+        self.sync_wait_s = 0.0  # the last step's time blocked on peers (gradient sync, loss all-reduce)
 
     # ----- properties a worker reports ----------------------------------------------------
 
@@ -156,6 +157,7 @@ class TrainEngine:
         if len(micro_batches) != self.grad_accum:
             raise ValueError(f"expected {self.grad_accum} micro-batches, got {len(micro_batches)}")
         self._steps_begun += 1
+        self.sync_wait_s = 0.0
         if self._steps_begun == self._probe_step:
             self._start_probe(micro_batches)
         with self.spec.loss_context(self.dims.tp), self._precision():
@@ -165,12 +167,17 @@ class TrainEngine:
                 local = self._local_forward_backward(micro_batches)
         if self.dims.dp == self.dims.world_size:
             value = torch.stack([local.detach().float().reshape(()), torch.tensor(float(flag), device=self.device)])
+            t = time.perf_counter()
             if self.dims.dp_enabled:
                 dist.all_reduce(value, group=self.dims.dp_mesh.get_group())
-            return float(value[0]) / self.dims.dp, bool(value[1] > 0)
+            result = float(value[0]) / self.dims.dp, bool(value[1] > 0)
+            self.sync_wait_s += time.perf_counter() - t
+            return result
+        t = time.perf_counter()
         loss = self._global_mean(local)
         agreed = torch.tensor([float(flag)], device=self.device)
         dist.all_reduce(agreed)
+        self.sync_wait_s += time.perf_counter() - t
         return loss, bool(agreed.item() > 0)
 
     def _local_forward_backward(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
@@ -181,7 +188,12 @@ class TrainEngine:
             with ddp.micro_batch_context(self.model, is_last):
                 logits = self.model(inputs.to(self.device))
                 loss = self.spec.loss_fn(logits, targets.to(self.device))
-                (loss / self.grad_accum).backward()
+                if is_last and self.dims.dp_enabled and loss.requires_grad:
+                    with _own_backward(loss) as own:
+                        (loss / self.grad_accum).backward()
+                    self.sync_wait_s += own.waited_s
+                else:
+                    (loss / self.grad_accum).backward()
             total += to_local_value(loss.detach())
         return total / self.grad_accum
 
@@ -283,6 +295,35 @@ class TrainEngine:
     def step(self) -> int:
         """Optimizer steps taken (restored with the scheduler state)."""
         return self.scheduler.last_epoch
+
+
+class _own_backward:
+    """Times the part of a backward pass spent waiting for the gradient sync.
+
+    DDP (and torch's ``replicate``) launch their gradient all-reduces asynchronously during
+    backward and wait for them in a callback queued on autograd's engine. A hook on the
+    loss, the first node backward visits, queues an earlier callback (they run in order)
+    that marks the end of this rank's own backward; what the pass takes after it is the
+    wait for the slowest peer. Without it, a straggler would make every rank look slow.
+    """
+
+    def __init__(self, loss: torch.Tensor):
+        self.loss, self.local_done, self.waited_s = loss, None, 0.0
+
+    def __enter__(self) -> _own_backward:
+        def mark() -> None:
+            self.local_done = time.perf_counter()
+
+        def on_loss_grad(grad: torch.Tensor) -> None:
+            torch.autograd.Variable._execution_engine.queue_callback(mark)
+
+        self.handle = self.loss.register_hook(on_loss_grad)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.remove()
+        if self.local_done is not None:
+            self.waited_s = max(0.0, time.perf_counter() - self.local_done)
 
 
 def _aliases_live(model_sd: dict, optim_sd: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:

@@ -5,8 +5,9 @@ Two halves:
 * ``WorkerFaults`` runs inside a worker, at the start of a step: corrupt the weights with
   NaN (silent data corruption), blow a weight up (a loss spike), raise inside the step, or
   hang the training thread (a collective that never completes for its peers). Each of these
-  fires once per job, so the replayed step after a recovery runs clean. ``slow`` makes a
-  rank a straggler for every step from ``step`` on. ``hold`` (a test's condition, not a
+  fires once per job, so the replayed step after a recovery runs clean. ``slow`` makes the
+  worker that is ``rank`` at ``step`` a straggler for every step from then on (it stays
+  with that worker when a resize renumbers the ranks). ``hold`` (a test's condition, not a
   fault) keeps a rank from starting a step while the run is below ``below_dp`` replicas
   and the file ``marker`` exists, until the controller asks the group to stop (to resize)
   or ``seconds`` pass; it keeps the heartbeat going meanwhile. A test that must see the
@@ -81,8 +82,11 @@ class WorkerFaults:
 
     def before_step(self, step: int, rank: int, engine: Any) -> None:
         for fault in self._pending:
-            if fault["kind"] == "slow" and step >= fault["step"] and fault["rank"] == rank:
-                time.sleep(fault["seconds"])  # a straggler: every step from then on
+            if fault["kind"] == "slow" and step >= fault["step"]:
+                # A slow device stays with its worker: decided once, by the rank this worker
+                # has at its first step from ``step`` on (ranks are renumbered by a resize).
+                if fault.setdefault("_here", fault["rank"] == rank):
+                    _slow_forward(engine, fault["seconds"])  # a straggler: every step from then on
             if fault["kind"] == "hold" and step >= fault["step"] and fault["rank"] == rank:
                 self._hold(fault, engine)
         for fault in list(self._pending):
@@ -122,6 +126,24 @@ class WorkerFaults:
             if self._beat is not None:
                 self._beat()
             stop.wait(0.05)
+
+
+def _slow_forward(engine: Any, seconds: float) -> None:
+    """Make this rank's forward passes need ``seconds`` more work per step, like a slower
+    device: a busy loop on the training thread (its CPU time, which is what a CPU rank's own
+    compute measures; on an idle core, the same in wall time), before the rank joins the
+    gradient sync. Installed once per engine (a new layout builds a new one)."""
+    if getattr(engine, "_injected_slow", None) == seconds:
+        return
+    per_micro_batch = seconds / max(1, getattr(engine, "grad_accum", 1))
+
+    def burn(module: Any, args: Any) -> None:
+        end = time.thread_time() + per_micro_batch
+        while time.thread_time() < end:
+            pass
+
+    engine.module.register_forward_pre_hook(burn)
+    engine._injected_slow = seconds
 
 
 def _kill_quietly(pid: int | None) -> None:

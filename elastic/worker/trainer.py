@@ -27,12 +27,13 @@ from elastic.checkpoint.memory_tier import MemoryTier, Snapshot
 from elastic.checkpoint.restore import load_from_storage, load_snapshots_into
 from elastic.checkpoint.storage_tier import StorageUploader
 from elastic.data import BatchLayout, ParquetCorpus, RankStream, ray_data_batches
-from elastic.messages import AnomalyReport, SnapshotReport, StepReport, StorageRestore
+from elastic.messages import AnomalyReport, SdcReport, SnapshotReport, StepReport, StorageRestore
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
 from elastic.policies import LossMonitor
 from elastic.worker.hooks import StepHook
 from elastic.worker.rng import capture_rng, restore_rng
+from elastic.worker.sdc import SdcGuard
 
 
 class Trainer:
@@ -67,6 +68,7 @@ class Trainer:
         self.last_progress = time.monotonic()  # the loop's own heartbeat
         self._snapshot_blocking = 0.0
         self.source = source  # opens this rank's batch stream when set (elastic.ingest.feeder.FeederSource)
+        self.sdc = SdcGuard(spec, dims, rank, tier)  # silent data corruption checks (docs/health.md)
 
     @property
     def layout(self) -> dict[str, int]:
@@ -129,6 +131,7 @@ class Trainer:
     def train_step(self) -> bool:
         """One optimizer step; returns True when the group agreed to stop after it."""
         step = self.step + 1
+        self.sdc.baseline(self)
         t0 = time.perf_counter()
         timeout = self.spec.elastic.collective_timeout_s
         batch_index, micro_batches = self.stream.next(timeout=timeout)
@@ -139,7 +142,7 @@ class Trainer:
             if self.hook.pending(step, self.rank):
                 self.tier.wait()  # corrupt nothing while the last snapshot is being copied
             self.hook.before_step(step, self.rank, self.engine)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         self.last_progress = time.monotonic()
         loss, stop = self.engine.forward_backward_agree(micro_batches, self.stop.is_set())
         self.last_progress = time.monotonic()
@@ -149,7 +152,9 @@ class Trainer:
             return stop
         wait_s = self.tier.wait()
         grad_norm = self.engine.optimizer_step()
-        compute_s = time.perf_counter() - t1 - wait_s
+        compute_s = self._own_compute(t1, c1, wait_s)
+        if self.sdc.due(step) and self._sdc_rolled_back(step):
+            return stop
         self.monitor.accept(loss)
         self.step, self.batch_index = step, batch_index + 1
         step_time = time.perf_counter() - t0
@@ -175,6 +180,15 @@ class Trainer:
         self.last_progress = time.monotonic()
         return stop
 
+    def _own_compute(self, t1: float, c1: float, wait_s: float) -> float:
+        """This rank's own forward, backward and optimizer step, without waiting for peers
+        (what straggler detection compares, docs/health.md). On a GPU: the wall time less
+        the gradient-sync and loss all-reduce waits. On CPU: the training thread's CPU time, which
+        neither those waits nor the scheduler's sharing of cores with other processes add to."""
+        if self.engine.device.type == "cpu":
+            return time.thread_time() - c1
+        return time.perf_counter() - t1 - wait_s - self.engine.sync_wait_s
+
     def _snapshot(self, step: int, wait_s: float) -> SnapshotReport | None:
         """Snapshot this step when due; report the snapshot that completed since the last step.
 
@@ -188,13 +202,15 @@ class Trainer:
             report = SnapshotReport(s.step, self._snapshot_blocking + wait_s, s.copy_s, s.nbytes)
         ck = self.spec.checkpoint
         to_storage = self.uploader is not None and self.uploader.due(step)
-        if to_storage or (ck.memory_every_steps and step % ck.memory_every_steps == 0):
+        if to_storage or (ck.memory_every_steps and step % ck.memory_every_steps == 0) or self.sdc.due(step):
             t = time.perf_counter()
             state = self.state_dict()
             gather_s = time.perf_counter() - t
             self._snapshot_blocking = gather_s + self.tier.snapshot_async(step, self.rank, state, self.layout)
             if to_storage:
                 self.uploader.save(step, state, self._snapshot_blocking)
+            if self.sdc.due(step):
+                self.sdc.passed(step)
         if self.uploader is not None:
             self.uploader.secure(step)
         return report
@@ -234,6 +250,29 @@ class Trainer:
                 action=self.spec.elastic.on_bad_loss,
             )
         )
+
+    def _sdc_rolled_back(self, step: int) -> bool:
+        """The SDC check of ``step`` (every rank reaches the same verdict); on a mismatch,
+        roll back to the last verified snapshot and report it. True when rolled back."""
+        verdict = self.sdc.check(self.engine)
+        if verdict.ok:
+            return False
+        t = time.perf_counter()
+        verified = self.sdc.verified
+        if self.sdc.initial is not None and verified == 0:  # nothing verified since a fresh start
+            self.sdc.restore_initial(self.engine)
+            self.step, self.batch_index, self.skip_batches = 0, 0, set()
+        else:
+            snap = self.tier.get(self.rank, verified)
+            load_snapshots_into(self.engine, {self.rank: snap})
+            self._load_progress(snap.objects)
+            restore_rng(_rng_of(snap.objects))
+        self.tier.discard_after(verified)
+        self.stream.close()
+        self.stream = self._open_stream(self.batch_index, 0.0)
+        odd = self.sdc.odd_replica(verdict)
+        self.reports.append(SdcReport(step, verdict.odd, odd, verdict.decided, verified, time.perf_counter() - t))
+        return True
 
     def _open_stream(self, start_batch: int, delay_s: float) -> RankStream:
         d = self.spec.data
