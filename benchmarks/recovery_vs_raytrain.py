@@ -1152,7 +1152,9 @@ def raytrain_torchft_child(cfg: dict[str, Any]) -> None:
     out["lighthouse_quorums"] = sorted(
         (q for path in logs for q in lighthouse_quorums(path)), key=lambda q: q["created"]
     )
-    out.update(analyse_torchft(read_progress(progress), out))
+    recs = read_progress(progress)
+    out.update(analyse_torchft(recs, out))
+    out.update(replacement_facts(recs, out))
     # Written before the cluster stops: a hung controller may hold ray.shutdown up, and the
     # deadline then kills the process group with the figures already on disk.
     write_json(cfg["out"], out)
@@ -1160,6 +1162,27 @@ def raytrain_torchft_child(cfg: dict[str, Any]) -> None:
     stopper.start()
     stopper.join(timeout=25)
     os._exit(0)
+
+
+def replacement_facts(recs: list[dict[str, Any]], out: dict[str, Any]) -> dict[str, Any]:
+    """What became of Ray Train's replacement replica group (progress index NODES): when it
+    started, and how many steps it committed alone (a replacement that starts after the
+    survivors have finished forms a quorum of one and trains the whole job again by itself,
+    and ``fit()`` waits for it)."""
+    start = next((r for r in recs if r["kind"] == "start" and r["rank"] == NODES), None)
+    if start is None:
+        return {"replacement_started": False}
+    mine = [r for r in recs if r["kind"] == "step" and r["rank"] == NODES and r["committed"]]
+    survivors_end = [r["ts"] for r in recs if r["kind"] == "end" and r["rank"] != NODES]
+    res: dict[str, Any] = {
+        "replacement_started": True,
+        "replacement_solo_steps": sum(1 for r in mine if r["participants"] == 1),
+        "replacement_first_step": mine[0]["step"] if mine else None,
+        "survivors_ended_before_replacement_started": bool(survivors_end) and max(survivors_end) < start["ts"],
+    }
+    if out.get("node_added_done_ts"):
+        res["replacement_started_after_node_added_s"] = start["ts"] - out["node_added_done_ts"]
+    return res
 
 
 # --------------------------------------------------------------------------- driver
@@ -1305,6 +1328,10 @@ def summarise(res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         if side == "raytrain_torchft":
             s["completed"] = [r.get("completed", False) for r in runs]
             s["completion_reasons"] = [r.get("completion_reason") for r in runs]
+            s["replacement_solo_steps"] = [r.get("replacement_solo_steps") for r in runs]
+            s["replacement_started_after_node_added_s"] = stats(
+                [r.get("replacement_started_after_node_added_s") for r in runs]
+            )
         if side in ("torchft", "raytrain_torchft") and all(r.get("status") == "skipped" for r in runs):
             s["skipped"] = runs[0].get("error")
         summary[side] = s
@@ -1459,6 +1486,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{'':19s}job completed in {done} of {len(s['completed'])} run(s)")
                 for reason in s["completion_reasons"]:
                     print(f"{'':21s}{reason}")
+                print(
+                    f"{'':19s}replacement replica group: started {fmt_stats(s['replacement_started_after_node_added_s'])}"
+                    f" after the node was back; steps it trained alone (quorum of 1) per run: "
+                    f"{s['replacement_solo_steps']}"
+                )
             for k, v in s["breakdown"].items():
                 print(f"{'':19s}{k:34s} {fmt_stats(v)}")
             if s.get("summary_json"):
