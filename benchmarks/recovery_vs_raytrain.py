@@ -1486,8 +1486,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{'':19s}job completed in {done} of {len(s['completed'])} run(s)")
                 for reason in s["completion_reasons"]:
                     print(f"{'':21s}{reason}")
+                late = fmt_stats(s["replacement_started_after_node_added_s"])
                 print(
-                    f"{'':19s}replacement replica group: started {fmt_stats(s['replacement_started_after_node_added_s'])}"
+                    f"{'':19s}replacement replica group: started {late}"
                     f" after the node was back; steps it trained alone (quorum of 1) per run: "
                     f"{s['replacement_solo_steps']}"
                 )
