@@ -51,9 +51,12 @@ Sides:
   "The actor is not schedulable"), and its workers ask for a custom resource that only the
   4 worker nodes carry; the node is added back after the
   first step without it (as for ``torchft``), so the replacement can be placed and heal from
-  a live peer. ``fit()`` runs in a thread: a run whose ``fit()`` has not returned by the time
-  limit is reported ``completed: false`` with the reason (the project saw the job hang after
-  the last step, and a ``ControllerError`` "actor ... is unavailable"), not as a crash.
+  a live peer (measured: it starts ~16 s after the node is back; when the survivors have
+  finished by then, it forms a quorum of one and trains the whole job again alone, and
+  ``fit()`` waits for it: ``replacement_solo_steps``). ``fit()`` runs in a thread: a run
+  whose ``fit()`` has not returned by the time limit is reported ``completed: false`` with
+  the reason (the project saw the job hang after the last step, and a ``ControllerError``
+  "actor ... is unavailable"), not as a crash.
 
 Same definitions on every side, from per-step worker progress:
 
