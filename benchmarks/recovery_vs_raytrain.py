@@ -1,5 +1,5 @@
-"""Recovery from a lost node: the elastic runtime against Ray Train V2 (tuned and default)
-and TorchFT, side by side, repeated.
+"""Recovery from a lost node: the elastic runtime against Ray Train V2 (tuned and default),
+TorchFT, and Ray Train V2 with TorchFT, side by side, repeated.
 
 The same failure scenario every way, each run on a fresh ``ray.cluster_utils.Cluster`` in
 its own child process (private ``TMPDIR``, so nothing else can join it): a head with
@@ -37,6 +37,26 @@ Sides:
   allreduces, the lighthouse drops the replica after its 1 s heartbeat timeout.
   torchft must be importable (``make bench-deps``, or ``--torchft-path DIR``); otherwise
   the side is reported as skipped, with the reason.
+- ``raytrain_torchft``: Ray Train V2 ``TorchTrainer`` with ``TorchftConfig`` (the Ray-native
+  in-place fault tolerance): ``num_workers=4``, each worker its own replica group (Ray
+  Train's replica groups are of one worker), one per node; the lighthouse is Ray Train's
+  actor on the head node, with ``min_replicas=1``, the same 1 s heartbeat timeout and 10 s
+  join timeout as ``torchft``; the training function builds the ``Manager`` (lighthouse
+  from ``TORCHFT_LIGHTHOUSE``, the replica group's store from ``MASTER_ADDR/PORT``, both set
+  by Ray Train) and trains exactly as ``torchft`` does (3 rows per replica per step, one
+  ``Manager.allreduce`` of the gradients, ``should_commit``). Ray Train replaces the lost
+  replica group in the dead worker's placement-group slot. This side's head has 1 CPU (Ray
+  Train pins the lighthouse actor, which needs 1 CPU to be scheduled, to the head with a hard
+  node affinity: with ``num_cpus=0`` there, ``fit()`` fails at start with ControllerError
+  "The actor is not schedulable"), and its workers ask for a custom resource that only the
+  4 worker nodes carry; the node is added back after the
+  first step without it (as for ``torchft``), so the replacement can be placed and heal from
+  a live peer (measured: it starts ~16 s after the node is back; when the survivors have
+  finished by then, it forms a quorum of one and trains the whole job again alone, and
+  ``fit()`` waits for it: ``replacement_solo_steps``). ``fit()`` runs in a thread: a run
+  whose ``fit()`` has not returned by the time limit is reported ``completed: false`` with
+  the reason (the project saw the job hang after the last step, and a ``ControllerError``
+  "actor ... is unavailable"), not as a crash.
 
 Same definitions on every side, from per-step worker progress:
 
@@ -89,11 +109,12 @@ MODELS = {
     "10m": {"n_layers": 8, "d_model": 320, "n_heads": 5, "vocab_size": 2048, "seq_len": 32},
 }
 MODEL = MODELS[os.environ.get("BENCH_RECOVERY_MODEL", "small")]
-SIDES = ("ours", "raytrain_tuned", "raytrain_default", "torchft")
+SIDES = ("ours", "raytrain_tuned", "raytrain_default", "torchft", "raytrain_torchft")
 RAY_TUNED_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "5", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
 RAY_TUNED_SYSTEM_CONFIG = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
 TORCHFT_HEARTBEAT_TIMEOUT_MS = 1000
 TORCHFT_JOIN_TIMEOUT_MS = 10000
+RTFT_NODE_RESOURCE = "bench_worker_node"  # raytrain_torchft: keeps its workers off the head
 DEFAULT_RESULTS = os.path.join(ROOT, "benchmarks", "results", "recovery.json")
 
 
@@ -121,16 +142,18 @@ def spec_dict(steps: int, corpus_uri: str) -> dict[str, Any]:
     }
 
 
-def start_cluster(system_config: dict[str, Any] | None = None):
+def start_cluster(
+    system_config: dict[str, Any] | None = None, head_cpus: int = 0, node_resources: dict[str, float] | None = None
+):
     import ray
     from ray.cluster_utils import Cluster
 
-    head = {"num_cpus": 0}
+    head: dict[str, Any] = {"num_cpus": head_cpus}
     if system_config:
         head["_system_config"] = system_config
     cluster = Cluster(initialize_head=True, head_node_args=head)
     for _ in range(NODES):
-        cluster.add_node(num_cpus=1)
+        cluster.add_node(num_cpus=1, **({"resources": node_resources} if node_resources else {}))
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False, logging_level=logging.WARNING)
     return cluster
@@ -876,6 +899,295 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
+# --------------------------------------------------------------------------- Ray Train + TorchFT
+
+
+def raytrain_torchft_loop(config: dict[str, Any]) -> None:
+    """The Ray Train V2 training function under ``TorchftConfig``: each worker is its own
+    replica group (Ray Train's replica groups are of one worker); the same torchft training
+    step as ``torchft_replica`` (one Manager allreduce of the flattened gradients,
+    ``should_commit`` before the optimizer step, 3 rows per replica per step)."""
+    from datetime import timedelta
+
+    import numpy as np
+    import ray
+    import ray.train
+    import torch
+    from torchft import Manager, ProcessGroupGloo
+
+    from elastic.data import ParquetCorpus
+    from elastic.model import build_model, lm_loss
+    from elastic.optim import build_optimizer
+    from jobs import JobSpec
+
+    torch.set_num_threads(1)
+    progress = config["progress"]
+    world_rank = ray.train.get_context().get_world_rank()
+    # A replacement of a lost replica group gets the lost worker's world rank again; its
+    # progress lines use index NODES (as the standalone side's new replica) so the two
+    # processes stay apart in the analysis.
+    replacement = any(r["kind"] == "start" and r["rank"] == world_rank for r in read_progress(progress))
+    idx = NODES if replacement else world_rank
+    t_start = time.time()
+
+    def log(**rec: Any) -> None:
+        append_line(progress, {"ts": time.time(), "rank": idx, "world_rank": world_rank, **rec})
+
+    log(kind="start", pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id(), started_at=t_start)
+    spec = JobSpec.from_dict(config["spec"])
+    model = build_model(spec.model, spec.seed)
+    model.train()
+    optimizer, scheduler = build_optimizer(model, spec.train)
+    healed = {"ts": None}
+
+    def load_state_dict(sd: dict[str, Any]) -> None:
+        model.load_state_dict(sd["model"])
+        optimizer.load_state_dict(sd["optimizer"])
+        scheduler.load_state_dict(sd["scheduler"])
+        healed["ts"] = time.time()
+
+    def state_dict() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+
+    # The lighthouse address comes from TORCHFT_LIGHTHOUSE (set by Ray Train's torchft
+    # backend), the replica group's store from MASTER_ADDR/MASTER_PORT (its own
+    # one-worker process group): torchft's defaults, as Ray's example uses them.
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        min_replica_size=1,
+        replica_id=f"replica_{idx}_{os.getpid()}",
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=10),
+        quorum_timeout=timedelta(seconds=60),
+        connect_timeout=timedelta(seconds=10),
+    )
+    params = [p for p in model.parameters() if p.requires_grad]
+    corpus = ParquetCorpus(spec.data.source)
+    per_replica = spec.train.global_batch // NODES
+    n = corpus.num_rows
+    log(kind="ready")
+    if not replacement:  # start together, as the standalone side does
+        deadline = time.time() + 120
+        while (
+            len({r["rank"] for r in read_progress(progress) if r["kind"] == "ready"}) < NODES and time.time() < deadline
+        ):
+            time.sleep(0.05)
+    try:
+        while manager.current_step() < spec.train.steps:
+            t0 = time.time()
+            manager.start_quorum()
+            optimizer.zero_grad(set_to_none=True)
+            s = manager.current_step()
+            first = (s * spec.train.global_batch + world_rank * per_replica) % max(1, n - per_replica)
+            rows = torch.from_numpy(corpus.rows(np.arange(first, first + per_replica)))
+            loss = lm_loss(model(rows[:, :-1]), rows[:, 1:])
+            loss.backward()
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            manager.allreduce(flat).wait()
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+            committed = manager.should_commit()
+            if committed:
+                optimizer.step()
+                scheduler.step()
+            log(
+                kind="step",
+                step=manager.current_step(),
+                committed=bool(committed),
+                participants=manager.num_participants(),
+                loss=float(loss.detach()),
+                started=t0,
+                healed_ts=healed["ts"],
+            )
+    finally:
+        # As Ray's example: without it, a replica that finishes can strand a late peer.
+        manager.shutdown(wait=False)
+    log(kind="end", step=manager.current_step())
+
+
+def raytrain_torchft_child(cfg: dict[str, Any]) -> None:
+    """Ray Train V2 ``TorchTrainer`` with ``TorchftConfig``: 4 replica groups of 1 worker,
+    the lighthouse (an actor on the head node, started by Ray Train) with min_replicas 1 and
+    a 1 s heartbeat timeout. ``fit()`` runs in a thread so that the main thread can add a
+    node back (Ray starts nodes from the main thread only) and can tell a job that completes
+    from one that hangs: ``completed`` is false, with the reason, when ``fit()`` has not
+    returned by the side's time limit."""
+    os.environ["RAY_TRAIN_V2_ENABLED"] = "1"
+    out: dict[str, Any] = {
+        "side": "raytrain_torchft",
+        "lighthouse_heartbeat_timeout_ms": TORCHFT_HEARTBEAT_TIMEOUT_MS,
+        "completed": False,
+        "completion_reason": "the side's time limit fired before fit() returned",
+    }
+    t_armed = time.time()
+    arm_deadline(cfg["side_timeout"], cfg["out"], out)
+    try:
+        import torchft
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+        from ray.train.v2.torch.torchft_config import TorchftConfig
+    except Exception as exc:
+        out.update(status="skipped", error=f"torchft / TorchftConfig is not importable: {type(exc).__name__}: {exc}")
+        out["completion_reason"] = "skipped"
+        write_json(cfg["out"], out)
+        os._exit(0)
+
+    out["torchft_version"] = getattr(torchft, "__version__", None) or _dist_version("torchft")
+    with open(cfg["spec"]) as f:
+        spec = json.load(f)
+    steps_total = spec["train"]["steps"]
+    progress = os.path.join(cfg["work"], "progress.jsonl")
+    t0 = time.time()
+    # Ray Train pins its lighthouse actor (default resources: 1 CPU to be scheduled) to the
+    # controller's node with a hard NodeAffinity; the controller runs on the driver's node,
+    # the head, and a head with num_cpus=0 (as the other sides use) makes the lighthouse
+    # infeasible: fit() fails at start with ControllerError "The actor is not schedulable"
+    # (measured here). So this side's head has 1 CPU, and the workers ask for a resource only
+    # the 4 worker nodes carry, so that none is placed on the head.
+    cluster = start_cluster(head_cpus=1, node_resources={RTFT_NODE_RESOURCE: 1})
+    out["cluster_start_s"] = time.time() - t0
+    stop = threading.Event()
+    return_due: list[float] = []
+
+    def watch() -> None:
+        killed = False
+        while not stop.is_set():
+            recs = read_progress(progress)
+            steps = [r for r in recs if r["kind"] == "step" and r["committed"]]
+            if not killed:
+                full = [r["step"] for r in steps if r["participants"] == NODES]
+                if full and max(full) >= cfg["kill_step"]:
+                    kill_rank_node(out, cluster, recs, cfg["kill_rank"], max(full))
+                    killed = True
+            elif cfg["return_delay_s"] >= 0:
+                after = [r for r in steps if r["ts"] > out["kill_ts"] and r["participants"] < NODES]
+                if after:
+                    return_due.append(time.time() + cfg["return_delay_s"])
+                    return
+            time.sleep(0.005)
+
+    trainer = TorchTrainer(
+        raytrain_torchft_loop,
+        train_loop_config={"spec": spec, "progress": progress},
+        scaling_config=ScalingConfig(
+            num_workers=NODES, use_gpu=False, resources_per_worker={"CPU": 1, RTFT_NODE_RESOURCE: 1}
+        ),
+        torch_config=TorchftConfig(
+            lighthouse_kwargs={
+                "min_replicas": 1,
+                "join_timeout_ms": TORCHFT_JOIN_TIMEOUT_MS,
+                "heartbeat_timeout_ms": TORCHFT_HEARTBEAT_TIMEOUT_MS,
+            },
+            backend="gloo",
+        ),
+        run_config=RunConfig(
+            name="recovery-bench-torchft",
+            storage_path=os.path.join(cfg["work"], "storage"),
+            failure_config=FailureConfig(max_failures=3),
+        ),
+    )
+    fit_out: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            result = trainer.fit()
+            fit_out["error"] = result.error
+        except BaseException as exc:  # ControllerError and the like: report, do not crash
+            fit_out["raised"] = exc
+        fit_out["done_ts"] = time.time()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    fitter = threading.Thread(target=fit, daemon=True)
+    fitter.start()
+    # Leave time to write the result and stop the cluster before the hard deadline.
+    deadline = t_armed + cfg["side_timeout"] - 40
+    try:
+        while fitter.is_alive() and time.time() < deadline:
+            if return_due and "node_added_ts" not in out and time.time() >= return_due[0]:
+                out["node_added_ts"] = time.time()
+                cluster.add_node(num_cpus=1, resources={RTFT_NODE_RESOURCE: 1})
+                out["node_added_done_ts"] = time.time()
+            fitter.join(timeout=0.05)
+        stop.set()
+        recs = read_progress(progress)
+        ends = [r for r in recs if r["kind"] == "end"]
+        last = [r for r in recs if r["kind"] == "step" and r["committed"] and r["step"] >= steps_total]
+        out["last_step_done_ts"] = max((r["ts"] for r in last), default=None)
+        out["replicas_ended"] = sorted(r["rank"] for r in ends)
+        if fitter.is_alive():
+            out["status"] = "hung" if last else "timeout"
+            waited = time.time() - out["last_step_done_ts"] if last else None
+            out["completion_reason"] = (
+                f"fit() had not returned {waited:.0f} s after the last step ({steps_total}) was completed"
+                if last
+                else f"fit() had not returned after {time.time() - t0:.0f} s and step {steps_total} was never reached"
+            )
+        elif "raised" in fit_out:
+            exc = fit_out["raised"]
+            out["status"] = "error"
+            out["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+            out["completion_reason"] = f"fit() raised {out['error'][:300]}"
+        elif fit_out.get("error") is not None:
+            err = fit_out["error"]
+            out["status"] = "failed"
+            out["error"] = f"{type(err).__name__}: {str(err)[:2000]}"
+            out["completion_reason"] = f"fit() returned an error: {out['error'][:300]}"
+        else:
+            out["status"] = "succeeded"
+            out["completed"] = True
+            out["completion_reason"] = "fit() returned without error"
+            if out["last_step_done_ts"] is not None:
+                out["fit_returned_after_last_step_s"] = fit_out["done_ts"] - out["last_step_done_ts"]
+    except Exception as exc:
+        out["status"] = "error"
+        out["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+        out["completion_reason"] = f"the benchmark's driver raised {out['error'][:300]}"
+    # The lighthouse runs in Ray Train's actor: its quorum lines are in that worker's log.
+    import glob
+
+    logs = glob.glob(os.path.join(os.environ.get("TMPDIR", "/tmp"), "ray", "session_*", "logs", "worker-*"))
+    out["lighthouse_quorums"] = sorted(
+        (q for path in logs for q in lighthouse_quorums(path)), key=lambda q: q["created"]
+    )
+    recs = read_progress(progress)
+    out.update(analyse_torchft(recs, out))
+    out.update(replacement_facts(recs, out))
+    # Written before the cluster stops: a hung controller may hold ray.shutdown up, and the
+    # deadline then kills the process group with the figures already on disk.
+    write_json(cfg["out"], out)
+    stopper = threading.Thread(target=stop_cluster, args=(cluster,), daemon=True)
+    stopper.start()
+    stopper.join(timeout=25)
+    os._exit(0)
+
+
+def replacement_facts(recs: list[dict[str, Any]], out: dict[str, Any]) -> dict[str, Any]:
+    """What became of Ray Train's replacement replica group (progress index NODES): when it
+    started, and how many steps it committed alone (a replacement that starts after the
+    survivors have finished forms a quorum of one and trains the whole job again by itself,
+    and ``fit()`` waits for it)."""
+    start = next((r for r in recs if r["kind"] == "start" and r["rank"] == NODES), None)
+    if start is None:
+        return {"replacement_started": False}
+    mine = [r for r in recs if r["kind"] == "step" and r["rank"] == NODES and r["committed"]]
+    survivors_end = [r["ts"] for r in recs if r["kind"] == "end" and r["rank"] != NODES]
+    res: dict[str, Any] = {
+        "replacement_started": True,
+        "replacement_solo_steps": sum(1 for r in mine if r["participants"] == 1),
+        "replacement_first_step": mine[0]["step"] if mine else None,
+        "survivors_ended_before_replacement_started": bool(survivors_end) and max(survivors_end) < start["ts"],
+    }
+    if out.get("node_added_done_ts"):
+        res["replacement_started_after_node_added_s"] = start["ts"] - out["node_added_done_ts"]
+    return res
+
+
 # --------------------------------------------------------------------------- driver
 
 
@@ -885,6 +1197,7 @@ def side_timeout(side: str, args: argparse.Namespace) -> float:
         "raytrain_tuned": args.raytrain_timeout,
         "raytrain_default": args.raytrain_timeout,
         "torchft": args.torchft_timeout,
+        "raytrain_torchft": args.raytrain_timeout,
     }[side]
 
 
@@ -903,7 +1216,7 @@ def run_side(side: str, rep: int, args: argparse.Namespace, spec_path: str, work
         "return_delay_s": args.return_delay,
     }
     env = dict(os.environ)
-    paths = [ROOT] + ([args.torchft_path] if side == "torchft" and args.torchft_path else [])
+    paths = [ROOT] + ([args.torchft_path] if side in ("torchft", "raytrain_torchft") and args.torchft_path else [])
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.pop("RAY_ADDRESS", None)
     env["RAY_TRAIN_V2_ENABLED"] = "1"
@@ -923,7 +1236,9 @@ def run_side(side: str, rep: int, args: argparse.Namespace, spec_path: str, work
         spec = json.load(f)
     # Ours and TorchFT go on long enough for the returning node to rejoin; the steps after the
     # recovery enter no recovery figure.
-    steps = args.rejoin_steps if side in ("ours", "torchft") and args.return_delay >= 0 else args.steps
+    steps = (
+        args.rejoin_steps if side in ("ours", "torchft", "raytrain_torchft") and args.return_delay >= 0 else args.steps
+    )
     spec["train"]["steps"] = steps
     cfg["spec"] = os.path.join(side_dir, "spec.json")
     cfg["steps"] = steps
@@ -1013,7 +1328,14 @@ def summarise(res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 k: stats([((r.get("summary_recovery") or {}).get("breakdown") or {}).get(k) for r in runs])
                 for k in phases
             }
-        if side == "torchft" and all(r.get("status") == "skipped" for r in runs):
+        if side == "raytrain_torchft":
+            s["completed"] = [r.get("completed", False) for r in runs]
+            s["completion_reasons"] = [r.get("completion_reason") for r in runs]
+            s["replacement_solo_steps"] = [r.get("replacement_solo_steps") for r in runs]
+            s["replacement_started_after_node_added_s"] = stats(
+                [r.get("replacement_started_after_node_added_s") for r in runs]
+            )
+        if side in ("torchft", "raytrain_torchft") and all(r.get("status") == "skipped" for r in runs):
             s["skipped"] = runs[0].get("error")
         summary[side] = s
     return summary
@@ -1074,6 +1396,8 @@ def main(argv: list[str] | None = None) -> int:
         side = cfg["side"]
         if side == "ours":
             ours_child(cfg)
+        elif side == "raytrain_torchft":
+            raytrain_torchft_child(cfg)
         elif side.startswith("raytrain"):
             raytrain_child(cfg)
         else:
@@ -1116,7 +1440,7 @@ def main(argv: list[str] | None = None) -> int:
         res: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
         for rep in range(args.reps):  # interleaved, so drifting load hits every side alike
             for side in sides:
-                if side == "torchft" and res[side] and res[side][0].get("status") == "skipped":
+                if side in ("torchft", "raytrain_torchft") and res[side] and res[side][0].get("status") == "skipped":
                     res[side].append(dict(res[side][0], rep=rep))
                     continue
                 print(f"[rep {rep + 1}/{args.reps}] {side} ...", flush=True)
@@ -1126,7 +1450,12 @@ def main(argv: list[str] | None = None) -> int:
                     f"  {side}: status {r.get('status')}, recovery {fmt(r.get('recovery_s'))} s, lost steps "
                     f"{fmt(r.get('lost_steps'), 'd')}, breakdown {_fmt_bd(r.get('breakdown'))}, wall "
                     f"{r['wall_s']:.0f} s, "
-                    f"load {r['loadavg_1m_after']:.2f}",
+                    f"load {r['loadavg_1m_after']:.2f}"
+                    + (
+                        f", completed {r.get('completed', False)} ({r.get('completion_reason')})"
+                        if side == "raytrain_torchft"
+                        else ""
+                    ),
                     flush=True,
                 )
                 if "recovery_s" not in r:
@@ -1155,6 +1484,17 @@ def main(argv: list[str] | None = None) -> int:
                     else ""
                 )
             )
+            if "completed" in s:
+                done = sum(1 for c in s["completed"] if c)
+                print(f"{'':19s}job completed in {done} of {len(s['completed'])} run(s)")
+                for reason in s["completion_reasons"]:
+                    print(f"{'':21s}{reason}")
+                late = fmt_stats(s["replacement_started_after_node_added_s"])
+                print(
+                    f"{'':19s}replacement replica group: started {late}"
+                    f" after the node was back; steps it trained alone (quorum of 1) per run: "
+                    f"{s['replacement_solo_steps']}"
+                )
             for k, v in s["breakdown"].items():
                 print(f"{'':19s}{k:34s} {fmt_stats(v)}")
             if s.get("summary_json"):
@@ -1171,7 +1511,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{'':21s}{k:32s} {fmt_stats(v)}")
         ratios = {}
         o = summary.get("ours", {}).get("recovery_s")
-        for base in ("raytrain_tuned", "raytrain_default", "torchft"):
+        for base in ("raytrain_tuned", "raytrain_default", "torchft", "raytrain_torchft"):
             b = summary.get(base, {}).get("recovery_s")
             if o and b:
                 ratios[f"ours/{base}"] = o["median"] / b["median"]
@@ -1215,6 +1555,16 @@ def main(argv: list[str] | None = None) -> int:
                             "checkpoint_every": 1,
                         },
                         "raytrain_default": {"checkpoint_every": 5},
+                        "raytrain_torchft": {
+                            "torch_config": "TorchftConfig(backend='gloo')",
+                            "replica_groups": NODES,
+                            "workers_per_replica_group": 1,
+                            "lighthouse_min_replicas": 1,
+                            "lighthouse_heartbeat_timeout_ms": TORCHFT_HEARTBEAT_TIMEOUT_MS,
+                            "lighthouse_join_timeout_ms": TORCHFT_JOIN_TIMEOUT_MS,
+                            "max_failures": 3,
+                            "rows_per_replica": GLOBAL_BATCH // NODES,
+                        },
                         "torchft": {
                             "lighthouse_heartbeat_timeout_ms": TORCHFT_HEARTBEAT_TIMEOUT_MS,
                             "lighthouse_join_timeout_ms": TORCHFT_JOIN_TIMEOUT_MS,
