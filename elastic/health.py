@@ -172,8 +172,12 @@ class LemonTracker:
     """Counts the failures and evictions each node caused; ``limit`` of them exclude it.
 
     A failure that blames every node of the job blames none (a job-wide timeout says
-    nothing about any one node). ``limit == 0`` never excludes.
+    nothing about any one node, and a one-node job must not exclude its only node). A
+    rank's own exception (``worker_error``) and a bad loss say nothing about the hardware
+    and are not counted. ``limit == 0`` never excludes.
     """
+
+    NOT_THE_NODE = ("worker_error", "nan_loss", "loss_spike")
 
     def __init__(self, limit: int):
         self.limit = limit
@@ -183,7 +187,7 @@ class LemonTracker:
     def blame(self, nodes: Sequence[str], all_nodes: Sequence[str], cause: str) -> list[str]:
         """Count one failure against ``nodes``; returns the nodes newly excluded."""
         nodes = sorted(set(nodes))
-        if not self.limit or not nodes or set(nodes) >= set(all_nodes) and len(set(all_nodes)) > 1:
+        if not self.limit or not nodes or set(nodes) >= set(all_nodes) or cause in self.NOT_THE_NODE:
             return []
         new = []
         for node in nodes:

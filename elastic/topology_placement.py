@@ -160,6 +160,7 @@ class PlannedSlots(ReplicaSlots):
         self.spec, self.raylets = spec, raylets
         self.planned: dict[str, tuple[str, ...]] = {}  # group id -> node id of each bundle
         self.excluded: set[str] = set()  # node ids found dead: never planned again
+        self.lemons: set[str] = set()  # node ids excluded by the health monitor (their live groups stay)
         self.node_labels: dict[str, dict[str, str]] = {}
         self.fallback: str | None = None  # why the old placement is used, if it is
         self._vetted: set[str] = set()  # groups whose nodes were probed once placed
@@ -203,8 +204,17 @@ class PlannedSlots(ReplicaSlots):
         self.planned.pop(group.id.hex(), None)
         super().release(group)
 
-    def exclude(self, node_ids: Iterable[str]) -> None:
-        self.excluded.update(node_ids)
+    def exclude(self, node_ids: Iterable[str], keep: frozenset[int] | set[int] = frozenset()) -> None:
+        """Lemon nodes (docs/health.md): never planned again. Groups pinned there are
+        released, except those in ``keep`` (ids of groups with live workers, which stay
+        until they fail or are evicted)."""
+        nodes = set(node_ids)
+        self.lemons |= nodes
+        for g in list(self._groups):
+            if id(g) not in keep and set(self.planned.get(g.id.hex(), ())) & self.lemons:
+                self.release(g)
+        if self.fallback is not None:
+            super().exclude(nodes, keep)
 
     def _replan(self, wait_s: float) -> None:
         import ray
@@ -220,7 +230,7 @@ class PlannedSlots(ReplicaSlots):
             want = self._target - len(self._groups)
             used = Counter(nid for g in self._groups for nid in self.planned.get(g.id.hex(), ()))
             try:
-                plan = plan_free_capacity(self.spec, topology, used, self.excluded, want)
+                plan = plan_free_capacity(self.spec, topology, used, self.excluded | self.lemons, want)
             except SpecError as exc:
                 self.fallback = str(exc)
                 logger.warning("placement by plan is off (%s): one PACK group per replica instead", self.fallback)

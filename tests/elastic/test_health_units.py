@@ -181,3 +181,16 @@ def test_own_backward_marks_the_end_of_the_local_backward():
     assert own.local_done is not None
     assert 0.04 <= own.waited_s < 1.0, own.waited_s
     assert order == ["later"]
+
+
+def test_lemon_tracker_spares_a_one_node_job_and_software_errors():
+    """The only node of a job is never excluded (it would end the job), and a rank's own
+    exception says nothing about the hardware."""
+    only = LemonTracker(limit=2)
+    assert only.blame(["n0"], ["n0"], "actor_died") == [] and only.blame(["n0"], ["n0"], "actor_died") == []
+    assert only.excluded == {}
+    soft = LemonTracker(limit=2)
+    for _ in range(3):
+        assert soft.blame(["n1"], ["n0", "n1"], "worker_error") == []
+    assert soft.blame(["n1"], ["n0", "n1"], "actor_died") == []
+    assert soft.blame(["n1"], ["n0", "n1"], "node_lost") == ["n1"]
