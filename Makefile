@@ -27,7 +27,7 @@ demo: install
 	$(BIN)/elastic demo
 
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=30 tests
 
 # The inner loop: pure units (spec, data, policies, planner, topology, memory model, storage
 # store and formats, memory tier, mesh dims) and the controller's state machine on a fake
