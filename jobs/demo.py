@@ -103,6 +103,7 @@ def benchmark_comparison(path: str) -> str | None:
         "raytrain_tuned": "Ray Train V2 (tuned)",
         "raytrain_default": "Ray Train V2 (defaults)",
         "torchft": "TorchFT",
+        "raytrain_torchft": "Ray Train V2 + TorchFT",
     }
     parts = []
     for side, name in names.items():
@@ -110,7 +111,7 @@ def benchmark_comparison(path: str) -> str | None:
         rec, lost = s.get("recovery_s"), s.get("lost_steps")
         if rec and lost:
             parts.append(
-                f"{name} {rec['median']:.1f} s (range {rec['min']:.1f}-{rec['max']:.1f}) and {lost['median']:g} "
+                f"{name} {rec['median']:.2f} s (range {rec['min']:.2f}-{rec['max']:.2f}) and {lost['median']:g} "
                 f"step(s) lost (n={rec['n']})"
             )
     if not parts:

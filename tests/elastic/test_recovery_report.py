@@ -63,6 +63,6 @@ def test_comparison_quotes_the_results_file_with_its_date(tmp_path):
     path.write_text(json.dumps({"date_utc": "2026-11-23T09:00:00Z", "summary": summary}))
     line = benchmark_comparison(str(path))
     assert "recovery.json (measured 2026-11-23T09:00:00Z; medians" in line
-    assert "this runtime 2.0 s (range 1.9-2.5) and 0 step(s) lost (n=3)" in line
-    assert "Ray Train V2 (tuned) 26.3 s (range 25.0-27.0) and 1 step(s) lost (n=3)" in line
+    assert "this runtime 2.04 s (range 1.90-2.50) and 0 step(s) lost (n=3)" in line
+    assert "Ray Train V2 (tuned) 26.30 s (range 25.00-27.00) and 1 step(s) lost (n=3)" in line
     assert "TorchFT" not in line and "not measured by this run" in line
