@@ -236,6 +236,9 @@ class ParquetCorpus:
 # --------------------------------------------------------------------------- per-rank stream
 
 
+FIRST_BATCH_TIMEOUT_S = 60.0
+
+
 class RankStream:
     """Yields ``(batch_index, [(inputs, targets), ...])`` for one DP rank, prefetched.
 
@@ -258,7 +261,7 @@ class RankStream:
         self._torch = torch
         self.corpus, self.layout, self.dp_rank = corpus, layout, dp_rank
         self._source = source  # (batch_index, rank rows) from a Ray Data pipeline, or None
-        self.next_batch = start_batch
+        self.next_batch = self._first_batch = start_batch
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(start_batch, start_delay_s), daemon=True)
@@ -295,7 +298,18 @@ class RankStream:
             batch_index += 1
 
     def next(self, timeout: float = 120.0):
-        batch_index, payload = self._queue.get(timeout=timeout)
+        """The next batch; ``TimeoutError`` when none came within ``timeout`` seconds. The
+        first batch of a stream gets at least ``FIRST_BATCH_TIMEOUT_S``: it includes opening
+        the corpus cold (imports, footers), which a loaded host can stretch well past a
+        collective's bound."""
+        if self.next_batch == self._first_batch:
+            timeout = max(timeout, FIRST_BATCH_TIMEOUT_S)
+        try:
+            batch_index, payload = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(
+                f"no batch {self.next_batch} from the data stream of dp rank {self.dp_rank} within {timeout:g}s"
+            ) from None
         if isinstance(payload, Exception):
             raise payload
         assert batch_index == self.next_batch, (batch_index, self.next_batch)

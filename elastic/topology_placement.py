@@ -161,6 +161,7 @@ class PlannedSlots(ReplicaSlots):
         self.planned: dict[str, tuple[str, ...]] = {}  # group id -> node id of each bundle
         self.excluded: set[str] = set()  # node ids found dead: never planned again
         self.lemons: set[str] = set()  # node ids excluded by the health monitor (their live groups stay)
+        self.draining: set[str] = set()  # node ids Ray is draining: not planned while they drain
         self.node_labels: dict[str, dict[str, str]] = {}
         self.fallback: str | None = None  # why the old placement is used, if it is
         self._vetted: set[str] = set()  # groups whose nodes were probed once placed
@@ -216,6 +217,20 @@ class PlannedSlots(ReplicaSlots):
         if self.fallback is not None:
             super().exclude(nodes, keep)
 
+    def avoid(self, node_ids: Iterable[str], keep: frozenset[int] | set[int] = frozenset()) -> None:
+        """Nodes Ray is draining (``elastic/drain.py``): not planned while they drain, and groups
+        pinned there that host no live worker (``keep``: the ids of those that do) are released,
+        since Ray places nothing on a draining node and such a group would wait forever. A node
+        that stops draining is planned again at the next re-plan."""
+        self.draining = set(node_ids)
+        released = False
+        for g in list(self._groups):
+            if id(g) not in keep and set(self.planned.get(g.id.hex(), ())) & self.draining:
+                self.release(g)
+                released = True
+        if released or not self.draining:
+            self._last_plan = float("-inf")  # re-plan at the next ready()
+
     def _replan(self, wait_s: float) -> None:
         import ray
         from ray.util.placement_group import placement_group
@@ -230,7 +245,7 @@ class PlannedSlots(ReplicaSlots):
             want = self._target - len(self._groups)
             used = Counter(nid for g in self._groups for nid in self.planned.get(g.id.hex(), ()))
             try:
-                plan = plan_free_capacity(self.spec, topology, used, self.excluded | self.lemons, want)
+                plan = plan_free_capacity(self.spec, topology, used, self.excluded | self.lemons | self.draining, want)
             except SpecError as exc:
                 self.fallback = str(exc)
                 logger.warning("placement by plan is off (%s): one PACK group per replica instead", self.fallback)

@@ -96,7 +96,7 @@ class WorkerGroup:
         self._store: RendezvousStore | None = None  # the job's rendezvous, made at the first configure
         self._generation = 0  # of the process group: the rendezvous key prefix
         self._node_labels: dict[str, dict[str, str]] = {}  # node id -> Ray node labels (rack, nvlink_domain)
-        self.avoid_nodes: set[str] = set()  # node ids Ray is draining (elastic/drain.py)
+        self._avoid_nodes: set[str] = set()  # node ids Ray is draining (elastic/drain.py)
 
     # ------------------------------------------------------------------ capacity
     def request_capacity(self) -> None:
@@ -107,6 +107,21 @@ class WorkerGroup:
         # Workers already there stay until they fail or are evicted: only new placements avoid them.
         self.slots.exclude(set(nodes), keep={id(m.group) for m in self.members if not m.dead})
         self.request_capacity()
+
+    @property
+    def avoid_nodes(self) -> set[str]:
+        """Node ids Ray is draining: no replica is planned or grown there until they stop draining."""
+        return self._avoid_nodes
+
+    @avoid_nodes.setter
+    def avoid_nodes(self, nodes: set[str]) -> None:
+        nodes = set(nodes)
+        if nodes == self._avoid_nodes:
+            return
+        self._avoid_nodes = nodes
+        avoid = getattr(self.slots, "avoid", None)
+        if avoid is not None:  # planned placement: re-plan without them (live groups stay)
+            avoid(nodes, keep={id(m.group) for m in self.members if not m.dead})
 
     def spare_groups(self, timeout: float = 0.0) -> list[Any]:
         """Ready placement groups that host no member: capacity to grow into."""

@@ -200,6 +200,10 @@ def test_drain_shrinks_at_a_boundary_then_grows_back(ray_cluster, reference_loss
     drained_at = injector.drained[0][0]
     assert drain["ts"] - drained_at < 30.0, "shrank after the deadline"
     assert resizes[-1]["new_dp"] == 4 and resizes[-1]["reason"] == "capacity returned"
+    # grow-back went to the node offered again, never to the one still draining
+    drained_node = injector.drained[0][1]
+    later = [e for e in events_of(run_dir, "placement") if e["ts"] > drain["ts"]]
+    assert later and all(r["node_id"] != drained_node for e in later for r in e["ranks"])
     restores = events_of(run_dir, "restore")
     assert restores[0]["source"] == "memory"
     gap, ordinary = training_gap(run_dir, drain["ts"])
