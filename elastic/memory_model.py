@@ -53,15 +53,34 @@ set (one layer of the no-recompute formula) is added once, on top of the stored 
 
 The 34 splits into 10 bytes kept whole by TP without SP (LayerNorm inputs, the inputs of
 the QKV and first MLP matmuls, two dropout masks) and 24 split by TP; the MLP part of
-the 24 is ``4r`` (16 at r = 4), so the code uses ``10 + 8 + 4r``. The reference GPT has
-no dropout and uses fused attention, so the formula over-counts by the masks (2 sbh) and
-the ``5as/h`` softmax term: a deliberate safety margin. Activations in ``dtype_bytes``
+the 24 is ``4r`` (16 at r = 4), so the code uses ``10 + 8 + 4r``. The ``5as/h`` term is
+the stored softmax (scores, dropout mask, output). The built-in GPT and Llama call the
+fused ``scaled_dot_product_attention``, which stores no ``s x s`` matrix: they declare
+``act_scores = 0`` (measured: the live bytes per ``sbh`` do not change from s = 64 to 256).
+The GPT has no dropout, so its two masks (2 sbh) stay as a small over-count (measured 32.1
+per layer against the formula's 34). Activations in ``dtype_bytes``
 other than 2 scale the whole formula by ``dtype_bytes / 2`` (fp32 doubles it).
 
 **Pipeline**: with 1F1B, stage ``i`` of ``pp`` holds the activations of up to ``pp - i``
 micro-batches at once (stage 0 the most); with GPipe every stage holds all of them.
-**Logits**: the last stage materialises ``s*b*V`` fp32 logits for the loss
-(``lm_loss`` casts to float), not split by TP (the loss sees the full vocabulary).
+**Logits**: the last stage's loss (``lm_loss``, in fp32, not split by TP: the loss sees
+the full vocabulary) keeps its ``s*b*V`` log-probabilities for backward, and the first
+step of backward holds two more tensors of that size (their gradient and the logits'
+gradient) while every activation is still stored: ``3*s*b*V*4`` bytes at the peak
+(measured exactly, for V from 512 to 8192).
+
+**The peak** is the largest of three moments of a step (measured with the live-tensor
+tracker, ``elastic/memtrack.py``):
+
+* backward starts: every stored activation and ``3*s*b*V*4`` of loss tensors;
+* with full recompute, the first layer rebuilt: the stored inputs plus that layer's working
+  set (the log-probabilities are counted until then: a small margin);
+* backward ends: all the parameter gradients and one layer's activations.
+
+Parameter gradients count at the first two only under gradient accumulation (or a
+pipeline's several micro-batches): at one micro-batch the last step's were freed
+(``zero_grad(set_to_none=True)``) and this step's do not exist yet. ``grads``,
+``activations`` and ``logits`` in the estimate are those of the peak moment.
 """
 
 from __future__ import annotations
@@ -81,7 +100,10 @@ class MemoryInputs:
     ``*_split`` parameters are divided by TP, ``*_whole`` ones replicated. ``act_whole``
     and ``act_split`` are the stored activation bytes per ``s*b*h`` of one layer at 16
     bits, kept whole / split by TP without sequence parallelism (the GPT's 10 and
-    ``8 + 4r``); the ``5as/h`` attention-score term is added to the split part.
+    ``8 + 4r``). ``act_scores`` is the attention-score coefficient per ``a*s^2*b`` (added
+    to the split part): 5 for attention that stores its softmax (the paper's ``5as/h``), 0
+    for a fused kernel (``scaled_dot_product_attention``), which keeps only a per-row
+    log-sum-exp.
     """
 
     n_layers: int
@@ -97,6 +119,7 @@ class MemoryInputs:
     last_whole: int
     act_whole: float = 10
     act_split: float = 24
+    act_scores: float = 5
 
 
 def memory_inputs(cfg: Any) -> MemoryInputs:
@@ -178,7 +201,7 @@ def activation_bytes_per_layer(
         num, den = 2 * sbh, (tp if sp else 1)
     else:
         kept_whole = round(m.act_whole * sbh)
-        split = round(m.act_split * sbh) + 5 * a * s * s * b  # (5as/h) * sbh = 5 a s^2 b
+        split = round(m.act_split * sbh + m.act_scores * a * s * s * b)  # (5as/h) * sbh = 5 a s^2 b
         num, den = (kept_whole + split, tp) if sp else (kept_whole * tp + split, tp)
     # num / den bytes at 16 bits; scale by dtype_bytes / 2.
     return _ceil(num * dtype_bytes, den * 2)
@@ -259,10 +282,17 @@ def estimate_memory(
             fsdp = zero >= 1 and dp > 1
             buffers += block_param_count(model_cfg, tp) * act_bytes if fsdp else n * act_bytes
         in_flight = min(pp - stage, micro) if pp_schedule == "1f1b" else micro
-        acts = layers[stage] * per_layer * in_flight + working_set
-        logits = model_cfg.seq_len * micro_batch * model_cfg.vocab_size * 4 if stage == pp - 1 else 0
-        total = params + grads + opt + buffers + acts + logits
-        est = MemoryEstimate(params, grads, opt, acts, logits, total, stage, buffers)
+        stored = layers[stage] * per_layer * in_flight
+        logp = model_cfg.seq_len * micro_batch * model_cfg.vocab_size * 4 if stage == pp - 1 else 0
+        held = grads if micro > 1 else 0  # accumulated by earlier micro-batches (none at one)
+        phases = [  # (grads, activations, logits) at the candidate peaks of a step
+            (held, stored, 3 * logp),  # backward starts: log-probs, their grad and the logits' grad
+            (held, stored + working_set, logp),  # recompute: the first layer rebuilt
+            (grads, stored - (layers[stage] - 1) * per_layer + working_set, 0),  # backward ends
+        ]
+        g, acts, logits = max(phases, key=sum)
+        total = params + g + opt + buffers + acts + logits
+        est = MemoryEstimate(params, g, opt, acts, logits, total, stage, buffers)
         if worst is None or est.total > worst.total:
             worst = est
     assert worst is not None

@@ -113,5 +113,6 @@ def build(vocab_size: int = 64, dim: int = 32, layers: int = 2, heads: int = 4, 
             first_whole=seq_len * dim,
             last_split=vocab_size * dim,
             last_whole=2 * dim,
+            act_scores=0,  # fused scaled_dot_product_attention: no stored s x s softmax
         ),
     )

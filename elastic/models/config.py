@@ -65,6 +65,7 @@ class GPTConfig(BaseModel):
             last_whole=2 * d,
             act_whole=10,
             act_split=8 + 4 * r,
+            act_scores=0,  # fused attention (scaled_dot_product_attention): no stored softmax
         )
 
     def flops_per_token(self) -> float:
@@ -192,6 +193,7 @@ class LlamaConfig(BaseModel):
             # the SwiGLU w1/w3 outputs, their gated product and the SiLU output.
             act_whole=8,
             act_split=6 + 6 * kv_frac + 8 * h / d,
+            act_scores=0,  # fused attention (scaled_dot_product_attention): no stored softmax
         )
 
     def flops_per_token(self) -> float:
