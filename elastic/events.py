@@ -110,7 +110,10 @@ def write_summary(run_dir: str, result: RunResult) -> str:
     path = os.path.join(run_dir, "summary.json")
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(result.model_dump(), f, indent=2, allow_nan=False)
+        summary = result.model_dump()
+        if summary.get("stop") is None:  # docs/outputs.md: `stop` is written for a stopped job only
+            summary.pop("stop", None)
+        json.dump(summary, f, indent=2, allow_nan=False)
         f.write("\n")
     os.replace(tmp, path)
     return path
