@@ -1266,7 +1266,10 @@ def run_side(side: str, rep: int, args: argparse.Namespace, spec_path: str, work
     if "recovery_s" not in res:
         with open(log_path) as f:
             res["log_tail"] = "".join(f.readlines()[-30:])
-    shutil.rmtree(tmp, ignore_errors=True)
+    if args.keep:  # Ray's session logs (the workers' own tracebacks) stay too
+        res["ray_tmpdir"] = tmp
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
     return res
 
 
@@ -1541,7 +1544,7 @@ def main(argv: list[str] | None = None) -> int:
                     "scenario": {
                         "nodes": NODES,
                         "model": MODEL,
-                        "state_mb": 50.5,
+                        "state_mb": round(state_mb, 1),
                         "global_batch": GLOBAL_BATCH,
                         "steps": args.steps,
                         "steps_ours_torchft": args.rejoin_steps if args.return_delay >= 0 else args.steps,
