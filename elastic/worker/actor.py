@@ -52,6 +52,7 @@ from elastic.worker.trainer import Trainer
 logger = logging.getLogger(__name__)
 
 CONCURRENCY_GROUPS = {"train": 1, "control": 4}
+SLOW_PREPARE_S = 2.0  # a rank this late to a rendezvous is logged with where the time went
 
 # Dense fp32 (TF32 tensor-core) peak FLOP/s per device, for MFU; None where unknown (CPU).
 _PEAK_TF32 = {"H200": 494.7e12, "H100": 494.7e12, "A100": 156e12, "L40S": 183e12}
@@ -169,8 +170,16 @@ class TrainWorker:
     def _configure(self, req: ConfigureRequest) -> ConfigureReply:
         self._phase = "configure"
         self._beat = time.monotonic()
+        t_leave = time.perf_counter()
         self._leave()
+        t_tier = time.perf_counter()
         self.tier.replicate_to(None)  # nothing of the old layout is sent from now on
+        t_join = time.perf_counter()
+        if t_join - t_leave > SLOW_PREPARE_S:  # what delays a rank's arrival at the rendezvous
+            logger.warning(
+                "configure gen %d rank %d: %.2fs before the rendezvous (leave %.2fs, memory tier %.2fs)",
+                req.generation, req.rank, t_join - t_leave, t_tier - t_leave, t_join - t_tier,
+            )  # fmt: skip
         dp, tp, pp = req.dims
         self.rank = req.rank
         join_s = self.group.configure(req.generation, req.rank, dp * tp * pp, req.store)
@@ -290,11 +299,18 @@ class TrainWorker:
 
     def _leave(self) -> None:
         """Drop this generation's trainer and leave its process group."""
+        t0 = time.perf_counter()
         if self.trainer is not None:
             self._step = self.trainer.step
             self.trainer.close()
             self.trainer = None
+        t1 = time.perf_counter()
         self.group.leave()
+        if time.perf_counter() - t0 > SLOW_PREPARE_S:
+            logger.warning(
+                "leaving took %.2fs: closing the trainer %.2fs, the process group %.2fs",
+                time.perf_counter() - t0, t1 - t0, time.perf_counter() - t1,
+            )  # fmt: skip
 
 
 class ReportQueue(collections.deque):
