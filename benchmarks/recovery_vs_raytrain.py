@@ -583,18 +583,79 @@ def analyse_raytrain(recs: list[dict[str, Any]], kill_ts: float | None) -> dict[
 # --------------------------------------------------------------------------- TorchFT
 
 
+def _torchft_steps(manager, model, optimizer, scheduler, spec, corpus, slot, progress, log, healed, wait_ready):
+    """The training loop both TorchFT sides run: start together (``wait_ready``), then per
+    step a quorum, this replica's ``slot`` of the global batch, one fault-tolerant allreduce
+    of all gradients, and a step only when the Manager commits.
+
+    Not torchft.ddp's DistributedDataParallel: with more than one bucket, its comm hook
+    asserts (``assert fut._fut``, ddp.py:76) once a peer died in an earlier bucket's
+    allreduce, because the errored Manager then hands back a _DummyWork, and the survivors
+    crash instead of skipping the step (seen here in 2 of 7 runs). ``Manager.allreduce``
+    averages over the participants and zeroes a healing replica's part.
+    """
+    import numpy as np
+    import torch
+
+    from elastic.model import lm_loss
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    per_replica = spec.train.global_batch // NODES
+    n = corpus.num_rows
+    log(kind="ready")
+    if wait_ready:
+        # A replica that asks for a quorum before the others heartbeat forms one alone, and
+        # the rest heal from it one by one.
+        deadline = time.time() + 120
+        while (
+            len({r["rank"] for r in read_progress(progress) if r["kind"] == "ready"}) < NODES and time.time() < deadline
+        ):
+            time.sleep(0.05)
+    try:
+        while manager.current_step() < spec.train.steps:
+            t0 = time.time()
+            manager.start_quorum()
+            optimizer.zero_grad(set_to_none=True)
+            s = manager.current_step()
+            first = (s * spec.train.global_batch + slot * per_replica) % max(1, n - per_replica)
+            rows = torch.from_numpy(corpus.rows(np.arange(first, first + per_replica)))
+            loss = lm_loss(model(rows[:, :-1]), rows[:, 1:])
+            loss.backward()
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            manager.allreduce(flat).wait()
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+            committed = manager.should_commit()
+            if committed:
+                optimizer.step()
+                scheduler.step()
+            log(
+                kind="step",
+                step=manager.current_step(),
+                committed=bool(committed),
+                participants=manager.num_participants(),
+                loss=float(loss.detach()),
+                started=t0,
+                healed_ts=healed["ts"],
+            )
+    finally:
+        # As Ray's example: without it, a replica that finishes can strand a late peer.
+        manager.shutdown(wait=False)
+
+
 def torchft_replica(config: dict[str, Any]) -> dict[str, Any]:
     """One torchft replica group of one process: train until ``steps`` are committed."""
     from datetime import timedelta
 
-    import numpy as np
     import ray
     import torch
     import torch.distributed as dist
     from torchft import Manager, ProcessGroupGloo
 
     from elastic.data import ParquetCorpus
-    from elastic.model import build_model, lm_loss
+    from elastic.model import build_model
     from elastic.optim import build_optimizer
     from jobs import JobSpec
 
@@ -638,56 +699,10 @@ def torchft_replica(config: dict[str, Any]) -> dict[str, Any]:
         quorum_timeout=timedelta(seconds=60),
         connect_timeout=timedelta(seconds=10),
     )
-    params = [p for p in model.parameters() if p.requires_grad]
     corpus = ParquetCorpus(spec.data.source)
-    per_replica = spec.train.global_batch // NODES
-    n = corpus.num_rows
-    log(kind="ready")
-    if config.get("wait_ready"):
-        # Start together: a replica that asks for a quorum before the others heartbeat forms
-        # one alone, and the rest heal from it one by one.
-        deadline = time.time() + 120
-        while (
-            len({r["rank"] for r in read_progress(progress) if r["kind"] == "ready"}) < NODES and time.time() < deadline
-        ):
-            time.sleep(0.05)
-    try:
-        while manager.current_step() < spec.train.steps:
-            t0 = time.time()
-            manager.start_quorum()
-            optimizer.zero_grad(set_to_none=True)
-            s = manager.current_step()
-            first = (s * spec.train.global_batch + idx * per_replica) % max(1, n - per_replica)
-            rows = torch.from_numpy(corpus.rows(np.arange(first, first + per_replica)))
-            loss = lm_loss(model(rows[:, :-1]), rows[:, 1:])
-            loss.backward()
-            # One fault-tolerant allreduce of all gradients (Manager.allreduce averages over
-            # the participants and zeroes a healing replica's part). Not torchft.ddp's
-            # DistributedDataParallel: with more than one bucket, its comm hook asserts
-            # (``assert fut._fut``, ddp.py:76) once a peer died in an earlier bucket's
-            # allreduce, because the errored Manager then hands back a _DummyWork, and the
-            # survivors crash instead of skipping the step (seen here in 2 of 7 runs).
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            manager.allreduce(flat).wait()
-            offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
-            committed = manager.should_commit()
-            if committed:
-                optimizer.step()
-                scheduler.step()
-            log(
-                kind="step",
-                step=manager.current_step(),
-                committed=bool(committed),
-                participants=manager.num_participants(),
-                loss=float(loss.detach()),
-                started=t0,
-                healed_ts=healed["ts"],
-            )
-    finally:
-        manager.shutdown(wait=False)
+    _torchft_steps(
+        manager, model, optimizer, scheduler, spec, corpus, idx, progress, log, healed, config.get("wait_ready")
+    )
     log(kind="end", step=manager.current_step())
     return {"replica": idx, "step": manager.current_step()}
 
@@ -909,14 +924,13 @@ def raytrain_torchft_loop(config: dict[str, Any]) -> None:
     ``should_commit`` before the optimizer step, 3 rows per replica per step)."""
     from datetime import timedelta
 
-    import numpy as np
     import ray
     import ray.train
     import torch
     from torchft import Manager, ProcessGroupGloo
 
     from elastic.data import ParquetCorpus
-    from elastic.model import build_model, lm_loss
+    from elastic.model import build_model
     from elastic.optim import build_optimizer
     from jobs import JobSpec
 
@@ -964,49 +978,10 @@ def raytrain_torchft_loop(config: dict[str, Any]) -> None:
         quorum_timeout=timedelta(seconds=60),
         connect_timeout=timedelta(seconds=10),
     )
-    params = [p for p in model.parameters() if p.requires_grad]
     corpus = ParquetCorpus(spec.data.source)
-    per_replica = spec.train.global_batch // NODES
-    n = corpus.num_rows
-    log(kind="ready")
-    if not replacement:  # start together, as the standalone side does
-        deadline = time.time() + 120
-        while (
-            len({r["rank"] for r in read_progress(progress) if r["kind"] == "ready"}) < NODES and time.time() < deadline
-        ):
-            time.sleep(0.05)
-    try:
-        while manager.current_step() < spec.train.steps:
-            t0 = time.time()
-            manager.start_quorum()
-            optimizer.zero_grad(set_to_none=True)
-            s = manager.current_step()
-            first = (s * spec.train.global_batch + world_rank * per_replica) % max(1, n - per_replica)
-            rows = torch.from_numpy(corpus.rows(np.arange(first, first + per_replica)))
-            loss = lm_loss(model(rows[:, :-1]), rows[:, 1:])
-            loss.backward()
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            manager.allreduce(flat).wait()
-            offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
-            committed = manager.should_commit()
-            if committed:
-                optimizer.step()
-                scheduler.step()
-            log(
-                kind="step",
-                step=manager.current_step(),
-                committed=bool(committed),
-                participants=manager.num_participants(),
-                loss=float(loss.detach()),
-                started=t0,
-                healed_ts=healed["ts"],
-            )
-    finally:
-        # As Ray's example: without it, a replica that finishes can strand a late peer.
-        manager.shutdown(wait=False)
+    _torchft_steps(
+        manager, model, optimizer, scheduler, spec, corpus, world_rank, progress, log, healed, not replacement
+    )
     log(kind="end", step=manager.current_step())
 
 
