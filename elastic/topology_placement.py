@@ -211,9 +211,7 @@ class PlannedSlots(ReplicaSlots):
         until they fail or are evicted)."""
         nodes = set(node_ids)
         self.lemons |= nodes
-        for g in list(self._groups):
-            if id(g) not in keep and set(self.planned.get(g.id.hex(), ())) & self.lemons:
-                self.release(g)
+        self._release_pinned(self.lemons, keep)
         if self.fallback is not None:
             super().exclude(nodes, keep)
 
@@ -223,13 +221,16 @@ class PlannedSlots(ReplicaSlots):
         since Ray places nothing on a draining node and such a group would wait forever. A node
         that stops draining is planned again at the next re-plan."""
         self.draining = set(node_ids)
-        released = False
-        for g in list(self._groups):
-            if id(g) not in keep and set(self.planned.get(g.id.hex(), ())) & self.draining:
-                self.release(g)
-                released = True
-        if released or not self.draining:
+        if self._release_pinned(self.draining, keep) or not self.draining:
             self._last_plan = float("-inf")  # re-plan at the next ready()
+
+    def _release_pinned(self, nodes: set[str], keep: frozenset[int] | set[int]) -> bool:
+        """Release the groups pinned to any of ``nodes``, except those in ``keep`` (ids of
+        groups with live workers); True if any was released."""
+        gone = [g for g in self._groups if id(g) not in keep and set(self.planned.get(g.id.hex(), ())) & nodes]
+        for g in gone:
+            self.release(g)
+        return bool(gone)
 
     def _replan(self, wait_s: float) -> None:
         import ray
