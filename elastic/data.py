@@ -11,12 +11,12 @@ scaled by ``1/grad_accum`` and averaged by DP, is exactly the mean over the glob
 The only training-state a resume needs is ``batch_index``: the next batch to read.
 
 Reading is per DP rank with a bounded background prefetch (``prefetch_steps`` batches
-ahead), from the replica's host feeder for a corpus made by ``elastic prepare``
-(``loader: ray_data`` or ``feeder``, ``elastic/ingest/feeder.py``: one read per host, as Ray
-Data tasks or by its own threads, staggered in ``data.waves``), by a thread that reads the
-parquet row groups itself (``loader: native``; hosts start ``stagger_s * host_index`` apart)
-or from a Ray Data pipeline per rank (``loader: ray_data`` on a corpus without an index),
-all in the same order. See docs/data.md.
+ahead), from the replica's host reader for a corpus made by ``elastic prepare``
+(``loader: ray_data``, the default, or ``feeder``; ``elastic/ingest/feeder.py``: one read per
+host, through one long-lived Ray Data executor or the reader's own threads, staggered in
+``data.waves``), by a thread that reads the parquet row groups itself (``loader: native``;
+hosts start ``stagger_s * host_index`` apart) or from a Ray Data pipeline per rank
+(``loader: ray_data`` on a corpus without an index), all in the same order. See docs/data.md.
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ class DataConfig(BaseModel):
     prefetch_steps: int = Field(2, ge=0, description="batches read ahead per rank")
     loader: Literal["auto", "feeder", "native", "ray_data"] = Field(
         "auto",
-        description="ray_data: one reader per host shared by the ranks of a replica, reading through Ray Data "
-        "(a prepared corpus; otherwise a Ray Data pipeline per rank); feeder: the same host reader with its "
-        "own read threads; native: a prefetch thread per rank; auto: feeder for a prepared corpus "
-        "(with index.json), native otherwise (docs/data.md)",
+        description="ray_data: one reader per host shared by the ranks of a replica, reading through one "
+        "long-lived Ray Data executor (a prepared corpus; otherwise a Ray Data pipeline per rank); feeder: the "
+        "same host reader with its own read threads; native: a prefetch thread per rank; auto: ray_data for a "
+        "prepared corpus (with index.json), native otherwise (docs/data.md)",
     )
     stagger_s: float = Field(0.05, ge=0, description="delay between hosts' first reads (native loader)")
     waves: int = Field(

@@ -26,7 +26,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from elastic import recovery_plan as plan
 from elastic.diagnosis import NODE_PROBE_S, RayletProbe, diagnose
 from elastic.errors import ActorDied, NodeLost, WorkerError, WorkerFailure
-from elastic.ingest.feeder import read_plans
+from elastic.ingest.feeder import HostReaders
 from elastic.messages import (
     DEAD,
     ConfigureReply,
@@ -83,6 +83,7 @@ class WorkerGroup:
     def __init__(self, spec: Any, corpus_uri: str, step_hook: StepHook | None = None, storage_uri: str = ""):
         self.spec = spec
         self.corpus_uri = corpus_uri
+        self.readers = HostReaders(spec, corpus_uri)  # one data reader per reading host (docs/data.md)
         self.storage_uri = storage_uri  # where the storage tier writes ("" for none)
         self.step_hook = step_hook
         self.replica_size = spec.parallel.replica_size
@@ -185,7 +186,7 @@ class WorkerGroup:
         self._generation += 1
         generation = self._generation
         hosts = _host_indices(members)
-        reads = read_plans(self.spec, self.corpus_uri, [m.node_id for m in members], generation)  # docs/data.md
+        reads = self.readers.plans([m.node_id for m in members], generation)  # docs/data.md
         peers = [None] * len(members)
         if self.spec.checkpoint.replicate:
             peers = plan.replica_peers([m.node_id for m in members], tp, pp, zero)
@@ -440,6 +441,7 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         self.kill([m for m in self.members if not m.dead])
+        self.readers.close()
         self.slots.release_all()
         if self._store is not None:
             self._store.close()

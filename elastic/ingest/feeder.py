@@ -1,13 +1,23 @@
-"""One reader per host: the ``HostFeeder`` actor and the rank-side stream it feeds.
+"""One reader per host for the job's lifetime: the ``HostFeeder`` actor, the driver's
+``HostReaders`` that keep one per reading host, and the rank-side stream they feed.
 
 The global sample order is ``elastic.data``'s: row ``i`` of the corpus in index order,
 epochs wrapping. A feeder reads that stream shard by shard (one GET per shard, verified
-against the index's sha256), from the shard holding its first row, a bounded number of
-shards ahead, and serves any contiguous range of rows from memory. Every rank of a model
+against the index's sha256), a bounded number of shards ahead of the slowest rank it
+serves, and serves any contiguous range of rows from memory. Every rank of a model
 replica asks the feeder on its replica leader's host, so a TP or PP group reads storage
 once; replicas whose leaders share a host share one read. The feeder holds no CPU of the
 training workers (``num_cpus=0``); ranks on other hosts receive batches through Ray's
-object store. Staggering (``waves``) and the per-host read cap are applied here.
+object store.
+
+Feeders belong to the driver and outlive reconfigurations: after a resize or a recovery
+from memory, a host whose feeder already holds (or is reading) the next rows goes on from
+where it was, with no process, index read or Ray Data executor to start. Engine
+``ray_data`` reads through one Ray Data streaming executor per feeder, kept across steps
+and reconfigurations; it is rebuilt only when the stream must jump (a rollback past what
+is kept, or a restore from storage of an older step), or after ``SEGMENT_UNITS`` shards.
+Engine ``threads`` reads with the feeder's own threads. Staggering (``waves``) and the
+per-host read cap are applied here. See docs/data.md.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ import io
 import logging
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -25,10 +36,14 @@ import ray
 
 from elastic.ingest.index import read_index, sha256
 from elastic.ingest.rounds import wave_of
-from elastic.ingest.waves import gate as get_gate
 from storage import open_storage
 
 log = logging.getLogger(__name__)
+
+SEGMENT_UNITS = 256  # shards per Ray Data executor: building one costs about 1 ms per shard
+# A new feeder's first window may wait this long: its actor, and for engine ray_data the
+# processes of its read tasks, start first (tens of seconds on an oversubscribed machine).
+COLD_START_S = 90.0
 
 
 @ray.remote(num_cpus=0, max_concurrency=32)
@@ -37,49 +52,52 @@ class HostFeeder:
         self,
         root: str,
         storage_options: dict[str, Any],
-        start_row: int,
         rows_ahead: int,
+        rows_behind: int,
         max_reads: int,
-        gate_name: str | None,
-        host_index: int,
-        hosts: int,
-        waves: int,
         timeout_s: float,
         engine: str = "threads",
     ):
         self.root, self.storage_options, self.engine = root, storage_options, engine
-        self._window_busy = False  # engine "ray_data": a Ray Data pipeline is reading a window
         self.fs = open_storage(root, storage_options).fs
-        self.index = None  # read after this host's wave opens: the index is a read too
-        self.wave = wave_of(host_index, hosts, waves)
-        self.rows_ahead, self.start_row = rows_ahead, start_row
+        self.rows_ahead, self.rows_behind = rows_ahead, rows_behind
         self.max_reads, self.timeout_s = max_reads, timeout_s
-        self.host_index = host_index
-        self._gate = get_gate(gate_name, hosts, waves) if gate_name and waves > 1 else None
+        self.index = None  # read in this host's first turn: the index is a read too
         self._lock = threading.Condition()
         self._units: dict[int, np.ndarray] = {}
         self._inflight: set[int] = set()
-        self._low: dict[Any, int] = {}
-        self._low_default = start_row
+        self._low: dict[Any, int] = {}  # per serving key (a DP rank): the first row it still needs
+        self._low_default = 0
+        self._next_unit: int | None = None  # the next shard to read, in stream order
+        self._seq = 0  # bumped when the stream jumps: reads of an older position are dropped
+        self._epoch: str | None = None  # the stream begun last (a layout, or a rollback in it)
+        self._continued = False
+        self._turn = False  # this host may start reads (its wave's turn came)
+        self._reported = True
+        self._gate = None
+        self.host_index, self.wave, self.lookahead = 0, 0, 1
         self._error: BaseException | None = None
         self._stop = False
-        self.stats = {"gets": 0, "bytes_read": 0, "wave": self.wave, "gate_wait_s": 0.0, "first_read_at": None}
-        self._pool = ThreadPoolExecutor(max_workers=max(1, max_reads), thread_name_prefix="feeder-read")
-        threading.Thread(target=self._schedule, daemon=True).start()
-
-    def _open_index(self) -> None:
-        index = read_index(self.root, self.storage_options)
-        if index is None:
-            raise FileNotFoundError(f"{self.root} has no index.json: not a prepared corpus")
-        with self._lock:
-            self.index, self.n, self.total, self.starts = index, len(index.shards), index.num_rows, index.starts
-            self.stats["gets"] += 1
-            # Shards ahead of the oldest row still wanted: enough for ``rows_ahead`` rows, plus one
-            # per wave: later waves read further ahead, so their steady-state reads stay apart too.
-            smallest = min(s.rows for s in index.shards)
-            self.lookahead = -(-self.rows_ahead // smallest) + 1 + self.wave
-            self._next_unit = self._unit_of(self.start_row)
-            self._lock.notify_all()
+        self._created = time.time()
+        self.stats = {
+            "gets": 0,
+            "bytes_read": 0,
+            "wave": 0,
+            "gate_wait_s": 0.0,
+            "first_read_at": None,
+            "streams": 0,  # begin() calls: layouts (and rollbacks) served
+            "continued": 0,  # of those, streams that went on without a jump
+            "executors": 0,  # Ray Data executors built (engine ray_data)
+        }
+        if engine == "ray_data":
+            self._x = 0  # the current executor
+            self._x_seq: dict[int, int] = {}  # executor -> the stream position (``_seq``) it reads
+            self._x_base: dict[int, int | None] = {}  # executor -> the shard of its position 0
+            threading.Thread(target=self._warm_up, daemon=True, name="feeder-warm-up").start()
+            threading.Thread(target=self._ray_data_reader, daemon=True, name="feeder-ray-data").start()
+        else:
+            self._pool = ThreadPoolExecutor(max_workers=max(1, max_reads), thread_name_prefix="feeder-read")
+            threading.Thread(target=self._schedule, daemon=True, name="feeder-schedule").start()
 
     # ------------------------------------------------------------------ global row <-> shard
     def _unit_of(self, row: int) -> int:
@@ -89,121 +107,296 @@ class HostFeeder:
     def _unit_start(self, k: int) -> int:
         return (k // self.n) * self.total + int(self.starts[k % self.n])
 
-    # ------------------------------------------------------------------ reading
-    def _low_unit(self) -> int:
-        low = min(self._low.values()) if self._low else self._low_default
-        return self._unit_of(low)
+    def _low_row(self) -> int:
+        return min(self._low.values()) if self._low else self._low_default
 
-    def _schedule(self) -> None:
-        """Start reads in order, at most ``max_reads`` in flight, up to ``lookahead`` shards ahead."""
-        if self._gate is not None:
+    def _first_window(self) -> range:
+        first = self._unit_of(self._low_default)
+        return range(first, first + self.lookahead)
+
+    def _want_more(self) -> bool:
+        """Whether the stream should read its next shard now."""
+        return (
+            self._turn
+            and self._error is None
+            and self._next_unit is not None
+            and self._next_unit < self._unit_of(self._low_row()) + self.lookahead
+        )
+
+    # ------------------------------------------------------------------ a new layout
+    def begin(self, epoch: str, start_row: int, host_index: int, hosts: int, waves: int, gate: Any = None) -> bool:
+        """Serve a new stream from ``start_row`` on (a new layout, or a rollback in one).
+
+        Idempotent per ``epoch``: every rank this feeder serves calls it, the first one
+        counts. The stream goes on if this feeder holds or is reading every shard from
+        ``start_row``'s on; otherwise it jumps there. Returns whether it went on.
+        """
+        with self._lock:
+            if epoch == self._epoch:
+                return self._continued
+            self._epoch, self.host_index = epoch, host_index
+            self.wave = self.stats["wave"] = wave_of(host_index, hosts, waves)
+            self._gate = gate if waves > 1 and hosts > 1 else None
+            self._low.clear()
+            self._low_default = start_row
+            self.stats["streams"] += 1
+            self._continued = self.index is not None and self._error is None and self._holds_from(start_row)
+            if self._continued:
+                self.stats["continued"] += 1
+                self._set_lookahead()
+            else:
+                self._seq += 1
+                self._units.clear()
+                self._inflight.clear()
+                self._error = None
+                self._next_unit = None if self.index is None else self._unit_of(start_row)
+                if self.index is not None:
+                    self._set_lookahead()
+            self._turn, self._reported = False, False
+            self._lock.notify_all()
+            continued, gate, wave = self._continued, self._gate, self.wave
+        threading.Thread(target=self._take_turn, args=(epoch, gate, wave, waves), daemon=True).start()
+        return continued
+
+    def _holds_from(self, row: int) -> bool:
+        u0 = self._unit_of(row)
+        if self._next_unit is None or u0 > self._next_unit:
+            return False
+        return all(k in self._units or k in self._inflight for k in range(u0, self._next_unit))
+
+    def _set_lookahead(self) -> None:
+        # Shards ahead of the oldest row still wanted: enough for ``rows_ahead`` rows, plus one
+        # per wave: later waves read further ahead, so their steady-state reads stay apart too.
+        smallest = min(s.rows for s in self.index.shards)
+        self.lookahead = -(-self.rows_ahead // smallest) + 1 + self.wave
+
+    def _take_turn(self, epoch: str, gate: Any, wave: int, waves: int) -> None:
+        """Wait for this host's wave (unless its first window is already here), read the
+        index on first use, then let the stream read."""
+        with self._lock:
+            held = self.index is not None and all(k in self._units for k in self._first_window())
+        if gate is not None and not held:
             t0 = time.perf_counter()
             try:
-                ray.get(self._gate.wait_turn.remote(self.wave), timeout=self.timeout_s)
+                ray.get(gate.wait_turn.remote(wave), timeout=self.timeout_s * (waves + 1))
             except Exception as exc:  # noqa: BLE001 - a dead or slow earlier wave must not stop this one
                 log.warning("wave gate: %s; reading anyway", type(exc).__name__)
             self.stats["gate_wait_s"] = time.perf_counter() - t0
-        self.stats["first_read_at"] = time.time()
-        try:
-            self._open_index()
-        except BaseException as exc:  # surfaced to every caller of rows()
+        if self.stats["first_read_at"] is None:
+            self.stats["first_read_at"] = time.time()
+            self.stats["created_to_first_read_s"] = time.time() - self._created
+        if self.index is None:
+            try:
+                index = read_index(self.root, self.storage_options)
+                if index is None:
+                    raise FileNotFoundError(f"{self.root} has no index.json: not a prepared corpus")
+            except BaseException as exc:  # surfaced to every caller of rows()
+                with self._lock:
+                    self._error = exc
+                    self._lock.notify_all()
+                return
             with self._lock:
-                self._error = exc
-                self._lock.notify_all()
-            return
-        first_fill = self._next_unit + self.lookahead
-        reported = self._gate is None
-        self._first_fill = first_fill
+                self.index, self.n, self.total, self.starts = index, len(index.shards), index.num_rows, index.starts
+                self.stats["gets"] += 1
+                self._set_lookahead()
+                if self._next_unit is None:
+                    self._next_unit = self._unit_of(self._low_default)
         with self._lock:
-            while not self._stop and self._error is None:
-                if not reported and all(k in self._units for k in range(first_fill - self.lookahead, first_fill)):
-                    self._gate.done.remote(self.host_index)
-                    reported = True
-                low = self._low_unit()
-                for k in [k for k in self._units if k < low]:
-                    del self._units[k]
-                if self.engine == "ray_data":
-                    if not self._window_busy and self._next_unit < low + self.lookahead:
-                        window = list(range(self._next_unit, low + self.lookahead))
-                        self._next_unit = window[-1] + 1
-                        self._inflight.update(window)
-                        self._window_busy = True
-                        threading.Thread(target=self._read_window, args=(window,), daemon=True).start()
-                        continue
-                elif len(self._inflight) < self.max_reads and self._next_unit < low + self.lookahead:
+            if self._epoch == epoch:
+                self._turn = True
+                self._check_first_window()
+                self._lock.notify_all()
+
+    def _check_first_window(self) -> None:
+        """Tell the gate, once, that this host's first window is read (lock held)."""
+        if self._reported or self.index is None:
+            return
+        if all(k in self._units for k in self._first_window()):
+            self._reported = True
+            self.stats["first_window_at_s"] = time.time() - self._created
+            if self._gate is not None:
+                self._gate.done.remote(self.host_index)
+
+    def _evict(self) -> None:
+        """Drop shards wholly before ``rows_behind`` rows under the oldest row still wanted
+        (lock held): a rollback of a step or two still finds its rows here."""
+        keep = self._unit_of(max(0, self._low_row() - self.rows_behind))
+        for k in [k for k in self._units if k < keep]:
+            del self._units[k]
+
+    def _store(self, k: int, rows: np.ndarray, nbytes: int) -> None:
+        self.stats["gets"] += 1
+        self.stats["bytes_read"] += nbytes
+        self._units[k] = rows
+        self._check_first_window()
+        self._lock.notify_all()
+
+    # ------------------------------------------------------------------ engine "threads"
+    def _schedule(self) -> None:
+        """Start reads in order, at most ``max_reads`` in flight, up to ``lookahead`` shards ahead."""
+        with self._lock:
+            while not self._stop:
+                if self.index is not None:
+                    self._evict()
+                if self._want_more() and len(self._inflight) < self.max_reads:
                     k = self._next_unit
                     self._next_unit += 1
                     self._inflight.add(k)
-                    self._pool.submit(self._read, k)
+                    self._pool.submit(self._read, k, self._seq)
                     continue
                 self._lock.wait(timeout=1.0)
 
-    def _read(self, k: int) -> None:
+    def _read(self, k: int, seq: int) -> None:
         shard = self.index.shards[k % self.n]
         try:
             data = self.fs.cat_file(self.index.uri(shard))  # one GET
             rows = _decode_shard(data, shard.sha256, shard.path)
             with self._lock:
-                self.stats["gets"] += 1
-                self.stats["bytes_read"] += len(data)
-                self._units[k] = rows
+                if seq == self._seq:
+                    self._store(k, rows, len(data))
         except BaseException as exc:  # surfaced to every caller of rows()
             with self._lock:
-                self._error = exc
+                if seq == self._seq:
+                    self._error = exc
         finally:
             with self._lock:
-                self._inflight.discard(k)
+                if seq == self._seq:
+                    self._inflight.discard(k)
                 self._lock.notify_all()
 
-    def _read_window(self, window: list[int]) -> None:
-        """Engine ``ray_data``: read shards ``window`` (in order) as a Ray Data pipeline whose
-        read tasks run on this node with no CPU, at most ``max_reads`` at once."""
+    # ------------------------------------------------------------------ engine "ray_data"
+    def _warm_up(self) -> None:
+        """Import Ray Data before this host's first stream needs it."""
+        t0 = time.perf_counter()
+        try:
+            import ray.data  # noqa: F401 - the import is the point
+        except Exception as exc:  # noqa: BLE001 - the first executor imports it instead
+            log.warning("data feeder warm-up: %s", exc)
+        self.stats["warm_up_s"] = time.perf_counter() - t0
+
+    def _task_options(self) -> dict[str, Any]:
+        """Ray Data settings of this feeder's pipelines: in order, no progress output, read
+        tasks on this node with no CPU, at most ``max_reads`` at once."""
         import ray.data
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        try:
-            ctx = ray.data.DataContext.get_current()
-            ctx.execution_options.preserve_order = True
-            ctx.enable_progress_bars = False
-            files = {
-                k: (self.index.uri(self.index.shards[k % self.n]), self.index.shards[k % self.n].sha256) for k in window
-            }
-            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-            ds = ray.data.from_items([{"unit": k} for k in window], override_num_blocks=len(window)).map_batches(
-                _read_units,
-                fn_kwargs={"files": files, "storage_options": self.storage_options},
-                batch_size=1,
-                batch_format="numpy",
-                compute=ray.data.TaskPoolStrategy(size=self.max_reads),
-                num_cpus=0,
-                scheduling_strategy=here,
-            )
-            for batch in ds.iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=0):
-                k, rows = int(batch["unit"][0]), np.asarray(batch["tokens"][0], dtype=np.int32)
+        ctx = ray.data.DataContext.get_current()
+        ctx.execution_options.preserve_order = True
+        ctx.enable_progress_bars = False
+        ctx.print_on_execution_start = False
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        return {"compute": ray.data.TaskPoolStrategy(size=self.max_reads), "num_cpus": 0, "scheduling_strategy": here}
+
+    def _ray_data_reader(self) -> None:
+        """Take shards, in order, from one Ray Data streaming executor that lives as long as
+        the stream goes on.
+
+        The executor's items are stream positions ``0, 1, ...``; its read tasks (at most
+        ``max_reads``) ask this feeder for a *permit* before each GET (``permit``), which
+        names the shard and is given only in this host's turn and while the window has
+        room. So reads follow consumption and the waves exactly as with engine
+        ``threads``; the executor never runs ahead on its own (an object-store cap would
+        make it spin a core), and its tasks hold their worker processes between reads. A
+        jump (``_seq``) ends the executor: its waiting tasks get no permit and return at
+        once; the next one starts from the new position, before this host's turn if it
+        comes later, so its processes are up when reading may begin."""
+        it, x, spent = None, 0, False
+        while True:
+            with self._lock:
+                while not self._stop and self._epoch is None:
+                    self._lock.wait(timeout=1.0)
+                if self._stop:
+                    break
+                rebuild = it is None or spent or self._x_seq.get(x) != self._seq
+                if rebuild:
+                    self._x = x = self._x + 1
+                    self._x_seq[x] = self._seq
+                    self._x_base[x] = self._next_unit  # None until the index is read (then set at the turn)
+                    self._lock.notify_all()  # permits of the old executor end
+            try:
+                if rebuild:
+                    _close(it)
+                    it, spent = self._executor(x), False
+                    with self._lock:
+                        self.stats["executors"] += 1
+                batch = next(it)
+            except StopIteration:
+                spent = True
+                continue
+            except BaseException as exc:  # surfaced to every caller of rows()
+                _close(it)
+                it = None
                 with self._lock:
-                    self.stats["gets"] += 1
-                    self.stats["bytes_read"] += int(batch["nbytes"][0])
-                    self._units[k] = rows
-                    self._inflight.discard(k)
+                    if self._x_seq.get(x) == self._seq:
+                        self._error = exc
+                        self._lock.notify_all()
+                continue
+            k, nbytes = int(batch["unit"][0]), int(batch["nbytes"][0])
+            with self._lock:
+                if nbytes < 0 or self._x_seq.get(x) != self._seq:
+                    continue  # a task of an ended executor, or of a stream that jumped
+                if k == self._next_unit:
+                    self._next_unit += 1
+                    self._store(k, np.asarray(batch["tokens"][0], dtype=np.int32), nbytes)
+                else:  # never expected: the executor keeps the order
+                    self._error = RuntimeError(f"Ray Data returned shard {k}, expected {self._next_unit}")
                     self._lock.notify_all()
-        except BaseException as exc:  # surfaced to every caller of rows()
-            with self._lock:
-                self._error = exc
-        finally:
-            with self._lock:
-                self._window_busy = False
-                self._inflight.difference_update(window)
-                self._lock.notify_all()
+        _close(it)
+
+    def permit(self, x: int, pos: int, timeout_s: float) -> tuple[int, str, str] | None | bool:
+        """Asked by a read task of executor ``x`` before reading its stream position ``pos``:
+        ``(shard number, uri, sha256)`` once it may read it; None if that executor ended
+        (the task returns without reading); False after ``timeout_s`` (ask again)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                if self._stop or x != self._x or self._x_seq.get(x) != self._seq:
+                    return None
+                base = self._x_base.get(x)
+                if base is None and self._next_unit is not None:
+                    base = self._x_base[x] = self._next_unit
+                if self._turn and self._error is None and base is not None:
+                    k = base + pos
+                    if k < self._unit_of(self._low_row()) + self.lookahead:
+                        shard = self.index.shards[k % self.n]
+                        return k, self.index.uri(shard), shard.sha256
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(timeout=min(left, 1.0))
+
+    def _executor(self, x: int):
+        """Executor ``x``: stream positions ``0 .. SEGMENT_UNITS - 1`` read in order by tasks
+        that wait for a permit before each read (``permit``)."""
+        import ray.data
+
+        opts = self._task_options()
+        me = ray.get_runtime_context().current_actor
+        ds = ray.data.from_items([{"pos": p} for p in range(SEGMENT_UNITS)], override_num_blocks=SEGMENT_UNITS)
+        ds = ds.map_batches(
+            _read_units,
+            fn_kwargs={"feeder": me, "x": x, "storage_options": self.storage_options, "timeout_s": self.timeout_s},
+            batch_size=1,
+            batch_format="numpy",
+            **opts,
+        )
+        return iter(ds.iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=0))
 
     # ------------------------------------------------------------------ serving
-    def rows(self, start: int, count: int, key: Any = None) -> np.ndarray:
-        """Global rows ``[start, start + count)`` as int64 ``[count, seq_len + 1]``."""
+    def rows(self, start: int, count: int, key: Any = None, epoch: str | None = None) -> np.ndarray:
+        """Global rows ``[start, start + count)`` of stream ``epoch`` (the current one when
+        None) as int64 ``[count, seq_len + 1]``. ``key`` names the caller (its DP rank): the
+        oldest row any caller still wants bounds the window."""
         deadline = time.monotonic() + self.timeout_s
         parts = []
         with self._lock:
+            if epoch is not None and epoch != self._epoch:  # a rank of an old layout, still prefetching
+                raise RuntimeError(f"data feeder: stream {epoch} was replaced by {self._epoch}")
             self._low[key] = start
+            if self.index is not None:
+                self._evict()
             self._lock.notify_all()
-            while self.index is None:
+            while self.index is None or self._next_unit is None:
                 if self._error is not None:
                     raise RuntimeError(f"data feeder read failed: {self._error}") from self._error
                 if not self._lock.wait(timeout=max(0.0, deadline - time.monotonic())):
@@ -227,20 +420,24 @@ class HostFeeder:
                 row += take
         return np.concatenate(parts).astype(np.int64)
 
-    def ready(self) -> bool:
-        """Block until this host's first window is read (its wave's turn came and went)."""
-        deadline = time.monotonic() + self.timeout_s
+    def ready(self, epoch: str, timeout_s: float) -> bool:
+        """Block until stream ``epoch``'s first window is read (its wave's turn came and went)."""
+        deadline = time.monotonic() + timeout_s
         with self._lock:
             while True:
+                if self._epoch != epoch:
+                    raise RuntimeError(f"data feeder: stream {epoch} was replaced by {self._epoch}")
                 if self._error is not None:
                     raise RuntimeError(f"data feeder read failed: {self._error}") from self._error
-                first = getattr(self, "_first_fill", None)
-                if first is not None and all(k in self._units for k in range(first - self.lookahead, first)):
+                if self.index is not None and all(k in self._units for k in self._first_window()):
                     return True
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"data feeder: the first reads did not finish within {self.timeout_s:g}s")
+                    raise TimeoutError(f"data feeder: the first reads did not finish within {timeout_s:g}s")
                 self._lock.wait(timeout=left)
+
+    def ping(self) -> bool:
+        return True
 
     def get_stats(self) -> dict[str, Any]:
         with self._lock:
@@ -250,7 +447,18 @@ class HostFeeder:
         with self._lock:
             self._stop = True
             self._lock.notify_all()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.engine != "ray_data":
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _close(it: Any) -> None:
+    """Shut a Ray Data iterator's executor down (closing its generator does)."""
+    close = getattr(it, "close", None)
+    if close is not None:
+        try:
+            close()
+        except Exception as exc:  # noqa: BLE001 - an executor already failed or gone
+            log.debug("closing a Ray Data iterator: %s", exc)
 
 
 def _decode_shard(data: bytes, digest: str, name: str) -> np.ndarray:
@@ -264,63 +472,31 @@ def _decode_shard(data: bytes, digest: str, name: str) -> np.ndarray:
 _FS: dict[str, Any] = {}  # per read-task process: fsspec filesystem by options
 
 
-def _read_units(batch: dict[str, np.ndarray], files: dict[int, tuple[str, str]], storage_options: dict[str, Any]):
-    """Ray Data map stage of engine ``ray_data``: shard numbers -> their rows (one GET each)."""
-    rows, sizes = [], []
-    for k in batch["unit"]:
-        uri, digest = files[int(k)]
-        key = repr(sorted(storage_options.items()))
-        if key not in _FS:
-            _FS[key] = open_storage(uri, storage_options).fs
-        data = _FS[key].cat_file(uri)
-        rows.append(_decode_shard(data, digest, uri.rsplit("/", 1)[-1]))
-        sizes.append(len(data))
-    return {"unit": batch["unit"], "tokens": np.stack(rows), "nbytes": np.asarray(sizes, dtype=np.int64)}
+def _read_units(batch: dict[str, np.ndarray], feeder: Any, x: int, storage_options: dict[str, Any], timeout_s: float):
+    """Ray Data map stage of engine ``ray_data``: a stream position -> its shard's rows (one
+    GET), once the feeder permits it; an ended executor's position -> a skip mark."""
+    (pos,) = (int(p) for p in batch["pos"])
+    while True:
+        grant = ray.get(feeder.permit.remote(x, pos, timeout_s), timeout=timeout_s + 30)
+        if grant is not False:
+            break
+    if grant is None:
+        return {"unit": np.asarray([-1]), "tokens": np.zeros((1, 1, 1), dtype=np.int32), "nbytes": np.asarray([-1])}
+    k, uri, digest = grant
+    key = repr(sorted(storage_options.items()))
+    if key not in _FS:
+        _FS[key] = open_storage(uri, storage_options).fs
+    data = _FS[key].cat_file(uri)
+    rows = _decode_shard(data, digest, uri.rsplit("/", 1)[-1])
+    return {"unit": np.asarray([k]), "tokens": rows[None], "nbytes": np.asarray([len(data)], dtype=np.int64)}
 
 
-def open_feeder(
-    plan: dict[str, Any], uri: str, data_cfg: Any, global_batch: int, start_row: int, timeout_s: float, gen: int = 0
-):
-    """This rank's feeder: the named actor on its replica leader's host. A rank on that host
-    creates it (so its owner shares its fate with the host); ranks elsewhere look it up.
-    ``gen`` counts the streams opened in this layout (a rollback reopens one)."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    name = f"elastic-feeder-{plan['epoch']}-{gen}-{plan['feeder_node'][:16]}"
-    if ray.get_runtime_context().get_node_id() != plan["feeder_node"]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                return ray.get_actor(name)
-            except ValueError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the data feeder {name} did not appear within {timeout_s:g}s") from None
-                time.sleep(0.05)
-    return HostFeeder.options(
-        name=name,
-        get_if_exists=True,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(plan["feeder_node"], soft=False),
-    ).remote(
-        uri,
-        data_cfg.storage_options,
-        start_row,
-        (max(1, data_cfg.prefetch_steps) + 1) * global_batch,
-        data_cfg.max_reads_per_host,
-        f"elastic-gate-{plan['epoch']}",
-        plan["feeder_host"],
-        plan["hosts"],
-        data_cfg.waves,
-        timeout_s * (data_cfg.waves + 1),  # a late wave waits for the earlier ones first
-        plan.get("engine", "threads"),
-    )
-
-
-def feeder_batches(feeder, layout: Any, dp_rank: int, start_batch: int, timeout_s: float):
+def feeder_batches(feeder, layout: Any, dp_rank: int, start_batch: int, timeout_s: float, epoch: str | None = None):
     """``(batch_index, rows)`` for ``dp_rank`` from ``start_batch`` on, in order."""
     b = start_batch
     while True:
         start = b * layout.global_batch + dp_rank * layout.per_rank
-        rows = ray.get(feeder.rows.remote(start, layout.per_rank, dp_rank), timeout=timeout_s)
+        rows = ray.get(feeder.rows.remote(start, layout.per_rank, dp_rank, epoch), timeout=timeout_s)
         yield b, rows if rows.flags.writeable else rows.copy()  # object-store arrays are read-only
         b += 1
 
@@ -330,10 +506,10 @@ _INDEXED: dict[tuple[str, str], bool] = {}
 
 def resolve_loader(data_cfg: Any, uri: str) -> str:
     """``data.loader`` resolved for ``uri``: ``ray_data`` or ``feeder`` (a host feeder, its
-    reads run as Ray Data tasks or by its own threads) for a prepared corpus (with an
-    ``index.json``); ``native``, or ``ray_data_per_rank`` (the per-rank pipeline,
-    ``elastic.data``) for any other parquet corpus. ``auto`` is ``feeder`` for a prepared
-    corpus and ``native`` otherwise (why not ``ray_data``: docs/data.md). The index is looked up once per driver."""
+    reads run by one Ray Data executor or by its own threads) for a prepared corpus (with
+    an ``index.json``); ``native``, or ``ray_data_per_rank`` (the per-rank pipeline,
+    ``elastic.data``) for any other parquet corpus. ``auto`` is ``ray_data`` for a prepared
+    corpus and ``native`` otherwise (docs/data.md). The index is looked up once per driver."""
     if data_cfg.loader == "native":
         return "native"
     key = (uri, repr(sorted(data_cfg.storage_options)))
@@ -344,52 +520,129 @@ def resolve_loader(data_cfg: Any, uri: str) -> str:
             log.warning("data.source index lookup failed (%s)", type(exc).__name__)
             _INDEXED[key] = False
     if data_cfg.loader == "auto":
-        return "feeder" if _INDEXED[key] else "native"
+        return "ray_data" if _INDEXED[key] else "native"
     if data_cfg.loader == "ray_data" and not _INDEXED[key]:
         return "ray_data_per_rank"
     return data_cfg.loader
 
 
-def read_plans(spec: Any, uri: str, node_ids: list[str], generation: int) -> list[dict[str, Any] | None]:
-    """Per rank (in rank order): its ``ReadPlan`` as a dict, or None when no feeder is used."""
-    loader = resolve_loader(spec.data, uri)
-    if loader not in ("feeder", "ray_data"):
-        return [None] * len(node_ids)
-    import uuid
+class HostReaders:
+    """The driver's feeders: one per reading host (a node holding a replica leader), kept
+    from one layout to the next while that host reads, killed when it stops reading and
+    at the end of the job. The driver owns them, so a worker's death does not take its
+    host's reader with it; a node's loss does."""
 
-    from elastic.ingest.waves import read_plans as plans
+    PING_TIMEOUT_S = 5.0
 
-    epoch = f"{generation}-{uuid.uuid4().hex[:8]}"
-    engine = "ray_data" if loader == "ray_data" else "threads"
-    return [dict(p.as_dict(), engine=engine) for p in plans(node_ids, spec.parallel.replica_size, epoch)]
+    def __init__(self, spec: Any, uri: str):
+        self.spec, self.uri = spec, uri
+        self.readers: dict[str, Any] = {}
+        self.gate = None
+
+    def plans(self, node_ids: list[str], generation: int) -> list[dict[str, Any] | None]:
+        """Per rank (in rank order): its read plan as a dict (with its host's reader and the
+        wave gate), or None when no feeder is used."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from elastic.ingest.waves import gate as make_gate
+        from elastic.ingest.waves import read_plans as plans
+
+        loader = resolve_loader(self.spec.data, self.uri)
+        if loader not in ("feeder", "ray_data"):
+            return [None] * len(node_ids)
+        epoch = f"{generation}-{uuid.uuid4().hex[:8]}"
+        base = plans(node_ids, self.spec.parallel.replica_size, epoch)
+        hosts = {p.feeder_node for p in base}
+        self._drop([n for n in self.readers if n not in hosts])
+        alive = self._alive([n for n in self.readers])
+        self._drop([n for n in self.readers if n not in alive])
+        d, g = self.spec.data, self.spec.train.global_batch
+        engine = "ray_data" if loader == "ray_data" else "threads"
+        for node in sorted(hosts - set(self.readers)):
+            self.readers[node] = HostFeeder.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+            ).remote(
+                self.uri,
+                d.storage_options,
+                (max(1, d.prefetch_steps) + 1) * g,  # rows ahead of the slowest rank
+                (max(1, d.prefetch_steps) + 2) * g,  # rows kept behind it: a rollback's rows
+                d.max_reads_per_host,
+                self.spec.elastic.collective_timeout_s,
+                engine,
+            )
+        if self.gate is not None:
+            _kill(self.gate)
+            self.gate = None
+        if d.waves > 1 and len(hosts) > 1:
+            self.gate = make_gate(f"elastic-gate-{epoch}", len(hosts), d.waves)
+        return [dict(p.as_dict(), engine=engine, reader=self.readers[p.feeder_node], gate=self.gate) for p in base]
+
+    def _alive(self, nodes: list[str]) -> set[str]:
+        refs = {self.readers[n].ping.remote(): n for n in nodes}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.PING_TIMEOUT_S)
+        alive = set()
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=0)
+                alive.add(refs[ref])
+            except Exception:  # noqa: BLE001 - a dead reader is replaced
+                pass
+        return alive
+
+    def _drop(self, nodes: list[str]) -> None:
+        for n in nodes:
+            _kill(self.readers.pop(n))
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Each live reader's counters, by node (for benchmarks and tests)."""
+        out = {}
+        for n, r in self.readers.items():
+            try:
+                out[n] = ray.get(r.get_stats.remote(), timeout=self.PING_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - gone with its node
+                pass
+        return out
+
+    def close(self) -> None:
+        if self.readers:
+            keys = ("gets", "bytes_read", "streams", "continued", "executors")
+            summary = {n[:8]: {k: st.get(k) for k in keys} for n, st in self.stats().items()}
+            log.info("data readers at the end of the job (by node): %s", summary)
+        self._drop(list(self.readers))
+        if self.gate is not None:
+            _kill(self.gate)
+            self.gate = None
+
+
+def _kill(actor: Any) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception as exc:  # noqa: BLE001 - already gone with its node
+        log.debug("kill of a data reader failed: %s", exc)
 
 
 class FeederSource:
-    """What a rank's trainer reads from: its replica's host feeder (made on first use, and
-    again after a rollback). The trainer calls ``open`` and ``close`` and never sees Ray."""
+    """What a rank's trainer reads from: its replica's host feeder. Each ``open`` (a new
+    layout, or a rollback in one) begins a stream there; the trainer never sees Ray."""
 
     def __init__(self, plan: dict[str, Any], uri: str, data_cfg: Any, timeout_s: float):
         self.plan, self.uri, self.data_cfg, self.timeout_s = plan, uri, data_cfg, timeout_s
-        self.feeder = None
+        self.feeder = plan["reader"]
         self._gen = -1
 
     def open(self, layout: Any, dp_rank: int, start_batch: int):
         """``(batch_index, rows)`` from ``start_batch`` on; returns once this host's first
         window is read (its wave came)."""
-        old, self._gen = self.feeder, self._gen + 1
-        d = self.data_cfg
-        self.feeder = open_feeder(
-            self.plan, self.uri, d, layout.global_batch, start_batch * layout.global_batch, self.timeout_s, self._gen
-        )
-        if old is not None:  # a rollback: the old window may not hold the rows to replay
-            ray.kill(old)
-        ray.get(self.feeder.ready.remote(), timeout=self.timeout_s * (d.waves + 2))
-        return feeder_batches(self.feeder, layout, dp_rank, start_batch, self.timeout_s)
+        self._gen += 1
+        d, p = self.data_cfg, self.plan
+        epoch = f"{p['epoch']}-{self._gen}"
+        start_row = start_batch * layout.global_batch
+        begin = self.feeder.begin.remote(epoch, start_row, p["feeder_host"], p["hosts"], d.waves, p["gate"])
+        ray.get(begin, timeout=COLD_START_S)  # a new feeder's actor may still be starting
+        # A late wave waits for the earlier ones first, and a new feeder starts its processes.
+        wait_s = COLD_START_S + self.timeout_s * (d.waves + 2)
+        ray.get(self.feeder.ready.remote(epoch, wait_s), timeout=wait_s + self.timeout_s)
+        return feeder_batches(self.feeder, layout, dp_rank, start_batch, self.timeout_s, epoch)
 
     def close(self) -> None:
-        if self.feeder is not None:  # every rank of the layout may end it
-            try:
-                ray.kill(self.feeder)
-            except Exception:  # noqa: BLE001 - already gone with its node
-                pass
-            self.feeder = None
+        """Nothing to release: the reader belongs to the driver and serves the next layout."""

@@ -31,6 +31,7 @@ class CountingProxy:
         self.events: list[tuple[float, int]] = []  # (time, GETs in flight after the change)
         self.gets = 0
         self.bytes = 0
+        self.paths: list[tuple[float, str]] = []  # (time, path) of every counted GET, as it starts
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -45,6 +46,8 @@ class CountingProxy:
                 counted = self.command == "GET" and self.path.startswith(proxy.prefix) and "list-type" not in self.path
                 if counted:
                     proxy._change(+1)
+                    with proxy._lock:
+                        proxy.paths.append((time.time(), self.path.split("?", 1)[0]))
                     if get_latency_s:
                         time.sleep(get_latency_s)
                 try:

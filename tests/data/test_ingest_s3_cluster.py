@@ -113,3 +113,7 @@ def test_s3_text_prepared_then_trained_with_a_node_loss(ray_cluster, moto_s3, s3
     )
     assert startup_peak <= bound and startup_peak_2 <= bound and recovery_peak <= bound
     assert proxy.gets > 0
+    # The host readers outlive the recovery: the survivors' readers go on with the stream they
+    # hold, so the run reads the index once per host (4), not again for the new layout.
+    index_reads = [p for t, p in proxy.paths if t >= t_second and p.endswith("/index.json")]
+    assert len(index_reads) == 4, index_reads
