@@ -538,6 +538,7 @@ class HostReaders:
         self.spec, self.uri = spec, uri
         self.readers: dict[str, Any] = {}
         self.gate = None
+        self._pinned = False
 
     def plans(self, node_ids: list[str], generation: int) -> list[dict[str, Any] | None]:
         """Per rank (in rank order): its read plan as a dict (with its host's reader and the
@@ -558,6 +559,9 @@ class HostReaders:
         self._drop([n for n in self.readers if n not in alive])
         d, g = self.spec.data, self.spec.train.global_batch
         engine = "ray_data" if loader == "ray_data" else "threads"
+        if engine == "ray_data" and not self._pinned:
+            _pin_ray_data_actors()
+            self._pinned = True
         for node in sorted(hosts - set(self.readers)):
             self.readers[node] = HostFeeder.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
@@ -612,6 +616,25 @@ class HostReaders:
         if self.gate is not None:
             _kill(self.gate)
             self.gate = None
+
+
+def _pin_ray_data_actors() -> None:
+    """Create Ray Data's per-cluster actors (its stats actor and its autoscaling coordinator)
+    from the driver, so they live on the driver's node. Ray Data makes them on the node of
+    the first process that runs a pipeline and pins them there; made by a host reader, they
+    would be lost with that host, and the coordinator (restarted forever, on a node that is
+    gone) would flood every reader's log with retries. Best effort: these are Ray Data
+    internals, and a version without them just makes them where it did before."""
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+        from ray.data._internal.stats import get_or_create_stats_actor
+
+        get_or_create_stats_actor()
+        get_or_create_autoscaling_coordinator()
+    except Exception as exc:  # noqa: BLE001 - see above
+        log.debug("Ray Data's cluster actors were not pinned to the driver: %s", exc)
 
 
 def _kill(actor: Any) -> None:
