@@ -169,6 +169,20 @@ def _aws_env(endpoint: str, secret: str) -> dict:
     )
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie has exited; only its parent has not reaped it yet
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _wait(condition, timeout: float, what: str, every: float = 0.2):
     return wait_until(condition, timeout, what, every)
 
@@ -246,6 +260,10 @@ def test_driver_killed_mid_upload_leaves_nothing_half_committed(ray_local, tiny_
             "the dead job's actors to be DEAD",
         )
         assert any(a["JobID"] == job["JobID"] for a in ray_state.actors().values()), "the run had no actors?"
+        # DEAD in Ray's table comes before the process is gone: an upload thread could still
+        # write once the held PUT returns. Wait for the processes themselves to exit.
+        pids = [a["Pid"] for a in ray_state.actors().values() if a["JobID"] == job["JobID"] and a.get("Pid")]
+        _wait(lambda: not any(_alive(pid) for pid in pids), 60, "the dead job's worker processes to exit")
         _wait(
             lambda: all(
                 p["state"] == "REMOVED"
