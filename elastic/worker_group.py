@@ -26,7 +26,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from elastic import recovery_plan as plan
 from elastic.diagnosis import NODE_PROBE_S, RayletProbe, diagnose
 from elastic.errors import ActorDied, NodeLost, WorkerError, WorkerFailure
-from elastic.ingest.feeder import HostReaders
+from elastic.ingest.host_readers import HostReaders
 from elastic.messages import (
     DEAD,
     ConfigureReply,

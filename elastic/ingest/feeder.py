@@ -1,5 +1,6 @@
-"""One reader per host for the job's lifetime: the ``HostFeeder`` actor, the driver's
-``HostReaders`` that keep one per reading host, and the rank-side stream they feed.
+"""One reader per host for the job's lifetime: the ``HostFeeder`` actor. The driver's
+``HostReaders`` that keep one per reading host, and the rank-side stream they feed, are in
+``elastic.ingest.host_readers``.
 
 The global sample order is ``elastic.data``'s: row ``i`` of the corpus in index order,
 epochs wrapping. A feeder reads that stream shard by shard (one GET per shard, verified
@@ -26,7 +27,6 @@ import io
 import logging
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -41,9 +41,6 @@ from storage import open_storage
 log = logging.getLogger(__name__)
 
 SEGMENT_UNITS = 256  # shards per Ray Data executor: building one costs about 1 ms per shard
-# A new feeder's first window may wait this long: its actor, and for engine ray_data the
-# processes of its read tasks, start first (tens of seconds on an oversubscribed machine).
-COLD_START_S = 90.0
 
 
 @ray.remote(num_cpus=0, max_concurrency=32)
@@ -78,7 +75,6 @@ class HostFeeder:
         self.host_index, self.wave, self.lookahead = 0, 0, 1
         self._error: BaseException | None = None
         self._stop = False
-        self._created = time.time()
         self.stats = {
             "gets": 0,
             "bytes_read": 0,
@@ -90,10 +86,9 @@ class HostFeeder:
             "executors": 0,  # Ray Data executors built (engine ray_data)
         }
         if engine == "ray_data":
-            self._x = 0  # the current executor
-            self._x_seq: dict[int, int] = {}  # executor -> the stream position (``_seq``) it reads
-            self._x_base: dict[int, int | None] = {}  # executor -> the shard of its position 0
-            threading.Thread(target=self._warm_up, daemon=True, name="feeder-warm-up").start()
+            self._x = 0  # the current executor; permits of older ones are refused
+            self._x_seq = -1  # the stream position (``_seq``) the current executor reads
+            self._x_base: int | None = None  # the shard of its position 0 (None until the index is read)
             threading.Thread(target=self._ray_data_reader, daemon=True, name="feeder-ray-data").start()
         else:
             self._pool = ThreadPoolExecutor(max_workers=max(1, max_reads), thread_name_prefix="feeder-read")
@@ -143,15 +138,14 @@ class HostFeeder:
             self._continued = self.index is not None and self._error is None and self._holds_from(start_row)
             if self._continued:
                 self.stats["continued"] += 1
-                self._set_lookahead()
             else:
                 self._seq += 1
                 self._units.clear()
                 self._inflight.clear()
                 self._error = None
                 self._next_unit = None if self.index is None else self._unit_of(start_row)
-                if self.index is not None:
-                    self._set_lookahead()
+            if self.index is not None:
+                self._set_lookahead()
             self._turn, self._reported = False, False
             self._lock.notify_all()
             continued, gate, wave = self._continued, self._gate, self.wave
@@ -184,7 +178,6 @@ class HostFeeder:
             self.stats["gate_wait_s"] = time.perf_counter() - t0
         if self.stats["first_read_at"] is None:
             self.stats["first_read_at"] = time.time()
-            self.stats["created_to_first_read_s"] = time.time() - self._created
         if self.index is None:
             try:
                 index = read_index(self.root, self.storage_options)
@@ -213,7 +206,6 @@ class HostFeeder:
             return
         if all(k in self._units for k in self._first_window()):
             self._reported = True
-            self.stats["first_window_at_s"] = time.time() - self._created
             if self._gate is not None:
                 self._gate.done.remote(self.host_index)
 
@@ -265,15 +257,6 @@ class HostFeeder:
                 self._lock.notify_all()
 
     # ------------------------------------------------------------------ engine "ray_data"
-    def _warm_up(self) -> None:
-        """Import Ray Data before this host's first stream needs it."""
-        t0 = time.perf_counter()
-        try:
-            import ray.data  # noqa: F401 - the import is the point
-        except Exception as exc:  # noqa: BLE001 - the first executor imports it instead
-            log.warning("data feeder warm-up: %s", exc)
-        self.stats["warm_up_s"] = time.perf_counter() - t0
-
     def _task_options(self) -> dict[str, Any]:
         """Ray Data settings of this feeder's pipelines: in order, no progress output, read
         tasks on this node with no CPU, at most ``max_reads`` at once."""
@@ -307,11 +290,10 @@ class HostFeeder:
                     self._lock.wait(timeout=1.0)
                 if self._stop:
                     break
-                rebuild = it is None or spent or self._x_seq.get(x) != self._seq
+                rebuild = it is None or spent or self._x_seq != self._seq
                 if rebuild:
                     self._x = x = self._x + 1
-                    self._x_seq[x] = self._seq
-                    self._x_base[x] = self._next_unit  # None until the index is read (then set at the turn)
+                    self._x_seq, self._x_base = self._seq, self._next_unit
                     self._lock.notify_all()  # permits of the old executor end
             try:
                 if rebuild:
@@ -327,13 +309,13 @@ class HostFeeder:
                 _close(it)
                 it = None
                 with self._lock:
-                    if self._x_seq.get(x) == self._seq:
+                    if self._x_seq == self._seq:
                         self._error = exc
                         self._lock.notify_all()
                 continue
             k, nbytes = int(batch["unit"][0]), int(batch["nbytes"][0])
             with self._lock:
-                if nbytes < 0 or self._x_seq.get(x) != self._seq:
+                if nbytes < 0 or self._x_seq != self._seq:
                     continue  # a task of an ended executor, or of a stream that jumped
                 if k == self._next_unit:
                     self._next_unit += 1
@@ -350,13 +332,12 @@ class HostFeeder:
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while True:
-                if self._stop or x != self._x or self._x_seq.get(x) != self._seq:
+                if self._stop or x != self._x or self._x_seq != self._seq:
                     return None
-                base = self._x_base.get(x)
-                if base is None and self._next_unit is not None:
-                    base = self._x_base[x] = self._next_unit
-                if self._turn and self._error is None and base is not None:
-                    k = base + pos
+                if self._x_base is None:
+                    self._x_base = self._next_unit
+                if self._turn and self._error is None and self._x_base is not None:
+                    k = self._x_base + pos
                     if k < self._unit_of(self._low_row()) + self.lookahead:
                         shard = self.index.shards[k % self.n]
                         return k, self.index.uri(shard), shard.sha256
@@ -489,183 +470,3 @@ def _read_units(batch: dict[str, np.ndarray], feeder: Any, x: int, storage_optio
     data = _FS[key].cat_file(uri)
     rows = _decode_shard(data, digest, uri.rsplit("/", 1)[-1])
     return {"unit": np.asarray([k]), "tokens": rows[None], "nbytes": np.asarray([len(data)], dtype=np.int64)}
-
-
-def feeder_batches(feeder, layout: Any, dp_rank: int, start_batch: int, timeout_s: float, epoch: str | None = None):
-    """``(batch_index, rows)`` for ``dp_rank`` from ``start_batch`` on, in order."""
-    b = start_batch
-    while True:
-        start = b * layout.global_batch + dp_rank * layout.per_rank
-        rows = ray.get(feeder.rows.remote(start, layout.per_rank, dp_rank, epoch), timeout=timeout_s)
-        yield b, rows if rows.flags.writeable else rows.copy()  # object-store arrays are read-only
-        b += 1
-
-
-_INDEXED: dict[tuple[str, str], bool] = {}
-
-
-def resolve_loader(data_cfg: Any, uri: str) -> str:
-    """``data.loader`` resolved for ``uri``: ``ray_data`` or ``feeder`` (a host feeder, its
-    reads run by one Ray Data executor or by its own threads) for a prepared corpus (with
-    an ``index.json``); ``native``, or ``ray_data_per_rank`` (the per-rank pipeline,
-    ``elastic.data``) for any other parquet corpus. ``auto`` is ``ray_data`` for a prepared
-    corpus and ``native`` otherwise (docs/data.md). The index is looked up once per driver."""
-    if data_cfg.loader == "native":
-        return "native"
-    key = (uri, repr(sorted(data_cfg.storage_options)))
-    if key not in _INDEXED:
-        try:
-            _INDEXED[key] = read_index(uri, data_cfg.storage_options) is not None
-        except Exception as exc:  # noqa: BLE001 - unreadable here: let the native reader report it
-            log.warning("data.source index lookup failed (%s)", type(exc).__name__)
-            _INDEXED[key] = False
-    if data_cfg.loader == "auto":
-        return "ray_data" if _INDEXED[key] else "native"
-    if data_cfg.loader == "ray_data" and not _INDEXED[key]:
-        return "ray_data_per_rank"
-    return data_cfg.loader
-
-
-class HostReaders:
-    """The driver's feeders: one per reading host (a node holding a replica leader), kept
-    from one layout to the next while that host reads, killed when it stops reading and
-    at the end of the job. The driver owns them, so a worker's death does not take its
-    host's reader with it; a node's loss does."""
-
-    PING_TIMEOUT_S = 5.0
-
-    def __init__(self, spec: Any, uri: str):
-        self.spec, self.uri = spec, uri
-        self.readers: dict[str, Any] = {}
-        self.gate = None
-        self._pinned = False
-
-    def plans(self, node_ids: list[str], generation: int) -> list[dict[str, Any] | None]:
-        """Per rank (in rank order): its read plan as a dict (with its host's reader and the
-        wave gate), or None when no feeder is used."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        from elastic.ingest.waves import gate as make_gate
-        from elastic.ingest.waves import read_plans as plans
-
-        loader = resolve_loader(self.spec.data, self.uri)
-        if loader not in ("feeder", "ray_data"):
-            return [None] * len(node_ids)
-        epoch = f"{generation}-{uuid.uuid4().hex[:8]}"
-        base = plans(node_ids, self.spec.parallel.replica_size, epoch)
-        hosts = {p.feeder_node for p in base}
-        self._drop([n for n in self.readers if n not in hosts])
-        alive = self._alive([n for n in self.readers])
-        self._drop([n for n in self.readers if n not in alive])
-        d, g = self.spec.data, self.spec.train.global_batch
-        engine = "ray_data" if loader == "ray_data" else "threads"
-        if engine == "ray_data" and not self._pinned:
-            _pin_ray_data_actors()
-            self._pinned = True
-        for node in sorted(hosts - set(self.readers)):
-            self.readers[node] = HostFeeder.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
-            ).remote(
-                self.uri,
-                d.storage_options,
-                (max(1, d.prefetch_steps) + 1) * g,  # rows ahead of the slowest rank
-                (max(1, d.prefetch_steps) + 2) * g,  # rows kept behind it: a rollback's rows
-                d.max_reads_per_host,
-                self.spec.elastic.collective_timeout_s,
-                engine,
-            )
-        if self.gate is not None:
-            _kill(self.gate)
-            self.gate = None
-        if d.waves > 1 and len(hosts) > 1:
-            self.gate = make_gate(f"elastic-gate-{epoch}", len(hosts), d.waves)
-        return [dict(p.as_dict(), engine=engine, reader=self.readers[p.feeder_node], gate=self.gate) for p in base]
-
-    def _alive(self, nodes: list[str]) -> set[str]:
-        refs = {self.readers[n].ping.remote(): n for n in nodes}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=self.PING_TIMEOUT_S)
-        alive = set()
-        for ref in ready:
-            try:
-                ray.get(ref, timeout=0)
-                alive.add(refs[ref])
-            except Exception:  # noqa: BLE001 - a dead reader is replaced
-                pass
-        return alive
-
-    def _drop(self, nodes: list[str]) -> None:
-        for n in nodes:
-            _kill(self.readers.pop(n))
-
-    def stats(self) -> dict[str, dict[str, Any]]:
-        """Each live reader's counters, by node (for benchmarks and tests)."""
-        out = {}
-        for n, r in self.readers.items():
-            try:
-                out[n] = ray.get(r.get_stats.remote(), timeout=self.PING_TIMEOUT_S)
-            except Exception:  # noqa: BLE001 - gone with its node
-                pass
-        return out
-
-    def close(self) -> None:
-        if self.readers:
-            keys = ("gets", "bytes_read", "streams", "continued", "executors")
-            summary = {n[:8]: {k: st.get(k) for k in keys} for n, st in self.stats().items()}
-            log.info("data readers at the end of the job (by node): %s", summary)
-        self._drop(list(self.readers))
-        if self.gate is not None:
-            _kill(self.gate)
-            self.gate = None
-
-
-def _pin_ray_data_actors() -> None:
-    """Create Ray Data's per-cluster actors (its stats actor and its autoscaling coordinator)
-    from the driver, so they live on the driver's node. Ray Data makes them on the node of
-    the first process that runs a pipeline and pins them there; made by a host reader, they
-    would be lost with that host, and the coordinator (restarted forever, on a node that is
-    gone) would flood every reader's log with retries. Best effort: these are Ray Data
-    internals, and a version without them just makes them where it did before."""
-    try:
-        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-            get_or_create_autoscaling_coordinator,
-        )
-        from ray.data._internal.stats import get_or_create_stats_actor
-
-        get_or_create_stats_actor()
-        get_or_create_autoscaling_coordinator()
-    except Exception as exc:  # noqa: BLE001 - see above
-        log.debug("Ray Data's cluster actors were not pinned to the driver: %s", exc)
-
-
-def _kill(actor: Any) -> None:
-    try:
-        ray.kill(actor, no_restart=True)
-    except Exception as exc:  # noqa: BLE001 - already gone with its node
-        log.debug("kill of a data reader failed: %s", exc)
-
-
-class FeederSource:
-    """What a rank's trainer reads from: its replica's host feeder. Each ``open`` (a new
-    layout, or a rollback in one) begins a stream there; the trainer never sees Ray."""
-
-    def __init__(self, plan: dict[str, Any], uri: str, data_cfg: Any, timeout_s: float):
-        self.plan, self.uri, self.data_cfg, self.timeout_s = plan, uri, data_cfg, timeout_s
-        self.feeder = plan["reader"]
-        self._gen = -1
-
-    def open(self, layout: Any, dp_rank: int, start_batch: int):
-        """``(batch_index, rows)`` from ``start_batch`` on; returns once this host's first
-        window is read (its wave came)."""
-        self._gen += 1
-        d, p = self.data_cfg, self.plan
-        epoch = f"{p['epoch']}-{self._gen}"
-        start_row = start_batch * layout.global_batch
-        begin = self.feeder.begin.remote(epoch, start_row, p["feeder_host"], p["hosts"], d.waves, p["gate"])
-        ray.get(begin, timeout=COLD_START_S)  # a new feeder's actor may still be starting
-        # A late wave waits for the earlier ones first, and a new feeder starts its processes.
-        wait_s = COLD_START_S + self.timeout_s * (d.waves + 2)
-        ray.get(self.feeder.ready.remote(epoch, wait_s), timeout=wait_s + self.timeout_s)
-        return feeder_batches(self.feeder, layout, dp_rank, start_batch, self.timeout_s, epoch)
-
-    def close(self) -> None:
-        """Nothing to release: the reader belongs to the driver and serves the next layout."""

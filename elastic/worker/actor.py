@@ -192,11 +192,9 @@ class TrainWorker:
         init_s = join_s + mesh_s  # the rendezvous: the group and its mesh sub-groups
         source = None
         if req.read_plan is not None:  # a prepared corpus: read through the replica's host feeder
-            from elastic.ingest.feeder import FeederSource
+            from elastic.ingest.host_readers import FeederSource
 
-            source = FeederSource(
-                req.read_plan, self.corpus_uri, self.spec.data, self.spec.elastic.collective_timeout_s
-            )
+            source = FeederSource(req.read_plan, self.spec.data, self.spec.elastic.collective_timeout_s)
         elif self.corpus is None:
             self.corpus = ParquetCorpus(self.corpus_uri, self.spec.data.storage_options)
         t0 = time.perf_counter()

@@ -67,7 +67,7 @@ class Trainer:
         self.uploader: StorageUploader | None = None
         self.last_progress = time.monotonic()  # the loop's own heartbeat
         self._snapshot_blocking = 0.0
-        self.source = source  # opens this rank's batch stream when set (elastic.ingest.feeder.FeederSource)
+        self.source = source  # opens this rank's batch stream when set (elastic.ingest.host_readers.FeederSource)
         self.sdc = SdcGuard(spec, dims, rank, tier)  # silent data corruption checks (docs/health.md)
 
     @property

@@ -21,6 +21,7 @@ import sys
 import threading
 import uuid
 
+import psutil
 import pytest
 import yaml
 from ckpt_testlib import ckpt_raw, ckpt_spec, events, losses
@@ -170,16 +171,10 @@ def _aws_env(endpoint: str, secret: str) -> dict:
 
 
 def _alive(pid: int) -> bool:
+    """Still running: a zombie has exited, only its parent has not reaped it yet."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie has exited; only its parent has not reaped it yet
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
 
 

@@ -12,7 +12,8 @@ from ingest_testlib import stdlib_texts, write_jsonl
 
 from elastic import ElasticTrainer
 from elastic.data import BatchLayout, ParquetCorpus
-from elastic.ingest.feeder import HostFeeder, feeder_batches, resolve_loader
+from elastic.ingest.feeder import HostFeeder
+from elastic.ingest.host_readers import feeder_batches, resolve_loader
 from elastic.ingest.prepare import PrepareConfig, prepare
 from jobs import JobSpec
 
