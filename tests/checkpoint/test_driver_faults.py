@@ -21,7 +21,6 @@ import sys
 import threading
 import uuid
 
-import psutil
 import pytest
 import yaml
 from ckpt_testlib import ckpt_raw, ckpt_spec, events, losses
@@ -171,10 +170,12 @@ def _aws_env(endpoint: str, secret: str) -> dict:
 
 
 def _alive(pid: int) -> bool:
-    """Still running: a zombie has exited, only its parent has not reaped it yet."""
+    """Still running: a zombie has exited, only its parent has not reaped it yet. (No
+    psutil: a clean install has it only through Ray's vendored copy.)"""
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
         return False
 
 
