@@ -135,7 +135,7 @@ def peak_until_step(proxy, evs, t0):
 # --------------------------------------------------------------------------- 1. burst
 def storage_burst(moto, corpus, tmp):
     from elastic import ElasticTrainer
-    from elastic.testing.faults import Fault, FaultInjector, WorkerFaults, worker_fault
+    from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault
     from elastic.testing.s3proxy import CountingProxy
 
     out = {}

@@ -59,7 +59,7 @@ def one_run(mode: str, args: argparse.Namespace) -> dict:
 
     from elastic import ElasticTrainer
     from elastic.events import read_events
-    from elastic.testing.faults import Fault, FaultInjector, WorkerFaults, worker_fault
+    from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     try:

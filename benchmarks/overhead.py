@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps - args.warmup < 2:
         ap.error("--steps must exceed --warmup by at least 2")
 
-    from elastic.data import synthetic_corpus
+    from elastic.ingest.corpus import synthetic_corpus
     from jobs import JobSpec
 
     work = tempfile.mkdtemp(prefix="bench-overhead-")

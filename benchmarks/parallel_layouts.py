@@ -23,7 +23,7 @@ Memory, per rank (the measuring code is ``elastic/testing/layout_memory.py``, sh
 ``peak`` (the headline: peak live tensor bytes over one instrumented step, a CPU stand-in
 for ``torch.cuda.max_memory_allocated``; the real figure on ``--device cuda``) and
 ``rss_delta`` (the process's peak RSS over the layout's steps, page-granular and noisy).
-Next to them, the prediction of ``elastic.memory_model.estimate_memory`` for the layout
+Next to them, the prediction of ``elastic.parallel.memory_model.estimate_memory`` for the layout
 (worst pipeline stage; measured figures are the worst rank) and ``peak/pred``, the ratio
 of the measured peak to the predicted total. The PP bubble is the engine's
 ``bubble_fraction``.
@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from elastic.model import ModelConfig  # noqa: E402
+from elastic.models.gpt import ModelConfig  # noqa: E402
 from elastic.testing.layout_memory import (  # noqa: E402
     DEFAULT_GLOBAL_BATCH,
     DEFAULT_MICRO_BATCH,
@@ -147,7 +147,9 @@ def print_table(rows: list[dict], args, model_cfg: ModelConfig, wall_s: float) -
         )
     print()
     print("Memory columns are MiB per rank, worst rank (measured) vs worst pipeline stage (predicted by")
-    print("elastic.memory_model.estimate_memory, fp32, no sequence parallelism). state = params+grads+optimizer")
+    print(
+        "elastic.parallel.memory_model.estimate_memory, fp32, no sequence parallelism). state = params+grads+optimizer"
+    )
     print("held at the end of the step (FSDP2 reshards params/grads between steps, so ZeRO-1/2 read lower than")
     print("their in-step prediction); pred = params+grads+optimizer of the model.")
     if args.device == "cuda":

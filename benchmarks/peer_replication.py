@@ -33,7 +33,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from elastic import ElasticTrainer  # noqa: E402
-from elastic.testing.faults import Fault, FaultInjector  # noqa: E402
+from elastic.faults import Fault, FaultInjector  # noqa: E402
 from jobs.spec import JobSpec  # noqa: E402
 
 QUICKSTART = os.path.join(ROOT, "examples", "quickstart.yaml")

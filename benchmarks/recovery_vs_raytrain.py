@@ -122,7 +122,7 @@ DEFAULT_RESULTS = os.path.join(ROOT, "benchmarks", "results", "recovery.json")
 
 
 def _param_count(m: dict[str, Any]) -> int:
-    from elastic.model import ModelConfig, build_model
+    from elastic.models.gpt import ModelConfig, build_model
 
     return sum(p.numel() for p in build_model(ModelConfig(**m), seed=0).parameters())
 
@@ -170,7 +170,7 @@ def stop_cluster(cluster) -> None:
 
 
 def node_index_of(cluster, node_id: str) -> int:
-    from elastic.testing.faults import worker_nodes
+    from elastic.faults import worker_nodes
 
     ids = [n.node_id for n in worker_nodes(cluster)]
     return ids.index(node_id)
@@ -245,7 +245,7 @@ def kill_rank_node(out: dict, cluster, recs: list[dict], rank: int, step: int) -
 
 def kill_node_now(out: dict[str, Any], cluster, node_id: str, pids: list[int]) -> None:
     """Stamp ``kill_ts``, SIGKILL the node's processes, remove the node (``kill_node``)."""
-    from elastic.testing.faults import kill_node
+    from elastic.faults import kill_node
 
     index = node_index_of(cluster, node_id)
     out["killed_node_id"] = node_id
@@ -312,7 +312,7 @@ def ours_child(cfg: dict[str, Any]) -> None:
         spec = JobSpec.from_dict(json.load(f))
     run_dir = os.path.join(cfg["work"], "run")
     records = _Records()
-    ctl_log = logging.getLogger("elastic.controller")
+    ctl_log = logging.getLogger("elastic.control.controller")
     ctl_log.addHandler(records)
     ctl_log.setLevel(logging.INFO)
     t0 = time.time()
@@ -405,8 +405,8 @@ def raytrain_loop(config: dict[str, Any]) -> None:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from elastic.data import BatchLayout, ParquetCorpus
-    from elastic.model import build_model, lm_loss
+    from elastic.ingest.corpus import BatchLayout, ParquetCorpus
+    from elastic.models.gpt import build_model, lm_loss
     from elastic.optim import build_optimizer
     from jobs import JobSpec
 
@@ -597,7 +597,7 @@ def _torchft_steps(manager, model, optimizer, scheduler, spec, corpus, slot, pro
     import numpy as np
     import torch
 
-    from elastic.model import lm_loss
+    from elastic.models.gpt import lm_loss
 
     params = [p for p in model.parameters() if p.requires_grad]
     per_replica = spec.train.global_batch // NODES
@@ -654,8 +654,8 @@ def torchft_replica(config: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from torchft import Manager, ProcessGroupGloo
 
-    from elastic.data import ParquetCorpus
-    from elastic.model import build_model
+    from elastic.ingest.corpus import ParquetCorpus
+    from elastic.models.gpt import build_model
     from elastic.optim import build_optimizer
     from jobs import JobSpec
 
@@ -929,8 +929,8 @@ def raytrain_torchft_loop(config: dict[str, Any]) -> None:
     import torch
     from torchft import Manager, ProcessGroupGloo
 
-    from elastic.data import ParquetCorpus
-    from elastic.model import build_model
+    from elastic.ingest.corpus import ParquetCorpus
+    from elastic.models.gpt import build_model
     from elastic.optim import build_optimizer
     from jobs import JobSpec
 
@@ -1280,7 +1280,7 @@ def versions(res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def summarise(res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    from elastic.recovery_timing import PHASES
+    from elastic.control.timing import PHASES
 
     summary: dict[str, Any] = {}
     for side, runs in res.items():
@@ -1393,7 +1393,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.reps < 1:
         ap.error("--reps must be >= 1")
 
-    from elastic.data import synthetic_corpus
+    from elastic.ingest.corpus import synthetic_corpus
 
     work = tempfile.mkdtemp(prefix="bench-recovery-")
     started = datetime.datetime.now(datetime.timezone.utc)

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from elastic.data import BatchLayout, ParquetCorpus
-from elastic.model import build_model, lm_loss
+from elastic.ingest.corpus import BatchLayout, ParquetCorpus
+from elastic.models.gpt import build_model, lm_loss
 from elastic.optim import build_optimizer
 from jobs.spec import JobSpec
 

@@ -35,7 +35,7 @@ The rank-1 tensors of every method are compared with each other every step (``sa
 Two shapes are measured by default: the quickstart's (seq_len 64, micro_batch 4, global
 batch 48 at dp 2) and a long-sequence one (seq_len 2048, micro_batch 1, global batch 16 at
 dp 2). Synthetic corpora are written once to a temporary directory with
-``elastic.data.synthetic_corpus``; ``--corpus URI`` measures an existing parquet corpus.
+``elastic.ingest.corpus.synthetic_corpus``; ``--corpus URI`` measures an existing parquet corpus.
 
 Usage::
 
@@ -61,7 +61,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from elastic.data import BatchLayout, ParquetCorpus, synthetic_corpus  # noqa: E402
+from elastic.ingest.corpus import BatchLayout, ParquetCorpus, synthetic_corpus  # noqa: E402
 from elastic.parallel.dims import ParallelDims  # noqa: E402
 from elastic.testing.ports import free_port as _free_port
 

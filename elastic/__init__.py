@@ -12,7 +12,7 @@ def __getattr__(name: str):
 
         return sweep
     if name in __all__:
-        from elastic import trainer
+        from elastic import api
 
-        return getattr(trainer, name)
+        return getattr(api, name)
     raise AttributeError(name)

@@ -54,7 +54,7 @@ class Recovery(BaseModel):
     )
     breakdown: dict[str, float] = Field(
         default_factory=dict,
-        description="where the downtime went, phase by phase (elastic/recovery_timing.py; docs/outputs.md)",
+        description="where the downtime went, phase by phase (elastic/control/timing.py; docs/outputs.md)",
     )
 
 

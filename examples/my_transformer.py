@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elastic.memory_model import MemoryInputs
 from elastic.models.spec import ModelSpec, lm_loss, normal_or_ones, seeded_init
+from elastic.parallel.memory_model import MemoryInputs
 
 
 class Block(nn.Module):

@@ -144,7 +144,7 @@ def cmd_run(
     resume: bool,
     faults: list[str] | None = None,
 ) -> int:
-    from elastic.testing.faults import WorkerFaults, build_faults, check_fault_specs, parse_fault_spec
+    from elastic.faults import WorkerFaults, build_faults, check_fault_specs, parse_fault_spec
     from jobs.spec import JobSpec
 
     parsed = [parse_fault_spec(f) for f in faults or []]
@@ -152,13 +152,13 @@ def cmd_run(
     check_fault_specs(parsed, spec)
     driver_faults, worker_faults = build_faults(parsed, spec)
     step_hook = WorkerFaults(worker_faults) if worker_faults else None
-    from elastic.trainer import ElasticTrainer
+    from elastic.api import ElasticTrainer
 
     if any(f.kind in ("kill_node", "drain") for f in driver_faults):
         return _run_on_embedded_cluster(spec, run_dir, address, resume, driver_faults, step_hook)
     callbacks = []
     if driver_faults:
-        from elastic.testing.faults import FaultInjector
+        from elastic.faults import FaultInjector
 
         callbacks.append(FaultInjector(driver_faults))
     trainer = ElasticTrainer(
@@ -178,8 +178,8 @@ def cmd_run(
 def _run_on_embedded_cluster(spec, run_dir, address, resume, driver_faults, step_hook) -> int:
     """``--fault kill_node``: the job runs on an embedded multi-node Ray (a CPU-less head plus
     one node per worker, ``ray.cluster_utils.Cluster``), whose nodes can be killed for real."""
+    from elastic.api import ElasticTrainer, running_cluster_address
     from elastic.errors import SpecError
-    from elastic.trainer import ElasticTrainer, running_cluster_address
 
     joined = address or running_cluster_address()
     if joined:
@@ -191,7 +191,7 @@ def _run_on_embedded_cluster(spec, run_dir, address, resume, driver_faults, step
     import ray
     from ray.cluster_utils import Cluster
 
-    from elastic.testing.faults import FaultInjector
+    from elastic.faults import FaultInjector
 
     logging.getLogger("ray").setLevel(logging.ERROR)
     workers = spec.elastic.max_dp * spec.parallel.replica_size
@@ -226,7 +226,7 @@ def _run_on_embedded_cluster(spec, run_dir, address, resume, driver_faults, step
 def _exit_code(result) -> int:
     """0 succeeded, 1 failed, 128 + the signal for a job stopped on a signal (130 SIGINT, 143 SIGTERM)."""
     if result.status == "stopped":
-        from elastic.stop import exit_code_of
+        from elastic.control.stop import exit_code_of
 
         return exit_code_of(result)
     return EXIT_OK if result.status == "succeeded" else EXIT_FAILED
@@ -236,8 +236,8 @@ def cmd_plan(config: str, topology: str | None, as_json: bool, overrides: list[s
     from jobs.spec import JobSpec
 
     spec = JobSpec.from_yaml(config, overrides=overrides)
-    from elastic.planner import plan_from_spec
-    from elastic.topology import load_topology_file, topology_from_ray
+    from elastic.placement.planner import plan_from_spec
+    from elastic.placement.topology import load_topology_file, topology_from_ray
 
     if topology:
         topo = load_topology_file(topology)

@@ -22,8 +22,8 @@ def run_demo(run_dir: str | None = None, inject_fault: bool = True) -> int:
     import ray
     from ray.cluster_utils import Cluster
 
-    from elastic.testing.faults import Fault, FaultInjector
-    from elastic.trainer import ElasticTrainer
+    from elastic.api import ElasticTrainer
+    from elastic.faults import Fault, FaultInjector
     from jobs.spec import JobSpec
 
     spec = JobSpec.from_yaml(EXAMPLE)

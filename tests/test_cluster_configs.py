@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from elastic.planner import plan_layout
-from elastic.topology import topology_from_ray
+from elastic.placement.planner import plan_layout
+from elastic.placement.topology import topology_from_ray
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "cluster_configs"

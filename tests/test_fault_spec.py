@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from elastic.errors import SpecError
-from elastic.testing.faults import FAULT_KINDS, Fault, build_faults, check_fault_specs, flip_bit, parse_fault_spec
+from elastic.faults import FAULT_KINDS, Fault, build_faults, check_fault_specs, flip_bit, parse_fault_spec
 from jobs import JobSpec
 
 pytestmark = pytest.mark.timeout(120)

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from elastic.errors import SpecError
-from elastic.memory_model import (
+from elastic.models.gpt import ModelConfig
+from elastic.parallel.memory_model import (
     activation_bytes_per_layer,
     estimate_for_spec,
     estimate_memory,
@@ -16,7 +17,6 @@ from elastic.memory_model import (
     stage_param_count,
     total_param_count,
 )
-from elastic.model import ModelConfig
 
 # d=128, L=4, a=4, V=512, T=64, mlp_ratio=4.
 # Per layer: 12 d^2 + 4d = 196608 + 512 = 197120; x4 = 788480.
@@ -33,7 +33,7 @@ SOFTMAX = dataclasses.replace(SMALL.memory_inputs(), act_scores=5)
 
 
 def test_param_count_matches_the_real_model():
-    from elastic.model import GPT
+    from elastic.models.gpt import GPT
 
     assert total_param_count(SMALL) == SMALL_PARAMS
     assert total_param_count(SMALL) == GPT(SMALL).num_params(non_embedding=False)
@@ -208,9 +208,9 @@ def _live_bytes(cfg, micro_batch: int) -> tuple[int, int]:
     beyond the parameters, for one micro-batch of the real GPT in fp32 on one process."""
     import torch
 
-    from elastic.memtrack import LiveTensorBytes
-    from elastic.model import GPT
+    from elastic.models.gpt import GPT
     from elastic.models.spec import lm_loss
+    from elastic.parallel.memtrack import LiveTensorBytes
 
     torch.manual_seed(0)
     model = GPT(cfg)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from elastic.errors import SpecError
-from elastic.memory_model import estimate_memory, total_param_count
 from elastic.models.config import LlamaConfig
 from elastic.models.spec import model_spec
+from elastic.parallel.memory_model import estimate_memory, total_param_count
 from jobs import JobSpec
 
 pytestmark = pytest.mark.timeout(120)

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from elastic.errors import InfeasibleError, SpecError
-from elastic.planner import LayoutPlan, RankPlacement, drop_nodes, plan_from_spec, plan_layout
-from elastic.topology import ClusterTopology, NodeInfo
+from elastic.placement.planner import LayoutPlan, RankPlacement, drop_nodes, plan_from_spec, plan_layout
+from elastic.placement.topology import ClusterTopology, NodeInfo
 
 
 def gpu_cluster(racks=(("n0", "n1"), ("n2", "n3")), gpus=8, **extra_labels) -> ClusterTopology:

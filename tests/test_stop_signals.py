@@ -1,4 +1,4 @@
-"""The driver's SIGINT/SIGTERM handling (``elastic/stop.py``), in this process with real
+"""The driver's SIGINT/SIGTERM handling (``elastic/control/stop.py``), in this process with real
 signals, and the ``drain`` fault's parsing. No Ray: the graceful stop of a real job is in
 tests/elastic/test_stop_drain.py."""
 
@@ -10,9 +10,9 @@ import time
 
 import pytest
 
+from elastic.control.stop import StopNow, StopSignals, exit_code_of, stop_now_in
 from elastic.events import RunResult
-from elastic.stop import StopNow, StopSignals, exit_code_of, stop_now_in
-from elastic.testing.faults import build_faults, parse_fault_spec
+from elastic.faults import build_faults, parse_fault_spec
 from jobs import JobSpec
 
 pytestmark = pytest.mark.timeout(60)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from elastic.errors import SpecError
-from elastic.topology import ClusterTopology, NodeInfo, load_topology_file, topology_from_dict, topology_from_ray
+from elastic.placement.topology import (
+    ClusterTopology,
+    NodeInfo,
+    load_topology_file,
+    topology_from_dict,
+    topology_from_ray,
+)
 
 
 def _write(tmp_path, text: str):

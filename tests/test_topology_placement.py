@@ -9,9 +9,7 @@ import pytest
 
 from elastic.errors import SpecError
 from elastic.parallel.dims import rank_coords
-from elastic.planner import plan_from_spec
-from elastic.topology import ClusterTopology, NodeInfo
-from elastic.topology_placement import (
+from elastic.placement.planned import (
     NODE_ID_LABEL,
     placement_fields,
     placement_group_args,
@@ -19,6 +17,8 @@ from elastic.topology_placement import (
     replica_nodes,
     ring_rack_crossings,
 )
+from elastic.placement.planner import plan_from_spec
+from elastic.placement.topology import ClusterTopology, NodeInfo
 
 
 def _spec(tp=2, pp=2, gpus=2.0, cpus=1.0, device="cpu", min_dp=1, max_dp=4):

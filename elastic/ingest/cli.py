@@ -70,7 +70,7 @@ def _connect(address: str | None) -> bool:
 
     import ray
 
-    from elastic.trainer import running_cluster_address
+    from elastic.api import running_cluster_address
 
     if ray.is_initialized():
         return False

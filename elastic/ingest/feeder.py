@@ -2,7 +2,7 @@
 ``HostReaders`` that keep one per reading host, and the rank-side stream they feed, are in
 ``elastic.ingest.host_readers``.
 
-The global sample order is ``elastic.data``'s: row ``i`` of the corpus in index order,
+The global sample order is ``elastic.ingest.corpus``'s: row ``i`` of the corpus in index order,
 epochs wrapping. A feeder reads that stream shard by shard (one GET per shard, verified
 against the index's sha256), a bounded number of shards ahead of the slowest rank it
 serves, and serves any contiguous range of rows from memory. Every rank of a model

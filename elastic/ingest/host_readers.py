@@ -41,7 +41,7 @@ def resolve_loader(data_cfg: Any, uri: str) -> str:
     """``data.loader`` resolved for ``uri``: ``ray_data`` or ``feeder`` (a host feeder, its
     reads run by one Ray Data executor or by its own threads) for a prepared corpus (with
     an ``index.json``); ``native``, or ``ray_data_per_rank`` (the per-rank pipeline,
-    ``elastic.data``) for any other parquet corpus. ``auto`` is ``ray_data`` for a prepared
+    ``elastic.ingest.corpus``) for any other parquet corpus. ``auto`` is ``ray_data`` for a prepared
     corpus and ``native`` otherwise (docs/data.md). The index is looked up once per driver."""
     if data_cfg.loader == "native":
         return "native"

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, model_validator
 
 from elastic.errors import SpecError
-from elastic.memory_model import MemoryInputs
+from elastic.parallel.memory_model import MemoryInputs
 
 
 class GPTConfig(BaseModel):

@@ -40,7 +40,7 @@ from elastic.errors import SpecError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from elastic.memory_model import MemoryInputs
+    from elastic.parallel.memory_model import MemoryInputs
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -102,8 +102,8 @@ class ParallelDims:
         validate_layout(cfg, self.tp, self.pp)
 
     def grad_accum(self, global_batch: int, micro_batch: int) -> int:
-        """Micro-batches per DP rank per optimizer step (``elastic.policies.grad_accum``)."""
-        from elastic.policies import grad_accum
+        """Micro-batches per DP rank per optimizer step (``elastic.parallel.batch.grad_accum``)."""
+        from elastic.parallel.batch import grad_accum
 
         return grad_accum(global_batch, micro_batch, self.dp)
 

@@ -134,7 +134,7 @@ class TrainEngine:
         """Peak accelerator memory allocated by this process, or its peak RSS on CPU.
 
         On CPU with a memory probe, once the probed step is done: that step's peak of live
-        tensor bytes (``elastic/memtrack.py``), the figure the memory model predicts.
+        tensor bytes (``elastic/parallel/memtrack.py``), the figure the memory model predicts.
         """
         if self.probed_peak_bytes is not None:
             return self.probed_peak_bytes
@@ -237,7 +237,7 @@ class TrainEngine:
         return norm
 
     def _start_probe(self, micro_batches: Sequence[MicroBatch]) -> None:
-        from elastic.memtrack import LiveTensorBytes, tensors_in
+        from elastic.parallel.memtrack import LiveTensorBytes, tensors_in
 
         probe = LiveTensorBytes(self.device)
         probe.__enter__()

@@ -191,7 +191,7 @@ def cluster_costs(
     m: Measured | None = None,
 ) -> Costs:
     """Costs of a GPU cluster at ``gpus``: measured parts scaled by the models stated here."""
-    from elastic.policies import ElasticConfig
+    from elastic.control.config import ElasticConfig
 
     m = m or load_measured()
     if collective_timeout_s is None:

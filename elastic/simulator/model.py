@@ -8,7 +8,7 @@ Two layers:
   breakdown; a failed node comes back ``repair_hours`` later (software failures leave the
   node usable).
 * **The job's reaction**, from the project's own code: the batch policy
-  (``policies.allowed_dps``, ``policies.grad_accum``), the placement planner
+  (``batch.allowed_dps``, ``batch.grad_accum``), the placement planner
   (``planner.plan_layout``: how many whole replicas the healthy nodes hold, rack-aware;
   ``planner.drop_nodes``: which replicas survive a loss), the scaling policy
   (``policies.target_dp``, ``policies.scaling_decision``: the largest allowed DP in whole
@@ -31,11 +31,12 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic import policies
+from elastic.control import policies
 from elastic.errors import InfeasibleError
-from elastic.planner import LayoutPlan, drop_nodes, plan_layout
+from elastic.parallel import batch
+from elastic.placement.planner import LayoutPlan, drop_nodes, plan_layout
+from elastic.placement.topology import ClusterTopology, NodeInfo
 from elastic.simulator.costs import CAUSES, LLAMA3_CAUSES, NODE_STAYS, Costs
-from elastic.topology import ClusterTopology, NodeInfo
 
 DAY = 86400.0
 
@@ -159,7 +160,7 @@ class Reaction:
 
     def __init__(self, job: Job):
         self.job = job
-        self.allowed = policies.allowed_dps(job.batch, job.micro_batch, job.min_dp, job.max_dp)
+        self.allowed = batch.allowed_dps(job.batch, job.micro_batch, job.min_dp, job.max_dp)
         if not self.allowed:
             raise InfeasibleError("--global-batch", f"no DP degree in [{job.min_dp}, {job.max_dp}] divides it")
         self.node_level = job.tp == job.gpus_per_node
@@ -236,8 +237,8 @@ class Reaction:
         job = self.job
         return (
             full_step_s
-            * policies.grad_accum(job.batch, job.micro_batch, dp)
-            / policies.grad_accum(job.batch, job.micro_batch, self.allowed[-1])
+            * batch.grad_accum(job.batch, job.micro_batch, dp)
+            / batch.grad_accum(job.batch, job.micro_batch, self.allowed[-1])
         )
 
     def budget_left(self, failures: int) -> bool:

@@ -39,7 +39,7 @@ On ``device="cuda"`` the ``peak`` is ``torch.cuda.max_memory_allocated`` (reset 
 warm-up) minus ``memory_allocated`` right before the engine was built: the exact figure,
 which the CPU tracker only approximates.
 
-The prediction (``predict``) is ``elastic.memory_model.estimate_memory`` at the layout's
+The prediction (``predict``) is ``elastic.parallel.memory_model.estimate_memory`` at the layout's
 tp/pp/dp/zero, micro-batch, recompute flag, ``dtype_bytes=4`` (the engine trains in fp32),
 the real number of micro-batches per step and the PP schedule, with the model's default
 ``sequence_parallel`` (off, as in the TP plan). It is the worst pipeline stage; the
@@ -66,14 +66,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from elastic.memory_model import MemoryEstimate, estimate_memory
-from elastic.memtrack import LiveTensorBytes, tensor_bytes
-from elastic.memtrack import tensors_in as _tensors
-from elastic.model import ModelConfig
+from elastic.models.gpt import ModelConfig
 from elastic.optim import TrainConfig
 from elastic.parallel.config import ParallelConfig
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
+from elastic.parallel.memory_model import MemoryEstimate, estimate_memory
+from elastic.parallel.memtrack import LiveTensorBytes, tensor_bytes
+from elastic.parallel.memtrack import tensors_in as _tensors
 from elastic.testing.ports import free_port as _free_port
 
 # The benchmark's default model and batch: the test asserts on what the benchmark prints.

@@ -63,7 +63,7 @@ def run_sweep(
 ) -> SweepOutcome:
     """``faults``: ``(match, step_hook)`` pairs; a trial whose configuration contains every item
     of ``match`` runs with that ``StepHook`` (``elastic/worker/hooks.py``; fault injection:
-    ``elastic.testing.faults.WorkerFaults``), the first match only.
+    ``elastic.faults.WorkerFaults``), the first match only.
     ``worker_slots`` sizes the embedded cluster (default ``elastic.max_dp`` replicas of the spec's layout)."""
     if trial_steps <= warmup_steps:
         raise SpecError("--trial-steps", f"must be larger than the {warmup_steps} warm-up steps, got {trial_steps}")
@@ -183,7 +183,7 @@ def _connect(address: str | None, spec: Any, worker_slots: int | None) -> bool:
     """Join ``address`` or a running cluster, else start an embedded one; True if started here.
 
     ``address="local"`` always starts an embedded cluster (never joins a running one)."""
-    from elastic.trainer import running_cluster_address
+    from elastic.api import running_cluster_address
 
     if ray.is_initialized():
         return False
@@ -240,7 +240,7 @@ def _prepare_corpus(spec: Any, out: str) -> str | None:
     """Write the synthetic corpus once for every trial."""
     if spec.data.source != "synthetic":
         return None
-    from elastic.data import synthetic_corpus
+    from elastic.ingest.corpus import synthetic_corpus
 
     cache = spec.data.cache_dir or os.path.join(out, "data")
     m = spec.model

@@ -15,9 +15,10 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic import policies
+from elastic.control import policies
 from elastic.errors import SpecError
-from elastic.memory_model import estimate_for_spec
+from elastic.parallel import batch
+from elastic.parallel.memory_model import estimate_for_spec
 
 SPACE_KEYS = ("tp", "pp", "zero", "micro_batch", "activation_checkpointing")
 CONFIG_KEYS = ("dp", "tp", "pp", "zero", "micro_batch", "grad_accum", "activation_checkpointing")
@@ -118,7 +119,7 @@ def _judge(spec: Any, cfg: dict[str, Any], cluster: Cluster, dtype_bytes: int) -
         return Candidate(config, "pruned_batch", str(exc))
     e, gb = spec.elastic, spec.train.global_batch
     replica = tp * pp
-    allowed = policies.allowed_dps(gb, mb, e.min_dp, e.max_dp)
+    allowed = batch.allowed_dps(gb, mb, e.min_dp, e.max_dp)
     dp = policies.target_dp(cluster.worker_slots // replica, allowed)
     if dp is None:
         return Candidate(
@@ -127,7 +128,7 @@ def _judge(spec: Any, cfg: dict[str, Any], cluster: Cluster, dtype_bytes: int) -
             f"no DP degree in [{e.min_dp}, {e.max_dp}] reaches global_batch {gb} with micro_batch {mb} "
             f"on the cluster's {cluster.worker_slots} worker slots ({replica} per replica)",
         )
-    config["dp"], config["grad_accum"] = dp, policies.grad_accum(gb, mb, dp)
+    config["dp"], config["grad_accum"] = dp, batch.grad_accum(gb, mb, dp)
     if dp == 1 and cfg["zero"] > 0:
         return Candidate(config, "pruned_batch", f"dp=1: zero={cfg['zero']} has no DP group to shard over (= zero 0)")
     est = estimate_for_spec(trial, dp, dtype_bytes=dtype_bytes)

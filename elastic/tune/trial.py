@@ -11,7 +11,7 @@ and Tune removes the placement group.
 Every committed step is reported to Tune: tokens/s (the mean over the steps after the
 warm-up: step 1 allocates the optimizer state, and the first steps pay for allocation and
 lazy initialisation), MFU on GPUs, the measured peak memory and the memory model's figure.
-On CPU the peak is the live-tensor peak of step ``PROBE_STEP`` (``elastic/memtrack.py``;
+On CPU the peak is the live-tensor peak of step ``PROBE_STEP`` (``elastic/parallel/memtrack.py``;
 ``ru_maxrss`` would count the whole process); on CUDA ``max_memory_allocated``.
 """
 
@@ -21,12 +21,12 @@ import os
 import time
 from typing import Any
 
-from elastic.controller import Controller
-from elastic.memory_model import estimate_for_spec
+from elastic.control.controller import Controller
+from elastic.control.worker_group import WorkerGroup
 from elastic.parallel.config import ParallelConfig
-from elastic.placement import ReplicaSlots
+from elastic.parallel.memory_model import estimate_for_spec
+from elastic.placement.slots import ReplicaSlots
 from elastic.tune.space import config_key, trial_spec_dict
-from elastic.worker_group import WorkerGroup
 
 DRIVER_CPU = 0.01  # bundle 0: the trainable (the job's driver); it only polls workers
 PROBE_STEP = 2  # after step 1 created the optimizer state
@@ -181,7 +181,7 @@ def run_trial(config: dict[str, Any], ctx: dict[str, Any]) -> None:
     import ray
     from ray import tune
 
-    from elastic.trainer import ElasticTrainer
+    from elastic.api import ElasticTrainer
 
     t0 = time.monotonic()
     cfg = config["cfg"]

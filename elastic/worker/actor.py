@@ -34,7 +34,7 @@ import ray
 import torch
 
 from elastic.checkpoint.memory_tier import MemoryTier, Snapshot
-from elastic.data import ParquetCorpus
+from elastic.ingest.corpus import ParquetCorpus
 from elastic.messages import (
     ConfigureReply,
     ConfigureRequest,
@@ -244,10 +244,8 @@ class TrainWorker:
 
     @ray.method(concurrency_group="train")
     def save_checkpoint(self, timeout_s: float) -> bool:
-        """After a stop at a step boundary: write the live step to storage (``elastic/stop.py``)."""
-        from elastic.stop import save_live_step
-
-        return self.trainer is not None and save_live_step(self.trainer, timeout_s)
+        """After a stop at a step boundary: write the live step to storage (``elastic/control/stop.py``)."""
+        return self.trainer is not None and self.trainer.save_live_step(timeout_s)
 
     @ray.method(concurrency_group="train")
     def run(self, last_step: int) -> RunOutcome:

@@ -1,7 +1,7 @@
 """The seam through which a test (or a user's tool) acts inside a worker's step.
 
 The worker calls a ``StepHook`` at fixed points of every step, if one was given to the job
-(``ElasticTrainer(step_hook=...)``). Fault injection (``elastic/testing/faults.py``) is
+(``ElasticTrainer(step_hook=...)``). Fault injection (``elastic/faults/``) is
 one; production code never imports it: the hook object travels to the workers pickled.
 """
 

@@ -187,7 +187,7 @@ def is_collective_error(exc: BaseException) -> bool:
     ``RuntimeError`` subclass) is the rank's own failure. A plain ``RuntimeError`` from
     elsewhere in torch's C++ is possible too; the controller resolves that case: when no
     peer turns out to be dead, the rank that reported first is blamed
-    (``elastic/diagnosis.py``).
+    (``elastic/control/diagnosis.py``).
     """
     return isinstance(exc, dist.DistError) or type(exc) is RuntimeError
 

@@ -4,7 +4,7 @@ Every ``elastic.sdc_check_every`` steps, after the optimizer step, each rank tak
 fingerprint of its parameters (a CRC-32 of their bytes on CPU; on an accelerator an
 integer sum of their words, computed where they live), and the ranks all-gather them: one
 collective of one integer per rank. Ranks that must hold bitwise-identical parameters
-(DP twins: the same TP/PP shard) are compared; ``elastic.health.vote`` names the odd ones.
+(DP twins: the same TP/PP shard) are compared; ``elastic.worker.sdc_vote.vote`` names the odd ones.
 
 Every rank sees the same fingerprints, so every rank reaches the same verdict without a
 word from the controller. On a pass, the step's memory snapshot (forced at check steps) is
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from elastic.health import SdcVerdict, sdc_due, twin_groups, vote
 from elastic.worker.rng import capture_rng, restore_rng
+from elastic.worker.sdc_vote import SdcVerdict, sdc_due, twin_groups, vote
 
 _MASK = (1 << 64) - 1
 

@@ -26,11 +26,11 @@ from typing import Any
 from elastic.checkpoint.memory_tier import MemoryTier, Snapshot
 from elastic.checkpoint.restore import load_from_storage, load_snapshots_into
 from elastic.checkpoint.storage_tier import StorageUploader
-from elastic.data import BatchLayout, ParquetCorpus, RankStream, ray_data_batches
+from elastic.ingest.corpus import BatchLayout, ParquetCorpus, RankStream, ray_data_batches
 from elastic.messages import AnomalyReport, SdcReport, SnapshotReport, StepReport, StorageRestore
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
-from elastic.policies import LossMonitor
+from elastic.worker.anomaly import LossMonitor
 from elastic.worker.hooks import StepHook
 from elastic.worker.rng import capture_rng, restore_rng
 from elastic.worker.sdc import SdcGuard
@@ -217,6 +217,19 @@ class Trainer:
         if self.uploader is not None:
             self.uploader.secure(step)
         return report
+
+    def save_live_step(self, timeout_s: float) -> bool:
+        """After a stop at a step boundary (``elastic/control/stop.py``): write the live step
+        to the storage tier and wait for the upload (its ``UploadReport`` goes out with the
+        next poll). A step the tier already took on its schedule is not written twice.
+        False when there is no storage tier."""
+        if self.uploader is None or self.step == 0:
+            return False
+        if not self.uploader.due(self.step):
+            self.snapshot_now()
+            self.uploader.save(self.step, self.state_dict(), 0.0)
+        self.uploader.flush(timeout_s)
+        return True
 
     def snapshot_now(self) -> None:
         """Make sure the memory tier holds the live step (a resize restores from it)."""

@@ -94,7 +94,7 @@ def test_fsdp_rank_lost_restores_from_peer_copy_else_storage(ray_local, tiny_spe
     holds rank 1's shard, and the restore comes from memory. Either way the losses are the
     fault-free run's.
     """
-    from elastic.testing.faults import Fault, FaultInjector, WorkerFaults, worker_fault
+    from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault
 
     steps = 12
 

@@ -10,7 +10,7 @@ from storage_testlib import FAKE_KEY, FAKE_SECRET
 
 from elastic import ElasticTrainer
 from elastic.checkpoint.storage_tier import open_store
-from elastic.testing.faults import WorkerFaults, worker_fault
+from elastic.faults import WorkerFaults, worker_fault
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -11,7 +11,7 @@ import ray
 from ingest_testlib import stdlib_texts, write_jsonl
 
 from elastic import ElasticTrainer
-from elastic.data import BatchLayout, ParquetCorpus
+from elastic.ingest.corpus import BatchLayout, ParquetCorpus
 from elastic.ingest.feeder import HostFeeder
 from elastic.ingest.host_readers import feeder_batches, resolve_loader
 from elastic.ingest.prepare import PrepareConfig, prepare

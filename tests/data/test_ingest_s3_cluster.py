@@ -18,7 +18,7 @@ from ingest_testlib import stdlib_texts, write_jsonl
 
 from elastic import ElasticTrainer
 from elastic.events import read_events
-from elastic.testing.faults import Fault, FaultInjector, WorkerFaults, worker_fault
+from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault
 from elastic.testing.s3proxy import CountingProxy
 from jobs import JobSpec
 from jobs.cli import main as cli_main

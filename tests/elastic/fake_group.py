@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastic.control.worker_group import Observation
 from elastic.messages import StepReport
-from elastic.topology_placement import placement_fields
-from elastic.worker_group import Observation
+from elastic.placement.planned import placement_fields
 
 
 @dataclass

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from fake_group import FakeWorkerGroup, step_results
 
-from elastic.controller import Controller, Failed, Finished, Recovering, Resizing, Running, Starting
+from elastic.control.controller import Controller, Failed, Finished, Recovering, Resizing, Running, Starting
+from elastic.control.worker_group import Observation
 from elastic.errors import JobFailed, NodeLost, WorkerError
 from elastic.events import EventLog, read_events
-from elastic.worker_group import Observation
 from jobs import JobSpec
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,4 +1,4 @@
-"""Failure diagnosis from the first signal (elastic/diagnosis.py), with real sockets as raylets.
+"""Failure diagnosis from the first signal (elastic/control/diagnosis.py), with real sockets as raylets.
 
 A "raylet" here is a real listening TCP socket (alive) or a port nobody listens on any more
 (a lost node: the connection is refused). No Ray cluster is needed: what the diagnosis
@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from elastic.diagnosis import PEER_GRACE_S, RayletProbe, diagnose
+from elastic.control.config import ElasticConfig
+from elastic.control.diagnosis import PEER_GRACE_S, RayletProbe, diagnose
 from elastic.errors import NodeLost
 from elastic.messages import RunOutcome
-from elastic.policies import ElasticConfig
 
 pytestmark = pytest.mark.timeout(30)
 

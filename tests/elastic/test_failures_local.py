@@ -18,7 +18,7 @@ from elastic_testlib import (
 )
 
 from elastic import ElasticTrainer
-from elastic.testing.faults import Fault, FaultInjector, WorkerFaults, worker_fault
+from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -113,7 +113,7 @@ def test_failure_budget_exhausted_exits_1(ray_local, tmp_path, tiny_spec_dict):
     # Two NaN faults, one budgeted failure: the second ends the job.
     script = (
         "import sys; from jobs.cli import main; from elastic import trainer;"
-        "from elastic.testing.faults import WorkerFaults, worker_fault;"
+        "from elastic.faults import WorkerFaults, worker_fault;"
         "orig = trainer.ElasticTrainer.__init__\n"
         "def init(self, spec, **kw):\n"
         "    kw['step_hook'] = WorkerFaults([worker_fault('nan', 4, 0), worker_fault('nan', 7, 0)])\n"

@@ -7,9 +7,10 @@ import random
 import pytest
 import torch
 
-from elastic.health import CommitGate, LemonTracker, StragglerDetector, sdc_due, twin_groups, vote
-from elastic.testing.faults import flip_bit
+from elastic.control.health import CommitGate, LemonTracker, StragglerDetector
+from elastic.faults import flip_bit
 from elastic.worker.sdc import fingerprint
+from elastic.worker.sdc_vote import sdc_due, twin_groups, vote
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -6,7 +6,7 @@ import pytest
 from elastic_testlib import REL_SAME_ORDER, assert_matches_reference, elastic_spec, events_of, step_metrics
 
 from elastic import ElasticTrainer
-from elastic.testing.faults import Fault, FaultInjector
+from elastic.faults import Fault, FaultInjector
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

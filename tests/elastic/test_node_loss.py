@@ -16,8 +16,8 @@ from elastic_testlib import (
 )
 
 from elastic import ElasticTrainer
-from elastic.recovery_timing import PHASES
-from elastic.testing.faults import Fault, FaultInjector, WorkerFaults, worker_fault
+from elastic.control.timing import PHASES
+from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -6,8 +6,10 @@ import math
 
 import pytest
 
-from elastic import policies, recovery_plan
+from elastic.control import policies, recovery_plan
 from elastic.errors import SpecError
+from elastic.parallel import batch
+from elastic.worker.anomaly import LossMonitor
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -30,15 +32,15 @@ def test_failure_decision(failures, budget, expected):
     ],
 )
 def test_allowed_dps_keep_global_batch_exact(global_batch, micro, lo, hi, expected):
-    allowed = policies.allowed_dps(global_batch, micro, lo, hi)
+    allowed = batch.allowed_dps(global_batch, micro, lo, hi)
     assert allowed == expected
     for dp in allowed:
-        assert dp * micro * policies.grad_accum(global_batch, micro, dp) == global_batch
+        assert dp * micro * batch.grad_accum(global_batch, micro, dp) == global_batch
 
 
 def test_grad_accum_refuses_inexact_dp():
     with pytest.raises(SpecError, match="train.global_batch"):
-        policies.grad_accum(48, 4, 5)
+        batch.grad_accum(48, 4, 5)
 
 
 @pytest.mark.parametrize(
@@ -55,7 +57,7 @@ def test_scaling_decision():
 
 
 def test_loss_monitor_flags_nan_and_spikes_but_not_descent():
-    mon = policies.LossMonitor(spike_factor=6.0, min_history=4)
+    mon = LossMonitor(spike_factor=6.0, min_history=4)
     assert mon.check(float("nan")) == "nan_loss" and mon.check(math.inf) == "nan_loss"
     for loss in (4.0, 3.8, 3.7, 3.6, 3.5):
         assert mon.check(loss) is None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from elastic_testlib import elastic_spec
 
-from elastic.worker_group import Member, WorkerGroup
+from elastic.control.worker_group import Member, WorkerGroup
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from elastic import recovery_plan as plan
+from elastic.control import recovery_plan as plan
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -26,7 +26,7 @@ from waiting import wait_until
 
 from elastic import ElasticTrainer
 from elastic.events import read_events
-from elastic.testing.faults import Fault, FaultInjector, WorkerFaults, worker_fault
+from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 

@@ -21,10 +21,10 @@ import yaml
 from elastic_testlib import REL_SAME_ORDER, assert_matches_reference, elastic_spec, events_of, step_metrics
 
 from elastic import ElasticTrainer
-from elastic.planner import plan_from_spec
-from elastic.testing.faults import Fault, FaultInjector, WorkerFaults, worker_fault
-from elastic.topology import topology_from_dict
-from elastic.worker_group import WorkerGroup
+from elastic.control.worker_group import WorkerGroup
+from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault
+from elastic.placement.planner import plan_from_spec
+from elastic.placement.topology import topology_from_dict
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -8,8 +8,8 @@ import pytest
 from elastic_testlib import elastic_spec
 from fake_group import FakeWorkerGroup
 
-from elastic.worker_group import WorkerGroup
-from elastic.worker_group_api import WorkerGroupAPI
+from elastic.control.worker_group import WorkerGroup
+from elastic.control.worker_group_api import WorkerGroupAPI
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -27,7 +27,7 @@ def test_group_implements_the_protocol(cls):
 
 
 def test_protocol_lists_what_the_controller_calls():
-    import elastic.controller as controller
+    import elastic.control.controller as controller
 
     source = inspect.getsource(controller)
     called = {name for name in METHODS if f"group.{name}(" in source}

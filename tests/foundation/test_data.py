@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from elastic.data import BatchLayout, ParquetCorpus, RankStream, synthetic_corpus
+from elastic.ingest.corpus import BatchLayout, ParquetCorpus, RankStream, synthetic_corpus
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from elastic.model import ModelConfig
+from elastic.models.gpt import ModelConfig
 from elastic.models.spec import model_spec
 from elastic.optim import TrainConfig, build_optimizer
 from elastic.testing.ranks import init_group, run_ranks

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from elastic.errors import SpecError
-from elastic.model import GPT, ModelConfig
+from elastic.models.gpt import GPT, ModelConfig
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.pp import bubble_fraction, build_stage_module, stage_layers
 

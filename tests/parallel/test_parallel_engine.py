@@ -18,7 +18,7 @@ import pytest
 from parallel_harness import MODEL, SEED, TRAIN, Layout, reference_run, run_ranks
 from parallel_workers import resize_and_resume, train_layouts
 
-from elastic.model import build_model, flops_per_token
+from elastic.models.gpt import build_model, flops_per_token
 
 LAYOUTS = [
     Layout("dp4", dp=4),

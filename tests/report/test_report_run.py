@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from elastic_testlib import FAULT_STEP, STEPS, elastic_spec, events_of  # noqa: E402
 
 from elastic import ElasticTrainer  # noqa: E402
+from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault  # noqa: E402
 from elastic.report import load_run, scale_factors, write_report  # noqa: E402
-from elastic.testing.faults import Fault, FaultInjector, WorkerFaults, worker_fault  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

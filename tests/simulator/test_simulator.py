@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from elastic import policies
+from elastic.control import policies
 from elastic.simulator import cli, model
 from elastic.simulator.costs import (
     CAUSES,

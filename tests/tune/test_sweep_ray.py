@@ -20,7 +20,7 @@ import time
 import pytest
 import yaml
 
-from elastic.testing.faults import WorkerFaults, worker_fault
+from elastic.faults import WorkerFaults, worker_fault
 from elastic.tune.space import config_key
 from jobs.spec import JobSpec
 

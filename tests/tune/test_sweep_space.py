@@ -9,7 +9,7 @@ import os
 import pytest
 
 from elastic.errors import SpecError
-from elastic.memory_model import estimate_memory
+from elastic.parallel.memory_model import estimate_memory
 from elastic.tune import report
 from elastic.tune.search import StagedSearch
 from elastic.tune.space import Cluster, config_key, default_space, enumerate_space, parse_space

@@ -1,6 +1,6 @@
 """What the controller needs from a worker group: the ``WorkerGroupAPI`` protocol.
 
-``elastic.worker_group.WorkerGroup`` implements it on Ray. The controller tests' scripted
+``elastic.control.worker_group.WorkerGroup`` implements it on Ray. The controller tests' scripted
 fake (``tests/elastic/fake_group.py``) implements it without actors, and
 ``tests/elastic/test_worker_group_api.py`` checks both against it, so the fake cannot
 drift from the real group.

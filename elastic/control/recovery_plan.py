@@ -2,8 +2,8 @@
 
 Everything here works on plain values (ranks, node ids, snapshot holdings) and is tested
 without Ray (``tests/elastic/test_recovery_plan.py``). The worker group
-(``elastic/worker_group.py``) gathers the facts and carries the plan out; the controller
-(``elastic/controller.py``) reads as plan, execute, emit.
+(``elastic/control/worker_group.py``) gathers the facts and carries the plan out; the controller
+(``elastic/control/controller.py``) reads as plan, execute, emit.
 
 - which survivors form whole model replicas (``complete_replicas``);
 - the new rank order, rack by rack (``rank_order``);
@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from elastic import policies
+from elastic.control import policies
 from elastic.parallel.dims import rank_coords
 
 

@@ -28,10 +28,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from elastic import recovery_plan as plan
+from elastic.control import recovery_plan as plan
+from elastic.control.states import Running, State
 from elastic.errors import WorkerFailure
 from elastic.messages import StepReport
-from elastic.states import Running, State
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class DrainWatch:
 
 
 def _is_ray_group(group: Any) -> bool:
-    from elastic.worker_group import WorkerGroup
+    from elastic.control.worker_group import WorkerGroup
 
     return isinstance(group, WorkerGroup)
 

@@ -10,14 +10,14 @@ from typing import Any
 
 import ray
 
-from elastic.controller import Controller
-from elastic.data import synthetic_corpus
+from elastic.control.controller import Controller
+from elastic.control.stop import StopSignals
 from elastic.errors import JobFailed
 from elastic.events import EventLog, RunResult, write_summary
+from elastic.ingest.corpus import synthetic_corpus
 from elastic.progress import ProgressDisplay, format_summary
 from elastic.report.metrics import start_metrics
 from elastic.report.print_report import print_report
-from elastic.stop import StopSignals
 from elastic.worker.hooks import StepHook
 
 logger = logging.getLogger(__name__)

@@ -16,13 +16,13 @@ States (one small class each, carrying its own data) and one ``_step`` that move
                   ▼
                 Failed
 
-Decisions come from the pure functions in ``elastic.policies``; this module carries them
+Decisions come from the pure functions in ``elastic.control.policies``; this module carries them
 out and writes the events. ``worker_group_cls`` is the test seam: controller tests swap in
 a scripted fake group and step one transition at a time.
 
 Longer than the ~350 lines we aim for: the state machine's handlers are kept together so that
-a recovery reads top to bottom in one file; the states are in ``elastic/states.py``, the
-decisions in ``elastic/policies.py`` and ``elastic/recovery_plan.py``.
+a recovery reads top to bottom in one file; the states are in ``elastic/control/states.py``, the
+decisions in ``elastic/control/policies.py`` and ``elastic/control/recovery_plan.py``.
 """
 
 from __future__ import annotations
@@ -31,19 +31,19 @@ import logging
 import time
 from typing import Any
 
-from elastic import notices, policies
-from elastic import recovery_plan as plan
 from elastic.checkpoint.committer import CheckpointCommitter
+from elastic.control import notices, policies
+from elastic.control import recovery_plan as plan
+from elastic.control.health import HealthMonitor, gate_commits
+from elastic.control.states import Failed, Finished, Recovering, Resizing, Running, Starting, State
+from elastic.control.stop import StopSignals, stop_now_in, stopped_state
+from elastic.control.timing import PhaseTimer
+from elastic.control.worker_group import WorkerGroup
+from elastic.control.worker_group_api import WorkerGroupAPI
 from elastic.errors import JobFailed, WorkerFailure
 from elastic.events import EventLog, Recovery, RunResult
-from elastic.health import HealthMonitor, gate_commits
 from elastic.messages import AnomalyReport, SdcReport, StepReport, UploadReport, WorkerReport
-from elastic.recovery_timing import PhaseTimer
-from elastic.states import Failed, Finished, Recovering, Resizing, Running, Starting, State
-from elastic.stop import StopSignals, stop_now_in, stopped_state
 from elastic.worker.hooks import StepHook
-from elastic.worker_group import WorkerGroup
-from elastic.worker_group_api import WorkerGroupAPI
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 class Controller:
     worker_group_cls: type[WorkerGroupAPI] = WorkerGroup
     clock = staticmethod(time.monotonic)  # the driver's clock for recovery figures (test seam)
-    stop_signals: StopSignals | None = None  # set by ElasticTrainer.fit (elastic/stop.py)
+    stop_signals: StopSignals | None = None  # set by ElasticTrainer.fit (elastic/control/stop.py)
 
     def __init__(
         self,
@@ -95,9 +95,9 @@ class Controller:
         try:
             while not self.state.is_terminal:
                 self.state = self._step(self.state)
-                if isinstance(self.state, Running):  # stop and drain notices (elastic/stop.py, elastic/drain.py)
+                if isinstance(self.state, Running):  # stop and drain notices (control/stop.py, control/drain.py)
                     self.state = notices.act(self, self.state)
-        except BaseException as exc:  # a second signal, or elastic.stop_grace_s passed (elastic/stop.py)
+        except BaseException as exc:  # a second signal, or elastic.stop_grace_s passed (elastic/control/stop.py)
             stop = stop_now_in(exc)
             if stop is None:
                 raise

@@ -36,7 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from elastic.policies import grad_accum
+from elastic.parallel.batch import grad_accum
 
 TOKENS = "tokens"
 SOURCE_PROTOCOLS = ("file", "s3", "memory")  # the fsspec back ends this project installs and tests
@@ -256,7 +256,7 @@ class RankStream:
         start_delay_s: float = 0.0,
         source: Iterator[tuple[int, np.ndarray]] | None = None,
     ):
-        import torch  # local: keeps `elastic.data` importable for pure planning code
+        import torch  # local: keeps `elastic.ingest.corpus` importable for pure planning code
 
         self._torch = torch
         self.corpus, self.layout, self.dp_rank = corpus, layout, dp_rank

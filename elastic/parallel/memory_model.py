@@ -70,7 +70,7 @@ gradient) while every activation is still stored: ``3*s*b*V*4`` bytes at the pea
 (measured exactly, for V from 512 to 8192).
 
 **The peak** is the largest of three moments of a step (measured with the live-tensor
-tracker, ``elastic/memtrack.py``):
+tracker, ``elastic/parallel/memtrack.py``):
 
 * backward starts: every stored activation and ``3*s*b*V*4`` of loss tensors;
 * with full recompute, the first layer rebuilt: the stored inputs plus that layer's working

@@ -43,7 +43,7 @@ from typing import Any, ClassVar, TypeVar
 
 from elastic.errors import InfeasibleError, SpecError
 from elastic.parallel.dims import rank_coords, rank_of
-from elastic.topology import NVLINK_DOMAIN, ClusterTopology, NodeInfo
+from elastic.placement.topology import NVLINK_DOMAIN, ClusterTopology, NodeInfo
 
 MESH_DIM_NAMES: tuple[str, str, str] = ("dp", "pp", "tp")
 

@@ -1,5 +1,5 @@
 """The controller's states: one small class each, carrying its own data, and the callback
-protocol (``elastic/controller.py`` moves between them)."""
+protocol (``elastic/control/controller.py`` moves between them)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 At start, after a failure and while capacity returns, the worker group asks for replicas.
 ``PlannedSlots`` answers from the live cluster: it reads the nodes (their resources and
 the labels ``rack`` and ``nvlink_domain``), takes out what the job already holds, plans
-the free capacity with the topology planner (``elastic/planner.py``: TP groups inside a
+the free capacity with the topology planner (``elastic/placement/planner.py``: TP groups inside a
 node or NVLink domain, a replica's stages inside one rack when it fits), and asks Ray for
 one placement group per planned replica that *enforces* the plan:
 
@@ -35,9 +35,9 @@ from typing import Any
 
 from elastic.errors import InfeasibleError, SpecError
 from elastic.parallel.dims import rank_coords
-from elastic.placement import ReplicaSlots
-from elastic.planner import LayoutPlan, plan_layout, spec_placement_args
-from elastic.topology import RACK, ClusterTopology, topology_from_ray
+from elastic.placement.planner import LayoutPlan, plan_layout, spec_placement_args
+from elastic.placement.slots import ReplicaSlots
+from elastic.placement.topology import RACK, ClusterTopology, topology_from_ray
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ class PlannedSlots(ReplicaSlots):
             super().exclude(nodes, keep)
 
     def avoid(self, node_ids: Iterable[str], keep: frozenset[int] | set[int] = frozenset()) -> None:
-        """Nodes Ray is draining (``elastic/drain.py``): not planned while they drain, and groups
+        """Nodes Ray is draining (``elastic/control/drain.py``): not planned while they drain, and groups
         pinned there that host no live worker (``keep``: the ids of those that do) are released,
         since Ray places nothing on a draining node and such a group would wait forever. A node
         that stops draining is planned again at the next re-plan."""

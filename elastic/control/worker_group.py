@@ -5,12 +5,12 @@ training, turns what it sees (polls, returned errors, dead actors, raylets that 
 connections) into typed ``WorkerFailure``s, and carries out the controller's decisions:
 evict ranks, re-form the survivors as a new generation of the process group, add new
 replicas and restore state. It decides nothing: what to keep, in which order and from which
-snapshots comes from ``elastic/recovery_plan.py``; whether to retry and at what DP from
-``elastic/policies.py``. ``elastic/worker_group_api.py`` is the interface the controller
+snapshots comes from ``elastic/control/recovery_plan.py``; whether to retry and at what DP from
+``elastic/control/policies.py``. ``elastic/control/worker_group_api.py`` is the interface the controller
 uses, which the tests' fake group implements too.
 
 Longer than the ~350 lines we aim for: every Ray call the controller makes is here, in one
-place, on purpose; the pure parts are in ``elastic/recovery_plan.py`` and ``elastic/diagnosis.py``.
+place, on purpose; the pure parts are in ``elastic/control/recovery_plan.py`` and ``elastic/control/diagnosis.py``.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
-from elastic import recovery_plan as plan
-from elastic.diagnosis import NODE_PROBE_S, RayletProbe, diagnose
+from elastic.control import recovery_plan as plan
+from elastic.control.diagnosis import NODE_PROBE_S, RayletProbe, diagnose
 from elastic.errors import ActorDied, NodeLost, WorkerError, WorkerFailure
 from elastic.ingest.host_readers import HostReaders
 from elastic.messages import (
@@ -37,8 +37,8 @@ from elastic.messages import (
     WorkerInfo,
     WorkerReport,
 )
-from elastic.placement import ReplicaSlots
-from elastic.topology_placement import PlannedSlots, placement_fields
+from elastic.placement.planned import PlannedSlots, placement_fields
+from elastic.placement.slots import ReplicaSlots
 from elastic.worker import TrainWorker
 from elastic.worker.hooks import StepHook
 from elastic.worker.process_group import RendezvousStore
@@ -97,7 +97,7 @@ class WorkerGroup:
         self._store: RendezvousStore | None = None  # the job's rendezvous, made at the first configure
         self._generation = 0  # of the process group: the rendezvous key prefix
         self._node_labels: dict[str, dict[str, str]] = {}  # node id -> Ray node labels (rack, nvlink_domain)
-        self._avoid_nodes: set[str] = set()  # node ids Ray is draining (elastic/drain.py)
+        self._avoid_nodes: set[str] = set()  # node ids Ray is draining (elastic/control/drain.py)
 
     # ------------------------------------------------------------------ capacity
     def request_capacity(self) -> None:
@@ -128,7 +128,7 @@ class WorkerGroup:
         """Ready placement groups that host no member: capacity to grow into."""
         used = {id(m.group) for m in self.members}
         spare = [g for g in self.slots.ready(timeout) if id(g) not in used]
-        if self.avoid_nodes:  # draining nodes are not grown into (elastic/drain.py)
+        if self.avoid_nodes:  # draining nodes are not grown into (elastic/control/drain.py)
             spare = [g for g in spare if not group_nodes(g) & self.avoid_nodes]
         return spare
 

@@ -7,7 +7,7 @@
 * :func:`stop_at_boundary` is what the controller does with the first signal: every rank
   stops after the same step, the storage tier gets a committed, verified checkpoint of that
   step (unless one exists), and the controller ends in :class:`Stopped`.
-* :func:`save_live_step` is the worker's half: write the live step to the storage tier.
+* the worker's half, writing the live step to the storage tier, is ``Trainer.save_live_step``.
 
 Why our own SIGTERM handler: ``ray.init`` installs one in the driver that calls
 ``sys.exit(15)`` from whatever the main thread is doing. The ``SystemExit`` then unwinds
@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic.states import State
+from elastic.control.states import State
 
 log = logging.getLogger(__name__)
 
@@ -208,23 +208,6 @@ def checkpoint_and_stop(ctl: Any, signals: StopSignals) -> Stopped:
         return stopped_state(signals, step, None, f"the checkpoint of step {step} failed verification: {damage[0]}")
     print(f"stopped at step {step}; checkpoint of step {step} committed and verified", file=sys.stderr, flush=True)
     return stopped_state(signals, step, step, "stopped at a step boundary")
-
-
-# --------------------------------------------------------------------------- worker side
-
-
-def save_live_step(trainer: Any, timeout_s: float) -> bool:
-    """Write the trainer's live step to the storage tier and wait for the upload (its
-    ``UploadReport`` goes out with the next poll). A step the tier already took on its
-    schedule is not written twice. False when there is no storage tier."""
-    uploader = getattr(trainer, "uploader", None)
-    if uploader is None or trainer.step == 0:
-        return False
-    if not uploader.due(trainer.step):
-        trainer.snapshot_now()
-        uploader.save(trainer.step, trainer.state_dict(), 0.0)
-    uploader.flush(timeout_s)
-    return True
 
 
 def exit_code_of(result: Any) -> int:

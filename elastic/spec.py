@@ -1,0 +1,146 @@
+"""The job spec: one pydantic model composed from the config of each owner (public name:
+``jobs.JobSpec``).
+
+``JobSpec`` fields are the spec keys of ``docs/spec.md``, exactly. Every check that spans several
+owners (``tp`` divides ``n_heads``, a reachable ``global_batch``...) lives here, and every
+error names the dotted field at fault.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from elastic.checkpoint.config import CheckpointConfig
+from elastic.control.config import ElasticConfig
+from elastic.errors import SpecError
+from elastic.ingest.corpus import DataConfig
+from elastic.models.config import MODEL_KINDS, AnyModelConfig, GPTConfig
+from elastic.optim import TrainConfig
+from elastic.parallel import batch
+from elastic.parallel.config import ParallelConfig
+from elastic.parallel.dims import validate_layout
+from elastic.placement.slots import ResourcesConfig
+from elastic.yaml_io import read_yaml
+
+
+class JobSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("job", min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    seed: int = 0
+    run_dir: str | None = None
+    model: AnyModelConfig = Field(default_factory=GPTConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    elastic: ElasticConfig = Field(default_factory=ElasticConfig)
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> JobSpec:
+        try:
+            spec = cls.model_validate(raw)
+        except ValidationError as exc:
+            raise _first_error(exc) from None
+        spec.check()
+        return spec
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> JobSpec:
+        raw = read_yaml(path, "config")
+        if raw is None:  # empty, or only comments and blank lines: a truncated file or a wrong path
+            raise SpecError(
+                "config",
+                f"{path} is empty (no keys, only whitespace or comments); "
+                "write at least `name: ...` to run with the defaults",
+            )
+        if not isinstance(raw, dict):
+            raise SpecError("config", f"{path} must hold a mapping at the top level")
+        apply_overrides(raw, overrides or [])
+        return cls.from_dict(raw)
+
+    # ------------------------------------------------------------------ checks
+    def check(self) -> None:
+        m, p, e, t = self.model, self.parallel, self.elastic, self.train
+        m.check()  # per kind; a custom model's factory is imported and called here
+        validate_layout(m, p.tp, p.pp)
+        self.data.check_source_exists()
+        if e.min_dp > e.max_dp:
+            raise SpecError("elastic.min_dp", f"{e.min_dp} is larger than elastic.max_dp ({e.max_dp})")
+        if e.sdc_check_every and p.zero:
+            raise SpecError(
+                "elastic.sdc_check_every",
+                f"needs replicated parameters (parallel.zero: 0); with zero={p.zero} no two ranks hold the same shard",
+            )
+        if self.resources.device == "cuda" and self.resources.gpus_per_worker <= 0:
+            raise SpecError("resources.gpus_per_worker", "must be > 0 when resources.device is cuda")
+        if not self.allowed_dps():
+            raise SpecError(
+                "train.global_batch",
+                f"{t.global_batch} is not reachable: no DP degree in [{e.min_dp}, {e.max_dp}] divides "
+                f"global_batch / parallel.micro_batch ({t.global_batch} / {p.micro_batch})",
+            )
+
+    def allowed_dps(self) -> list[int]:
+        """DP degrees that keep ``global_batch`` exact (``elastic.parallel.batch.allowed_dps``)."""
+        return batch.allowed_dps(
+            self.train.global_batch, self.parallel.micro_batch, self.elastic.min_dp, self.elastic.max_dp
+        )
+
+    def grad_accum(self, dp: int) -> int:
+        return batch.grad_accum(self.train.global_batch, self.parallel.micro_batch, dp)
+
+    # ------------------------------------------------------------------ schema
+    @classmethod
+    def json_schema(cls) -> str:
+        return json.dumps(cls.model_json_schema(by_alias=True), indent=2, sort_keys=True)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> None:
+    """Apply dotted ``key=value`` overrides; values are parsed as YAML."""
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise SpecError("--set", f"expected KEY=VALUE, got {item!r}")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise SpecError(key, f"value {text!r} is not valid YAML: {_one_line(exc)}") from None
+        node = raw
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise SpecError(".".join(parts[: i + 1]), "is not a mapping, cannot set a sub-key")
+            node = child
+        node[parts[-1]] = value
+
+
+def _first_error(exc: ValidationError) -> SpecError:
+    err = exc.errors()[0]
+    loc = list(err["loc"])
+    if loc[:1] == ["model"] and len(loc) > 1 and loc[1] in MODEL_KINDS:
+        del loc[1]  # the union's tag (model.llama.n_kv_heads -> model.n_kv_heads)
+    if err["type"] == "model_kind":
+        loc = ["model", "kind"]
+    field = ".".join(str(p) for p in loc) or "spec"
+    if err["type"] == "extra_forbidden":
+        return SpecError(field, "unknown key")
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    if "input" in err and err["type"] not in ("missing",) and not isinstance(err["input"], (dict, list)):
+        msg = f"{msg} (got {err['input']!r})"
+    return SpecError(field, msg)
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
