@@ -94,6 +94,8 @@ import threading
 import time
 from typing import Any
 
+from elastic.control.callbacks import Callback
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -257,7 +259,7 @@ def kill_node_now(out: dict[str, Any], cluster, node_id: str, pids: list[int]) -
 # --------------------------------------------------------------------------- ours
 
 
-class KillAndReturn:
+class KillAndReturn(Callback):
     """Controller callback. When step ``k`` completes, a driver thread kills the node that
     hosts ``rank`` (the controller is not blocked by ``remove_node``); after the first step
     at the smaller DP, a node is added back to time the grow-back."""
@@ -269,7 +271,7 @@ class KillAndReturn:
         self.threads: list[threading.Thread] = []
         self.returned = False
 
-    def on_step(self, step: int, group: Any) -> None:
+    def after_step(self, step: int, group: Any) -> None:
         if self.old_dp is None:
             self.old_dp = group.dp
         if "kill_requested" not in self.out and step >= self.at_step:

@@ -6,10 +6,11 @@ import datetime as _dt
 import logging
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
+from elastic.control.callbacks import Callback, checked
 from elastic.control.controller import Controller
 from elastic.control.stop import StopSignals
 from elastic.errors import JobFailed
@@ -19,6 +20,9 @@ from elastic.progress import ProgressDisplay, format_summary
 from elastic.report.metrics import start_metrics
 from elastic.report.print_report import print_report
 from elastic.worker.hooks import StepHook
+
+if TYPE_CHECKING:
+    from elastic.spec import JobSpec
 
 logger = logging.getLogger(__name__)
 
@@ -32,12 +36,12 @@ class ElasticTrainer:
 
     def __init__(
         self,
-        spec: Any,
+        spec: JobSpec,
         *,
         run_dir: str | None = None,
         address: str | None = None,
         resume: bool = False,
-        callbacks: list[Any] | None = None,
+        callbacks: list[Callback] | None = None,
         step_hook: StepHook | None = None,
         progress: bool = False,
         report: bool = False,
@@ -46,7 +50,7 @@ class ElasticTrainer:
         self.run_dir = os.path.abspath(run_dir or spec.run_dir or _default_run_dir(spec.name))
         self.address = address
         self.resume = resume
-        self.callbacks = list(callbacks or [])
+        self.callbacks = checked(callbacks or [])  # a TypeError now, not a silently ignored hook
         self.step_hook = step_hook  # acts inside every worker step (fault injection: docs/faults.md)
         self.progress = progress
         self.report = report  # write RUN_DIR/report at the end and print its path (docs/observability.md)
@@ -78,10 +82,10 @@ class ElasticTrainer:
                 step_hook=self.step_hook,
                 resume=resume,
                 storage_uri=self.checkpoint_uri,
+                stop_signals=signals,
             )
             if metrics is not None:
                 metrics.recoveries = lambda: controller.recoveries
-            controller.stop_signals = signals
             try:
                 self.result = controller.run()
             except JobFailed as exc:
@@ -97,8 +101,7 @@ class ElasticTrainer:
             signals.uninstall()
             events.close()
             for cb in self.callbacks:
-                if hasattr(cb, "close"):
-                    cb.close()
+                cb.close()
             if started_ray:
                 ray.shutdown()
             if self.report:
@@ -113,14 +116,13 @@ class ElasticTrainer:
         m = self.spec.model
         return synthetic_corpus(cache, d.num_samples, m.seq_len, m.vocab_size, self.spec.seed)
 
-    def _resume_point(self) -> dict[str, Any] | None:
+    def _resume_point(self) -> int | None:
         from elastic.checkpoint.restore import latest_storage_step
 
         step = latest_storage_step(self.spec, self.checkpoint_uri)
         if step is None:
             logger.warning("--resume: no valid checkpoint under %s; starting from step 0", self.checkpoint_uri)
-            return None
-        return {"step": step}
+        return step
 
 
 def ensure_ray(address: str | None, spec: Any) -> bool:

@@ -56,6 +56,9 @@ class Recovery(BaseModel):
         default_factory=dict,
         description="where the downtime went, phase by phase (elastic/control/timing.py; docs/outputs.md)",
     )
+    failures: int = Field(
+        1, description="failures folded into this one outage (a failure during a recovery extends it)"
+    )
 
 
 class RunResult(BaseModel):

@@ -1,24 +1,29 @@
 """Faults that raise no error: stragglers, lemon nodes, silent data corruption (docs/health.md).
 
-The pure parts (``StragglerDetector``, ``vote``, ``LemonTracker``) take plain inputs and are
-unit-tested without Ray. ``HealthMonitor`` is the controller's side: it is fed every
-committed step and every ``SdcReport``, writes the ``straggler``, ``sdc`` and
-``node_excluded`` events, and hands the controller a ``WorkerFailure`` to recover from when
-a policy says evict. The workers' side of the SDC check is ``elastic/worker/sdc.py``.
+The pure parts (``StragglerDetector``, ``LemonTracker``; the SDC vote is on the workers'
+side, ``elastic/worker/sdc_vote.py``) take plain inputs and are unit-tested without Ray.
+``HealthMonitor`` is the controller's side: it is fed every committed step and every
+``SdcReport``, writes the ``straggler``, ``sdc`` and ``node_excluded`` events, and returns
+what the controller must do: a ``WorkerFailure`` to recover from when a policy says evict,
+a ``Rollback`` to apply. The workers' side of the SDC check is ``elastic/worker/sdc.py``.
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic.errors import SilentCorruption, Straggler, WorkerFailure
-from elastic.events import Recovery
+from elastic.events import EventLog, Recovery
 from elastic.messages import SdcReport, StepReport
 from elastic.worker.sdc_vote import sdc_due
+
+if TYPE_CHECKING:
+    from elastic.control.worker_group_api import Member
+    from elastic.spec import JobSpec
 
 logger = logging.getLogger(__name__)
 
@@ -153,65 +158,85 @@ class LemonTracker:
 # --------------------------------------------------------------------------- the controller's side
 
 
-class HealthMonitor:
-    """Glue between the controller and the detectors above (all effects go through ``ctl``)."""
+@dataclass(frozen=True)
+class Rollback:
+    """Every rank rolled back in place to ``to_step`` (an SDC repair): the controller forgets
+    the steps after it and records ``recovery``; ``counts`` says whether it is a failure."""
 
-    def __init__(self, ctl: Any):
-        e = ctl.spec.elastic
-        self.ctl, self.e = ctl, e
+    to_step: int
+    recovery: Recovery
+    counts: bool
+
+
+class HealthMonitor:
+    """The controller's health detectors: fed every committed step and every ``SdcReport``,
+    it writes the ``straggler``, ``sdc`` and ``node_excluded`` events and returns what the
+    controller must do (an eviction to recover from, a rollback to apply). It changes no
+    state of the controller's."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        events: EventLog,
+        members: Callable[[], Sequence[Member]],
+        exclude: Callable[[list[str]], None],
+        gate: CommitGate | None,
+    ):
+        e = spec.elastic
+        self.e, self.events, self._members, self._exclude, self._gate = e, events, members, exclude, gate
         self.stragglers = StragglerDetector(e.straggler_factor, e.straggler_steps)
         self.lemons = LemonTracker(e.lemon_failures)
-        self.failure: WorkerFailure | None = None  # an eviction for the controller to carry out
         self._world = 0
         self._incident: tuple[int, int] | None = None  # (step, restored step) of the last SDC rollback
         self._stale: set[int] = set()  # ranks whose pre-rollback reports may still arrive
-        self._last_step = ctl.spec.train.steps
-        ctl.events.subscribe(self._on_event)
+        self._last_step = spec.train.steps
+        events.subscribe(self._on_event)
+
+    def _nodes_of(self, ranks: Iterable[int]) -> list[str]:
+        wanted = set(ranks)
+        return sorted({m.node_id for m in self._members() if m.rank in wanted})
 
     # ----- stragglers
-    def on_step(self, step: int, results: dict[int, StepReport]) -> None:
-        if isinstance(self.ctl.committer, CommitGate) and sdc_due(step, self.e.sdc_check_every, self._last_step):
-            self.ctl.committer.verify(step)  # every rank passed this step's check
+    def on_step(self, step: int, results: dict[int, StepReport]) -> WorkerFailure | None:
+        """A committed step; returns a straggler eviction when ``on_straggler`` is evict."""
+        if self._gate is not None and sdc_due(step, self.e.sdc_check_every, self._last_step):
+            self._gate.verify(step)  # every rank passed this step's check
         if len(results) != self._world:  # a new layout
             self._world = len(results)
             self.stragglers.reset()
         episode = self.stragglers.feed({r: rep.compute_s for r, rep in results.items()})
         if episode is None:
-            return
-        members = {m.rank: m for m in self.ctl.group.members}
-        nodes = sorted({members[r].node_id for r in episode.ranks if r in members})
-        self.ctl.events.emit("straggler", ranks=episode.ranks, nodes=nodes, slowdown=episode.slowdown)
+            return None
+        nodes = self._nodes_of(episode.ranks)
+        self.events.emit("straggler", ranks=episode.ranks, nodes=nodes, slowdown=episode.slowdown)
         logger.warning(
             "straggler: ranks %s on %s, %.2fx the median of their peers", episode.ranks, nodes, episode.slowdown
         )
-        if self.e.on_straggler == "evict" and self.failure is None:
-            on_nodes = sorted(m.rank for m in members.values() if m.node_id in nodes)
-            self.failure = Straggler(
-                f"ranks {episode.ranks} {episode.slowdown:.2f}x slower than their peers' median "
-                f"for {self.e.straggler_steps} steps: node evicted",
-                ranks=on_nodes,
-                nodes=nodes,
-            )
-
-    def take_failure(self) -> WorkerFailure | None:
-        failure, self.failure = self.failure, None
-        return failure
+        if self.e.on_straggler != "evict":
+            return None
+        return Straggler(
+            f"ranks {episode.ranks} {episode.slowdown:.2f}x slower than their peers' median "
+            f"for {self.e.straggler_steps} steps: node evicted",
+            ranks=sorted(m.rank for m in self._members() if m.node_id in nodes),
+            nodes=nodes,
+        )
 
     # ----- silent data corruption
     def stale(self, rank: int) -> bool:
         """Reports of ``rank`` from before an SDC rollback it has not announced yet are stale."""
         return rank in self._stale
 
-    def on_sdc(self, rank: int, report: SdcReport) -> None:
-        ctl = self.ctl
+    def on_sdc(self, rank: int, report: SdcReport) -> tuple[Rollback | None, WorkerFailure | None]:
+        """One rank's ``SdcReport``; the first of an incident returns its rollback (and an
+        eviction with ``on_sdc: evict`` when a majority named the odd replica)."""
         key = (report.step, report.restored_step)
         self._stale.discard(rank)
         if key == self._incident:
-            return
+            return None, None
         self._incident = key
-        self._stale = {m.rank for m in ctl.group.members} - {rank}
+        self._stale = {m.rank for m in self._members()} - {rank}
         evict = self.e.on_sdc == "evict" and report.decided
-        ctl.events.emit(
+        self.events.emit(
             "sdc",
             step=report.step,
             ranks=list(report.ranks),
@@ -219,59 +244,46 @@ class HealthMonitor:
             action="evict" if evict else "repair",
             restored_step=report.restored_step,
         )
-        ctl.events.emit("restore", step=report.restored_step, source="memory", duration_s=report.restore_s)
+        self.events.emit("restore", step=report.restored_step, source="memory", duration_s=report.restore_s)
         logger.warning(
             "silent data corruption at step %d on ranks %s: rolled back to step %d",
             report.step,
             list(report.ranks),
             report.restored_step,
         )
-        self._rolled_back(report, evict)
-        if isinstance(ctl.committer, CommitGate):
-            ctl.committer.drop_after(report.restored_step)
-        if evict and self.failure is None:
-            members = {m.rank: m for m in ctl.group.members}
-            nodes = sorted({members[r].node_id for r in report.ranks if r in members})
-            self.failure = SilentCorruption(
-                f"step {report.step}: parameters of replica {report.replica} differ from their twins'; "
-                f"rolled back to step {report.restored_step}, node evicted",
-                ranks=sorted(m.rank for m in members.values() if m.node_id in nodes),
-                nodes=nodes,
-            )
-
-    def _rolled_back(self, report: SdcReport, evict: bool) -> None:
-        """Like an anomaly's rollback: the steps after ``restored_step`` are redone."""
-        ctl = self.ctl
-        ctl.step = min(ctl.step, report.restored_step)
-        for step in [s for s in ctl._pending if s > report.restored_step]:
-            del ctl._pending[step]
+        if self._gate is not None:
+            self._gate.drop_after(report.restored_step)
         lost = max(0, report.step - report.restored_step)
-        ctl.recoveries.append(Recovery(cause="sdc", detect_s=0.0, recover_s=0.0, downtime_s=0.0, lost_steps=lost))
-        if evict:  # the eviction's recovery records the failure
-            return
-        ctl.failures += 1
-        members = {m.rank: m for m in ctl.group.members}
-        ctl.events.emit(
-            "failure",
-            cause="sdc",
-            ranks=list(report.ranks),
-            nodes=sorted({members[r].node_id for r in report.ranks if r in members}) if report.decided else [],
-            detail=f"step {report.step}: parameter fingerprints of replicas differ; "
-            f"rolled back to verified step {report.restored_step}",
+        recovery = Recovery(cause="sdc", detect_s=0.0, recover_s=0.0, downtime_s=0.0, lost_steps=lost)
+        rollback = Rollback(report.restored_step, recovery, counts=not evict)  # an eviction counts itself
+        if not evict:
+            self.events.emit(
+                "failure",
+                cause="sdc",
+                ranks=list(report.ranks),
+                nodes=self._nodes_of(report.ranks) if report.decided else [],
+                detail=f"step {report.step}: parameter fingerprints of replicas differ; "
+                f"rolled back to verified step {report.restored_step}",
+            )
+            return rollback, None
+        nodes = self._nodes_of(report.ranks)
+        return rollback, SilentCorruption(
+            f"step {report.step}: parameters of replica {report.replica} differ from their twins'; "
+            f"rolled back to step {report.restored_step}, node evicted",
+            ranks=sorted(m.rank for m in self._members() if m.node_id in nodes),
+            nodes=nodes,
         )
 
     # ----- lemon nodes
     def _on_event(self, event: dict[str, Any]) -> None:
         if event["kind"] != "failure" or not event.get("nodes"):
             return
-        all_nodes = [m.node_id for m in self.ctl.group.members]
+        all_nodes = [m.node_id for m in self._members()]
         for node in self.lemons.blame(event["nodes"], all_nodes, event.get("cause", "")):
             reason = self.lemons.excluded[node]
-            self.ctl.events.emit("node_excluded", node_id=node, reason=reason)
+            self.events.emit("node_excluded", node_id=node, reason=reason)
             logger.warning("node %s excluded from this job: %s", node, reason)
-            exclude = getattr(self.ctl.group, "exclude_nodes", None)
-            if exclude is not None:
-                exclude([node])
+            self._exclude([node])
 
     def excluded_nodes(self) -> list[dict[str, str]]:
         return [{"node_id": n, "reason": r} for n, r in self.lemons.excluded.items()]

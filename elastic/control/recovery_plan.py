@@ -1,23 +1,24 @@
 """Pure recovery planning: what a re-formation keeps, in which order, and from where.
 
 Everything here works on plain values (ranks, node ids, snapshot holdings) and is tested
-without Ray (``tests/elastic/test_recovery_plan.py``). The worker group
-(``elastic/control/worker_group.py``) gathers the facts and carries the plan out; the controller
-(``elastic/control/controller.py``) reads as plan, execute, emit.
+without Ray. The controller (``elastic/control/controller.py``) asks the worker group for
+the facts once (who holds which snapshots), makes one ``ReformPlan`` here, and the worker
+group (``elastic/control/worker_group.py``) only carries it out.
 
 - which survivors form whole model replicas (``complete_replicas``);
 - the new rank order, rack by rack (``rank_order``);
 - which snapshot step the survivors can restore (``covering_step``), and which old ranks'
   snapshots each new rank reads (``owners_for``);
 - which rank keeps a copy of which rank's snapshots (``replica_peers``);
-- the size to re-form at (``plan_recovery``).
+- the size to re-form at (``plan_recovery``);
+- the whole re-formation, every rank's part of it included (``plan_reform``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from elastic.control import policies
 from elastic.parallel.dims import rank_coords
@@ -29,6 +30,8 @@ class Ranked(Protocol):
 
 
 M = TypeVar("M", bound=Ranked)
+Holdings = dict[int, list[int]]  # one worker's memory tier: owner rank -> the steps it holds
+Source = Literal["memory", "storage", "none"]
 
 
 def shard_of(rank: int, tp: int, pp: int, zero: int) -> Any:
@@ -161,3 +164,58 @@ def replica_peers(nodes: list[str], tp: int, pp: int, zero: int) -> list[int | N
             load[peer] += 1
         out.append(peer)
     return out
+
+
+@dataclass(frozen=True)
+class RestoreChoice:
+    """Where the state of the step training resumes from comes from."""
+
+    step: int | None  # None with source "none": a fresh start
+    source: Source
+
+
+@dataclass(frozen=True)
+class ReformPlan(Generic[M]):
+    """One re-formation, decided whole: the worker group carries it out and decides nothing.
+
+    ``members[r]`` becomes rank ``r``; ``owners[r]`` (memory restores) maps each old rank
+    whose snapshot rank ``r`` reads to the member serving it (None: ``r`` holds it itself);
+    ``peers[r]`` is the rank keeping copies of ``r``'s snapshots (None: no copy needed).
+    """
+
+    members: list[M]
+    dp: int
+    step: int  # the step training resumes from (the restored one, or the live one)
+    restore: RestoreChoice
+    owners: list[dict[int, M | None]]
+    peers: list[int | None]
+
+
+def plan_reform(
+    members: Sequence[M],
+    dp: int,
+    step: int,
+    restore: RestoreChoice,
+    holdings: Sequence[tuple[M, Holdings | None]],
+    *,
+    tp: int,
+    pp: int,
+    zero: int,
+    replicate: bool,
+    rack_of: Callable[[str], str],
+) -> ReformPlan[M]:
+    """The whole re-formation of ``members`` (whole replicas, any order) at ``dp``.
+
+    ``holdings`` is the one snapshot query of the old layout's live members (kept or not:
+    a worker that is about to leave can still serve its snapshots).
+    """
+    order = rank_order(members, tp * pp, rack_of)
+    owners: list[dict[int, M | None]] = [{} for _ in order]
+    if restore.source == "memory" and restore.step is not None:
+        holders = holders_at(holdings, restore.step)
+        owners = [owners_for(rank, holders, m, tp, pp, zero) for rank, m in enumerate(order)]
+    peers: list[int | None] = [None] * len(order)
+    if replicate:
+        peers = replica_peers([m.node_id for m in order], tp, pp, zero)
+    resume = restore.step if restore.step is not None else step
+    return ReformPlan(list(order), dp, resume, restore, owners, peers)

@@ -1,23 +1,12 @@
-"""The controller's states: one small class each, carrying its own data, and the callback
-protocol (``elastic/control/controller.py`` moves between them)."""
+"""The controller's states: one small class each, carrying its own data
+(``elastic/control/controller.py`` moves between them)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from elastic.errors import WorkerFailure
-
-
-class Callback(Protocol):
-    """Typed lifecycle hook; every method is optional."""
-
-    def on_step(self, step: int, group: Any) -> None: ...
-
-    def on_reconfigure(self, recovery: int, group: Any, members: list[Any]) -> None:
-        """Recovery number ``recovery`` chose ``members`` (in new rank order) and is about
-        to re-rendezvous them."""
-
 
 # --------------------------------------------------------------------------- states
 
@@ -53,9 +42,17 @@ class Recovering(State):
 
 @dataclass
 class Resizing(State):
+    """A resize without a failure, to ``dp``: spawn replicas into ``groups`` and keep the
+    members in ``keep`` (None: all). ``at_once``: do not wait for the step boundary (a
+    drain too near its deadline). ``fields`` go into the ``resize`` event."""
+
     name = "resizing"
     reason: str
+    dp: int
     groups: list[Any] = field(default_factory=list)
+    keep: list[Any] | None = None
+    at_once: bool = False
+    fields: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

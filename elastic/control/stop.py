@@ -4,9 +4,9 @@
   controller's loop acts on it at its next look (every poll interval while training).
   A second signal, or ``elastic.stop_grace_s`` passing before the step boundary is reached,
   raises :class:`StopNow` in the main thread: the job stops at once, without a checkpoint.
-* :func:`stop_at_boundary` is what the controller does with the first signal: every rank
-  stops after the same step, the storage tier gets a committed, verified checkpoint of that
-  step (unless one exists), and the controller ends in :class:`Stopped`.
+* with the first signal the controller stops every rank after the same step, the storage
+  tier gets a committed, verified checkpoint of that step (unless one exists;
+  :func:`checked_stop_checkpoint`), and the controller ends in :class:`Stopped`.
 * the worker's half, writing the live step to the storage tier, is ``Trainer.save_live_step``.
 
 Why our own SIGTERM handler: ``ray.init`` installs one in the driver that calls
@@ -161,53 +161,21 @@ def stopped_state(signals: StopSignals, step: int, checkpoint_step: int | None, 
     return Stopped(fields=fields)
 
 
-def stop_at_boundary(ctl: Any) -> State:
-    """The first signal: stop every rank after the same step and checkpoint that step."""
-    signals: StopSignals = ctl.stop_signals
-    group = ctl.group
-    group.request_stop()
-    stuck = group.wait_runs(group.members, timeout=signals.remaining_s())
-    obs = group.observe(timeout=0)
-    for rank, result in obs.results:
-        ctl._collect(rank, result)
-    if stuck:
-        return stopped_state(
-            signals,
-            ctl.step,
-            None,
-            f"the step boundary was not reached within elastic.stop_grace_s={signals.grace_s:g}s",
-        )
-    signals.past_boundary()
-    if obs.failure is not None:
-        return stopped_state(signals, ctl.step, None, f"a failure while stopping: {obs.failure.cause}")
-    return checkpoint_and_stop(ctl, signals)
-
-
-def checkpoint_and_stop(ctl: Any, signals: StopSignals) -> Stopped:
-    step, committer = ctl.step, ctl.committer
-    if committer is None:
-        return stopped_state(signals, step, None, "no storage tier (checkpoint.every_steps=0)")
-    if step == 0:
-        return stopped_state(signals, step, None, "no step completed yet")
-    group = ctl.group
-    import ray
-
-    refs = [m.actor.save_checkpoint.remote(CHECKPOINT_TIMEOUT_S) for m in group.members]
-    ray.wait(refs, num_returns=len(refs), timeout=CHECKPOINT_TIMEOUT_S)
-    for rank, result in group.drain_results(group.members):
-        ctl._collect(rank, result)
+def checked_stop_checkpoint(committer: Any, step: int) -> tuple[int | None, str]:
+    """After every rank wrote the live ``step`` (``WorkerGroupAPI.save_checkpoints``): wait
+    for the commit and verify it. Returns (the checkpoint step, or None; the stop reason)."""
     committer.join(timeout=CHECKPOINT_TIMEOUT_S)
     try:
         store = committer.store
         if store.read_marker(step) is None:
-            return stopped_state(signals, step, None, f"the checkpoint of step {step} was not committed")
+            return None, f"the checkpoint of step {step} was not committed"
         damage = store.verify(step)
     except Exception as exc:  # noqa: BLE001 - storage unreadable: say so, the job still stops
-        return stopped_state(signals, step, None, f"the checkpoint of step {step} could not be checked: {exc}")
+        return None, f"the checkpoint of step {step} could not be checked: {exc}"
     if damage:
-        return stopped_state(signals, step, None, f"the checkpoint of step {step} failed verification: {damage[0]}")
+        return None, f"the checkpoint of step {step} failed verification: {damage[0]}"
     print(f"stopped at step {step}; checkpoint of step {step} committed and verified", file=sys.stderr, flush=True)
-    return stopped_state(signals, step, step, "stopped at a step boundary")
+    return step, "stopped at a step boundary"
 
 
 def exit_code_of(result: Any) -> int:

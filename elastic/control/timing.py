@@ -12,7 +12,10 @@ rounding and the gap between the slowest ranks of two phases).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from elastic.control.worker_group_api import ConfigureResult
 
 # In the order they happen; ``first_step_s`` is known only once the first step at the new
 # size is done, so the ``restore`` event (written before it) lacks it.
@@ -43,15 +46,11 @@ class PhaseTimer:
         self.last = now
         return now
 
-    def configured(self, timings: dict[str, Any]) -> float:
+    def configured(self, result: ConfigureResult) -> float:
         """Charge a ``configure`` call (just returned) to the three worker phases and the rest."""
         now = self.clock()
         wall = max(0.0, now - self.last)
-        inside = {
-            "rendezvous_s": float(timings.get("init_s", 0.0)),
-            "rebuild_s": float(timings.get("build_s", 0.0)),
-            "restore_s": float(timings.get("restore_s", 0.0)),
-        }
+        inside = {"rendezvous_s": result.init_s, "rebuild_s": result.build_s, "restore_s": result.restore_s}
         for k, v in inside.items():
             self.phases[k] = self.phases.get(k, 0.0) + v
         self.phases["configure_other_s"] = self.phases.get("configure_other_s", 0.0) + max(

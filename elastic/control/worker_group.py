@@ -3,50 +3,44 @@
 It owns the actors, their placement groups and the job's rendezvous store, launches
 training, turns what it sees (polls, returned errors, dead actors, raylets that refuse
 connections) into typed ``WorkerFailure``s, and carries out the controller's decisions:
-evict ranks, re-form the survivors as a new generation of the process group, add new
-replicas and restore state. It decides nothing: what to keep, in which order and from which
-snapshots comes from ``elastic/control/recovery_plan.py``; whether to retry and at what DP from
-``elastic/control/policies.py``. ``elastic/control/worker_group_api.py`` is the interface the controller
-uses, which the tests' fake group implements too.
-
-Longer than the ~350 lines we aim for: every Ray call the controller makes is here, in one
-place, on purpose; the pure parts are in ``elastic/control/recovery_plan.py`` and ``elastic/control/diagnosis.py``.
+evict ranks, re-form a ``ReformPlan`` as a new generation of the process group
+(``group_configure.py``), add new replicas. It decides nothing: the plan comes whole from
+``recovery_plan.py``, the diagnosis from ``diagnosis.py``. ``worker_group_api.py`` is the
+interface the controller uses, which the tests' fake group implements too.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
-from elastic.control import recovery_plan as plan
+from elastic.control import drain
 from elastic.control.diagnosis import NODE_PROBE_S, RayletProbe, diagnose
-from elastic.errors import ActorDied, NodeLost, WorkerError, WorkerFailure
+from elastic.control.group_configure import RPC_TIMEOUT_S, build_requests, lost_failure_of, submit_and_gather
+from elastic.control.recovery_plan import Holdings, ReformPlan
+from elastic.control.worker_group_api import ConfigureResult, Observation
+from elastic.errors import ActorDied
 from elastic.ingest.host_readers import HostReaders
-from elastic.messages import (
-    DEAD,
-    ConfigureReply,
-    ConfigureRequest,
-    MemoryRestore,
-    RunOutcome,
-    StorageRestore,
-    WorkerInfo,
-    WorkerReport,
-)
+from elastic.messages import DEAD, RunOutcome, WorkerInfo, WorkerReport
 from elastic.placement.planned import PlannedSlots, placement_fields
 from elastic.placement.slots import ReplicaSlots
 from elastic.worker import TrainWorker
 from elastic.worker.hooks import StepHook
 from elastic.worker.process_group import RendezvousStore
 
+if TYPE_CHECKING:
+    from elastic.spec import JobSpec
+
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.1  # how often the controller looks at (and polls) the group
-RPC_TIMEOUT_S = 120.0
+SNAPSHOT_QUERY_S = 10.0  # how long the snapshot holdings query waits for answers, in all
 
 
 @dataclass
@@ -67,20 +61,10 @@ class Member:
     step: int = 0
 
 
-@dataclass
-class Observation:
-    """What one look at the group found."""
-
-    results: list[tuple[int, WorkerReport]] = field(default_factory=list)  # (rank, report)
-    failure: WorkerFailure | None = None
-    finished: bool = False
-    stopped: bool = False
-
-
 class WorkerGroup:
     planned_placement = True  # docs/placement.md; False: the old one PACK group per replica, in Ray's order
 
-    def __init__(self, spec: Any, corpus_uri: str, step_hook: StepHook | None = None, storage_uri: str = ""):
+    def __init__(self, spec: JobSpec, corpus_uri: str, step_hook: StepHook | None = None, storage_uri: str = ""):
         self.spec = spec
         self.corpus_uri = corpus_uri
         self.readers = HostReaders(spec, corpus_uri)  # one data reader per reading host (docs/data.md)
@@ -98,6 +82,7 @@ class WorkerGroup:
         self._generation = 0  # of the process group: the rendezvous key prefix
         self._node_labels: dict[str, dict[str, str]] = {}  # node id -> Ray node labels (rack, nvlink_domain)
         self._avoid_nodes: set[str] = set()  # node ids Ray is draining (elastic/control/drain.py)
+        self._lost_failure = lost_failure_of(self.raylets, NODE_PROBE_S)
 
     # ------------------------------------------------------------------ capacity
     def request_capacity(self) -> None:
@@ -109,13 +94,12 @@ class WorkerGroup:
         self.slots.exclude(set(nodes), keep={id(m.group) for m in self.members if not m.dead})
         self.request_capacity()
 
-    @property
-    def avoid_nodes(self) -> set[str]:
-        """Node ids Ray is draining: no replica is planned or grown there until they stop draining."""
-        return self._avoid_nodes
+    def draining_nodes(self) -> dict[str, drain.DrainNotice]:
+        """Live nodes Ray is draining, with their deadlines (a ~1 ms read of the GCS)."""
+        return drain.draining_nodes()
 
-    @avoid_nodes.setter
-    def avoid_nodes(self, nodes: set[str]) -> None:
+    def avoid(self, nodes: set[str]) -> None:
+        """Node ids Ray is draining: no replica is planned or grown there until they stop draining."""
         nodes = set(nodes)
         if nodes == self._avoid_nodes:
             return
@@ -128,8 +112,8 @@ class WorkerGroup:
         """Ready placement groups that host no member: capacity to grow into."""
         used = {id(m.group) for m in self.members}
         spare = [g for g in self.slots.ready(timeout) if id(g) not in used]
-        if self.avoid_nodes:  # draining nodes are not grown into (elastic/control/drain.py)
-            spare = [g for g in spare if not group_nodes(g) & self.avoid_nodes]
+        if self._avoid_nodes:  # draining nodes are not grown into (elastic/control/drain.py)
+            spare = [g for g in spare if not group_nodes(g) & self._avoid_nodes]
         return spare
 
     def wait_spare(self, count: int, timeout: float) -> list[Any]:
@@ -165,17 +149,10 @@ class WorkerGroup:
         return [Member(a, g, b, i.node_id, i.ip, i.pid) for (g, b, a), i in zip(actors, infos)]
 
     # ------------------------------------------------------------------ (re)configuration
-    def configure(
-        self, members: list[Member], dp: int, step: int, restore_step: int | None, source: str
-    ) -> dict[str, float]:
-        """Give ``members`` ranks 0..n-1, form a new generation of the group and restore state.
-
-        ``source``: ``memory`` (snapshots of ``restore_step`` held by the old members),
-        ``storage`` (the checkpoint of ``restore_step``) or ``none`` (start at ``step``).
-        """
-        tp, pp, zero = self.spec.parallel.tp, self.spec.parallel.pp, self.spec.parallel.zero
-        old_holders = self._snapshot_holders(restore_step) if source == "memory" else {}
-        members = self.rank_order(members)
+    def configure(self, plan: ReformPlan[Member]) -> ConfigureResult:
+        """Carry ``plan`` out: its members become ranks 0..n-1 of a new generation of the
+        group and restore the state it names."""
+        members = plan.members
         for rank, m in enumerate(members):
             m.rank, m.run_ref, m.run_result, m.poll_ref = rank, None, None, None
         # From here on these are the members: a loss below is a failure of this layout,
@@ -184,110 +161,30 @@ class WorkerGroup:
         if self._store is None:
             self._store = RendezvousStore(ray.util.get_node_ip_address(), self.spec.elastic.collective_timeout_s)
         self._generation += 1
-        generation = self._generation
-        hosts = _host_indices(members)
-        reads = self.readers.plans([m.node_id for m in members], generation)  # docs/data.md
-        peers = [None] * len(members)
-        if self.spec.checkpoint.replicate:
-            peers = plan.replica_peers([m.node_id for m in members], tp, pp, zero)
-        refs = []
-        for m, peer, read_plan in zip(members, peers, reads):
-            restore = None
-            if source == "memory":
-                owners = plan.owners_for(m.rank, old_holders, m, tp, pp, zero)
-                holders = {o: (None if h is None else h.actor) for o, h in owners.items()}
-                restore = MemoryRestore(restore_step, holders)
-            elif source == "storage":
-                restore = StorageRestore(restore_step, self.storage_uri, self.spec.checkpoint.storage_options)
-            req = ConfigureRequest(
-                generation=generation,
-                rank=m.rank,
-                dims=(dp, tp, pp),
-                store=self._store.address,
-                step=step,
-                host_index=hosts[m.node_id],
-                restore=restore,
-                storage_uri=self.storage_uri,
-                replica_peer=members[peer].actor if peer is not None else None,  # keeps copies of m's snapshots
-                read_plan=read_plan,
-            )
-            refs.append(m.actor.configure.remote(req))
-        replies = self._gather_configure(members, refs)
-        self.dp = dp
+        p = self.spec.parallel
+        requests = build_requests(
+            plan,
+            generation=self._generation,
+            dims=(plan.dp, p.tp, p.pp),
+            store=self._store.address,
+            storage_uri=self.storage_uri,
+            storage_options=self.spec.checkpoint.storage_options,
+            read_plans=self.readers.plans([m.node_id for m in members], self._generation),  # docs/data.md
+        )
+        result = submit_and_gather(
+            members, requests, self._generation, self.spec.elastic.collective_timeout_s, self._lost_failure
+        )
+        self.dp = plan.dp
         now = time.monotonic()
-        for m, r in zip(members, replies):
-            m.last_ok, m.step = now, r.step
-        return {
-            "init_s": max(r.init_s for r in replies),
-            "build_s": max(r.build_s for r in replies),
-            "restore_s": max(r.restore_s for r in replies),
-            "restore_bytes_read": sum(r.restore_bytes_read for r in replies),  # from storage, all ranks
-            "step": replies[0].step,
-        }
+        for m in members:
+            m.last_ok, m.step = now, result.step
+        return result
 
-    def rank_order(self, members: list[Member]) -> list[Member]:
-        """Whole replicas ordered rack by rack (``recovery_plan.rank_order``)."""
-        labels = self._node_labels
-        return plan.rank_order(members, self.replica_size, lambda node: labels.get(node, {}).get("rack", ""))
+    def rack_of(self, node_id: str) -> str:
+        return self._node_labels.get(node_id, {}).get("rack", "")
 
-    def _gather_configure(self, members: list[Member], refs: list[Any]) -> list[ConfigureReply]:
-        """Wait for every configure; a member lost meanwhile becomes a new typed failure.
-
-        As soon as one member is lost or fails, the generation is abandoned: every member
-        still configuring is told so (``abandon_rendezvous``, answered by its control thread
-        while the rendezvous blocks its train thread), and fails at once rather than after
-        the timeout. Peers blocked on the lost one in a collective are freed by its process
-        dying, or by its leaving the group. They stay members, and the next recovery
-        re-forms them as a new generation on the same store.
-        """
-        pending = dict(zip(refs, members))
-        deadline = time.monotonic() + self.spec.elastic.collective_timeout_s + RPC_TIMEOUT_S
-        replies: dict[int, ConfigureReply] = {}
-        lost, failed = [], []
-        abandoned = False
-        while pending and time.monotonic() < deadline:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            for ref in ready:
-                m = pending.pop(ref)
-                try:
-                    replies[m.rank] = ray.get(ref, timeout=0)
-                except (RayActorError, ActorUnavailableError):
-                    m.dead = True
-                    lost.append(m)
-                except Exception as exc:  # an error inside configure
-                    failed.append((m, exc))
-            if (lost or failed) and not abandoned:
-                abandoned = True
-                logger.info("generation %d abandoned: a member was lost while it formed", self._generation)
-                for m in pending.values():
-                    m.actor.abandon_rendezvous.remote(self._generation)
-        failed += [(m, GetTimeoutError("no answer")) for m in pending.values()]
-        if lost:
-            raise self._lost_failure(lost, "lost while reconfiguring")
-        if failed:
-            m, exc = failed[0]
-            raise WorkerError(
-                f"configure failed: {type(exc).__name__}: {str(exc)[:300]}",
-                ranks=[m.rank for m, _ in failed],
-                nodes=sorted({m.node_id for m, _ in failed}),
-            )
-        return [replies[m.rank] for m in members]
-
-    def _lost_failure(self, lost: list[Member], when: str) -> WorkerFailure:
-        """``node_lost`` when the lost members' raylets are gone too, else ``actor_died``."""
-        nodes = {m.node_id for m in lost}
-        gone = self.raylets.dead(nodes, wait_s=NODE_PROBE_S)
-        cls = NodeLost if gone else ActorDied
-        detail = f"{len(lost)} worker(s) {when}" + (f"; node(s) {sorted(gone)} left the cluster" if gone else "")
-        return cls(detail, ranks=[m.rank for m in lost], nodes=sorted(nodes))
-
-    def _snapshot_holders(self, step: int | None) -> dict[int, Member]:
-        """Old rank -> a live member holding that rank's snapshot at ``step``."""
-        live = [m for m in self.members if not m.dead]
-        return plan.holders_at(list(zip(live, self._query_snapshots(live))), step)
-
-    def _query_snapshots(self, members: list[Member]) -> list[dict[int, list[int]] | None]:
-        """Each member's snapshot holdings; None for one that is gone or silent (10 s in all).
+    def snapshot_holdings(self, members: Sequence[Member]) -> list[Holdings | None]:
+        """Each member's memory-tier holdings; None for one that is gone or silent.
 
         Members on a node whose raylet refuses connections are not asked: a call to an
         actor on a lost node can hang until Ray notices the loss.
@@ -296,20 +193,14 @@ class WorkerGroup:
         refs = [None if m.node_id in gone else m.actor.snapshot_holdings.remote() for m in members]
         asked = [r for r in refs if r is not None]
         if asked:
-            ray.wait(asked, num_returns=len(asked), timeout=10)
-        out = []
+            ray.wait(asked, num_returns=len(asked), timeout=SNAPSHOT_QUERY_S)
+        out: list[Holdings | None] = []
         for ref in refs:
             try:
                 out.append(None if ref is None else ray.get(ref, timeout=0))
             except (RayActorError, ActorUnavailableError, GetTimeoutError):
                 out.append(None)
         return out
-
-    def common_snapshot_step(self, members: list[Member]) -> int | None:
-        """Newest step whose snapshots, held by ``members``, cover the whole current layout."""
-        p = self.spec.parallel
-        world = self.dp * p.tp * p.pp
-        return plan.covering_step(self._query_snapshots(members), world, p.tp, p.pp, p.zero)
 
     # ------------------------------------------------------------------ running
     def launch(self, last_step: int) -> None:
@@ -404,6 +295,12 @@ class WorkerGroup:
         for m in self.members:
             m.actor.request_stop.remote()
 
+    def save_checkpoints(self, timeout: float) -> None:
+        """After a stop at a step boundary: every rank writes the live step to storage."""
+        refs = [m.actor.save_checkpoint.remote(timeout) for m in self.members if not m.dead]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout)
+
     def wait_runs(self, members: list[Member], timeout: float) -> list[Member]:
         """Wait for ``members``' run() calls to return; returns those that did not."""
         refs = {m.run_ref: m for m in members if m.run_ref is not None and m.run_result is None}
@@ -421,14 +318,10 @@ class WorkerGroup:
             except Exception as exc:  # already dead
                 logger.debug("kill of rank %s failed: %s", m.rank, exc)
 
-    def complete_replicas(self, members: list[Member]) -> list[list[Member]]:
-        """Survivors grouped into whole replicas (old DP rank), each in rank order."""
-        return plan.complete_replicas(members, self.replica_size)
-
     def release_group(self, group: Any) -> None:
         self.slots.release(group)
 
-    def placement(self) -> dict[str, Any]:
+    def placement(self) -> dict[str, object]:
         """The ``placement`` event's fields for the current members (docs/outputs.md)."""
         p = self.spec.parallel
         return placement_fields(self.dp, p.tp, p.pp, self.members, self._node_labels)
@@ -453,10 +346,3 @@ def group_nodes(group: Any) -> set[str]:
     from ray.util.placement_group import placement_group_table
 
     return set((placement_group_table(group).get("bundles_to_node_id") or {}).values())
-
-
-def _host_indices(members: list[Member]) -> dict[str, int]:
-    order: dict[str, int] = {}
-    for m in members:
-        order.setdefault(m.node_id, len(order))
-    return order

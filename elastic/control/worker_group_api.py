@@ -1,62 +1,110 @@
-"""What the controller needs from a worker group: the ``WorkerGroupAPI`` protocol.
+"""What the controller needs from a worker group: the ``WorkerGroupAPI`` protocol and the
+typed values that cross it.
 
-``elastic.control.worker_group.WorkerGroup`` implements it on Ray. The controller tests' scripted
-fake (``tests/elastic/fake_group.py``) implements it without actors, and
-``tests/elastic/test_worker_group_api.py`` checks both against it, so the fake cannot
-drift from the real group.
+``elastic.control.worker_group.WorkerGroup`` implements it on Ray. The controller tests'
+scripted fake (``tests/control/fake_group.py``) implements it without actors, and a test
+checks both against it, so the fake cannot drift from the real group. The group carries
+decisions out and reports what it saw; it decides nothing.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from elastic.errors import WorkerFailure
 from elastic.messages import WorkerReport
+
+if TYPE_CHECKING:
+    from elastic.control.drain import DrainNotice
+    from elastic.control.recovery_plan import Holdings, ReformPlan
+
+Slot = Hashable  # a placement group (one whole replica's bundles): opaque to the controller
+
+
+class Member(Protocol):
+    """One rank's worker as the controller sees it (``rank`` -1 until configured)."""
+
+    rank: int
+    node_id: str
+    ip: str
+    pid: int
+    group: Slot
+    dead: bool
+    step: int  # the newest step it reported completing (its last poll answer)
+    last_ok: float  # driver clock: when it last answered
+
+
+@dataclass
+class Observation:
+    """What one look at the group found."""
+
+    results: list[tuple[int, WorkerReport]] = field(default_factory=list)  # (rank, report)
+    failure: WorkerFailure | None = None
+    finished: bool = False
+    stopped: bool = False
+
+
+@dataclass(frozen=True)
+class ConfigureResult:
+    """A whole group's answer to a re-formation: the slowest rank's time in each phase."""
+
+    step: int  # the step every rank resumes from
+    init_s: float  # the rendezvous: the group and its mesh sub-groups
+    build_s: float  # the model engine: parallel wrappers, optimizer
+    restore_s: float  # loading the state (memory snapshots or storage)
+    restore_bytes_read: int = 0  # from storage, all ranks together
 
 
 @runtime_checkable
 class WorkerGroupAPI(Protocol):
-    members: list[Any]  # ordered by rank; each has rank, node_id, group, dead, step, last_ok, pid
+    members: Sequence[Member]  # ordered by rank
     dp: int
     storage_uri: str
 
     # capacity
     def request_capacity(self) -> None: ...
 
-    def spare_groups(self, timeout: float = 0.0) -> list[Any]: ...
+    def spare_groups(self, timeout: float = 0.0) -> list[Slot]: ...
 
-    def wait_spare(self, count: int, timeout: float) -> list[Any]: ...
+    def wait_spare(self, count: int, timeout: float) -> list[Slot]: ...
 
-    def spawn(self, groups: list[Any]) -> list[Any]: ...
+    def spawn(self, groups: Sequence[Slot]) -> list[Member]: ...
 
-    def release_group(self, group: Any) -> None: ...
+    def release_group(self, group: Slot) -> None: ...
+
+    def exclude_nodes(self, nodes: list[str]) -> None: ...
+
+    def draining_nodes(self) -> dict[str, DrainNotice]: ...
+
+    def avoid(self, nodes: set[str]) -> None: ...
 
     # (re)configuration
-    def configure(
-        self, members: list[Any], dp: int, step: int, restore_step: int | None, source: str
-    ) -> dict[str, float]: ...
+    def snapshot_holdings(self, members: Sequence[Member]) -> list[Holdings | None]: ...
 
-    def rank_order(self, members: list[Any]) -> list[Any]: ...
+    def configure(self, plan: ReformPlan) -> ConfigureResult: ...
 
-    def complete_replicas(self, members: list[Any]) -> list[list[Any]]: ...
-
-    def common_snapshot_step(self, members: list[Any]) -> int | None: ...
+    def rack_of(self, node_id: str) -> str: ...
 
     # running
     def launch(self, last_step: int) -> None: ...
 
-    def observe(self, timeout: float = ...) -> Any: ...
+    def observe(self, timeout: float = ...) -> Observation: ...
 
-    def drain_results(self, members: list[Any], timeout: float = 10.0) -> list[tuple[int, WorkerReport]]: ...
+    def drain_results(self, members: Sequence[Member], timeout: float = 10.0) -> list[tuple[int, WorkerReport]]: ...
 
     def request_stop(self) -> None: ...
 
-    def wait_runs(self, members: list[Any], timeout: float) -> list[Any]: ...
+    def wait_runs(self, members: Sequence[Member], timeout: float) -> list[Member]: ...
 
-    def kill(self, members: list[Any]) -> None: ...
+    def save_checkpoints(self, timeout: float) -> None: ...
+
+    def kill(self, members: Sequence[Member]) -> None: ...
 
     def shutdown(self) -> None: ...
 
-    def placement(self) -> dict[str, Any]: ...
+    def placement(self) -> dict[str, object]: ...
 
     # for fault tools and callbacks
     def pid_of(self, rank: int) -> int: ...

@@ -35,9 +35,11 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from elastic.control.callbacks import Callback
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +194,7 @@ class Fault:
     fired_at: float | None = field(default=None, init=False)
 
 
-class FaultInjector:
+class FaultInjector(Callback):
     """Controller callback that fires driver-side faults with real signals."""
 
     def __init__(self, faults: list[Fault], cluster: Any = None, node_args: dict[str, Any] | None = None):
@@ -204,16 +206,16 @@ class FaultInjector:
         self._due: list[float] = []  # monotonic times at which to add a node back
         self._reclaims: list[tuple[float, Any]] = []  # (monotonic deadline, node) of drained nodes
         self.drained: list[tuple[float, str]] = []  # (wall time, node id) of each drain request
-        self._next_members: list[Any] | None = None  # during on_reconfigure: the layout to come
+        self._next_members: Sequence[Any] | None = None  # during before_reconfigure: the layout to come
 
-    def on_step(self, step: int, group: Any) -> None:
+    def after_step(self, step: int, group: Any) -> None:
         self._reclaim_due_nodes(group)
         self._return_due_nodes()
         for fault in self.faults:
             if fault.fired_at is None and fault.during_recovery is None and step >= fault.at_step:
                 self._fire(fault, group)
 
-    def on_reconfigure(self, recovery: int, group: Any, members: list[Any]) -> None:
+    def before_reconfigure(self, recovery: int, group: Any, members: Sequence[Any]) -> None:
         """``rank`` in a fault fired here is a rank of the layout about to be configured."""
         for fault in self.faults:
             if fault.fired_at is None and fault.during_recovery == recovery:

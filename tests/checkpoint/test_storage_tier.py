@@ -10,6 +10,7 @@ from storage_testlib import FAKE_KEY, FAKE_SECRET
 
 from elastic import ElasticTrainer
 from elastic.checkpoint.storage_tier import open_store
+from elastic.control.callbacks import Callback
 from elastic.faults import WorkerFaults, worker_fault
 
 pytestmark = pytest.mark.timeout(300)
@@ -87,8 +88,8 @@ def test_s3_outage_mid_run_fails_only_those_checkpoints(ray_local, tiny_spec_dic
     )
     slow = [worker_fault("hang", s, rank=0, seconds=0.3) for s in range(1, steps + 1)]
 
-    class Outage:
-        def on_step(self, step, group):
+    class Outage(Callback):
+        def after_step(self, step, group):
             if step == 5:
                 moto_s3.stop()
             elif step == 16:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic.control.worker_group import Observation
+from elastic.control.worker_group_api import ConfigureResult, Observation
 from elastic.messages import StepReport
 from elastic.placement.planned import placement_fields
 
@@ -38,6 +38,8 @@ class FakeWorkerGroup:
     snapshot_step: int | None = None
     calls: list[tuple] = field(default_factory=list)
     drain_progress: dict[int, int] = field(default_factory=dict)
+    draining: dict[str, Any] = field(default_factory=dict)  # node id -> DrainNotice
+    configure_failures: list[Any] = field(default_factory=list)  # raised by the next configure calls
 
     def __post_init__(self):
         self.members: list[FakeMember] = []
@@ -67,22 +69,39 @@ class FakeWorkerGroup:
         self.calls.append(("spawn", len(groups)))
         return [FakeMember(-1, g, f"node-{g}") for g in groups]
 
+    def release_group(self, group):
+        self.calls.append(("release", group))
+
+    def exclude_nodes(self, nodes):
+        self.calls.append(("exclude", sorted(nodes)))
+
+    def draining_nodes(self):
+        return dict(self.draining)
+
+    def avoid(self, nodes):
+        if nodes:
+            self.calls.append(("avoid", sorted(nodes)))
+
     # configuration --------------------------------------------------------
-    def rank_order(self, members):
-        return list(members)
+    def snapshot_holdings(self, members):
+        """Every live member holds its own snapshot of ``snapshot_step`` (None: nothing)."""
+        if self.snapshot_step is None:
+            return [None for _ in members]
+        return [None if m.dead else {m.rank: [self.snapshot_step]} for m in members]
 
-    def configure(self, members, dp, step, restore_step, source):
-        self.calls.append(("configure", dp, restore_step, source))
-        for rank, m in enumerate(members):
+    def configure(self, plan):
+        self.calls.append(("configure", plan.dp, plan.restore.step, plan.restore.source))
+        if self.configure_failures:
+            raise self.configure_failures.pop(0)
+        for rank, m in enumerate(plan.members):
             m.rank = rank
-        self.members, self.dp = list(members), dp
-        step = restore_step if restore_step is not None else step
-        for m in members:
-            m.step = step
-        return {"init_s": 0.01, "build_s": 0.01, "restore_s": 0.02, "step": step}
+        self.members, self.dp = list(plan.members), plan.dp
+        for m in plan.members:
+            m.step = plan.step
+        return ConfigureResult(step=plan.step, init_s=0.01, build_s=0.01, restore_s=0.02)
 
-    def common_snapshot_step(self, members):
-        return self.snapshot_step
+    def rack_of(self, node_id):
+        return ""
 
     # running --------------------------------------------------------------
     def launch(self, last_step):
@@ -107,14 +126,11 @@ class FakeWorkerGroup:
     def wait_runs(self, members, timeout):
         return []
 
-    def complete_replicas(self, members):
-        return [[m] for m in sorted(members, key=lambda m: m.rank)]
-
-    def release_group(self, group):
-        self.calls.append(("release", group))
-
     def request_stop(self):
         self.calls.append(("request_stop",))
+
+    def save_checkpoints(self, timeout):
+        self.calls.append(("save_checkpoints",))
 
     def shutdown(self):
         self.calls.append(("shutdown",))

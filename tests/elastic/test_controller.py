@@ -160,6 +160,34 @@ def test_recovery_without_lost_work_counts_zero_steps(tmp_path):
     assert (rec.lost_steps, rec.detect_s, rec.recover_s, rec.downtime_s) == (0, 0.25, 0.75, 1.0)
 
 
+def test_a_failure_during_a_recovery_is_the_same_outage(tmp_path):
+    """Rank 3's node dies at t=10.0; while the survivors re-form (t=10.5) rank 2's node dies
+    too; the first step at dp 2 lands at t=12.0. One outage, counted once from t=10.0."""
+    ctl = _controller(tmp_path)
+    clock = _Clock(5.0)
+    ctl.clock = clock
+    _advance(ctl, Running)
+    for m in ctl.group.members:
+        m.last_ok, m.step = 10.0, 0
+    clock.now = 10.25
+    ctl.group.script = [Observation(failure=NodeLost("gone", ranks=[3], nodes=["n3"]))]
+    _advance(ctl, Recovering)
+    ctl.group.capacity = 3
+    ctl.group.snapshot_step = 0
+    ctl.group.configure_failures = [NodeLost("gone too", ranks=[2], nodes=["n2"])]
+    clock.now = 10.5
+    _advance(ctl, Recovering)  # the configure of dp 3 lost rank 2: recover again
+    ctl.group.capacity = 2
+    _advance(ctl, Running)
+    assert ctl.recoveries == [] and ctl.group.dp == 2
+    clock.now = 12.0
+    ctl.group.script = [Observation(results=step_results(1, 2))]
+    _advance(ctl, Running)
+    (rec,) = ctl.recoveries
+    assert (rec.failures, rec.cause, rec.downtime_s, rec.detect_s) == (2, "node_lost", 2.0, 0.25)
+    assert ctl.failures == 2
+
+
 def test_worker_error_retries_in_place_without_eviction(tmp_path):
     ctl = _controller(tmp_path)
     _advance(ctl, Running)

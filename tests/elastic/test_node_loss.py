@@ -16,6 +16,7 @@ from elastic_testlib import (
 )
 
 from elastic import ElasticTrainer
+from elastic.control.callbacks import Callback
 from elastic.control.timing import PHASES
 from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault
 
@@ -27,13 +28,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 REL = REL_SAME_ORDER
 
 
-class _MarkReturned:
+class _MarkReturned(Callback):
     """Controller callback: creates ``marker`` once the injector has brought a node back."""
 
     def __init__(self, injector: FaultInjector, marker: str):
         self.injector, self.marker = injector, marker
 
-    def on_step(self, step, group) -> None:
+    def after_step(self, step, group) -> None:
         if self.injector.returned_nodes and not os.path.exists(self.marker):
             open(self.marker, "w").close()
 
@@ -95,8 +96,9 @@ def test_two_failures_back_to_back(ray_cluster, reference_losses_cluster, tmp_pa
     result = trainer.fit()
     assert result.status == "succeeded" and result.steps == STEPS
     # The second loss may land while the first recovery is still reconfiguring; then
-    # Ray reports it as a lost actor before the node table catches up.
-    assert len(result.recoveries) == 2
+    # Ray reports it as a lost actor before the node table catches up, and both losses are
+    # one outage (one record, its downtime counted once).
+    assert sum(r.failures for r in result.recoveries) == 2 and len(result.recoveries) in (1, 2)
     assert {r.cause for r in result.recoveries} <= {"node_lost", "actor_died"}
     print("recoveries:", result.recoveries)
     assert all(r.lost_steps == 0 for r in result.recoveries)
@@ -123,7 +125,10 @@ def test_node_lost_while_reconfiguring(ray_cluster, reference_losses_cluster, tm
     # refuses connections (at once here), actor_died if the probe window closed first.
     assert causes[0] == "node_lost" and causes[1] in ("node_lost", "actor_died") and len(causes) == 2, causes
     print("recoveries:", result.recoveries)
-    assert len(result.recoveries) == 2 and all(r.lost_steps == 0 for r in result.recoveries)
+    # One outage: the second loss came before the first step at the new size, so it is one
+    # record whose downtime runs from the first loss, and it says two failures made it.
+    (rec,) = result.recoveries
+    assert rec.failures == 2 and rec.lost_steps == 0
     assert [dp for _, dp in result.dp_history] == [4, 2]
     assert_matches_reference(step_metrics(trainer.run_dir), reference_losses_cluster, rel=REL)
 

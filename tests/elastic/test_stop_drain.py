@@ -25,6 +25,7 @@ from elastic_testlib import REL_SAME_ORDER, STEPS, assert_matches_reference, ela
 from waiting import wait_until
 
 from elastic import ElasticTrainer
+from elastic.control.callbacks import Callback
 from elastic.events import read_events
 from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault
 
@@ -155,13 +156,13 @@ def test_sigint_exits_130_and_a_second_signal_stops_at_once(ray_cluster, tmp_pat
     _no_job_actors_left()
 
 
-class _MarkReturned:
+class _MarkReturned(Callback):
     """Creates ``marker`` once the injector has offered a node again."""
 
     def __init__(self, injector: FaultInjector, marker: str):
         self.injector, self.marker = injector, marker
 
-    def on_step(self, step, group) -> None:
+    def after_step(self, step, group) -> None:
         if self.injector.returned_nodes and not os.path.exists(self.marker):
             open(self.marker, "w").close()
 

@@ -21,6 +21,7 @@ import yaml
 from elastic_testlib import REL_SAME_ORDER, assert_matches_reference, elastic_spec, events_of, step_metrics
 
 from elastic import ElasticTrainer
+from elastic.control.callbacks import Callback
 from elastic.control.worker_group import WorkerGroup
 from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault
 from elastic.placement.planner import plan_from_spec
@@ -45,7 +46,7 @@ def _spec(**elastic):
     return spec
 
 
-class _RayletTruth:
+class _RayletTruth(Callback):
     """Controller callback: at the first step of each layout, which worker processes each
     node's raylet has started (its child processes), keyed by the layout's (rank, pid)s."""
 
@@ -53,7 +54,7 @@ class _RayletTruth:
         self.cluster = cluster
         self.seen: dict[frozenset, dict[str, set[int]]] = {}
 
-    def on_step(self, step, group) -> None:
+    def after_step(self, step, group) -> None:
         key = frozenset((m.rank, m.pid) for m in group.members)
         if key in self.seen:
             return
@@ -66,11 +67,11 @@ class _RayletTruth:
         self.seen[key] = children
 
 
-class _MarkReturned:
+class _MarkReturned(Callback):
     def __init__(self, injector: FaultInjector, marker: str):
         self.injector, self.marker = injector, marker
 
-    def on_step(self, step, group) -> None:
+    def after_step(self, step, group) -> None:
         if self.injector.returned_nodes and not os.path.exists(self.marker):
             open(self.marker, "w").close()
 

@@ -1,0 +1,40 @@
+"""Typed lifecycle callbacks of a job, called by the controller in the driver.
+
+Subclass :class:`Callback` and override what you need; the controller calls every callback
+at each point, in the order given (``ElasticTrainer(callbacks=[...])``), and refuses an
+object that is not a ``Callback`` when the job is built, so a misspelt hook cannot be
+silently ignored. The fault tool (``elastic/faults/``) is one; metrics are another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from elastic.control.worker_group_api import Member, WorkerGroupAPI
+
+
+class Callback:
+    """Every hook is a no-op by default."""
+
+    def after_step(self, step: int, group: WorkerGroupAPI) -> None:
+        """Step ``step`` was committed: every rank reported it."""
+
+    def before_reconfigure(self, recovery: int, group: WorkerGroupAPI, members: Sequence[Member]) -> None:
+        """Recovery number ``recovery`` chose ``members`` (in new rank order) and is about to
+        re-form them."""
+
+    def close(self) -> None:
+        """The job is over (whatever its status)."""
+
+
+def checked(callbacks: Sequence[object]) -> list[Callback]:
+    """``callbacks`` as a list, or a ``TypeError`` naming the first that is not a ``Callback``."""
+    for cb in callbacks:
+        if not isinstance(cb, Callback):
+            raise TypeError(
+                f"callbacks: {type(cb).__name__} is not an elastic.control.callbacks.Callback "
+                "(subclass it and override after_step / before_reconfigure / close)"
+            )
+    return list(callbacks)  # type: ignore[arg-type]

@@ -1,0 +1,297 @@
+"""The elastic controller's state machine: the main loop, starting, running, growing back,
+the notices it acts on (a stop signal, drained nodes) and a graceful stop.
+
+Where it runs: in the driver process (the process of ``elastic run``, of the Python API,
+or of a ``ray job submit`` entrypoint). The driver already owns the run's lifetime, the
+terminal display and the run directory; an extra controller actor would add one hop to
+every poll and a second thing that can die. Workers are Ray actors and outlive process
+groups; the controller only talks to them through its worker group.
+
+States (one small class each, carrying its own data, ``states.py``) and one ``_step`` that
+moves on::
+
+    Starting ──> Running ──> Finished            Running ──> Stopped (a signal)
+                  │  ▲ │
+        failure   ▼  │ ▼  capacity returned / a node drains
+              Recovering  Resizing
+                  │
+                  ▼
+                Failed
+
+The controller owns its state: it alone changes its fields. Its inputs return intents
+(``health.py``: an eviction or a rollback; ``drain.py``: a ``Shrink``; ``stop.py``: the
+signal), its decisions come from pure functions (``policies.py``, ``recovery_plan.py``),
+and the steps of a re-formation are carried out on the group by ``reform.py``, which
+returns what it found. ``worker_group_cls`` is the test seam: controller tests swap in a
+scripted fake group and step one transition at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from elastic.checkpoint.committer import CheckpointCommitter
+from elastic.control import policies
+from elastic.control.callbacks import Callback, checked
+from elastic.control.controller.reforms import Reformations
+from elastic.control.drain import DrainWatch, shrink_intent
+from elastic.control.health import CommitGate, HealthMonitor, gate_commits
+from elastic.control.outages import Outages
+from elastic.control.recovery_plan import RestoreChoice, complete_replicas
+from elastic.control.reform import (
+    stop_at_boundary,
+)
+from elastic.control.states import Failed, Finished, Resizing, Running, Starting, State
+from elastic.control.stop import CHECKPOINT_TIMEOUT_S, StopSignals, checked_stop_checkpoint, stop_now_in, stopped_state
+from elastic.control.worker_group import WorkerGroup
+from elastic.control.worker_group_api import WorkerGroupAPI
+from elastic.errors import JobFailed, WorkerFailure
+from elastic.events import EventLog, Recovery, RunResult
+from elastic.messages import StepReport
+from elastic.worker.hooks import StepHook
+
+if TYPE_CHECKING:
+    from elastic.spec import JobSpec
+
+logger = logging.getLogger(__name__)
+
+
+class Controller(Reformations):
+    worker_group_cls: type[WorkerGroupAPI] = WorkerGroup
+    clock = staticmethod(time.monotonic)  # the driver's clock for recovery figures (test seam)
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        events: EventLog,
+        corpus_uri: str,
+        *,
+        callbacks: list[Callback] | None = None,
+        step_hook: StepHook | None = None,
+        resume: int | None = None,
+        storage_uri: str = "",
+        stop_signals: StopSignals | None = None,
+    ):
+        self.spec = spec
+        self.events = events
+        self.callbacks = checked(callbacks or [])
+        self.group = self.worker_group_cls(spec, corpus_uri, step_hook=step_hook, storage_uri=storage_uri)
+        committer = CheckpointCommitter(spec, storage_uri, events) if storage_uri else None
+        self.committer = gate_commits(committer, spec)  # with SDC checks: verified steps only
+        self.resume = resume  # the storage checkpoint step to start from, or None
+        self.stop_signals = stop_signals  # set by ElasticTrainer.fit (stop.py)
+        self.allowed = spec.allowed_dps()
+        self.state: State = Starting()
+        self.step = 0  # optimizer steps committed by every rank
+        self.failures = 0
+        self.dp_history: list[list[int]] = []
+        self.losses: dict[int, float] = {}
+        self.tokens_per_s: list[float] = []
+        self.outages = Outages()
+        self._pending: dict[int, dict[int, StepReport]] = {}  # step -> rank -> report
+        self._recovered_at_step = 0
+        self._last_grow_check = 0.0
+        self._drain_watch = DrainWatch()
+        gate = self.committer if isinstance(self.committer, CommitGate) else None
+        self.health = HealthMonitor(spec, events, lambda: self.group.members, self.group.exclude_nodes, gate)
+
+    @property
+    def recoveries(self) -> list[Recovery]:
+        return self.outages.closed
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> RunResult:
+        t0 = time.time()
+        try:
+            while not self.state.is_terminal:
+                self.state = self._step(self.state)
+                if isinstance(self.state, Running):
+                    self.state = self._notices(self.state)
+        except BaseException as exc:  # a second signal, or elastic.stop_grace_s passed (stop.py)
+            stop = stop_now_in(exc)
+            if stop is None or self.stop_signals is None:
+                raise
+            self.state = stopped_state(self.stop_signals, self.step, None, stop.reason)
+        finally:
+            self.group.shutdown()
+        return self._finish(time.time() - t0)
+
+    def _finish(self, wall_s: float) -> RunResult:
+        status = getattr(self.state, "status", None) or ("succeeded" if isinstance(self.state, Finished) else "failed")
+        reason = getattr(self.state, "reason", None)
+        extra = getattr(self.state, "fields", {})
+        self.events.emit("job_end", status=status, steps=self.step, **({"reason": reason} if reason else {}), **extra)
+        result = RunResult(
+            status=status,
+            steps=self.step,
+            final_loss=self.losses.get(self.step),
+            wall_s=wall_s,
+            mean_tokens_per_s=sum(self.tokens_per_s) / len(self.tokens_per_s) if self.tokens_per_s else 0.0,
+            failures=self.failures,
+            dp_history=self.dp_history,
+            recoveries=self.recoveries,
+            excluded_nodes=self.health.excluded_nodes(),
+            **({"stop": extra} if status == "stopped" else {}),
+        )
+        if status == "failed":
+            failed = JobFailed(reason or "job failed")
+            failed.result = result  # type: ignore[attr-defined]
+            raise failed
+        return result
+
+    def _step(self, state: State) -> State:
+        handler = getattr(self, f"_on_{state.name}")
+        try:
+            return handler(state)
+        except WorkerFailure as failure:  # a failure while starting, recovering or resizing
+            if isinstance(state, Starting):
+                return Failed(f"could not start the worker group: {failure.cause}: {failure.detail}")
+            return self._recovering(failure)
+
+    # ------------------------------------------------------------------ starting
+    def _on_starting(self, state: Starting) -> State:
+        e = self.spec.elastic
+        self.group.request_capacity()
+        spare = self.group.wait_spare(e.max_dp, timeout=min(e.min_dp_wait_s, 10.0))
+        dp = policies.target_dp(len(spare), self.allowed)
+        if dp is None or dp < e.min_dp:
+            spare = self.group.wait_spare(e.min_dp, timeout=e.min_dp_wait_s)
+            dp = policies.target_dp(len(spare), self.allowed)
+        if dp is None:
+            return Failed(f"capacity for min_dp={e.min_dp} replicas did not appear within {e.min_dp_wait_s:g}s")
+        members = self.group.spawn(spare[:dp])
+        choice = RestoreChoice(self.resume, "storage") if self.resume is not None else RestoreChoice(None, "none")
+        reformed = self._re_form(members, dp, 0, choice, [])
+        self.step = reformed.result.step
+        logger.info("process group init %.3fs for world size %d", reformed.result.init_s, len(members))
+        p = self.spec.parallel
+        self.events.emit("job_start", dp=dp, tp=p.tp, pp=p.pp, nodes=len({m.node_id for m in members}))
+        self.events.emit("placement", **self.group.placement())
+        if choice.source == "storage":
+            r = reformed.result
+            self.events.emit(
+                "restore", step=self.step, source="storage", duration_s=r.restore_s, bytes_read=r.restore_bytes_read
+            )
+        self.dp_history.append([self.step, dp])
+        return Running()
+
+    # ------------------------------------------------------------------ running
+    def _on_running(self, state: Running) -> State:
+        if not state.launched:
+            self.group.launch(self.spec.train.steps)
+            state.launched = True
+        obs = self.group.observe()
+        evict: WorkerFailure | None = None
+        for rank, result in obs.results:
+            evict = self._collect(rank, result) or evict
+            if self._budget_spent():
+                self.group.request_stop()
+                return Failed(
+                    f"failure budget exhausted: {self.failures} failures > "
+                    f"elastic.max_failures={self.spec.elastic.max_failures}"
+                )
+        if obs.failure is not None:
+            return self._recovering(obs.failure)
+        if evict is not None:  # on_straggler / on_sdc: evict
+            return self._recovering(evict)
+        if obs.finished:
+            return Finished()
+        if obs.stopped:  # stopped at a boundary without a resize request: restart the loop
+            return Running()
+        return self._grow_check() or state
+
+    # ------------------------------------------------------------------ growing back
+    def _grow_check(self) -> State | None:
+        now = time.monotonic()
+        if now - self._last_grow_check < self.spec.elastic.grow_check_s or self.group.dp >= self.spec.elastic.max_dp:
+            return None
+        self._last_grow_check = now
+        spare = self.group.spare_groups()
+        logger.debug("grow check: dp=%d spare=%d", self.group.dp, len(spare))
+        decision = policies.scaling_decision(self.group.dp, self.group.dp + len(spare), self.allowed)
+        if isinstance(decision, policies.ResizeDecision) and decision.dp > self.group.dp:
+            return Resizing("capacity returned", decision.dp, spare[: decision.dp - self.group.dp])
+        return None
+
+    # ------------------------------------------------------------------ notices: a stop signal, drained nodes
+    def _notices(self, state: Running) -> State:
+        signals = self.stop_signals
+        if signals is not None and signals.requested:
+            return self._stop_job(signals)
+        if not self._drain_watch.due(time.monotonic()):
+            return state
+        try:
+            notices = self.group.draining_nodes()
+        except Exception as exc:  # noqa: BLE001 - the GCS is busy: look again at the next poll
+            logger.debug("reading draining nodes failed: %s", exc)
+            return state
+        self.group.avoid(set(notices))  # not used to grow back while draining
+        live = [m for m in self.group.members if not m.dead]
+        hit = self._drain_watch.hit(notices, {m.node_id for m in live})
+        if not hit:
+            return state
+        off = [
+            r for r in complete_replicas(live, self.spec.parallel.replica_size) if not any(m.node_id in hit for m in r)
+        ]
+        spare = self.group.spare_groups()
+        intent = shrink_intent(hit, len(off), len(spare), self.allowed, self._step_time_s(), time.monotonic())
+        if intent is None:
+            logger.warning(
+                "node(s) %s are draining but %d whole replica(s) elsewhere reach no allowed DP (%s): "
+                "training goes on there until they leave",
+                sorted(hit),
+                len(off),
+                self.allowed,
+            )
+            self._drain_watch.give_up(set(hit))
+            return state
+        logger.warning(
+            "node(s) %s are draining (deadline in %s): removing their replicas %s",
+            sorted(hit),
+            "none" if intent.left_s is None else f"{intent.left_s:.1f}s",
+            "at once (too near to finish the step)" if intent.urgent else "at the next step boundary",
+        )
+        fields = dict(
+            drain_reason=intent.reason,
+            nodes=sorted(hit),
+            deadline_s=None if intent.left_s is None else round(intent.left_s, 3),
+            at_once=intent.urgent,
+        )
+        keep = [m for r in off[: intent.plan.keep] for m in r]
+        groups = spare[: intent.plan.grow]
+        return Resizing("drain", intent.plan.dp, groups, keep=keep, at_once=intent.urgent, fields=fields)
+
+    def _step_time_s(self) -> float:
+        if not self.tokens_per_s or self.tokens_per_s[-1] <= 0:
+            return 1.0
+        return self.spec.train.global_batch * self.spec.model.seq_len / self.tokens_per_s[-1]
+
+    # ------------------------------------------------------------------ a graceful stop
+    def _stop_job(self, signals: StopSignals) -> State:
+        """The first signal: stop every rank after the same step and checkpoint that step."""
+        boundary = stop_at_boundary(self.group, self.group.members, signals.remaining_s())
+        for rank, result in boundary.reports:
+            self._collect(rank, result)
+        if boundary.stuck:
+            reason = f"the step boundary was not reached within elastic.stop_grace_s={signals.grace_s:g}s"
+            return stopped_state(signals, self.step, None, reason)
+        signals.past_boundary()
+        if boundary.failure is not None:
+            return stopped_state(signals, self.step, None, f"a failure while stopping: {boundary.failure.cause}")
+        if self.committer is None:
+            return stopped_state(signals, self.step, None, "no storage tier (checkpoint.every_steps=0)")
+        if self.step == 0:
+            return stopped_state(signals, self.step, None, "no step completed yet")
+        self.group.save_checkpoints(CHECKPOINT_TIMEOUT_S)
+        for rank, result in self.group.drain_results(self.group.members):
+            self._collect(rank, result)
+        checkpoint_step, reason = checked_stop_checkpoint(self.committer, self.step)
+        return stopped_state(signals, self.step, checkpoint_step, reason)
+
+    def _on_finished(self, state: Finished) -> State:
+        return state
+
+    def _on_failed(self, state: Failed) -> State:
+        return state

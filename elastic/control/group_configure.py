@@ -1,0 +1,158 @@
+"""Carrying out a ``ReformPlan`` on Ray: every rank's ``ConfigureRequest`` built first, then
+all submitted in one go, then gathered (driver side; ``WorkerGroup.configure`` calls it).
+
+Building every request before submitting any keeps the first and the last rank's arrival at
+the rendezvous apart by the submission loop only, not by the planning work: with the
+planning inside the loop, that gap grew as N² and reached the rendezvous timeout at a few
+thousand ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
+from elastic.control.recovery_plan import ReformPlan
+from elastic.control.worker_group_api import ConfigureResult
+from elastic.errors import WorkerError, WorkerFailure
+from elastic.messages import ConfigureReply, ConfigureRequest, MemoryRestore, StorageRestore
+
+if TYPE_CHECKING:
+    from elastic.control.worker_group import Member
+
+logger = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 120.0
+
+
+def build_requests(
+    plan: ReformPlan[Member],
+    *,
+    generation: int,
+    dims: tuple[int, int, int],
+    store: tuple[str, int],
+    storage_uri: str,
+    storage_options: dict[str, Any],
+    read_plans: Sequence[dict[str, Any] | None],
+) -> list[ConfigureRequest]:
+    """One request per rank of ``plan`` (``plan.members[r]`` is rank r)."""
+    members, restore = plan.members, plan.restore
+    hosts: dict[str, int] = {}
+    for m in members:
+        hosts.setdefault(m.node_id, len(hosts))
+    requests = []
+    for rank, m in enumerate(members):
+        how: MemoryRestore | StorageRestore | None = None
+        if restore.source == "memory" and restore.step is not None:
+            holders = {o: (None if h is None else h.actor) for o, h in plan.owners[rank].items()}
+            how = MemoryRestore(restore.step, holders)
+        elif restore.source == "storage" and restore.step is not None:
+            how = StorageRestore(restore.step, storage_uri, storage_options)
+        peer = plan.peers[rank]
+        requests.append(
+            ConfigureRequest(
+                generation=generation,
+                rank=rank,
+                dims=dims,
+                store=store,
+                step=plan.step,
+                host_index=hosts[m.node_id],
+                restore=how,
+                storage_uri=storage_uri,
+                replica_peer=members[peer].actor if peer is not None else None,  # keeps copies of m's snapshots
+                read_plan=read_plans[rank],
+            )
+        )
+    return requests
+
+
+def submit_and_gather(
+    members: Sequence[Member], requests: Sequence[ConfigureRequest], generation: int, timeout_s: float, lost_failure
+) -> ConfigureResult:
+    """Submit every request, then wait for every reply; a member lost meanwhile becomes a
+    typed failure (``lost_failure(members, when)``).
+
+    As soon as one member is lost or fails, the generation is abandoned: every member
+    still configuring is told so (``abandon_rendezvous``, answered by its control thread
+    while the rendezvous blocks its train thread), and fails at once rather than after
+    the timeout. Peers blocked on the lost one in a collective are freed by its process
+    dying, or by its leaving the group. They stay members, and the next recovery
+    re-forms them as a new generation on the same store.
+    """
+    refs = [m.actor.configure.remote(req) for m, req in zip(members, requests)]
+    pending = dict(zip(refs, members))
+    deadline = time.monotonic() + timeout_s + RPC_TIMEOUT_S
+    replies: dict[int, ConfigureReply] = {}
+    lost: list[Member] = []
+    failed: list[tuple[Member, BaseException]] = []
+    abandoned = False
+    while pending and time.monotonic() < deadline:
+        # Every reply that is in, in one call: the loop costs O(replies), not O(N) per reply.
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+        if not ready:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        for ref in ready:
+            m = pending.pop(ref)
+            try:
+                replies[m.rank] = ray.get(ref, timeout=0)
+            except (RayActorError, ActorUnavailableError):
+                m.dead = True
+                lost.append(m)
+            except Exception as exc:  # noqa: BLE001 - an error inside configure
+                failed.append((m, exc))
+        if (lost or failed) and not abandoned:
+            abandoned = True
+            logger.info("generation %d abandoned: a member was lost while it formed", generation)
+            for m in pending.values():
+                m.actor.abandon_rendezvous.remote(generation)
+    failed += [(m, GetTimeoutError("no answer")) for m in pending.values()]
+    if lost:
+        raise lost_failure(lost, "lost while reconfiguring")
+    if failed:
+        m, exc = failed[0]
+        raise WorkerError(
+            f"configure failed: {root_cause(exc)}",
+            ranks=[m.rank for m, _ in failed],
+            nodes=sorted({m.node_id for m, _ in failed}),
+        )
+    ordered = [replies[m.rank] for m in members]
+    return ConfigureResult(
+        step=ordered[0].step,
+        init_s=max(r.init_s for r in ordered),
+        build_s=max(r.build_s for r in ordered),
+        restore_s=max(r.restore_s for r in ordered),
+        restore_bytes_read=sum(r.restore_bytes_read for r in ordered),
+    )
+
+
+def root_cause(exc: BaseException) -> str:
+    """One line naming the exception a worker really raised: a ``RayTaskError`` carries it
+    as its ``cause`` (its own text is Ray's header, with colour codes)."""
+    real = exc
+    for _ in range(5):  # a task error can wrap another one
+        inner = getattr(real, "cause", None)
+        if not isinstance(inner, BaseException) or inner is real:
+            break
+        real = inner
+    text = " ".join(str(real).split())
+    return f"{type(real).__name__}: {text[:300]}"
+
+
+def lost_failure_of(raylets: Any, probe_s: float):
+    """``lost_failure(members, when)``: ``node_lost`` when the lost members' raylets are gone
+    too, else ``actor_died``."""
+    from elastic.errors import ActorDied, NodeLost
+
+    def lost_failure(lost: Sequence[Member], when: str) -> WorkerFailure:
+        nodes = {m.node_id for m in lost}
+        gone = raylets.dead(nodes, wait_s=probe_s)
+        cls = NodeLost if gone else ActorDied
+        detail = f"{len(lost)} worker(s) {when}" + (f"; node(s) {sorted(gone)} left the cluster" if gone else "")
+        return cls(detail, ranks=[m.rank for m in lost], nodes=sorted(nodes))
+
+    return lost_failure
