@@ -144,6 +144,7 @@ class ConfigureRequest:
     storage_uri: str = ""
     replica_peer: Any = None
     read_plan: dict[str, Any] | None = None  # the host feeder this rank reads from (docs/data.md)
+    store_secret: str = ""  # seals the job's keys in ``store`` (elastic/worker/job_store.py)
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,7 @@ class ConfigureReply:
     build_s: float
     restore_s: float
     restore_bytes_read: int = 0
+    store_ops: int = 0  # rendezvous store operations this rank made to join (group and mesh)
 
 
 @dataclass(frozen=True)

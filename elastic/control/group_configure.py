@@ -39,6 +39,7 @@ def build_requests(
     storage_uri: str,
     storage_options: dict[str, Any],
     read_plans: Sequence[dict[str, Any] | None],
+    store_secret: str = "",
 ) -> list[ConfigureRequest]:
     """One request per rank of ``plan`` (``plan.members[r]`` is rank r)."""
     members, restore = plan.members, plan.restore
@@ -66,6 +67,7 @@ def build_requests(
                 storage_uri=storage_uri,
                 replica_peer=members[peer].actor if peer is not None else None,  # keeps copies of m's snapshots
                 read_plan=read_plans[rank],
+                store_secret=store_secret,
             )
         )
     return requests
@@ -127,6 +129,7 @@ def submit_and_gather(
         build_s=max(r.build_s for r in ordered),
         restore_s=max(r.restore_s for r in ordered),
         restore_bytes_read=sum(r.restore_bytes_read for r in ordered),
+        store_ops_per_rank=max(r.store_ops for r in ordered),
     )
 
 

@@ -170,6 +170,7 @@ class WorkerGroup:
             storage_uri=self.storage_uri,
             storage_options=self.spec.checkpoint.storage_options,
             read_plans=self.readers.plans([m.node_id for m in members], self._generation),  # docs/data.md
+            store_secret=self._store.secret,
         )
         result = submit_and_gather(
             members, requests, self._generation, self.spec.elastic.collective_timeout_s, self._lost_failure

@@ -55,6 +55,7 @@ class ConfigureResult:
     build_s: float  # the model engine: parallel wrappers, optimizer
     restore_s: float  # loading the state (memory snapshots or storage)
     restore_bytes_read: int = 0  # from storage, all ranks together
+    store_ops_per_rank: int = 0  # rendezvous store operations of the rank that made the most
 
 
 @runtime_checkable

@@ -182,13 +182,14 @@ class TrainWorker:
             )  # fmt: skip
         dp, tp, pp = req.dims
         self.rank = req.rank
-        join_s = self.group.configure(req.generation, req.rank, dp * tp * pp, req.store)
+        join_s = self.group.configure(req.generation, req.rank, dp * tp * pp, req.store, req.store_secret)
         # The mesh's sub-groups connect within the rendezvous timeout, then get the collective one.
         t_mesh = time.perf_counter()
         dims = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=dp * tp * pp, timeout=self.group.rendezvous_timeout)
         dims.build_mesh(self.device.type)
         self.group.mesh_built([dims.world_mesh[name].get_group() for name in MESH_DIM_NAMES])
         mesh_s = time.perf_counter() - t_mesh
+        store_ops = self.group.store_ops()
         init_s = join_s + mesh_s  # the rendezvous: the group and its mesh sub-groups
         source = None
         if req.read_plan is not None:  # a prepared corpus: read through the replica's host feeder
@@ -225,7 +226,7 @@ class TrainWorker:
             "configure gen %d rank %d: join %.3fs mesh %.3fs build %.3fs restore %.3fs",
             req.generation, req.rank, join_s, mesh_s, build_s, restore_s,
         )  # fmt: skip
-        return ConfigureReply(req.rank, trainer.step, init_s, build_s, restore_s, bytes_read)
+        return ConfigureReply(req.rank, trainer.step, init_s, build_s, restore_s, bytes_read, store_ops)
 
     def _restore(self, trainer: Trainer, restore: MemoryRestore | StorageRestore | None) -> int:
         """Load ``restore`` into ``trainer``; returns the bytes read from storage."""

@@ -6,8 +6,10 @@ once. Every private torch call the elastic runtime needs is made here, and
 ``tests/elastic/test_torch_private_api.py`` fails loudly when a torch upgrade moves one.
 
 Rendezvous. The job has one long-lived ``TCPStore``, served by the driver
-(:class:`RendezvousStore`). Each generation's ranks meet under their own key prefix
-(``PrefixStore("gen<N>/", store)``). Nothing is keyed by port: keys a generation left
+(:class:`RendezvousStore`) on the interface the workers use only, and sealed with a per-job
+secret that reaches the workers through Ray (``elastic/worker/job_store.py``: without the
+secret no key of the job can be named, read or forged). Each generation's ranks meet under
+their own key prefix (``PrefixStore("gen<N>/", store)``). Nothing is keyed by port: keys a generation left
 behind are never read by the next one, so survivors can never pair with a stale peer, and
 there is no free-port race to lose. When a member is lost in the middle of a rendezvous,
 the driver abandons the generation (:meth:`ReconfigurableProcessGroup.abandon`, called
@@ -30,6 +32,9 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import secrets
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -38,6 +43,7 @@ from typing import Any
 import torch.distributed as dist
 
 from elastic.parallel.sockets import GroupSockets
+from elastic.worker.job_store import JobStore
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +53,27 @@ RENDEZVOUS_TIMEOUT_S = 10.0  # joining a generation, unless collective_timeout_s
 class RendezvousStore:
     """The job's ``TCPStore`` server, hosted by the driver (the controller's process).
 
-    It binds an OS-chosen port (port 0) and keeps it for the whole job, so no port is ever
-    handed from one process to another and reused.
+    It listens on ``host`` only (the driver's address on the network the workers use, not
+    every interface: ``TCPStore`` itself would bind them all), on an OS-chosen port kept for
+    the whole job, so no port is ever handed from one process to another and reused.
+    ``secret`` seals the job's keys and values (``JobStore``); it goes to the workers with
+    their ``ConfigureRequest``.
     """
 
     def __init__(self, host: str, timeout_s: float):
         self.host = host
+        self.secret = secrets.token_hex(32)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener.bind((host, 0))
+        self._listener.listen(1024)
         self._store: Any = dist.TCPStore(
-            host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+            host,
+            self._listener.getsockname()[1],
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+            master_listen_fd=os.dup(self._listener.fileno()),  # the store server owns (and closes) the duplicate
         )
         self.port = self._store.port
 
@@ -66,6 +85,7 @@ class RendezvousStore:
         """Stop serving: clients blocked on a key fail within milliseconds."""
         self._store = None
         gc.collect()
+        self._listener.close()
 
 
 class ReconfigurableProcessGroup:
@@ -76,10 +96,11 @@ class ReconfigurableProcessGroup:
         self.timeout = timedelta(seconds=timeout_s)  # collectives
         self.rendezvous_timeout = timedelta(seconds=min(timeout_s, max(RENDEZVOUS_TIMEOUT_S, timeout_s / 4)))
         self.generation = 0
-        self._client: Any = None
-        self._client_address: tuple[str, int] | None = None
+        self._client: Any = None  # a JobStore over this process's TCPStore client
+        self._client_address: tuple[tuple[str, int], str] | None = None  # (address, secret)
         self._client_sockets = GroupSockets()  # the store connection, shut down to abandon a rendezvous
         self._abandoned: set[int] = set()
+        self._ops_at_join = 0
         self._joining: int | None = None  # the generation this rank is forming, until settled()
         self._lock = threading.Lock()
         self._sockets = GroupSockets()
@@ -88,14 +109,18 @@ class ReconfigurableProcessGroup:
     def backend(self) -> str:
         return "nccl" if self.device_type == "cuda" else "gloo"
 
-    def configure(self, generation: int, rank: int, world: int, store: tuple[str, int]) -> float:
-        """Leave the current group (if any) and join ``generation``; returns the join time in s."""
+    def configure(self, generation: int, rank: int, world: int, store: tuple[str, int], secret: str = "") -> float:
+        """Leave the current group (if any) and join ``generation``; returns the join time in s.
+
+        ``secret`` is the job's store secret (``RendezvousStore.secret``).
+        """
         self.leave()
         with self._lock:
             if generation in self._abandoned:
                 raise AbandonedRendezvous(f"generation {generation} was abandoned before this rank joined it")
             self._joining = generation
-            client = self._store_client(store)
+            client = self._store_client(store, secret)
+            self._ops_at_join = client.ops
         self._sockets.before_init()  # after the store client: its connection outlives groups
         # Every rank must name its groups alike: the names prefix their store keys, and a
         # join that failed half-way leaves torch's group counter advanced in this process.
@@ -164,12 +189,17 @@ class ReconfigurableProcessGroup:
                 self._client_sockets.cut()
                 self._client = None
 
-    def _store_client(self, address: tuple[str, int]) -> Any:
-        if self._client is None or self._client_address != tuple(address):
+    def store_ops(self) -> int:
+        """Store operations this rank made since it began joining the current generation."""
+        return self._client.ops - self._ops_at_join if self._client is not None else 0
+
+    def _store_client(self, address: tuple[str, int], secret: str) -> JobStore:
+        if self._client is None or self._client_address != (tuple(address), secret):
             self._client_sockets.before_init()
-            self._client = dist.TCPStore(address[0], address[1], is_master=False, timeout=self.rendezvous_timeout)
+            tcp = dist.TCPStore(address[0], address[1], is_master=False, timeout=self.rendezvous_timeout)
+            self._client = JobStore(tcp, secret)
             self._client_sockets.capture()
-            self._client_address = tuple(address)
+            self._client_address = (tuple(address), secret)
         return self._client
 
 

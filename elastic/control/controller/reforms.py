@@ -77,6 +77,7 @@ class Reformations(StepAccounting):
                 source=choice.source,
                 duration_s=result.restore_s,
                 breakdown=reformed.breakdown,
+                store_ops_per_rank=result.store_ops_per_rank,  # the rendezvous' cost (docs/outputs.md)
                 **extra,
             )
         self.events.emit("placement", **self.group.placement())

@@ -1,0 +1,102 @@
+"""The job's rendezvous store answers nobody without the job's secret (issue 25, security).
+
+Real parts: the driver's ``RendezvousStore`` (a ``TCPStore`` server), worker processes
+joining a real gloo group through ``ReconfigurableProcessGroup``, and an outsider that
+reaches the port with its own ``TCPStore`` client, as anyone on the network could.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastic.testing.ranks import run_ranks
+from elastic.worker.job_store import JobStore, StoreTampered
+from elastic.worker.process_group import ReconfigurableProcessGroup, RendezvousStore
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _non_loopback_ip() -> str | None:
+    """This machine's address on its default route, if it has one besides loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.254", 9))  # no packet is sent: this only picks the route's source address
+            ip = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if ip.startswith("127.") else ip
+
+
+def test_sealed_values_round_trip_and_refuse_forgery():
+    inner = dist.HashStore()
+    job = JobStore(inner, "a" * 64)
+    job.set("gen1/0", b"10.0.0.1:1234")
+    assert job.get("gen1/0") == b"10.0.0.1:1234"
+    assert not inner.check(["gen1/0"])  # the plain key name is not there
+    raw = inner.get(job.name("gen1/0"))
+    assert b"10.0.0.1" not in raw  # encrypted
+    other = JobStore(inner, "b" * 64)
+    assert other.name("gen1/0") != job.name("gen1/0")
+    inner.set(job.name("gen1/0"), raw[:-1] + bytes([raw[-1] ^ 1]))  # one bit of the tag flipped
+    with pytest.raises(StoreTampered):
+        job.get("gen1/0")
+    inner.set(job.name("gen1/0"), JobStore(dist.HashStore(), "b" * 64).seal(job.name("gen1/0"), b"forged"))
+    with pytest.raises(StoreTampered):  # sealed with another secret
+        job.get("gen1/0")
+    assert job.add("counter", 2) == 2 and job.add("counter", 0) == 2
+    assert job.ops == 6
+
+
+def _join(rank: int, world: int, out_dir: str, address: tuple[str, int], secret: str) -> dict:
+    group = ReconfigurableProcessGroup("cpu", 30)
+    group.configure(1, rank, world, address, secret)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    ops = group.store_ops()
+    dist.barrier()
+    group.leave()
+    return {"sum": float(t), "ops": ops}
+
+
+@pytest.mark.cluster
+def test_store_answers_nobody_without_the_jobs_secret(tmp_path):
+    host = _non_loopback_ip() or "127.0.0.1"
+    server = RendezvousStore(host, 30)
+    try:
+        results = run_ranks(2, _join, (server.address, server.secret), tmp_path)
+        assert [r["sum"] for r in results] == [2.0, 2.0]
+        assert all(r["ops"] > 0 for r in results)
+
+        # An outsider reaches the port: it can list the keys, but no name and no value
+        # means anything without the secret.
+        outsider = dist.TCPStore(host, server.port, is_master=False, timeout=datetime.timedelta(seconds=2))
+        keys = outsider.list_keys()
+        assert keys and all(k.startswith("j/") and "gen" not in k for k in keys)
+        assert not outsider.check(["gen1/0", "gen1/1", "0", "1"])
+        guess = JobStore(outsider, "0" * 64)  # the wrong secret
+        assert not guess.check(["gen1/0"])
+        for key in keys:
+            value = outsider.get(key)
+            if len(value) > 32:  # a sealed value (counters are plain integers)
+                with pytest.raises(StoreTampered):
+                    guess.unseal(key, value)
+        # What it writes is refused by the job instead of being believed.
+        job = JobStore(outsider, server.secret)
+        sealed = [k for k in keys if len(outsider.get(k)) > 32]
+        assert sealed
+        for key in sealed:
+            outsider.set(key, b"x" * 64)
+        with pytest.raises(StoreTampered):
+            job.unseal(sealed[0], outsider.get(sealed[0]))
+
+        if host != "127.0.0.1":  # bound to the workers' interface only: loopback is not served
+            with socket.socket() as s:
+                s.settimeout(2)
+                assert s.connect_ex(("127.0.0.1", server.port)) != 0
+    finally:
+        server.close()
