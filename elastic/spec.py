@@ -79,6 +79,8 @@ class JobSpec(BaseModel):
                 "elastic.sdc_check_every",
                 f"needs replicated parameters (parallel.zero: 0); with zero={p.zero} no two ranks hold the same shard",
             )
+        if p.shard_group is not None:
+            self._check_shard_group()
         if self.resources.device == "cuda" and self.resources.gpus_per_worker <= 0:
             raise SpecError("resources.gpus_per_worker", "must be > 0 when resources.device is cuda")
         if not self.allowed_dps():
@@ -88,10 +90,28 @@ class JobSpec(BaseModel):
                 f"global_batch / parallel.micro_batch ({t.global_batch} / {p.micro_batch})",
             )
 
+    def _check_shard_group(self) -> None:
+        p, e = self.parallel, self.elastic
+        if p.zero < 1:
+            raise SpecError("parallel.shard_group", "needs FSDP (parallel.zero >= 1): with zero 0 nothing is sharded")
+        if p.shard_group > e.max_dp:
+            raise SpecError(
+                "parallel.shard_group", f"{p.shard_group} is larger than elastic.max_dp ({e.max_dp}): no group fits"
+            )
+        plain = batch.allowed_dps(self.train.global_batch, p.micro_batch, e.min_dp, e.max_dp)
+        if plain and not self.allowed_dps():  # (no DP degree at all is train.global_batch's error)
+            raise SpecError(
+                "parallel.shard_group",
+                f"no DP degree in [{e.min_dp}, {e.max_dp}] is a multiple of {p.shard_group} that also divides "
+                f"global_batch / micro_batch ({self.train.global_batch} / {p.micro_batch})",
+            )
+
     def allowed_dps(self) -> list[int]:
-        """DP degrees that keep ``global_batch`` exact (``elastic.parallel.batch.allowed_dps``)."""
+        """DP degrees that keep ``global_batch`` exact (``elastic.parallel.batch.allowed_dps``),
+        in whole HSDP shard groups when ``parallel.shard_group`` is set."""
+        p = self.parallel
         return batch.allowed_dps(
-            self.train.global_batch, self.parallel.micro_batch, self.elastic.min_dp, self.elastic.max_dp
+            self.train.global_batch, p.micro_batch, self.elastic.min_dp, self.elastic.max_dp, p.shard_group or 1
         )
 
     def grad_accum(self, dp: int) -> int:

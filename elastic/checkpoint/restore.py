@@ -131,7 +131,8 @@ def _replicated_over_dp(value: Any) -> bool:
     if not isinstance(value, DTensor):
         return True  # plain tensors are never sharded over DP
     names = value.device_mesh.mesh_dim_names or ()
-    return "dp" not in names or isinstance(value.placements[names.index("dp")], Replicate)
+    dp_dims = [i for i, n in enumerate(names) if n in ("dp", "dp_replicate", "dp_shard")]  # HSDP: two
+    return all(isinstance(value.placements[i], Replicate) for i in dp_dims)
 
 
 def _local(value: Any) -> torch.Tensor:

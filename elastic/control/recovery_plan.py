@@ -17,10 +17,11 @@ group (``elastic/control/worker_group.py``) only carries it out.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from elastic.control import policies
+from elastic.control.regroup import Regroup, arrange_shard_groups, regroup
 from elastic.parallel.dims import rank_coords
 
 
@@ -34,11 +35,17 @@ Holdings = dict[int, list[int]]  # one worker's memory tier: owner rank -> the s
 Source = Literal["memory", "storage", "none"]
 
 
-def shard_of(rank: int, tp: int, pp: int, zero: int) -> Any:
+def shard_of(rank: int, tp: int, pp: int, zero: int, shard_group: int | None = None) -> Any:
     """What a rank's training state is: its (pp, tp) coordinate under DDP (every DP replica
-    holds the same), the rank itself under FSDP (every shard is unique)."""
+    holds the same), the rank itself under FSDP (every shard is unique), and under HSDP
+    (``shard_group``) its place in its shard group with its (pp, tp) coordinate (the shard
+    groups replicate each other, and their size never changes)."""
     c = rank_coords(rank, tp, pp)
-    return (c.pp_rank, c.tp_rank) if zero == 0 else rank
+    if zero == 0:
+        return (c.pp_rank, c.tp_rank)
+    if shard_group:
+        return (c.dp_rank % shard_group, c.pp_rank, c.tp_rank)
+    return rank
 
 
 def complete_replicas(members: Iterable[M], replica_size: int) -> list[list[M]]:
@@ -61,14 +68,19 @@ def rank_order(members: Sequence[M], replica_size: int, rack_of: Callable[[str],
     return [m for r in replicas for m in r]
 
 
-def covers(owners: Iterable[int], world: int, tp: int, pp: int, zero: int) -> bool:
+def covers(owners: Iterable[int], world: int, tp: int, pp: int, zero: int, shard_group: int | None = None) -> bool:
     """Do snapshots of these old ranks hold the whole training state of a ``world``-rank layout?"""
-    have = {shard_of(r, tp, pp, zero) for r in owners}
-    return all(shard_of(r, tp, pp, zero) in have for r in range(world))
+    have = {shard_of(r, tp, pp, zero, shard_group) for r in owners}
+    return all(shard_of(r, tp, pp, zero, shard_group) in have for r in range(world))
 
 
 def covering_step(
-    holdings: Iterable[dict[int, list[int]] | None], world: int, tp: int, pp: int, zero: int
+    holdings: Iterable[dict[int, list[int]] | None],
+    world: int,
+    tp: int,
+    pp: int,
+    zero: int,
+    shard_group: int | None = None,
 ) -> int | None:
     """The newest step whose snapshots, over all ``holdings`` (owner rank -> steps, one
     dict per live member; None for a member that did not answer), cover the old layout."""
@@ -77,7 +89,7 @@ def covering_step(
         for owner, steps in (held or {}).items():
             for s in steps:
                 owners_at.setdefault(s, set()).add(int(owner))
-    good = [s for s, owners in owners_at.items() if covers(owners, world, tp, pp, zero)]
+    good = [s for s, owners in owners_at.items() if covers(owners, world, tp, pp, zero, shard_group)]
     return max(good) if good else None
 
 
@@ -92,16 +104,23 @@ def holders_at(holdings: Sequence[tuple[M, dict[int, list[int]] | None]], step: 
     return held
 
 
-def owners_for(new_rank: int, holders: dict[int, M], me: M, tp: int, pp: int, zero: int) -> dict[int, M | None]:
+def owners_for(
+    new_rank: int, holders: dict[int, M], me: M, tp: int, pp: int, zero: int, shard_group: int | None = None
+) -> dict[int, M | None]:
     """The old ranks whose snapshots the member ``me`` (new rank ``new_rank``) reads, and
     who serves each: None where ``me`` holds it itself.
 
     It needs the shards of its own (pp, tp) coordinate: one DP replica's copy under DDP (its
-    own if it has one), every DP shard under FSDP (to reshard them).
+    own if it has one), every DP shard under FSDP (to reshard them), and under HSDP one copy
+    of its own shard (its own if it has one), the groups being replicas of each other.
     """
     coord = rank_coords(new_rank, tp, pp)[1:]
     mine = {o: h for o, h in holders.items() if rank_coords(o, tp, pp)[1:] == coord}
-    if zero == 0 and mine:
+    replicated = zero == 0 or bool(shard_group)
+    if shard_group:
+        want = shard_of(new_rank, tp, pp, zero, shard_group)
+        mine = {o: h for o, h in mine.items() if shard_of(o, tp, pp, zero, shard_group) == want}
+    if replicated and mine:
         owner = next((o for o, h in mine.items() if h is me), next(iter(mine)))
         mine = {owner: mine[owner]}
     return {owner: (None if h is me else h) for owner, h in mine.items()}
@@ -126,7 +145,7 @@ def plan_recovery(whole_replicas: int, spare: int, allowed: list[int]) -> Recove
     return RecoveryPlan(dp=dp, keep=keep, grow=dp - keep)
 
 
-def replica_peers(nodes: list[str], tp: int, pp: int, zero: int) -> list[int | None]:
+def replica_peers(nodes: list[str], tp: int, pp: int, zero: int, shard_group: int | None = None) -> list[int | None]:
     """For each rank (``nodes[r]`` is rank r's node), the rank that keeps a copy of its
     memory snapshots, or None where no copy is needed.
 
@@ -142,7 +161,7 @@ def replica_peers(nodes: list[str], tp: int, pp: int, zero: int) -> list[int | N
     n = len(nodes)
 
     def content(r: int) -> Any:
-        return shard_of(r, tp, pp, zero)
+        return shard_of(r, tp, pp, zero, shard_group)
 
     shift = next((k for k in range(1, n) if all(nodes[(r + k) % n] != nodes[r] for r in range(n))), None)
     load = [0] * n
@@ -180,7 +199,9 @@ class ReformPlan(Generic[M]):
 
     ``members[r]`` becomes rank ``r``; ``owners[r]`` (memory restores) maps each old rank
     whose snapshot rank ``r`` reads to the member serving it (None: ``r`` holds it itself);
-    ``peers[r]`` is the rank keeping copies of ``r``'s snapshots (None: no copy needed).
+    ``peers[r]`` is the rank keeping copies of ``r``'s snapshots (None: no copy needed);
+    ``regroup[r]`` what rank ``r`` keeps from the old layout (``regroup.py``; empty when the
+    old layout is not known).
     """
 
     members: list[M]
@@ -189,6 +210,7 @@ class ReformPlan(Generic[M]):
     restore: RestoreChoice
     owners: list[dict[int, M | None]]
     peers: list[int | None]
+    regroup: list[Regroup] = field(default_factory=list)
 
 
 def plan_reform(
@@ -203,19 +225,32 @@ def plan_reform(
     zero: int,
     replicate: bool,
     rack_of: Callable[[str], str],
+    shard_group: int | None = None,
+    old_dp: int | None = None,
 ) -> ReformPlan[M]:
     """The whole re-formation of ``members`` (whole replicas, any order) at ``dp``.
 
     ``holdings`` is the one snapshot query of the old layout's live members (kept or not:
-    a worker that is about to leave can still serve its snapshots).
+    a worker that is about to leave can still serve its snapshots). Under HSDP
+    (``shard_group``) whole shard groups are ordered rack by rack, each survivor at its old
+    place in its group. ``old_dp``: the layout the members' ranks (``member.rank``, < 0 for
+    a newcomer) refer to, for ``ReformPlan.regroup``.
     """
-    order = rank_order(members, tp * pp, rack_of)
+    replica = tp * pp
+    if shard_group:
+        replicas = [members[i : i + replica] for i in range(0, len(members), replica)]
+        members = arrange_shard_groups(replicas, lambda m: m.rank, shard_group, replica)
+    order = rank_order(members, replica * (shard_group or 1), rack_of)
     owners: list[dict[int, M | None]] = [{} for _ in order]
     if restore.source == "memory" and restore.step is not None:
         holders = holders_at(holdings, restore.step)
-        owners = [owners_for(rank, holders, m, tp, pp, zero) for rank, m in enumerate(order)]
+        owners = [owners_for(rank, holders, m, tp, pp, zero, shard_group) for rank, m in enumerate(order)]
     peers: list[int | None] = [None] * len(order)
     if replicate:
-        peers = replica_peers([m.node_id for m in order], tp, pp, zero)
+        peers = replica_peers([m.node_id for m in order], tp, pp, zero, shard_group)
     resume = restore.step if restore.step is not None else step
-    return ReformPlan(list(order), dp, resume, restore, owners, peers)
+    kept: list[Regroup] = []
+    if old_dp:
+        prior = [m.rank if m.rank >= 0 else None for m in order]
+        kept = regroup(prior, old_dp, dp, tp=tp, pp=pp, zero=zero, shard_group=shard_group)
+    return ReformPlan(list(order), dp, resume, restore, owners, peers, kept)

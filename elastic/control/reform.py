@@ -87,7 +87,7 @@ def choose_restore(
     holdings = group.snapshot_holdings(holders)
     pairs = list(zip(holders, holdings))
     p = spec.parallel
-    step = plan.covering_step(holdings, group.dp * p.tp * p.pp, p.tp, p.pp, p.zero)
+    step = plan.covering_step(holdings, group.dp * p.tp * p.pp, p.tp, p.pp, p.zero, p.shard_group)
     if step is not None:
         return RestoreChoice(step, "memory"), pairs
     if committer is not None:
@@ -126,6 +126,8 @@ def reform(
         zero=p.zero,
         replicate=spec.checkpoint.replicate,
         rack_of=group.rack_of,
+        shard_group=p.shard_group,
+        old_dp=group.dp,
     )
     if before is not None:
         before(reform_plan.members)

@@ -12,12 +12,13 @@ from __future__ import annotations
 from elastic.errors import SpecError
 
 
-def allowed_dps(global_batch: int, micro_batch: int, min_dp: int, max_dp: int) -> list[int]:
-    """DP degrees in ``[min_dp, max_dp]`` that keep ``global_batch`` exact."""
+def allowed_dps(global_batch: int, micro_batch: int, min_dp: int, max_dp: int, multiple_of: int = 1) -> list[int]:
+    """DP degrees in ``[min_dp, max_dp]`` that keep ``global_batch`` exact; with
+    ``multiple_of`` (HSDP's ``parallel.shard_group``), whole shard groups only."""
     if global_batch % micro_batch:
         return []
     micro = global_batch // micro_batch
-    return [dp for dp in range(min_dp, max_dp + 1) if micro % dp == 0]
+    return [dp for dp in range(min_dp, max_dp + 1) if micro % dp == 0 and dp % multiple_of == 0]
 
 
 def grad_accum(global_batch: int, micro_batch: int, dp: int) -> int:

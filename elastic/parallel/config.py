@@ -11,6 +11,12 @@ class ParallelConfig(BaseModel):
     tp: int = Field(1, ge=1, description="tensor-parallel degree (inside a node)")
     pp: int = Field(1, ge=1, description="pipeline-parallel degree (stages per replica)")
     zero: int = Field(0, ge=0, le=3, description="0 = DDP; 1, 2, 3 = FSDP2 sharding levels")
+    shard_group: int | None = Field(
+        None,
+        ge=1,
+        description="HSDP: with zero >= 1, FSDP shards inside groups of this many DP ranks and replicates "
+        "across groups; DP then grows and shrinks in whole groups. Unset: shard across all DP ranks",
+    )
     micro_batch: int = Field(4, ge=1, description="samples per micro-batch per DP rank")
     activation_checkpointing: bool = False
     pp_schedule: str = Field("1f1b", pattern="^(1f1b|gpipe)$")

@@ -15,6 +15,13 @@ once the placement planner packs consecutive ranks per node), PP next, DP slowes
 placement planner relies on exactly this order; ``coords`` and ``rank_of`` are its pure
 form and need no process group.
 
+HSDP (``shard_group``, spec key ``parallel.shard_group``): FSDP shards inside groups of
+``shard_group`` consecutive DP ranks and replicates across those groups. The mesh is then
+``("dp_replicate", "dp_shard", "pp", "tp")`` (the DP rank is ``replica * shard_group +
+shard``, so the rank order above is unchanged), FSDP takes its 2-D
+``("dp_replicate", "dp_shard")`` slice, and ``dp_mesh`` is a 1-D mesh over all DP ranks of
+this rank's (pp, tp) coordinate, for what spans the whole DP dimension (the loss, restores).
+
 Context (cp) and expert (ep) parallelism have a slot in the constructor so the signature
 will not change when they arrive, but only degree 1 is accepted today.
 """
@@ -32,6 +39,7 @@ if TYPE_CHECKING:
 
 
 MESH_DIM_NAMES = ("dp", "pp", "tp")
+HSDP_DIM_NAMES = ("dp_replicate", "dp_shard", "pp", "tp")
 
 
 class RankCoords(NamedTuple):
@@ -70,8 +78,10 @@ class ParallelDims:
     world_size: int
     cp: int = 1
     ep: int = 1
+    shard_group: int | None = None  # HSDP: FSDP shards inside groups of this many DP ranks
     timeout: timedelta | None = field(default=None, compare=False)  # for the mesh's sub-groups
     _world_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+    _dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "cp", "ep"):
@@ -82,6 +92,9 @@ class ParallelDims:
             raise SpecError(
                 "parallel.cp" if self.cp != 1 else "parallel.ep", "context/expert parallelism is not implemented yet"
             )
+        g = self.shard_group
+        if g is not None and (not isinstance(g, int) or g < 1 or self.dp % g):
+            raise SpecError("parallel.shard_group", f"must be a positive divisor of the DP degree {self.dp}, got {g!r}")
         if self.dp * self.pp * self.tp != self.world_size:
             raise SpecError(
                 "parallel",
@@ -129,6 +142,21 @@ class ParallelDims:
     def pp_enabled(self) -> bool:
         return self.pp > 1
 
+    @property
+    def hsdp(self) -> bool:
+        """FSDP shards inside DP groups smaller than the DP dimension (``shard_group``)."""
+        return self.shard_group is not None and self.shard_group < self.dp
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        return HSDP_DIM_NAMES if self.hsdp else MESH_DIM_NAMES
+
+    def _mesh_shape(self) -> tuple[int, ...]:
+        if self.hsdp:
+            g = self.shard_group
+            return (self.dp // g, g, self.pp, self.tp)
+        return (self.dp, self.pp, self.tp)
+
     # ----- the device mesh (needs an initialised default process group) ---------------
 
     def build_mesh(self, device_type: str = "cpu") -> DeviceMesh:
@@ -143,11 +171,37 @@ class ParallelDims:
             )
         self._world_mesh = init_device_mesh(
             device_type,
-            (self.dp, self.pp, self.tp),
-            mesh_dim_names=MESH_DIM_NAMES,
+            self._mesh_shape(),
+            mesh_dim_names=self.mesh_dim_names,
             backend_override=self._backend_override(device_type),
         )
+        self._dp_mesh = self._flat_dp_mesh(device_type) if self.hsdp else None
         return self._world_mesh
+
+    def _flat_dp_mesh(self, device_type: str) -> DeviceMesh:
+        """A 1-D mesh over this rank's whole DP group (HSDP): every rank takes part in
+        making each DP group, as ``new_group`` requires, and keeps its own."""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mine = None
+        for pp_rank in range(self.pp):
+            for tp_rank in range(self.tp):
+                ranks = [self.rank_of(d, pp_rank, tp_rank) for d in range(self.dp)]
+                group = dist.new_group(ranks=ranks, timeout=self.timeout, group_desc="mesh_dp")
+                if dist.get_rank() in ranks:
+                    mine = group
+        return DeviceMesh.from_group(mine, device_type, mesh_dim_names=("dp",))
+
+    def mesh_groups(self) -> list[Any]:
+        """Every process group of this rank's mesh (one per dimension, and the flat DP group)."""
+        groups = [self.world_mesh[name].get_group() for name in self.mesh_dim_names]
+        return groups + ([self._dp_mesh.get_group()] if self._dp_mesh is not None else [])
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """What FSDP shards over: the DP mesh, or under HSDP its 2-D (replicate, shard) slice."""
+        return self.world_mesh[HSDP_DIM_NAMES[:2]] if self.hsdp else self.dp_mesh
 
     def _backend_override(self, device_type: str) -> dict | None:
         """Give the mesh's sub-groups the same timeout as the default group.
@@ -165,7 +219,7 @@ class ParallelDims:
         else:
             opts, backend = dist.ProcessGroupGloo._Options(), "gloo"
         opts._timeout = self.timeout
-        return {name: (backend, opts) for name in MESH_DIM_NAMES}
+        return {name: (backend, opts) for name in self.mesh_dim_names}
 
     @property
     def mesh_built(self) -> bool:
@@ -179,7 +233,7 @@ class ParallelDims:
 
     @property
     def dp_mesh(self) -> DeviceMesh:
-        return self.world_mesh["dp"]
+        return self._dp_mesh if self._dp_mesh is not None else self.world_mesh["dp"]
 
     @property
     def pp_mesh(self) -> DeviceMesh:
@@ -191,4 +245,5 @@ class ParallelDims:
 
     def local_coords(self) -> RankCoords:
         mesh = self.world_mesh
-        return RankCoords(mesh.get_local_rank("dp"), mesh.get_local_rank("pp"), mesh.get_local_rank("tp"))
+        dp_rank = self.dp_mesh.get_local_rank() if self.hsdp else mesh.get_local_rank("dp")
+        return RankCoords(dp_rank, mesh.get_local_rank("pp"), mesh.get_local_rank("tp"))

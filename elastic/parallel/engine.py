@@ -51,6 +51,8 @@ class TrainEngine:
     ):
         if (parallel_cfg.tp, parallel_cfg.pp) != (dims.tp, dims.pp):
             raise ValueError(f"parallel config tp/pp {parallel_cfg.tp}/{parallel_cfg.pp} != dims {dims.tp}/{dims.pp}")
+        if getattr(parallel_cfg, "shard_group", None) != dims.shard_group:
+            raise ValueError(f"parallel config shard_group {parallel_cfg.shard_group} != dims {dims.shard_group}")
         self.spec: ModelSpec = model_spec(model_cfg)  # a model config, or a ModelSpec itself
         self.spec.check_layout(dims.tp, dims.pp)
         self.model_cfg, self.parallel_cfg, self.train_cfg, self.dims = model_cfg, parallel_cfg, train_cfg, dims
@@ -151,8 +153,11 @@ class TrainEngine:
     def forward_backward_agree(self, micro_batches: Sequence[MicroBatch], flag: bool) -> tuple[float, bool]:
         """``forward_backward`` that also agrees on a flag: True if any rank's ``flag`` is.
 
-        Under pure DP the flag rides in the loss all-reduce (one collective per step);
-        otherwise it takes one more all-reduce over the world.
+        Under pure DP the flag rides in the loss all-reduce (one collective per step).
+        Otherwise it rides with the loss over the PP group, then the DP group, and takes one
+        more all-reduce over the TP group: the mesh is a product, so summing over each of
+        its dimensions in turn sums over every rank. No collective spans the world, whose
+        group then needs no connections (``elastic/worker/process_group.py``).
         """
         if len(micro_batches) != self.grad_accum:
             raise ValueError(f"expected {self.grad_accum} micro-batches, got {len(micro_batches)}")
@@ -174,11 +179,9 @@ class TrainEngine:
             self.sync_wait_s += time.perf_counter() - t
             return result
         t = time.perf_counter()
-        loss = self._global_mean(local)
-        agreed = torch.tensor([float(flag)], device=self.device)
-        dist.all_reduce(agreed)
+        loss, flags = self._global_mean_and_flags(local, flag)
         self.sync_wait_s += time.perf_counter() - t
-        return loss, bool(agreed.item() > 0)
+        return loss, flags > 0
 
     def _local_forward_backward(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
@@ -212,14 +215,22 @@ class TrainEngine:
             return torch.zeros((), device=self.device)
         return torch.stack([to_local_value(loss.detach()) for loss in losses]).mean()
 
-    def _global_mean(self, local: torch.Tensor) -> float:
-        value = local.detach().float().reshape(1).clone()
+    def _global_mean_and_flags(self, local: torch.Tensor, flag: bool) -> tuple[float, float]:
+        """The global mean loss, and the number of ranks whose ``flag`` is set.
+
+        Only the last stage's loss counts: the others add 0 to it over the PP group (an
+        exact sum, the same value a broadcast from the last stage gives).
+        """
+        loss = local.detach().float().reshape(()) if self.is_last_stage else torch.zeros((), device=self.device)
+        value = torch.stack([loss, torch.tensor(float(flag), device=self.device)])
         if self.dims.pp_enabled:
-            dist.broadcast(value, group=self.dims.pp_mesh.get_group(), group_src=self.dims.pp - 1)
+            dist.all_reduce(value, group=self.dims.pp_mesh.get_group())
         if self.dims.dp_enabled:
             dist.all_reduce(value, group=self.dims.dp_mesh.get_group())
-            value /= self.dims.dp
-        return float(value)
+        flags = value[1:].clone()
+        if self.dims.tp_enabled:
+            dist.all_reduce(flags, group=self.dims.tp_mesh.get_group())
+        return float(value[0] / self.dims.dp), float(flags)
 
     def optimizer_step(self) -> float:
         """Clip to the global grad norm, step optimizer and LR schedule, drop the grads.

@@ -53,6 +53,10 @@ def apply_fsdp(
 ) -> nn.Module:
     """Shard ``model`` (a model or a pipeline stage, possibly TP-sharded) over ``dp_mesh``.
 
+    A 2-D ``dp_mesh`` (``ParallelDims.fsdp_mesh`` under HSDP) makes FSDP2 shard over its
+    second dimension and replicate over its first: gradients are reduce-scattered inside a
+    shard group, then all-reduced across the groups.
+
     ``bf16``: FSDP2's mixed precision, bf16 parameters for compute (all-gathered in bf16),
     gradients reduced in fp32; the sharded parameters and optimizer state stay fp32.
     """

@@ -24,7 +24,7 @@ estimate is the worst stage (largest total).
 * AdamW: two fp32 moments (8 bytes), plus a 4-byte fp32 master copy when ``k < 4``
   (mixed precision, the ``2 + 2 + 12`` bytes of the ZeRO paper); SGD: one momentum;
 * ZeRO-1 divides the optimizer state by ``dp``, ZeRO-2 also the grads, ZeRO-3 also the
-  params.
+  params; under HSDP (``shard_group``) they divide by the shard group instead.
 
 **Communication buffers** (``buffers``, with ``dp > 1``), as the engine's DP wrappers
 (``elastic/parallel/ddp.py``, ``fsdp.py``) allocate them:
@@ -222,6 +222,7 @@ def estimate_memory(
     pp_schedule: str = "1f1b",
     num_microbatches: int | None = None,
     compute_dtype_bytes: int | None = None,
+    shard_group: int | None = None,
 ) -> MemoryEstimate:
     """Per-rank memory of the worst pipeline stage; see the module doc for the model.
 
@@ -234,6 +235,9 @@ def estimate_memory(
     ``None`` assumes at least ``pp`` of them (the steady state of 1F1B).
     ``sequence_parallel`` defaults to False, as the TP plan (``elastic/parallel/tp.py``) has
     no sequence parallelism; True models a plan that would.
+
+    ``shard_group`` (HSDP, ``parallel.shard_group``): ZeRO divides by the shard group, not by
+    ``dp``; the gradient sync buffers are FSDP's, as for ``dp`` > 1.
     """
     _check(model_cfg, tp, pp, dp, zero, micro_batch, dtype_bytes, optimizer, pp_schedule)
     model_cfg = memory_inputs(model_cfg)
@@ -263,12 +267,13 @@ def estimate_memory(
     layers = layers_per_stage(model_cfg.n_layers, pp)
     micro = num_microbatches if num_microbatches is not None else pp
     block = block_param_count(model_cfg, tp) * dtype_bytes
+    shard = min(dp, shard_group) if zero >= 1 and shard_group else dp  # what ZeRO divides by
     worst: MemoryEstimate | None = None
     for stage in range(pp):
         n = stage_param_count(model_cfg, tp, pp, stage)
-        params = _ceil(n * dtype_bytes, dp if zero >= 3 else 1)
-        grads = _ceil(n * dtype_bytes, dp if zero >= 2 else 1)
-        opt = _ceil(n * state_bytes, dp if zero >= 1 else 1)
+        params = _ceil(n * dtype_bytes, shard if zero >= 3 else 1)
+        grads = _ceil(n * dtype_bytes, shard if zero >= 2 else 1)
+        opt = _ceil(n * state_bytes, shard if zero >= 1 else 1)
         buffers = 0
         if dp > 1:
             if zero == 0 and tp == 1 and pp == 1:
@@ -277,7 +282,7 @@ def estimate_memory(
                 buffers = block * (2 if zero >= 2 else 1)  # flat reduction input (+ unsharded grads)
             if zero >= 3:
                 root = (n - layers[stage] * block_param_count(model_cfg, tp)) * dtype_bytes
-                buffers += block + root - _ceil(root, dp)  # one gathered block; the unsharded root
+                buffers += block + root - _ceil(root, shard)  # one gathered block; the unsharded root
         if mixed:  # the 16-bit weights computed with
             fsdp = zero >= 1 and dp > 1
             buffers += block_param_count(model_cfg, tp) * act_bytes if fsdp else n * act_bytes
@@ -313,6 +318,7 @@ def estimate_for_spec(spec: Any, dp: int, dtype_bytes: int = 4, **kwargs: Any) -
     if "num_microbatches" not in kwargs and hasattr(spec, "grad_accum"):
         kwargs["num_microbatches"] = max(1, spec.grad_accum(dp))
     kwargs.setdefault("pp_schedule", getattr(p, "pp_schedule", "1f1b"))
+    kwargs.setdefault("shard_group", getattr(p, "shard_group", None))
     return estimate_memory(
         spec.model,
         tp=p.tp,

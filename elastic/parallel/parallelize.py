@@ -74,9 +74,10 @@ def parallelize(
             block.compile()
 
     # 5. Data parallelism last, over the DP mesh only. With one replica there is nothing
-    #    to shard or average (but see bf16 above).
+    #    to shard or average (but see bf16 above). Under HSDP (``parallel.shard_group``)
+    #    FSDP gets the 2-D (replicate, shard) mesh and shards over the second dimension only.
     if cfg.zero >= 1 and (dims.dp_enabled or bf16):
-        wrapped = apply_fsdp(model, dims.dp_mesh, cfg.zero, blocks, bf16=bf16)
+        wrapped = apply_fsdp(model, dims.fsdp_mesh, cfg.zero, blocks, bf16=bf16)
     elif not dims.dp_enabled:
         wrapped = model
     else:

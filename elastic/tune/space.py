@@ -20,8 +20,8 @@ from elastic.errors import SpecError
 from elastic.parallel import batch
 from elastic.parallel.memory_model import estimate_for_spec
 
-SPACE_KEYS = ("tp", "pp", "zero", "micro_batch", "activation_checkpointing")
-CONFIG_KEYS = ("dp", "tp", "pp", "zero", "micro_batch", "grad_accum", "activation_checkpointing")
+SPACE_KEYS = ("tp", "pp", "zero", "shard_group", "micro_batch", "activation_checkpointing")
+CONFIG_KEYS = ("dp", "tp", "pp", "zero", "shard_group", "micro_batch", "grad_accum", "activation_checkpointing")
 GIB = 1 << 30
 
 
@@ -51,7 +51,8 @@ class Candidate:
 def config_key(config: dict[str, Any]) -> str:
     c = config
     ac = "-ac" if c["activation_checkpointing"] else ""
-    return f"dp{c['dp']}-tp{c['tp']}-pp{c['pp']}-z{c['zero']}-mb{c['micro_batch']}{ac}"
+    sg = f"-sg{c['shard_group']}" if c.get("shard_group") else ""  # HSDP
+    return f"dp{c['dp']}-tp{c['tp']}-pp{c['pp']}-z{c['zero']}{sg}-mb{c['micro_batch']}{ac}"
 
 
 def parse_space(raw: Any, spec: Any) -> dict[str, list[Any]]:
@@ -78,6 +79,8 @@ def parse_space(raw: Any, spec: Any) -> dict[str, list[Any]]:
             except SpecError as exc:
                 if exc.field.startswith("train.global_batch"):
                     continue  # reachability depends on the whole configuration: pruned_batch later
+                if exc.field == "parallel.shard_group" and isinstance(v, int) and v >= 1:
+                    continue  # it needs zero >= 1 and whole groups: judged per configuration later
                 raise SpecError(f"space.{key}", f"value {v!r} is rejected: {exc}") from None
         space[name] = list(dict.fromkeys(values))
     return space
@@ -119,7 +122,7 @@ def _judge(spec: Any, cfg: dict[str, Any], cluster: Cluster, dtype_bytes: int) -
         return Candidate(config, "pruned_batch", str(exc))
     e, gb = spec.elastic, spec.train.global_batch
     replica = tp * pp
-    allowed = batch.allowed_dps(gb, mb, e.min_dp, e.max_dp)
+    allowed = trial.allowed_dps()  # whole HSDP shard groups when shard_group is set
     dp = policies.target_dp(cluster.worker_slots // replica, allowed)
     if dp is None:
         return Candidate(
@@ -131,6 +134,9 @@ def _judge(spec: Any, cfg: dict[str, Any], cluster: Cluster, dtype_bytes: int) -
     config["dp"], config["grad_accum"] = dp, batch.grad_accum(gb, mb, dp)
     if dp == 1 and cfg["zero"] > 0:
         return Candidate(config, "pruned_batch", f"dp=1: zero={cfg['zero']} has no DP group to shard over (= zero 0)")
+    if cfg["shard_group"] is not None and cfg["shard_group"] >= dp:
+        why = f"shard_group={cfg['shard_group']} >= dp={dp}: no replication across groups (= shard_group unset)"
+        return Candidate(config, "pruned_batch", why)
     est = estimate_for_spec(trial, dp, dtype_bytes=dtype_bytes)
     budget = cluster.memory_per_worker_bytes
     if est.total > budget:
@@ -146,5 +152,5 @@ def _judge(spec: Any, cfg: dict[str, Any], cluster: Cluster, dtype_bytes: int) -
 def trial_spec_dict(spec: Any, config: dict[str, Any]) -> dict[str, Any]:
     """The job spec of one configuration (the user's spec, its ``parallel`` replaced)."""
     raw = spec.model_dump(by_alias=True)
-    raw["parallel"].update({k: config[k] for k in SPACE_KEYS})
+    raw["parallel"].update({k: config[k] for k in SPACE_KEYS if k in config})  # (results older than a key lack it)
     return raw

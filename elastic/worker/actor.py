@@ -44,7 +44,7 @@ from elastic.messages import (
     StorageRestore,
     WorkerInfo,
 )
-from elastic.parallel.dims import MESH_DIM_NAMES, ParallelDims
+from elastic.parallel.dims import ParallelDims
 from elastic.worker.hooks import StepHook
 from elastic.worker.process_group import ReconfigurableProcessGroup, is_collective_error
 from elastic.worker.trainer import Trainer
@@ -185,9 +185,12 @@ class TrainWorker:
         join_s = self.group.configure(req.generation, req.rank, dp * tp * pp, req.store, req.store_secret)
         # The mesh's sub-groups connect within the rendezvous timeout, then get the collective one.
         t_mesh = time.perf_counter()
-        dims = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=dp * tp * pp, timeout=self.group.rendezvous_timeout)
+        dims = ParallelDims(
+            dp=dp, tp=tp, pp=pp, world_size=dp * tp * pp, shard_group=self.spec.parallel.shard_group,
+            timeout=self.group.rendezvous_timeout,
+        )  # fmt: skip
         dims.build_mesh(self.device.type)
-        self.group.mesh_built([dims.world_mesh[name].get_group() for name in MESH_DIM_NAMES])
+        self.group.mesh_built(dims.mesh_groups())
         mesh_s = time.perf_counter() - t_mesh
         store_ops = self.group.store_ops()
         init_s = join_s + mesh_s  # the rendezvous: the group and its mesh sub-groups

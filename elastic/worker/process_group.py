@@ -17,6 +17,15 @@ from the worker's control thread): the rank's connection to the store is shut do
 rank still waiting in that rendezvous fails at once instead of waiting out the timeout, and
 a rank that had not started it yet refuses it. The next generation reconnects.
 
+What a join connects. On gloo the world group is made lazily (a pair of ranks connects
+when a collective first needs it): nothing in a training step spans the world (the stop
+flag is agreed over the mesh's sub-groups, ``TrainEngine.forward_backward_agree``), so a
+rank connects only to the members of its own DP, PP and TP groups, and its store
+operations per re-formation no longer grow with the world (``store_ops``;
+``benchmarks/recovery_scaling.py``). On NCCL the world is initialised eagerly on this
+rank's device (``device_id``), so that the mesh's sub-groups are split from it
+(``ncclCommSplit``, one call per mesh dimension) rather than each bootstrapped from the store.
+
 Two timeouts. Joining (the store rendezvous, and connecting to every peer) is bounded by
 ``rendezvous_timeout``: a peer lost while the others connect to it is retried only that
 long (gloo retries a refused connection until its timeout). Once the group and its mesh
@@ -30,6 +39,7 @@ is dropped, and the group is destroyed.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -37,6 +47,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -48,6 +59,7 @@ from elastic.worker.job_store import JobStore
 logger = logging.getLogger(__name__)
 
 RENDEZVOUS_TIMEOUT_S = 10.0  # joining a generation, unless collective_timeout_s is shorter
+GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
 
 
 class RendezvousStore:
@@ -91,6 +103,8 @@ class RendezvousStore:
 class ReconfigurableProcessGroup:
     """This process's membership in the job's process group, generation after generation."""
 
+    lazy_world = True  # gloo: the world group connects pairs on first use (False: a full mesh at once)
+
     def __init__(self, device_type: str, timeout_s: float):
         self.device_type = device_type
         self.timeout = timedelta(seconds=timeout_s)  # collectives
@@ -126,16 +140,29 @@ class ReconfigurableProcessGroup:
         # join that failed half-way leaves torch's group counter advanced in this process.
         _reset_group_names()
         t0 = time.perf_counter()
-        dist.init_process_group(
-            backend=self.backend,
-            store=dist.PrefixStore(f"gen{generation}/", client),
-            rank=rank,
-            world_size=world,
-            timeout=self.rendezvous_timeout,
-        )
+        with _gloo_lazy_init(self.backend == "gloo" and self.lazy_world):
+            dist.init_process_group(
+                backend=self.backend,
+                store=dist.PrefixStore(f"gen{generation}/", client),
+                rank=rank,
+                world_size=world,
+                timeout=self.rendezvous_timeout,
+                **self._device_options(),
+            )
         _set_timeout(self.timeout, None)
         self.generation = generation
         return time.perf_counter() - t0
+
+    def _device_options(self) -> dict[str, Any]:
+        """NCCL: bind the group to this rank's device (eager init, so meshes split from it)
+        and initialise communicators without blocking, bounded by the rendezvous timeout."""
+        if self.backend != "nccl":
+            return {}
+        import torch
+
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.config.blocking = 0
+        return {"device_id": torch.device("cuda", torch.cuda.current_device()), "pg_options": opts}
 
     def mesh_built(self, groups: list[Any]) -> None:
         """The mesh's sub-groups exist (created with ``rendezvous_timeout``): give them the
@@ -201,6 +228,24 @@ class ReconfigurableProcessGroup:
             self._client_sockets.capture()
             self._client_address = (tuple(address), secret)
         return self._client
+
+
+@contextlib.contextmanager
+def _gloo_lazy_init(on: bool) -> Iterator[None]:
+    """Groups made inside connect their gloo pairs lazily (torch reads this variable when
+    it makes a gloo group); groups made after connect at once again."""
+    if not on:
+        yield
+        return
+    before = os.environ.get(GLOO_LAZY_INIT)
+    os.environ[GLOO_LAZY_INIT] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(GLOO_LAZY_INIT, None)
+        else:
+            os.environ[GLOO_LAZY_INIT] = before
 
 
 class AbandonedRendezvous(RuntimeError):

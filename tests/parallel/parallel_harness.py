@@ -34,6 +34,7 @@ class Layout:
     micro_batch: int = 1
     ac: bool = False
     schedule: str = "1f1b"
+    shard_group: int | None = None  # HSDP (parallel.shard_group)
 
     @property
     def world(self) -> int:

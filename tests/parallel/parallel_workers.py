@@ -18,11 +18,12 @@ from elastic.parallel.engine import TrainEngine
 
 
 def make_engine(layout: Layout, world: int, model_cfg=MODEL, train=TRAIN) -> TrainEngine:
-    dims = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, world_size=world)
+    dims = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, world_size=world, shard_group=layout.shard_group)
     pcfg = ParallelConfig(
         tp=layout.tp,
         pp=layout.pp,
         zero=layout.zero,
+        shard_group=layout.shard_group,
         micro_batch=layout.micro_batch,
         activation_checkpointing=layout.ac,
         pp_schedule=layout.schedule,

@@ -22,6 +22,7 @@ from elastic.control.reform import (
     release_dead_groups,
     stop_at_boundary,
 )
+from elastic.control.regroup import hsdp_order
 from elastic.control.states import Failed, Recovering, Resizing, Running, State
 from elastic.control.timing import PhaseTimer
 from elastic.control.worker_group_api import Member
@@ -102,6 +103,9 @@ class Reformations(StepAccounting):
         survivors, boundary = free_survivors(group, culprits, e.collective_timeout_s + 5)
         self._absorb(boundary.reports)
         replicas = complete_replicas(survivors, self.spec.parallel.replica_size)
+        p = self.spec.parallel
+        if p.shard_group:  # HSDP: keep whole shard groups first, survivors in place
+            replicas = hsdp_order(replicas, lambda m: m.rank, p.shard_group, p.replica_size)
         timer.mark("free_s")
         worker_step = max(state.last_seen_step, self._last_seen_step())  # the culprits' last reports too
         whole = {id(m) for r in replicas for m in r}
