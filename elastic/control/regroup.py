@@ -59,7 +59,7 @@ def group_members(rank: int, dim: str, dp: int, tp: int, pp: int) -> tuple[int, 
     c = rank_coords(rank, tp, pp)
     base = (c.dp_rank * pp + c.pp_rank) * tp
     if dim == "tp":
-        return tuple(base - c.tp_rank + t for t in range(tp))
+        return tuple(base + t for t in range(tp))
     return tuple((c.dp_rank * pp + p) * tp + c.tp_rank for p in range(pp))
 
 
