@@ -145,6 +145,11 @@ class ConfigureRequest:
     replica_peer: Any = None
     read_plan: dict[str, Any] | None = None  # the host feeder this rank reads from (docs/data.md)
     store_secret: str = ""  # seals the job's keys in ``store`` (elastic/worker/job_store.py)
+    # What this rank keeps from the layout it trained in (elastic/control/regroup.py):
+    prior_rank: int | None = None  # its rank there (None: a newcomer)
+    keep_state: bool = False  # its state there is its state here: it restores nothing if live at ``step``
+    unchanged_groups: tuple[str, ...] = ()  # mesh dimensions whose group has the same members as before
+    shrink_excluded: tuple[int, ...] | None = None  # the new group is the old one less these old ranks
 
 
 @dataclass(frozen=True)
@@ -156,6 +161,7 @@ class ConfigureReply:
     restore_s: float
     restore_bytes_read: int = 0
     store_ops: int = 0  # rendezvous store operations this rank made to join (group and mesh)
+    kept_state: bool = False  # it resumed from its own live state and restored nothing
 
 
 @dataclass(frozen=True)

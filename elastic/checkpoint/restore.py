@@ -62,6 +62,21 @@ def load_snapshots_into(engine: Any, snaps: dict[int, Snapshot]) -> None:
     _load_resharded(engine, list(snaps.values()))
 
 
+def load_live_into(engine: Any, tensors: dict[str, torch.Tensor], objects: dict[str, Any]) -> None:
+    """Load a survivor's own live state (``elastic.parallel.live.LiveState.tensors``: its local
+    shards by snapshot path, for the same shards in the new layout) into ``engine``, with the
+    plain values of its own snapshot of the same step (``objects``). A local copy: no
+    snapshot is read and no resharding is planned."""
+    target, target_objects = flat_target(engine)
+    for path, value in target.items():
+        kept = tensors.get(path)
+        local = _local(value)
+        if kept is None or kept.shape != local.shape:
+            raise LayoutMismatch(f"{path}: the live state does not hold this rank's shard")
+        local.copy_(kept)
+    finish_load(engine, target, target_objects, objects)
+
+
 def _load_resharded(engine: Any, snaps: list[Snapshot]) -> None:
     tensors, target_objects = flat_target(engine)
     load_into(SnapshotReader({s.rank: s.tensors for s in snaps}), tensors)

@@ -55,6 +55,7 @@ def build_requests(
         elif restore.source == "storage" and restore.step is not None:
             how = StorageRestore(restore.step, storage_uri, storage_options)
         peer = plan.peers[rank]
+        kept = plan.regroup[rank] if plan.regroup else None
         requests.append(
             ConfigureRequest(
                 generation=generation,
@@ -68,6 +69,10 @@ def build_requests(
                 replica_peer=members[peer].actor if peer is not None else None,  # keeps copies of m's snapshots
                 read_plan=read_plans[rank],
                 store_secret=store_secret,
+                prior_rank=kept.prior_rank if kept else None,
+                keep_state=kept.keep_state if kept else False,
+                unchanged_groups=kept.unchanged_groups if kept else (),
+                shrink_excluded=kept.shrink_excluded if kept else None,
             )
         )
     return requests
@@ -130,6 +135,7 @@ def submit_and_gather(
         restore_s=max(r.restore_s for r in ordered),
         restore_bytes_read=sum(r.restore_bytes_read for r in ordered),
         store_ops_per_rank=max(r.store_ops for r in ordered),
+        ranks_kept_state=sum(r.kept_state for r in ordered),
     )
 
 

@@ -56,6 +56,7 @@ class ConfigureResult:
     restore_s: float  # loading the state (memory snapshots or storage)
     restore_bytes_read: int = 0  # from storage, all ranks together
     store_ops_per_rank: int = 0  # rendezvous store operations of the rank that made the most
+    ranks_kept_state: int = 0  # ranks that resumed from their own live state (restored nothing)
 
 
 @runtime_checkable

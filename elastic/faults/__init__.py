@@ -138,18 +138,20 @@ def _slow_forward(engine: Any, seconds: float) -> None:
     """Make this rank's forward passes need ``seconds`` more work per step, like a slower
     device: a busy loop on the training thread (its CPU time, which is what a CPU rank's own
     compute measures; on an idle core, the same in wall time), before the rank joins the
-    gradient sync. Installed once per engine (a new layout builds a new one)."""
-    if getattr(engine, "_injected_slow", None) == seconds:
+    gradient sync. Installed once per module (a new layout builds a new one, or keeps a
+    survivor's module, which then has it already: elastic/parallel/live.py)."""
+    module = engine.module
+    module._slow_per_micro_batch = seconds / max(1, getattr(engine, "grad_accum", 1))  # this layout's
+    if getattr(module, "_injected_slow", None) == seconds:
         return
-    per_micro_batch = seconds / max(1, getattr(engine, "grad_accum", 1))
 
-    def burn(module: Any, args: Any) -> None:
-        end = time.thread_time() + per_micro_batch
+    def burn(m: Any, args: Any) -> None:
+        end = time.thread_time() + m._slow_per_micro_batch
         while time.thread_time() < end:
             pass
 
-    engine.module.register_forward_pre_hook(burn)
-    engine._injected_slow = seconds
+    module.register_forward_pre_hook(burn)
+    module._injected_slow = seconds
 
 
 def _kill_quietly(pid: int | None) -> None:

@@ -32,6 +32,7 @@ from elastic.parallel import ddp, fsdp, pp
 from elastic.parallel.clip import clip_grad_norm
 from elastic.parallel.config import ParallelConfig
 from elastic.parallel.dims import ParallelDims
+from elastic.parallel.live import LiveState, keeps_module, rewrap
 from elastic.parallel.parallelize import parallelize
 from elastic.parallel.tp import to_local_value
 
@@ -48,6 +49,7 @@ class TrainEngine:
         seed: int,
         device: str | torch.device = "cpu",
         restoring: bool = False,
+        adopt: LiveState | None = None,
     ):
         if (parallel_cfg.tp, parallel_cfg.pp) != (dims.tp, dims.pp):
             raise ValueError(f"parallel config tp/pp {parallel_cfg.tp}/{parallel_cfg.pp} != dims {dims.tp}/{dims.pp}")
@@ -65,11 +67,45 @@ class TrainEngine:
         self.dtype = train_cfg.resolved_dtype(self.device.type)
         bf16 = self.dtype == "bf16"
 
-        # The full model on the meta device, cut to this rank's stage, then sharded,
-        # materialised and seeded in ``parallelize``: the same weights under any layout.
         # ``build_timings``: where the build's time went (logged by the worker on a re-formation).
-        t0 = time.perf_counter()
         self.build_timings: dict[str, float] = {}
+        if adopt is not None and adopt.module is not None and keeps_module(parallel_cfg, dims):
+            # A survivor's own module, optimizer and schedule (``elastic/parallel/live.py``):
+            # only the DP wrapper is new.
+            t0 = time.perf_counter()
+            self.module = self.gpt = adopt.module
+            self.model = rewrap(adopt.module, dims)
+            self.optimizer, self.scheduler = adopt.optimizer, adopt.scheduler
+            self.optimizer.zero_grad(set_to_none=True)  # a step the failure cut short left gradients behind
+            self.build_timings["wrap_s"] = time.perf_counter() - t0
+        else:
+            self._build(seed, bf16, restoring)
+        self.model.train()
+        # FSDP computes in bf16 through its mixed-precision policy; everything else autocasts
+        # (fp32 master weights, gradients and optimizer state in both cases).
+        self._autocast = bf16 and not isinstance(self.model, FSDPModule)
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+
+        self.schedule = None
+        if dims.pp_enabled:
+            self.schedule = pp.build_schedule(
+                self.model, dims.pp_mesh, self.device, self.grad_accum, self.spec.loss_fn, parallel_cfg.pp_schedule
+            )
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        # The sweep's CPU memory probe (docs/sweep.md): a ParallelConfig subclass may carry
+        # ``memory_probe_step``; that step (counted from this engine's build) is tracked.
+        self._probe_step = getattr(parallel_cfg, "memory_probe_step", None) if self.device.type == "cpu" else None
+        self._steps_begun = 0
+        self._probe = None
+        self.probed_peak_bytes: int | None = None
+        self.sync_wait_s = 0.0  # the last step's time blocked on peers (gradient sync, loss all-reduce)
+
+    def _build(self, seed: int, bf16: bool, restoring: bool) -> None:
+        """The full model on the meta device, cut to this rank's stage, then sharded,
+        materialised and seeded in ``parallelize``: the same weights under any layout."""
+        dims, parallel_cfg, train_cfg = self.dims, self.parallel_cfg, self.train_cfg
+        t0 = time.perf_counter()
         with torch.device("meta"):
             model = self.spec.build()
         if dims.pp_enabled:
@@ -89,29 +125,9 @@ class TrainEngine:
             timings=self.build_timings,
             restoring=restoring,
         )
-        self.model.train()
-        # FSDP computes in bf16 through its mixed-precision policy; everything else autocasts
-        # (fp32 master weights, gradients and optimizer state in both cases).
-        self._autocast = bf16 and not isinstance(self.model, FSDPModule)
         t1 = time.perf_counter()
         self.optimizer, self.scheduler = build_optimizer(self.model, train_cfg)
         self.build_timings["optimizer_s"] = time.perf_counter() - t1
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
-
-        self.schedule = None
-        if dims.pp_enabled:
-            self.schedule = pp.build_schedule(
-                self.model, dims.pp_mesh, self.device, self.grad_accum, self.spec.loss_fn, parallel_cfg.pp_schedule
-            )
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        # The sweep's CPU memory probe (docs/sweep.md): a ParallelConfig subclass may carry
-        # ``memory_probe_step``; that step (counted from this engine's build) is tracked.
-        self._probe_step = getattr(parallel_cfg, "memory_probe_step", None) if self.device.type == "cpu" else None
-        self._steps_begun = 0
-        self._probe = None
-        self.probed_peak_bytes: int | None = None
-        self.sync_wait_s = 0.0  # the last step's time blocked on peers (gradient sync, loss all-reduce)
 
     # ----- properties a worker reports ----------------------------------------------------
 

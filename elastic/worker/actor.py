@@ -45,6 +45,7 @@ from elastic.messages import (
     WorkerInfo,
 )
 from elastic.parallel.dims import ParallelDims
+from elastic.parallel.live import LiveState
 from elastic.worker.hooks import StepHook
 from elastic.worker.process_group import ReconfigurableProcessGroup, is_collective_error
 from elastic.worker.trainer import Trainer
@@ -73,6 +74,7 @@ class TrainWorker:
         self.rank = -1
         self._step = 0  # the last trainer's step, while none is built
         self.trainer: Trainer | None = None
+        self._kept: LiveState | None = None  # the last generation's live state (elastic/parallel/live.py)
         self.corpus: ParquetCorpus | None = None
         self.device = self._pick_device()
         self.tier = MemoryTier(self.device.type)
@@ -194,6 +196,7 @@ class TrainWorker:
         mesh_s = time.perf_counter() - t_mesh
         store_ops = self.group.store_ops()
         init_s = join_s + mesh_s  # the rendezvous: the group and its mesh sub-groups
+        kept, self._kept = self._keepable(req), None  # a state not kept is freed before the build
         source = None
         if req.read_plan is not None:  # a prepared corpus: read through the replica's host feeder
             from elastic.ingest.host_readers import FeederSource
@@ -204,14 +207,20 @@ class TrainWorker:
         t0 = time.perf_counter()
         trainer = Trainer(
             self.spec, dims, req.rank, self.device, self.tier, self.corpus, self._reports, self._stop,
-            hook=self.hook, peak_flops=peak_flops(self.device), source=source, restoring=req.restore is not None,
+            hook=self.hook, peak_flops=peak_flops(self.device), source=source,
+            restoring=req.restore is not None or kept is not None, adopt=kept,
         )  # fmt: skip
         build_s = time.perf_counter() - t0
         self.group.built()  # the group's and its mesh's connections, cut on a failure
         trainer.step = req.step
         t1 = time.perf_counter()
-        bytes_read = self._restore(trainer, req.restore)
+        if kept is not None:  # a survivor holding the resumed step: restores nothing
+            trainer.load_live(kept, self.tier.get(kept.rank, req.step))
+            bytes_read = 0
+        else:
+            bytes_read = self._restore(trainer, req.restore)
         restore_s = time.perf_counter() - t1
+        adopted, kept = kept is not None, None
         self.tier.layout = trainer.layout  # replicas of the old layout arriving late are refused
         timeout = self.spec.elastic.collective_timeout_s
         peer = req.replica_peer
@@ -226,10 +235,22 @@ class TrainWorker:
         self._phase = "ready"
         self._beat = time.monotonic()
         logger.info(
-            "configure gen %d rank %d: join %.3fs mesh %.3fs build %.3fs restore %.3fs",
-            req.generation, req.rank, join_s, mesh_s, build_s, restore_s,
+            "configure gen %d rank %d: join %.3fs mesh %.3fs build %.3fs restore %.3fs%s",
+            req.generation, req.rank, join_s, mesh_s, build_s, restore_s, " (kept its live state)" if adopted else "",
         )  # fmt: skip
-        return ConfigureReply(req.rank, trainer.step, init_s, build_s, restore_s, bytes_read, store_ops)
+        return ConfigureReply(req.rank, trainer.step, init_s, build_s, restore_s, bytes_read, store_ops, adopted)
+
+    def _keepable(self, req: ConfigureRequest) -> LiveState | None:
+        """This rank's live state, if the plan gives it the same state to hold
+        (``req.keep_state``, judged from ``req.prior_rank``, which must be the rank it
+        trained as) at the step it resumes from, and its own snapshot of that step is here
+        for the step, data position and RNG."""
+        kept = self._kept
+        if kept is None or not req.keep_state or req.prior_rank != kept.rank or kept.step != req.step:
+            return None
+        if req.step not in self.tier.holdings().get(kept.rank, []):
+            return None
+        return kept
 
     def _restore(self, trainer: Trainer, restore: MemoryRestore | StorageRestore | None) -> int:
         """Load ``restore`` into ``trainer``; returns the bytes read from storage."""
@@ -271,8 +292,9 @@ class TrainWorker:
             self._beat = time.monotonic()
         # Outside the except block, so the traceback no longer pins the frames that hold
         # the process group: dropping every reference closes its connections, and peers
-        # blocked in a collective with this rank fail at once instead of timing out.
-        trainer.drop_engine()
+        # blocked in a collective with this rank fail at once instead of timing out. The
+        # trained state itself is kept, for the next generation (``_keepable``).
+        self._kept = trainer.release_live()
         del trainer
         self.group.leave()
         return outcome
@@ -302,6 +324,7 @@ class TrainWorker:
         t0 = time.perf_counter()
         if self.trainer is not None:
             self._step = self.trainer.step
+            self._kept = self.trainer.release_live() or self._kept
             self.trainer.close()
             self.trainer = None
         t1 = time.perf_counter()

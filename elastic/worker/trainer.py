@@ -24,12 +24,13 @@ import time
 from typing import Any
 
 from elastic.checkpoint.memory_tier import MemoryTier, Snapshot
-from elastic.checkpoint.restore import load_from_storage, load_snapshots_into
+from elastic.checkpoint.restore import load_from_storage, load_live_into, load_snapshots_into
 from elastic.checkpoint.storage_tier import StorageUploader
 from elastic.ingest.corpus import BatchLayout, ParquetCorpus, RankStream, ray_data_batches
 from elastic.messages import AnomalyReport, SdcReport, SnapshotReport, StepReport, StorageRestore
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
+from elastic.parallel.live import LiveState, release
 from elastic.worker.anomaly import LossMonitor
 from elastic.worker.hooks import StepHook
 from elastic.worker.rng import capture_rng, restore_rng
@@ -51,13 +52,15 @@ class Trainer:
         peak_flops: float | None = None,
         source: Any = None,
         restoring: bool = False,
+        adopt: LiveState | None = None,
     ):
         self.spec, self.dims, self.rank, self.tier, self.corpus = spec, dims, rank, tier, corpus
         self.reports, self.stop, self.hook, self.peak_flops = reports, stop, hook, peak_flops
         # ``restoring``: state is loaded right after the build, so the engine skips making
-        # the ranks' fresh weights agree (every rank loads the same state).
+        # the ranks' fresh weights agree (every rank loads the same state). ``adopt``: this
+        # rank's own live state from the last generation (``elastic/parallel/live.py``).
         self.engine = TrainEngine(
-            spec.model, spec.parallel, spec.train, dims, spec.seed, device=str(device), restoring=restoring
+            spec.model, spec.parallel, spec.train, dims, spec.seed, device=str(device), restoring=restoring, adopt=adopt
         )
         self.monitor = LossMonitor(spec.elastic.loss_spike_factor)
         self.step = 0
@@ -91,6 +94,22 @@ class Trainer:
         load_snapshots_into(self.engine, snaps)
         self._load_progress(next(iter(snaps.values())).objects)
         restore_rng(_rng_of(next(iter(snaps.values())).objects))
+
+    def load_live(self, live: LiveState, own: Snapshot) -> None:
+        """Resume a survivor from its own live state (the module kept whole, or its local
+        shards copied in); only the step, data position and RNG come from ``own``, its own
+        snapshot of the same step."""
+        if live.tensors is not None:
+            load_live_into(self.engine, live.tensors, own.objects)
+        self._load_progress(own.objects)
+        restore_rng(_rng_of(own.objects))
+
+    def release_live(self) -> LiveState | None:
+        """Let go of the engine (its process groups and wrappers) and keep its state."""
+        if self.engine is None:
+            return None
+        live, self.engine = release(self.engine, self.step, self.rank), None
+        return live
 
     def load_storage(self, restore: StorageRestore) -> dict[str, Any]:
         """Restore from a storage checkpoint; returns what this rank read."""

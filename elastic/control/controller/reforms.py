@@ -79,6 +79,7 @@ class Reformations(StepAccounting):
                 duration_s=result.restore_s,
                 breakdown=reformed.breakdown,
                 store_ops_per_rank=result.store_ops_per_rank,  # the rendezvous' cost (docs/outputs.md)
+                ranks_kept_state=result.ranks_kept_state,
                 **extra,
             )
         self.events.emit("placement", **self.group.placement())

@@ -1,0 +1,81 @@
+"""A rank's live training state, kept across a re-formation so that a survivor restores nothing.
+
+Runs in the worker. When a generation ends (a peer failed, or the group stops to resize),
+the worker lets go of its engine: the process groups, the DP wrappers, the pipeline
+schedule. What it trained stays in memory as a ``LiveState``, and when the new layout
+gives this rank the same state to hold (``ConfigureRequest.keep_state``, from
+``elastic/control/regroup.py``), the new engine takes it over instead of restoring a
+snapshot:
+
+* pure DP under DDP (``zero`` 0, no TP, no PP): the module, its optimizer and LR schedule
+  are kept whole; the new engine wraps the same module in a DDP over the new DP group
+  (the old wrapper's gradient hooks went with it). Nothing is copied or rebuilt.
+* every other layout (TP, PP, FSDP, HSDP): the rank's local shards of the parameters and
+  optimizer state are kept, by snapshot path; the new engine (built for the new mesh) copies
+  them in, locally, instead of reading snapshots (``restore.load_live_into``).
+
+The step and data position always come from the rank's own memory snapshot of the resumed
+step (the engine holds no data position), so a kept state is used only at a step that
+snapshot exists for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+if TYPE_CHECKING:
+    from elastic.parallel.config import ParallelConfig
+    from elastic.parallel.dims import ParallelDims
+
+
+@dataclass
+class LiveState:
+    """What a rank held when its engine was let go: the state of optimizer step ``step`` as
+    rank ``rank`` of a layout of DP degree ``dp``."""
+
+    step: int
+    rank: int
+    dp: int
+    module: nn.Module | None = None  # pure DP under DDP: the unwrapped module, kept whole
+    optimizer: Any = None
+    scheduler: Any = None
+    tensors: dict[str, torch.Tensor] | None = None  # otherwise: local shards by snapshot path
+
+    @property
+    def nbytes(self) -> int:
+        if self.tensors is not None:
+            return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return sum(p.numel() * p.element_size() for p in self.module.parameters())
+
+
+def keeps_module(cfg: ParallelConfig, dims: ParallelDims) -> bool:
+    """Is the whole module kept (pure DP under DDP), rather than its local shards?"""
+    return cfg.zero == 0 and not dims.tp_enabled and not dims.pp_enabled
+
+
+def release(engine: Any, step: int, rank: int) -> LiveState:
+    """Take ``engine``'s live state out of it; the engine is unusable afterwards."""
+    if keeps_module(engine.parallel_cfg, engine.dims):
+        live = LiveState(step, rank, engine.dims.dp, engine.module, engine.optimizer, engine.scheduler)
+    else:
+        from elastic.checkpoint.restore import flat_target
+
+        tensors, _ = flat_target(engine)
+        local = {path: (t.to_local() if hasattr(t, "to_local") else t).detach() for path, t in tensors.items()}
+        live = LiveState(step, rank, engine.dims.dp, tensors=local)
+    engine.model = engine.module = engine.gpt = engine.optimizer = engine.scheduler = engine.schedule = None
+    engine._params = []
+    engine._sd_cache = None
+    return live
+
+
+def rewrap(module: nn.Module, dims: ParallelDims) -> nn.Module:
+    """The kept module, in a DDP over the new DP group (none at DP 1)."""
+    if not dims.dp_enabled:
+        return module
+    return DistributedDataParallel(module, process_group=dims.dp_mesh.get_group(), init_sync=False)
