@@ -162,6 +162,7 @@ class ConfigureReply:
     restore_bytes_read: int = 0
     store_ops: int = 0  # rendezvous store operations this rank made to join (group and mesh)
     kept_state: bool = False  # it resumed from its own live state and restored nothing
+    peer_bytes: int = 0  # snapshot bytes it fetched from peers' memory
 
 
 @dataclass(frozen=True)

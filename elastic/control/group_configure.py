@@ -136,6 +136,7 @@ def submit_and_gather(
         restore_bytes_read=sum(r.restore_bytes_read for r in ordered),
         store_ops_per_rank=max(r.store_ops for r in ordered),
         ranks_kept_state=sum(r.kept_state for r in ordered),
+        peer_bytes=sum(r.peer_bytes for r in ordered),
     )
 
 

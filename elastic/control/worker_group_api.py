@@ -57,6 +57,7 @@ class ConfigureResult:
     restore_bytes_read: int = 0  # from storage, all ranks together
     store_ops_per_rank: int = 0  # rendezvous store operations of the rank that made the most
     ranks_kept_state: int = 0  # ranks that resumed from their own live state (restored nothing)
+    peer_bytes: int = 0  # snapshot bytes fetched from peers' memory, all ranks together
 
 
 @runtime_checkable

@@ -34,6 +34,7 @@ import ray
 import torch
 
 from elastic.checkpoint.memory_tier import MemoryTier, Snapshot
+from elastic.checkpoint.peer_fetch import layout_of, needed_owners
 from elastic.ingest.corpus import ParquetCorpus
 from elastic.messages import (
     ConfigureReply,
@@ -75,6 +76,7 @@ class TrainWorker:
         self._step = 0  # the last trainer's step, while none is built
         self.trainer: Trainer | None = None
         self._kept: LiveState | None = None  # the last generation's live state (elastic/parallel/live.py)
+        self._peer_bytes = 0  # snapshot bytes the last restore fetched from peers
         self.corpus: ParquetCorpus | None = None
         self.device = self._pick_device()
         self.tier = MemoryTier(self.device.type)
@@ -149,6 +151,11 @@ class TrainWorker:
         return self.tier.get(owner, step).to_wire()
 
     @ray.method(concurrency_group="control")
+    def snapshot_layout(self, owner: int, step: int) -> dict[str, dict[str, Any]]:
+        """The boxes of a snapshot this worker holds, without data (a resharding peer plans with them)."""
+        return layout_of(self.tier.get(owner, step))
+
+    @ray.method(concurrency_group="control")
     def store_replica(self, wire: dict[str, Any]) -> bool:
         """Keep a peer's snapshot; False when it belongs to a layout this worker has left."""
         return self.tier.store_replica(Snapshot.from_wire(wire))
@@ -214,6 +221,7 @@ class TrainWorker:
         self.group.built()  # the group's and its mesh's connections, cut on a failure
         trainer.step = req.step
         t1 = time.perf_counter()
+        self._peer_bytes = 0
         if kept is not None:  # a survivor holding the resumed step: restores nothing
             trainer.load_live(kept, self.tier.get(kept.rank, req.step))
             bytes_read = 0
@@ -238,7 +246,9 @@ class TrainWorker:
             "configure gen %d rank %d: join %.3fs mesh %.3fs build %.3fs restore %.3fs%s",
             req.generation, req.rank, join_s, mesh_s, build_s, restore_s, " (kept its live state)" if adopted else "",
         )  # fmt: skip
-        return ConfigureReply(req.rank, trainer.step, init_s, build_s, restore_s, bytes_read, store_ops, adopted)
+        return ConfigureReply(
+            req.rank, trainer.step, init_s, build_s, restore_s, bytes_read, store_ops, adopted, self._peer_bytes
+        )
 
     def _keepable(self, req: ConfigureRequest) -> LiveState | None:
         """This rank's live state, if the plan gives it the same state to hold
@@ -257,14 +267,20 @@ class TrainWorker:
         if isinstance(restore, StorageRestore):
             return trainer.load_storage(restore)["bytes_read"]
         if isinstance(restore, MemoryRestore):
-            snaps: dict[int, Snapshot] = {}
-            for owner, holder in restore.holders.items():
-                if holder is None:  # this worker holds it itself
-                    snaps[owner] = self.tier.get(owner, restore.step)
-                else:
-                    wire = ray.get(holder.fetch_snapshot.remote(owner, restore.step), timeout=120)
-                    snaps[owner] = Snapshot.from_wire(wire)
-            trainer.load_snapshots(snaps)
+            step, holders = restore.step, dict(restore.holders)
+            snaps = {o: self.tier.get(o, step) for o, h in holders.items() if h is None}  # held here
+            remote = {o: h for o, h in holders.items() if h is not None}
+            if len(holders) > 1 and remote:  # resharding: fetch only the shards that overlap this rank's
+                refs = {o: h.snapshot_layout.remote(o, step) for o, h in remote.items()}
+                layouts = {o: ray.get(r, timeout=120) for o, r in refs.items()}
+                layouts.update({o: layout_of(s) for o, s in snaps.items()})
+                need = needed_owners(trainer.restore_target(), layouts, prefer=next(iter(snaps), None))
+                needed = {o: h for o, h in remote.items() if o in need}
+                remote = needed if needed or snaps else dict([next(iter(remote.items()))])  # (one, for the objects)
+            refs = {o: h.fetch_snapshot.remote(o, step) for o, h in remote.items()}
+            fetched = {o: Snapshot.from_wire(ray.get(r, timeout=120)) for o, r in refs.items()}
+            self._peer_bytes = sum(s.nbytes for s in fetched.values())
+            trainer.load_snapshots({**snaps, **fetched})
         return 0
 
     @ray.method(concurrency_group="train")

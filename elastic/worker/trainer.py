@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from elastic.checkpoint.memory_tier import MemoryTier, Snapshot
-from elastic.checkpoint.restore import load_from_storage, load_live_into, load_snapshots_into
+from elastic.checkpoint.restore import flat_target, load_from_storage, load_live_into, load_snapshots_into
 from elastic.checkpoint.storage_tier import StorageUploader
 from elastic.ingest.corpus import BatchLayout, ParquetCorpus, RankStream, ray_data_batches
 from elastic.messages import AnomalyReport, SdcReport, SnapshotReport, StepReport, StorageRestore
@@ -94,6 +94,10 @@ class Trainer:
         load_snapshots_into(self.engine, snaps)
         self._load_progress(next(iter(snaps.values())).objects)
         restore_rng(_rng_of(next(iter(snaps.values())).objects))
+
+    def restore_target(self) -> dict[str, Any]:
+        """This rank's tensors by snapshot path (what a restore fills; DTensors kept)."""
+        return flat_target(self.engine)[0]
 
     def load_live(self, live: LiveState, own: Snapshot) -> None:
         """Resume a survivor from its own live state (the module kept whole, or its local

@@ -151,4 +151,10 @@ def test_fsdp_node_lost_restores_its_shard_from_peer_memory(ray_cluster, referen
     # lost rank finished may have no complete peer copy yet (copies are sent after the
     # snapshot, one at a time): seen once in 4 clean-clone suite runs.
     assert [dp for _, dp in result.dp_history] == [4, 3] and result.recoveries[0].lost_steps <= 1
+    # Each rank fetched only the old shards overlapping its new one (about one peer shard each
+    # at 4 -> 3: 3 of the old layout's 4 shards in all), not every other shard (9 of them).
+    state = next(e["bytes"] for e in events_of(trainer.run_dir, "checkpoint") if e["tier"] == "memory")
+    peer_bytes = events_of(trainer.run_dir, "restore")[0]["peer_bytes"]
+    print(f"peer bytes fetched: {peer_bytes} of a {state}-byte state")
+    assert 0 < peer_bytes <= state
     assert_matches_reference(step_metrics(trainer.run_dir), reference_losses_cluster, rel=REL)

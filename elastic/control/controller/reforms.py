@@ -80,6 +80,7 @@ class Reformations(StepAccounting):
                 breakdown=reformed.breakdown,
                 store_ops_per_rank=result.store_ops_per_rank,  # the rendezvous' cost (docs/outputs.md)
                 ranks_kept_state=result.ranks_kept_state,
+                peer_bytes=result.peer_bytes,
                 **extra,
             )
         self.events.emit("placement", **self.group.placement())
