@@ -61,12 +61,28 @@ def stop_at_boundary(group: WorkerGroupAPI, members: Sequence[Member], timeout: 
 
 
 def free_survivors(
-    group: WorkerGroupAPI, culprits: Sequence[Member], timeout: float, *, stop: bool = False
+    group: WorkerGroupAPI,
+    culprits: Sequence[Member],
+    timeout: float,
+    *,
+    stop: bool = False,
+    shrink_unit: int | None = None,
 ) -> tuple[list[Member], Boundary]:
     """Kill ``culprits``, wait for every other live member to leave ``run()`` (killing
     those that cannot), and collect the steps they finished meanwhile. With ``stop``, the
-    others are also asked to stop at the step boundary (a drain that cannot wait)."""
+    others are also asked to stop at the step boundary (a drain that cannot wait).
+
+    ``shrink_unit`` (NCCL, the replica size): the culprits' whole replicas are killed, and
+    the others shrink the group without them at once (``WorkerGroup.shrink``), which aborts
+    the collectives they are blocked in instead of waiting out the collective timeout."""
+    lost: set[int] = set()
+    if shrink_unit and culprits:
+        lost = {m.rank // shrink_unit for m in culprits}
+        culprits = [m for m in group.members if m.rank // shrink_unit in lost]
+        excluded = sorted({m.rank for m in culprits} | {m.rank for m in group.members if m.dead})
     group.kill(culprits)
+    if lost:
+        group.shrink([m for m in group.members if not m.dead], excluded)
     if stop:
         group.request_stop()
     gone = {id(m) for m in culprits}

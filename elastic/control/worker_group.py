@@ -319,6 +319,13 @@ class WorkerGroup:
             except Exception as exc:  # already dead
                 logger.debug("kill of rank %s failed: %s", m.rank, exc)
 
+    def shrink(self, members: Sequence[Member], excluded: Sequence[int]) -> None:
+        """NCCL: every member shrinks the group without the ``excluded`` ranks, at once
+        (its control thread; the collectives its train thread is blocked in are aborted).
+        Fire and forget: each member's ``run()`` then returns, as after any peer error."""
+        for m in members:
+            m.actor.shrink_group.remote(tuple(excluded))
+
     def release_group(self, group: Any) -> None:
         self.slots.release(group)
 

@@ -140,6 +140,12 @@ class TrainWorker:
         self.group.abandon(generation)
 
     @ray.method(concurrency_group="control")
+    def shrink_group(self, excluded: tuple[int, ...]) -> bool:
+        """A replica was lost (NCCL): shrink the group without ``excluded`` now, which aborts
+        the collective the train thread may be blocked in (``ReconfigurableProcessGroup.shrink``)."""
+        return self.group.shrink(excluded)
+
+    @ray.method(concurrency_group="control")
     def snapshot_holdings(self) -> dict[int, list[int]]:
         """Owner rank -> steps this worker can serve from memory."""
         return self.tier.holdings()
@@ -191,7 +197,9 @@ class TrainWorker:
             )  # fmt: skip
         dp, tp, pp = req.dims
         self.rank = req.rank
-        join_s = self.group.configure(req.generation, req.rank, dp * tp * pp, req.store, req.store_secret)
+        join_s = self.group.configure(
+            req.generation, req.rank, dp * tp * pp, req.store, req.store_secret, req.shrink_excluded
+        )
         # The mesh's sub-groups connect within the rendezvous timeout, then get the collective one.
         t_mesh = time.perf_counter()
         dims = ParallelDims(

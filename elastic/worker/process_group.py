@@ -26,6 +26,16 @@ operations per re-formation no longer grow with the world (``store_ops``;
 rank's device (``device_id``), so that the mesh's sub-groups are split from it
 (``ncclCommSplit``, one call per mesh dimension) rather than each bootstrapped from the store.
 
+Shrinking in place (NCCL). When a replica is lost, the driver asks each survivor's control
+thread to shrink the group without the lost ranks (:meth:`shrink`:
+``torch.distributed.shrink_group(lost, SHRINK_ABORT)``): the collectives the survivors are
+blocked in are aborted at once, instead of waiting out ``collective_timeout_s``, and the
+shrunk group (its communicator made by ``ncclCommShrink``, no store rendezvous) becomes the
+next generation when the plan keeps exactly those survivors in their old order
+(``ConfigureRequest.shrink_excluded``); otherwise the rank leaves it and joins a new
+generation as usual. gloo cannot shrink (``supports_shrinking`` is false): there the
+survivors' collectives fail within milliseconds anyway, and a new generation is formed.
+
 Two timeouts. Joining (the store rendezvous, and connecting to every peer) is bounded by
 ``rendezvous_timeout``: a peer lost while the others connect to it is retried only that
 long (gloo retries a refused connection until its timeout). Once the group and its mesh
@@ -115,6 +125,7 @@ class ReconfigurableProcessGroup:
         self._client_sockets = GroupSockets()  # the store connection, shut down to abandon a rendezvous
         self._abandoned: set[int] = set()
         self._ops_at_join = 0
+        self._shrunk: tuple[int, ...] | None = None  # the ranks a shrink in place left out (NCCL)
         self._joining: int | None = None  # the generation this rank is forming, until settled()
         self._lock = threading.Lock()
         self._sockets = GroupSockets()
@@ -123,11 +134,29 @@ class ReconfigurableProcessGroup:
     def backend(self) -> str:
         return "nccl" if self.device_type == "cuda" else "gloo"
 
-    def configure(self, generation: int, rank: int, world: int, store: tuple[str, int], secret: str = "") -> float:
+    def configure(
+        self,
+        generation: int,
+        rank: int,
+        world: int,
+        store: tuple[str, int],
+        secret: str = "",
+        shrink_excluded: tuple[int, ...] | None = None,
+    ) -> float:
         """Leave the current group (if any) and join ``generation``; returns the join time in s.
 
-        ``secret`` is the job's store secret (``RendezvousStore.secret``).
+        ``secret`` is the job's store secret (``RendezvousStore.secret``). A group already
+        shrunk without exactly ``shrink_excluded`` (:meth:`shrink`) is kept as this
+        generation when it gives this rank ``rank`` of ``world``.
         """
+        if self._shrunk is not None:
+            shrunk, self._shrunk = self._shrunk, None
+            if shrunk == tuple(sorted(shrink_excluded or ())) and (dist.get_rank(), dist.get_world_size()) == (
+                rank,
+                world,
+            ):
+                self.generation = generation
+                return 0.0
         self.leave()
         with self._lock:
             if generation in self._abandoned:
@@ -174,12 +203,29 @@ class ReconfigurableProcessGroup:
         """Call after the mesh and wrappers are built: their connections are cut on a failure."""
         self._sockets.capture()
 
+    def shrink(self, excluded: tuple[int, ...]) -> bool:
+        """NCCL: shrink the current group in place without the ``excluded`` ranks, aborting
+        the collectives in flight on it (``SHRINK_ABORT``). Called from the worker's control
+        thread while its train thread may be blocked in one; every survivor calls it. False
+        where the group cannot shrink (gloo, or no group)."""
+        if self.backend != "nccl" or not dist.is_initialized() or not excluded:
+            return False
+        with self._lock:
+            _shrink_default_group(sorted(excluded))
+            self._shrunk = tuple(sorted(excluded))
+        return True
+
     def leave(self) -> None:
         """Leave the group so that peers blocked on this rank fail at once, then destroy it.
 
         Call only after dropping this process's own references to the engine and mesh.
-        A second call, with no group left, does nothing.
+        A second call, with no group left, does nothing. A group shrunk in place is kept
+        (only the old mesh's references are dropped) until ``configure`` decides.
         """
+        if self._shrunk is not None:
+            _drop_torch_group_references()
+            gc.collect()
+            return
         if not dist.is_initialized() and not self._sockets.sockets:
             return
         if dist.is_initialized() and dist.get_backend() == "nccl":
@@ -283,6 +329,11 @@ def _abort_nccl() -> None:
     dist.distributed_c10d._abort_process_group()
 
 
+def _shrink_default_group(excluded: list[int]) -> None:
+    """``torch.distributed.shrink_group`` is public; its flag still lives in ``distributed_c10d``."""
+    dist.shrink_group(excluded, shrink_flags=dist.distributed_c10d.SHRINK_ABORT)
+
+
 def _drop_torch_group_references() -> None:
     """torch's own references to the groups: the device-mesh stack and DTensor's caches.
 
@@ -303,6 +354,8 @@ PRIVATE_TORCH_API = (
     "torch.distributed.distributed_c10d._set_pg_timeout",
     "torch.distributed.distributed_c10d._world.group_count",
     "torch.distributed.distributed_c10d._abort_process_group",
+    "torch.distributed.distributed_c10d.SHRINK_ABORT",
+    "torch.distributed.shrink_group",
     "torch.distributed.device_mesh._mesh_resources.mesh_stack",
     "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator",
     "torch.distributed.ProcessGroupGloo._Options",

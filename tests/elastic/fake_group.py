@@ -118,6 +118,9 @@ class FakeWorkerGroup:
                 m.step = self.drain_progress[m.rank]
         return []
 
+    def shrink(self, members, excluded):
+        self.calls.append(("shrink", [m.rank for m in members], list(excluded)))
+
     def kill(self, members):
         for m in members:
             m.dead = True

@@ -116,3 +116,23 @@ def test_plan_reform_keeps_hsdp_groups_whole_and_reports_what_ranks_keep():
 )
 def test_hsdp_snapshots_cover_with_one_copy_of_each_place(zero, shard_group, holdings, want):
     assert plan.covering_step(holdings, 4, 1, 1, zero, shard_group) == want
+
+
+def test_free_survivors_on_nccl_kills_the_lost_replica_and_shrinks_the_others():
+    """NCCL (``shrink_unit``, the replica size): the culprit's whole replica goes, and every
+    other live member is asked to shrink the group without it at once (aborting the
+    collectives it is blocked in); on gloo nothing is shrunk."""
+    from fake_group import FakeMember, FakeWorkerGroup
+
+    from elastic.control.reform import free_survivors
+
+    group = FakeWorkerGroup(spec=None, corpus_uri="")
+    group.members = [FakeMember(r, f"pg{r // 2}", f"n{r // 2}") for r in range(6)]  # tp 2: replicas of 2
+    survivors, _ = free_survivors(group, [group.members[3]], 10.0, shrink_unit=2)
+    assert [m.rank for m in survivors] == [0, 1, 4, 5]
+    assert ("kill", [2, 3]) in group.calls
+    assert ("shrink", [0, 1, 4, 5], [2, 3]) in group.calls
+    gloo = FakeWorkerGroup(spec=None, corpus_uri="")
+    gloo.members = [FakeMember(r, f"pg{r // 2}", f"n{r // 2}") for r in range(6)]
+    free_survivors(gloo, [gloo.members[3]], 10.0)
+    assert not [c for c in gloo.calls if c[0] == "shrink"] and ("kill", [3]) in gloo.calls

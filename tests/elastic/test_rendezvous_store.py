@@ -100,3 +100,8 @@ def test_store_answers_nobody_without_the_jobs_secret(tmp_path):
                 assert s.connect_ex(("127.0.0.1", server.port)) != 0
     finally:
         server.close()
+
+
+def test_gloo_groups_are_re_formed_not_shrunk():
+    """gloo has no shrink (``supports_shrinking`` is false): the group says so instead of trying."""
+    assert not ReconfigurableProcessGroup("cpu", 30).shrink((1,))

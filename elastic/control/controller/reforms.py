@@ -102,7 +102,9 @@ class Reformations(StepAccounting):
         timer.mark("decide_s")
         blamed = set(f.ranks) if f.cause != "worker_error" else set()
         culprits = [m for m in group.members if m.rank in blamed]
-        survivors, boundary = free_survivors(group, culprits, e.collective_timeout_s + 5)
+        nccl = self.spec.resources.device == "cuda"  # shrink in place (docs/architecture.md)
+        shrink_unit = self.spec.parallel.replica_size if nccl else None
+        survivors, boundary = free_survivors(group, culprits, e.collective_timeout_s + 5, shrink_unit=shrink_unit)
         self._absorb(boundary.reports)
         replicas = complete_replicas(survivors, self.spec.parallel.replica_size)
         p = self.spec.parallel
