@@ -1,0 +1,326 @@
+"""Does a recovery cost what the lost replica costs, or what the job costs? (issue 29)
+
+The unit is the **re-formation cost**: a recovery's ``downtime_s`` less its ``first_step_s``
+(the breakdown's phases before the first step at the new size), so that a bigger model's
+longer step does not count. Every scenario is a real elastic run on a local multi-node Ray
+cluster (``ray.cluster_utils.Cluster``), a node killed as ``kill_node`` does (SIGKILL of its
+raylet's children, then ``remove_node``) when step ``--kill-step`` completes:
+
+- ``tp2pp2_8``, ``tp2pp2_16``: tp 2 x pp 2 replicas, one per node, at 8 and 16 ranks (dp 2
+  and 4), one replica lost. Goal: cost(16) / cost(8) <= 1.3.
+- ``dp_4``, ``dp_8``, ``dp_16``: pure DP, 2 ranks per node, a node lost (reported, with the
+  rendezvous' share: gloo connects the replicate group as a full mesh, O(dp) per rank).
+- ``ddp_50mb``, ``ddp_500mb``, ``hsdp_50mb``, ``hsdp_500mb``: 4 ranks, one per node, with
+  about 50 MB and about 500 MB of training state (weights and AdamW moments), under DDP and
+  under HSDP (zero 3, shard groups of 2). Goal: cost(500 MB) / cost(50 MB) <= 1.2, with the
+  survivors' ``restore_s`` near 0 (``ranks_kept_state``: survivors that restored nothing).
+
+and, without Ray, the store operations per rank per re-formation (a warm re-formation of
+spawned gloo ranks through the project's ``ReconfigurableProcessGroup`` and
+``ParallelDims.build_mesh``) at 4, 8 and 16 ranks for pure DP and tp 2 x pp 2, side by side
+with the world group connected eagerly (a full mesh, the baseline) and lazily (ours).
+
+Each scenario runs ``--reps`` times in a child process (its own Ray cluster, killed at a
+deadline); medians and ranges are printed with the machine's load. ``--json`` prints one
+JSON object as the last line; ``--out`` (default ``benchmarks/results/recovery_scaling.json``)
+keeps it, named and dated, for ``elastic simulate``.
+
+Usage::
+
+    .venv/bin/python -m benchmarks.recovery_scaling [--reps 3] [--scenarios dp_4,dp_8] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+TINY = {"n_layers": 4, "d_model": 64, "n_heads": 4, "vocab_size": 512, "seq_len": 32}
+M50 = {"n_layers": 4, "d_model": 256, "n_heads": 4, "vocab_size": 2048, "seq_len": 32}  # 4.2M params, 50.5 MB
+M500 = {"n_layers": 8, "d_model": 640, "n_heads": 8, "vocab_size": 4096, "seq_len": 32}  # 42M params, 0.5 GB
+# name: (model, tp, pp, zero, shard_group, nodes, ranks per node, global batch)
+SCENARIOS: dict[str, tuple[dict, int, int, int, int | None, int, int, int]] = {
+    "tp2pp2_8": (TINY, 2, 2, 0, None, 2, 4, 12),
+    "tp2pp2_16": (TINY, 2, 2, 0, None, 4, 4, 12),
+    "dp_4": (TINY, 1, 1, 0, None, 2, 2, 336),  # 336: every DP degree before and after (4/2, 8/6, 16/14)
+    "dp_8": (TINY, 1, 1, 0, None, 4, 2, 336),
+    "dp_16": (TINY, 1, 1, 0, None, 8, 2, 336),
+    "ddp_50mb": (M50, 1, 1, 0, None, 4, 1, 12),
+    "ddp_500mb": (M500, 1, 1, 0, None, 4, 1, 12),
+    "hsdp_50mb": (M50, 1, 1, 3, 2, 4, 1, 12),
+    "hsdp_500mb": (M500, 1, 1, 3, 2, 4, 1, 12),
+}
+PRE_STEP = ("detect_s", "decide_s", "free_s", "spawn_s", "rendezvous_s", "rebuild_s", "restore_s", "configure_other_s")
+WORKER_SIDE = ("rendezvous_s", "rebuild_s", "restore_s", "configure_other_s")
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "recovery_scaling.json")
+
+
+# --------------------------------------------------------------------------- one run (child)
+
+
+def spec_dict(name: str, kill_step: int) -> dict[str, Any]:
+    model, tp, pp, zero, group, nodes, per_node, batch = SCENARIOS[name]
+    dp = nodes * per_node // (tp * pp)
+    return {
+        "name": f"scaling-{name}",
+        "seed": 0,
+        "model": dict(model),
+        "data": {"source": "synthetic", "num_samples": 4000},
+        "parallel": {"tp": tp, "pp": pp, "zero": zero, "shard_group": group, "micro_batch": 1},
+        "elastic": {"min_dp": 1, "max_dp": dp, "heartbeat_timeout_s": 60, "collective_timeout_s": 60},
+        "resources": {"cpus_per_worker": 1},
+        "train": {"steps": kill_step + 3, "global_batch": batch, "lr": 1e-3},
+        "checkpoint": {"every_steps": 1000, "memory_every_steps": 1},
+    }
+
+
+def child(cfg: dict[str, Any]) -> None:
+    """Run one scenario on its own cluster; write what it measured to ``cfg['out']``."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from elastic import ElasticTrainer
+    from elastic.control.callbacks import Callback
+    from elastic.events import read_events
+    from elastic.faults import kill_node, worker_nodes
+    from jobs import JobSpec
+
+    _, tp, pp, _, _, nodes, per_node, _ = SCENARIOS[cfg["scenario"]]
+    out: dict[str, Any] = {"scenario": cfg["scenario"], "load_before": os.getloadavg()[0]}
+    timer = threading.Timer(cfg["timeout_s"], lambda: os._exit(3))  # nothing outlives the budget
+    timer.daemon = True
+    timer.start()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    for _ in range(nodes):
+        cluster.add_node(num_cpus=per_node)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+
+    class KillNode(Callback):
+        def __init__(self) -> None:
+            self.thread: threading.Thread | None = None
+
+        def after_step(self, step: int, group: Any) -> None:
+            if self.thread is None and step >= cfg["kill_step"]:
+                victim = next(m for m in group.members if m.rank == group.members[-1].rank)
+                pids = {victim.node_id: [m.pid for m in group.members if m.node_id == victim.node_id]}
+                index = [n.node_id for n in worker_nodes(cluster)].index(victim.node_id)
+                holder = type("Pids", (), {"pids_on_node": lambda self, n: pids.get(n, [])})()
+                self.thread = threading.Thread(target=kill_node, args=(cluster, index, holder), daemon=True)
+                self.thread.start()
+
+    run_dir = os.path.join(cfg["work"], "run")
+    try:
+        spec = JobSpec.from_dict(spec_dict(cfg["scenario"], cfg["kill_step"]))
+        killer = KillNode()
+        result = ElasticTrainer(spec, run_dir=run_dir, callbacks=[killer], progress=False).fit()
+        out["status"] = result.status
+        rec = result.recoveries[0] if result.recoveries else None
+        if rec is not None:
+            out["breakdown"] = dict(rec.breakdown)
+            out["lost_steps"] = rec.lost_steps
+            out["cost_s"] = sum(rec.breakdown.get(k, 0.0) for k in PRE_STEP)
+            out["worker_side_s"] = sum(rec.breakdown.get(k, 0.0) for k in WORKER_SIDE)
+        restores = [e for e in read_events(run_dir) if e["kind"] == "restore"]
+        if restores:
+            r = restores[0]
+            out.update({k: r.get(k) for k in ("store_ops_per_rank", "ranks_kept_state", "peer_bytes", "source")})
+        steps = [e for e in read_events(run_dir) if e["kind"] == "step"]
+        out["step_s"] = statistics.median(e["step_time_s"] for e in steps[1 : cfg["kill_step"]])
+        out["ranks"] = (nodes * per_node, nodes * per_node - per_node)
+        out["world"] = nodes * per_node
+    except Exception as exc:  # reported, not hidden
+        out["status"] = f"error: {type(exc).__name__}: {exc}"
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    out["load_after"] = os.getloadavg()[0]
+    with open(cfg["out"], "w") as f:
+        json.dump(out, f)
+    os._exit(0)
+
+
+# --------------------------------------------------------------------------- store operations (no Ray)
+
+
+def _reform_ranks(rank: int, world: int, out: str, address: Any, secret: str, tp: int, pp: int, lazy: bool) -> list:
+    import torch
+    import torch.distributed as dist
+
+    from elastic.parallel.dims import ParallelDims
+    from elastic.worker.process_group import ReconfigurableProcessGroup
+
+    group = ReconfigurableProcessGroup("cpu", 60)
+    group.lazy_world = lazy
+    rows = []
+    for gen in range(1, 5):
+        t0 = time.perf_counter()
+        group.configure(gen, rank, world, address, secret)
+        dims = ParallelDims(dp=world // (tp * pp), tp=tp, pp=pp, world_size=world, timeout=group.rendezvous_timeout)
+        dims.build_mesh("cpu")
+        ops, join_s = group.store_ops(), time.perf_counter() - t0
+        t = torch.ones(1)
+        for g in dims.mesh_groups():  # one collective on each group: every connection made
+            dist.all_reduce(t, group=g)
+        rows.append((ops, join_s))
+        del dims
+        group.leave()
+    return rows
+
+
+def store_ops(worlds: list[int]) -> list[dict[str, Any]]:
+    from elastic.testing.ranks import run_ranks
+    from elastic.worker.process_group import RendezvousStore
+
+    out = []
+    for layout, (tp, pp) in (("dp", (1, 1)), ("tp2pp2", (2, 2))):
+        for world in worlds:
+            for lazy in (False, True):
+                store = RendezvousStore("127.0.0.1", 60)
+                with tempfile.TemporaryDirectory() as tmp:
+                    rows = run_ranks(world, _reform_ranks, (store.address, store.secret, tp, pp, lazy), tmp)
+                store.close()
+                warm = [max(r[g][0] for r in rows) for g in range(1, 4)]  # generations 2-4: warm
+                join = [max(r[g][1] for r in rows) for g in range(1, 4)]
+                out.append(
+                    {"layout": layout, "world": world, "world_group": "lazy" if lazy else "eager",
+                     "store_ops_per_rank": max(warm), "join_s": statistics.median(join)}
+                )  # fmt: skip
+                r = out[-1]
+                print(f"  store ops {layout:>6} at {world:>2} ranks, world group {r['world_group']:>5}: "
+                      f"{r['store_ops_per_rank']:>3} per rank, join {r['join_s']:.2f}s", flush=True)  # fmt: skip
+    return out
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def run_scenario(name: str, rep: int, args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix=f"scaling-{name}-") as work:
+        cfg = {"scenario": name, "work": work, "out": os.path.join(work, "out.json"),
+               "kill_step": args.kill_step, "timeout_s": args.timeout_s}  # fmt: skip
+        t0 = time.time()
+        proc = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)],
+            capture_output=True, text=True, timeout=args.timeout_s + 60,
+        )  # fmt: skip
+        try:
+            with open(cfg["out"]) as f:
+                res = json.load(f)
+        except OSError:
+            res = {"scenario": name, "status": f"no result (exit {proc.returncode}): {proc.stderr[-400:]}"}
+    res.update(rep=rep, wall_s=round(time.time() - t0, 1))
+    cost = res.get("cost_s")
+    print(f"  {name:>11} rep {rep}: {res.get('status')} cost {cost if cost is None else round(cost, 3)}s "
+          f"breakdown {res.get('breakdown')} ops/rank {res.get('store_ops_per_rank')} "
+          f"kept {res.get('ranks_kept_state')} "
+          f"load {res.get('load_before', 0):.1f}->{res.get('load_after', 0):.1f}", flush=True)  # fmt: skip
+    return res
+
+
+def stats(values: list[float]) -> dict[str, float] | None:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
+
+
+def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, reps in runs.items():
+        ok = [r for r in reps if r.get("status") == "succeeded" and r.get("cost_s") is not None]
+        bd = {k: stats([r["breakdown"].get(k) for r in ok]) for k in PRE_STEP + ("first_step_s",)} if ok else {}
+        out[name] = {
+            "runs": len(reps), "succeeded": len(ok), "cost_s": stats([r["cost_s"] for r in ok]),
+            "worker_side_s": stats([r["worker_side_s"] for r in ok]), "breakdown": bd,
+            "step_s": stats([r.get("step_s") for r in ok]),
+            "store_ops_per_rank": stats([r.get("store_ops_per_rank") for r in ok]),
+            "ranks_kept_state": [r.get("ranks_kept_state") for r in ok],
+            "lost_steps": [r.get("lost_steps") for r in ok],
+            "load": stats([r.get("load_before") for r in reps]),
+        }  # fmt: skip
+    return out
+
+
+def ratio(summary: dict[str, Any], a: str, b: str, key: str = "cost_s") -> float | None:
+    x, y = (summary.get(n, {}).get(key) for n in (a, b))
+    return round(x["median"] / y["median"], 3) if x and y and y["median"] else None
+
+
+def goals(summary: dict[str, Any]) -> dict[str, Any]:
+    g = {
+        "tp2pp2_cost16_over_cost8": ratio(summary, "tp2pp2_16", "tp2pp2_8"),
+        "dp_cost16_over_cost4": ratio(summary, "dp_16", "dp_4"),
+        "dp_cost8_over_cost4": ratio(summary, "dp_8", "dp_4"),
+        "ddp_cost500_over_cost50": ratio(summary, "ddp_500mb", "ddp_50mb"),
+        "hsdp_cost500_over_cost50": ratio(summary, "hsdp_500mb", "hsdp_50mb"),
+        "tp2pp2_worker_side16_over_8": ratio(summary, "tp2pp2_16", "tp2pp2_8", "worker_side_s"),
+        "ddp_worker_side500_over_50": ratio(summary, "ddp_500mb", "ddp_50mb", "worker_side_s"),
+        "hsdp_worker_side500_over_50": ratio(summary, "hsdp_500mb", "hsdp_50mb", "worker_side_s"),
+    }
+    for name in ("dp_4", "dp_8", "dp_16"):  # the share of the gloo full-mesh rendezvous in the cost
+        s = summary.get(name, {})
+        if s.get("cost_s") and s["breakdown"].get("rendezvous_s"):
+            g[f"{name}_rendezvous_share"] = round(s["breakdown"]["rendezvous_s"]["median"] / s["cost_s"]["median"], 3)
+    return g
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--kill-step", type=int, default=4)
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--store-ops-worlds", default="4,8,16", help="'' to skip the store-operations part")
+    p.add_argument("--out", default=RESULTS)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        child(json.loads(args.child))
+        return 0
+    names = [n for n in args.scenarios.split(",") if n]
+    print(f"recovery scaling: {args.reps} rep(s) of {names}, node killed after step {args.kill_step}; "
+          f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for rep in range(args.reps):  # interleaved: a change in the machine's load hits every scenario alike
+        for name in names:
+            runs[name].append(run_scenario(name, rep, args))
+    worlds = [int(w) for w in args.store_ops_worlds.split(",") if w]
+    ops = store_ops(worlds) if worlds else []
+    summary = summarise(runs)
+    result = {
+        "benchmark": "recovery_scaling",
+        "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cores": os.cpu_count(), "platform": platform.platform(), "backend": "gloo (CPU)"},
+        "kill_step": args.kill_step, "reps": args.reps, "scenarios": summary, "goals": goals(summary),
+        "store_ops": ops, "runs": runs,
+    }  # fmt: skip
+    print("\nre-formation cost (downtime - first step), median [min, max]:")
+    for name, s in summary.items():
+        c = s["cost_s"]
+        print(f"  {name:>11}: {c and c['median']}s [{c and c['min']}, {c and c['max']}] "
+              f"worker side {s['worker_side_s'] and s['worker_side_s']['median']}s, "
+              f"kept {s['ranks_kept_state']}, load {s['load'] and s['load']['median']}")  # fmt: skip
+    print("ratios:", json.dumps(result["goals"]))
+    if args.out:
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.json:
+        print(json.dumps({k: v for k, v in result.items() if k != "runs"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
