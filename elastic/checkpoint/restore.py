@@ -62,19 +62,35 @@ def load_snapshots_into(engine: Any, snaps: dict[int, Snapshot]) -> None:
     _load_resharded(engine, list(snaps.values()))
 
 
-def load_live_into(engine: Any, tensors: dict[str, torch.Tensor], objects: dict[str, Any]) -> None:
-    """Load a survivor's own live state (``elastic.parallel.live.LiveState.tensors``: its local
-    shards by snapshot path, for the same shards in the new layout) into ``engine``, with the
-    plain values of its own snapshot of the same step (``objects``). A local copy: no
-    snapshot is read and no resharding is planned."""
-    target, target_objects = flat_target(engine)
-    for path, value in target.items():
-        kept = tensors.get(path)
-        local = _local(value)
+def load_live_into(engine: Any, live: Any, objects: dict[str, Any]) -> None:
+    """Load a survivor's own live state (``elastic.parallel.live.LiveState``: its local shards
+    of the same tensors in the new layout) into ``engine``: the parameter shards are copied
+    into the new wrapper's, the optimizer state is taken over without a copy (wrapped as
+    DTensors of the new mesh), and the LR schedule's position comes from ``objects``, the
+    plain values of the rank's own snapshot of the same step."""
+    from torch.distributed.tensor import DTensor
+
+    for name, param in engine.model.named_parameters():
+        kept, local = live.params.get(name), _local(param)
         if kept is None or kept.shape != local.shape:
-            raise LayoutMismatch(f"{path}: the live state does not hold this rank's shard")
-        local.copy_(kept)
-    finish_load(engine, target, target_objects, objects)
+            raise LayoutMismatch(f"{name}: the live state does not hold this rank's shard")
+        with torch.no_grad():
+            local.copy_(kept)
+        state = live.optim.get(name)
+        if state:
+            engine.optimizer.state[param] = {
+                k: DTensor.from_local(v, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                                      stride=param.stride())
+                if isinstance(param, DTensor) and torch.is_tensor(v) and v.dim() > 0 else v
+                for k, v in state.items()
+            }  # fmt: skip
+    prefix = f"{APP}/scheduler/"
+    flat = {k.removeprefix(f"{APP}/"): copy.deepcopy(v) for k, v in objects.items() if k.startswith(prefix)}
+    scheduler = unflatten_state(flat).get("scheduler", {})
+    scheduler["base_lrs"] = engine.scheduler.base_lrs  # the configured train.lr (see the module doc)
+    engine.scheduler.load_state_dict(scheduler)
+    sync_lr(engine)
+    engine._sd_cache = None
 
 
 def _load_resharded(engine: Any, snaps: list[Snapshot]) -> None:

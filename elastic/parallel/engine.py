@@ -85,6 +85,9 @@ class TrainEngine:
         # (fp32 master weights, gradients and optimizer state in both cases).
         self._autocast = bf16 and not isinstance(self.model, FSDPModule)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
+        # The parameters the optimizer steps, by name, as built: in the middle of a step the
+        # module may hold FSDP's unsharded stand-ins instead (elastic/parallel/live.py).
+        self.named_params = list(self.model.named_parameters())
 
         self.schedule = None
         if dims.pp_enabled:

@@ -10,9 +10,12 @@ snapshot:
 * pure DP under DDP (``zero`` 0, no TP, no PP): the module, its optimizer and LR schedule
   are kept whole; the new engine wraps the same module in a DDP over the new DP group
   (the old wrapper's gradient hooks went with it). Nothing is copied or rebuilt.
-* every other layout (TP, PP, FSDP, HSDP): the rank's local shards of the parameters and
-  optimizer state are kept, by snapshot path; the new engine (built for the new mesh) copies
-  them in, locally, instead of reading snapshots (``restore.load_live_into``).
+* every other layout (TP, PP, FSDP, HSDP): the rank's local shards of the parameters and of
+  the optimizer state are kept, by parameter name. The new engine (built for the new mesh)
+  copies the parameter shards into its own (the DP wrapper owns their storage) and takes
+  the optimizer state over as it is, wrapped as DTensors of the new mesh without a copy
+  (``restore.load_live_into``): no snapshot is read, no resharding is planned, and no
+  state dict is built.
 
 The step and data position always come from the rank's own memory snapshot of the resumed
 step (the engine holds no data position), so a kept state is used only at a step that
@@ -44,13 +47,8 @@ class LiveState:
     module: nn.Module | None = None  # pure DP under DDP: the unwrapped module, kept whole
     optimizer: Any = None
     scheduler: Any = None
-    tensors: dict[str, torch.Tensor] | None = None  # otherwise: local shards by snapshot path
-
-    @property
-    def nbytes(self) -> int:
-        if self.tensors is not None:
-            return sum(t.numel() * t.element_size() for t in self.tensors.values())
-        return sum(p.numel() * p.element_size() for p in self.module.parameters())
+    params: dict[str, torch.Tensor] | None = None  # otherwise: local parameter shards by name
+    optim: dict[str, dict[str, Any]] | None = None  # and their optimizer state (local tensors)
 
 
 def keeps_module(cfg: ParallelConfig, dims: ParallelDims) -> bool:
@@ -63,15 +61,19 @@ def release(engine: Any, step: int, rank: int) -> LiveState:
     if keeps_module(engine.parallel_cfg, engine.dims):
         live = LiveState(step, rank, engine.dims.dp, engine.module, engine.optimizer, engine.scheduler)
     else:
-        from elastic.checkpoint.restore import flat_target
-
-        tensors, _ = flat_target(engine)
-        local = {path: (t.to_local() if hasattr(t, "to_local") else t).detach() for path, t in tensors.items()}
-        live = LiveState(step, rank, engine.dims.dp, tensors=local)
+        named = dict(engine.named_params)  # as built: a failure mid-step leaves FSDP's unsharded stand-ins
+        state = engine.optimizer.state
+        params = {n: _local(p).detach() for n, p in named.items()}
+        optim = {n: {k: _local(v) for k, v in state[p].items()} for n, p in named.items() if p in state}
+        live = LiveState(step, rank, engine.dims.dp, params=params, optim=optim)
     engine.model = engine.module = engine.gpt = engine.optimizer = engine.scheduler = engine.schedule = None
-    engine._params = []
+    engine._params, engine.named_params = [], []
     engine._sd_cache = None
     return live
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def rewrap(module: nn.Module, dims: ParallelDims) -> nn.Module:

@@ -53,9 +53,14 @@ def parallelize(
     if dims.tp_enabled:
         spec.tp_plan(model, dims.tp_mesh)
 
-    # 2. Materialise this rank's shard of this stage only, and fill it from the seed.
+    # 2. Materialise this rank's shard of this stage only, and fill it from the seed. A
+    #    restore overwrites every value right after, so the fill is skipped then, unless
+    #    ``init_weights`` does more than fill (ties parameters that ``to_empty`` untied, or
+    #    fills buffers, which no checkpoint holds).
+    fill = not restoring or _init_does_more_than_fill(model)
     model.to_empty(device=device)
-    spec.init_weights(model, seed)
+    if fill:
+        spec.init_weights(model, seed)
     blocks = spec.blocks(model)
     t1 = time.perf_counter()
     if timings is not None:
@@ -86,3 +91,9 @@ def parallelize(
     if timings is not None:
         timings["wrap_s"] = time.perf_counter() - t1
     return wrapped
+
+
+def _init_does_more_than_fill(model: nn.Module) -> bool:
+    """Does the model share a parameter between modules, or hold buffers?"""
+    shared = len(list(model.named_parameters(remove_duplicate=False))) != len(list(model.parameters()))
+    return shared or any(True for _ in model.buffers())

@@ -103,8 +103,8 @@ class Trainer:
         """Resume a survivor from its own live state (the module kept whole, or its local
         shards copied in); only the step, data position and RNG come from ``own``, its own
         snapshot of the same step."""
-        if live.tensors is not None:
-            load_live_into(self.engine, live.tensors, own.objects)
+        if live.params is not None:
+            load_live_into(self.engine, live, own.objects)
         self._load_progress(own.objects)
         restore_rng(_rng_of(own.objects))
 

@@ -158,3 +158,21 @@ def test_fsdp_node_lost_restores_its_shard_from_peer_memory(ray_cluster, referen
     print(f"peer bytes fetched: {peer_bytes} of a {state}-byte state")
     assert 0 < peer_bytes <= state
     assert_matches_reference(step_metrics(trainer.run_dir), reference_losses_cluster, rel=REL)
+
+
+def test_hsdp_node_lost_keeps_the_surviving_group_in_place(ray_cluster, reference_losses_cluster, tmp_path):
+    """HSDP (ZeRO-3 in shard groups of 2) at dp 4, one rank per node: a node loss breaks one
+    group; the other group becomes the job at dp 2, both its ranks resuming from their own
+    live state with every shard where it was (nothing restored, nothing fetched)."""
+    spec = elastic_spec(min_dp=1, max_dp=4)
+    spec.parallel.zero, spec.parallel.shard_group = 3, 2
+    injector = FaultInjector([Fault("kill_node", at_step=FAULT_STEP, node_index=1)], cluster=ray_cluster)
+    trainer = ElasticTrainer(spec, run_dir=str(tmp_path / "run"), callbacks=[injector])
+    result = trainer.fit()
+    assert result.status == "succeeded" and result.steps == STEPS
+    assert [f["cause"] for f in events_of(trainer.run_dir, "failure")] == ["node_lost"]
+    assert [dp for _, dp in result.dp_history] == [4, 2] and result.recoveries[0].lost_steps <= 1
+    restore = events_of(trainer.run_dir, "restore")[0]
+    print("recoveries:", result.recoveries, "restore:", restore)
+    assert restore["source"] == "memory" and restore["ranks_kept_state"] == 2 and restore["peer_bytes"] == 0
+    assert_matches_reference(step_metrics(trainer.run_dir), reference_losses_cluster, rel=REL)
