@@ -10,6 +10,8 @@ from typing import Any
 
 from elastic.simulator import model
 from elastic.simulator.costs import CAUSES, LLAMA3_CAUSES, NODE_STAYS, Costs, cluster_costs
+from elastic.simulator.scaling import load_curve
+from elastic.simulator.scaling import summary as curve_summary
 
 STRATEGIES = ("inplace", "restart")
 
@@ -155,6 +157,9 @@ def params(args, job, sc, costs: Costs, interval: float, reaction: model.Reactio
     p["u0_s"] = detect_mean + costs.restart_s
     p["planner_calls"] = reaction.planner_calls
     p["sources"] = dict(costs.sources)
+    curve = load_curve()
+    if curve is not None:  # the measured re-formation curve and what bounds it (docs/simulate.md)
+        p["reform_curve"] = curve_summary(curve, job.gpus)
     return p
 
 

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic.simulator.scaling import load_curve
+
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 # Llama 3 (arXiv 2407.21783, Table 5): the 419 unexpected interruptions of a 54-day
@@ -208,6 +210,12 @@ def cluster_costs(
     restore_memory = shard / HOST_DEVICE_BPS
     restore_peer = shard / LLAMA3_NET_BPS_PER_GPU + shard / HOST_DEVICE_BPS
     reconfigure = m.reconfigure_excl_restore_s - m.init_s + init
+    curve = load_curve()  # the measured re-formation curve (elastic/simulator/scaling.py), when there is one
+    if curve is not None:
+        init = curve.comm_s(gpus)  # both strategies: the same communicator library
+        reconfigure = curve.reconfigure_s(gpus)
+        if curve.kept_state:
+            restore_memory = curve.survivor_restore_s(shard)
     ray_reschedule = m.raytrain_restart_s - m.detect_s
     sync_blocking = shard / HOST_DEVICE_BPS + write
     inplace = strategy == "inplace"
@@ -236,6 +244,13 @@ def cluster_costs(
         "ckpt_write_s": f"{unique / 1e12:.2f} TB / {LLAMA3_STORAGE_BPS / 1e12:g} TB/s",
         "sdc_check_every_steps": "assumed: a cross-replica check every 100 steps",
     }
+    if curve is not None:
+        src["pg_init_s"] = curve.sources["comm_s"]
+        src["reconfigure_s"] = "; ".join(
+            f"{k}: {curve.sources[k]}" for k in ("fixed_s", "comm_s", "control_s", "rendezvous_per_rank_s")
+        )
+        if curve.kept_state:
+            src["restore_memory_s"] = curve.sources["survivor_restore_s"]
     return Costs(
         detect_s=detect,
         reconfigure_s=reconfigure,
