@@ -105,10 +105,12 @@ GLOBAL_BATCH = 12  # divisible by every DP degree from 1 to 4 with micro-batch 1
 MICRO_BATCH = 1
 # ``--model small`` (the default): 4,207,104 parameters, 16.8 MB of fp32 weights + 33.7 MB of
 # AdamW moments = 50.5 MB of state. ``--model 10m``: 11,162,240 parameters (134 MB of state).
+# ``--model 100m``: 102,305,280 parameters (1.23 GB of state).
 # The choice reaches every side's child process through BENCH_RECOVERY_MODEL.
 MODELS = {
     "small": {"n_layers": 4, "d_model": 256, "n_heads": 4, "vocab_size": 2048, "seq_len": 32},
     "10m": {"n_layers": 8, "d_model": 320, "n_heads": 5, "vocab_size": 2048, "seq_len": 32},
+    "100m": {"n_layers": 14, "d_model": 768, "n_heads": 12, "vocab_size": 2048, "seq_len": 32},
 }
 MODEL = MODELS[os.environ.get("BENCH_RECOVERY_MODEL", "small")]
 SIDES = ("ours", "raytrain_tuned", "raytrain_default", "torchft", "raytrain_torchft")
