@@ -243,3 +243,14 @@ def test_fused_attention_and_loss_terms_match_live_bytes():
     # Per layer at most the formula's 34 sbh at 16 bit (x2 in fp32); the GPT's has no dropout masks.
     layer = per_sbh[0] / SMALL.n_layers / 2
     assert 30 <= layer <= 34, layer
+
+
+def test_hsdp_divides_the_sharded_state_by_its_group():
+    """``shard_group``: ZeRO divides by the group (dp 4 in groups of 2 holds what dp 2 does);
+    a group as large as dp is plain FSDP."""
+    kw = dict(micro_batch=2)
+    hsdp = estimate_memory(SMALL, dp=4, zero=3, shard_group=2, **kw)
+    fsdp2 = estimate_memory(SMALL, dp=2, zero=3, **kw)
+    assert (hsdp.params, hsdp.grads, hsdp.optimizer) == (fsdp2.params, fsdp2.grads, fsdp2.optimizer)
+    assert estimate_memory(SMALL, dp=4, zero=3, shard_group=4, **kw) == estimate_memory(SMALL, dp=4, zero=3, **kw)
+    assert estimate_memory(SMALL, dp=4, zero=0, shard_group=2, **kw) == estimate_memory(SMALL, dp=4, zero=0, **kw)

@@ -48,6 +48,10 @@ MALFORMED = [
     (["model.kind=llama", "model.n_kv_heads=3"], "model.n_kv_heads"),
     (["model.kind=llama", "model.size=llama3-1b"], "model.size"),
     (["train.dtype=fp16"], "train.dtype"),
+    (["parallel.shard_group=2"], "parallel.shard_group"),  # needs zero >= 1
+    (["parallel.zero=3", "parallel.shard_group=8"], "parallel.shard_group"),  # more than max_dp
+    (["parallel.zero=3", "parallel.shard_group=0"], "parallel.shard_group"),
+    (["parallel.zero=3", "parallel.shard_group=3", "elastic.min_dp=4"], "parallel.shard_group"),  # no whole groups
 ]
 
 
@@ -65,7 +69,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 def test_cli_refuses_malformed_specs_with_one_line(tmp_path):
     # One subprocess per bad spec would cost ~2 s each; the CLI entry is exercised on a
     # handful, covering the three error sources (pydantic, cross-field, YAML/file).
-    for overrides, field in [MALFORMED[0], MALFORMED[2], MALFORMED[5], MALFORMED[17]]:
+    for overrides, field in [MALFORMED[0], MALFORMED[2], MALFORMED[5], MALFORMED[17], MALFORMED[-4]]:
         args = ["run", QUICKSTART]
         for o in overrides:
             args += ["--set", o]

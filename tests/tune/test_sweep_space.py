@@ -50,6 +50,19 @@ def test_bad_spaces_name_the_key(space, field):
     assert "\n" not in str(info.value)
 
 
+def test_shard_group_is_judged_per_configuration():
+    """HSDP in the sweep space: a shard group needs zero >= 1 and whole groups of DP ranks, and
+    one that is not smaller than dp is plain FSDP: each of those is pruned, not an error."""
+    space = parse_space({"zero": [0, 3], "shard_group": [None, 2, 4]}, spec())
+    cands = {(c.config["zero"], c.config["shard_group"]): c for c in enumerate_space(spec(), space, BIG)}
+    assert cands[(3, 2)].status == "feasible" and cands[(3, 2)].config["dp"] == 4
+    assert cands[(0, 2)].status == "pruned_batch" and "shard_group" in cands[(0, 2)].reason
+    assert cands[(3, 4)].status == "pruned_batch" and "no replication" in cands[(3, 4)].reason
+    assert cands[(3, 2)].key == "dp4-tp1-pp1-z3-sg2-mb2" and cands[(3, None)].key == "dp4-tp1-pp1-z3-mb2"
+    # the memory model divides the sharded state by the group, not by dp
+    assert cands[(3, 2)].predicted_mem_bytes > cands[(3, None)].predicted_mem_bytes
+
+
 def test_unreachable_micro_batch_is_pruned_not_rejected():
     space = parse_space({"micro_batch": [2, 3]}, spec())  # 3 does not divide global_batch 8
     cands = {c.config["micro_batch"]: c for c in enumerate_space(spec(), space, BIG)}
