@@ -83,6 +83,8 @@ def free_survivors(
     group.kill(culprits)
     if lost:
         group.shrink([m for m in group.members if not m.dead], excluded)
+    elif culprits and not stop:  # survivors still computing leave the step now, not at its end
+        group.abort_steps([m for m in group.members if not m.dead])
     if stop:
         group.request_stop()
     gone = {id(m) for m in culprits}

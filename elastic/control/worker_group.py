@@ -319,6 +319,11 @@ class WorkerGroup:
             except Exception as exc:  # already dead
                 logger.debug("kill of rank %s failed: %s", m.rank, exc)
 
+    def abort_steps(self, members: Sequence[Member]) -> None:
+        """A peer was lost: every member leaves the step in flight at its next block (fire and forget)."""
+        for m in members:
+            m.actor.abort_step.remote()
+
     def shrink(self, members: Sequence[Member], excluded: Sequence[int]) -> None:
         """NCCL: every member shrinks the group without the ``excluded`` ranks, at once
         (its control thread; the collectives its train thread is blocked in are aborted).

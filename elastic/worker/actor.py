@@ -49,7 +49,7 @@ from elastic.parallel.dims import ParallelDims
 from elastic.parallel.live import LiveState
 from elastic.worker.hooks import StepHook
 from elastic.worker.process_group import ReconfigurableProcessGroup, is_collective_error
-from elastic.worker.trainer import Trainer
+from elastic.worker.trainer import StepAborted, Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class TrainWorker:
         self._beat = time.monotonic()
         self._phase = "idle"
         self._stop = threading.Event()
+        self._abort = threading.Event()  # the driver abandoned the step in flight (abort_step)
         self.hook = step_hook
         if step_hook is not None:
             step_hook.attach(self._stop, self._touch_beat)
@@ -138,6 +139,12 @@ class TrainWorker:
     def abandon_rendezvous(self, generation: int) -> None:
         """Give up joining ``generation``: a peer was lost while it formed."""
         self.group.abandon(generation)
+
+    @ray.method(concurrency_group="control")
+    def abort_step(self) -> None:
+        """A peer was lost: leave the step in flight at the next block (gloo: instead of at the
+        first collective, up to a step later)."""
+        self._abort.set()
 
     @ray.method(concurrency_group="control")
     def shrink_group(self, excluded: tuple[int, ...]) -> bool:
@@ -223,7 +230,7 @@ class TrainWorker:
         trainer = Trainer(
             self.spec, dims, req.rank, self.device, self.tier, self.corpus, self._reports, self._stop,
             hook=self.hook, peak_flops=peak_flops(self.device), source=source,
-            restoring=req.restore is not None or kept is not None, adopt=kept,
+            restoring=req.restore is not None or kept is not None, adopt=kept, abort=self._abort,
         )  # fmt: skip
         build_s = time.perf_counter() - t0
         self.group.built()  # the group's and its mesh's connections, cut on a failure
@@ -248,6 +255,7 @@ class TrainWorker:
         trainer.start(req.host_index if stagger else 0, req.storage_uri)
         self.trainer = trainer
         self._stop.clear()
+        self._abort.clear()
         self._phase = "ready"
         self._beat = time.monotonic()
         logger.info(
@@ -331,6 +339,8 @@ class TrainWorker:
         """
         detail = f"{type(exc).__name__}: {str(exc)[:300]}"
         step = self.trainer.step if self.trainer is not None else 0
+        if isinstance(exc, StepAborted):
+            return RunOutcome("error", step, "peer", detail)
         if not is_collective_error(exc):
             return RunOutcome("error", step, "worker_error", detail)
         timed_out = blocked_s >= 0.9 * self.spec.elastic.collective_timeout_s

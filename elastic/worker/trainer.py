@@ -53,6 +53,7 @@ class Trainer:
         source: Any = None,
         restoring: bool = False,
         adopt: LiveState | None = None,
+        abort: threading.Event | None = None,
     ):
         self.spec, self.dims, self.rank, self.tier, self.corpus = spec, dims, rank, tier, corpus
         self.reports, self.stop, self.hook, self.peak_flops = reports, stop, hook, peak_flops
@@ -72,6 +73,11 @@ class Trainer:
         self._snapshot_blocking = 0.0
         self.source = source  # opens this rank's batch stream when set (elastic.ingest.host_readers.FeederSource)
         self.sdc = SdcGuard(spec, dims, rank, tier)  # silent data corruption checks (docs/health.md)
+        # A peer was lost (``TrainWorker.abort_step``): leave the step at the next block
+        # instead of computing it to its end, where the first collective would fail.
+        self.abort = abort or threading.Event()
+        blocks = [] if spec.train.compile else self.engine.spec.blocks(self.engine.module)  # (no graph breaks)
+        self._abort_hooks = [b.register_forward_pre_hook(self._check_abort) for b in blocks]
 
     @property
     def layout(self) -> dict[str, int]:
@@ -108,8 +114,18 @@ class Trainer:
         self._load_progress(own.objects)
         restore_rng(_rng_of(own.objects))
 
+    def _check_abort(self, module: Any, args: Any) -> None:
+        if self.abort.is_set():
+            raise StepAborted("a peer was lost: the step is abandoned")
+
+    def _remove_abort_hooks(self) -> None:
+        for h in self._abort_hooks:
+            h.remove()
+        self._abort_hooks = []
+
     def release_live(self) -> LiveState | None:
         """Let go of the engine (its process groups and wrappers) and keep its state."""
+        self._remove_abort_hooks()  # a kept module carries no hook of this trainer
         if self.engine is None:
             return None
         live, self.engine = release(self.engine, self.step, self.rank), None
@@ -151,6 +167,7 @@ class Trainer:
             self.stream.close()
         if self.source is not None:
             self.source.close()
+        self._remove_abort_hooks()
         self.engine = None
 
     # ------------------------------------------------------------------ the step
@@ -328,6 +345,10 @@ class Trainer:
         return RankStream(
             self.corpus, layout, dp_rank, start_batch, prefetch=d.prefetch_steps, start_delay_s=delay_s, source=source
         )
+
+
+class StepAborted(RuntimeError):
+    """The driver abandoned the step in flight: a peer was lost (a collective's failure, not this rank's)."""
 
 
 def _rng_of(objects: dict[str, Any]) -> dict[str, Any]:
