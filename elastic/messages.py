@@ -163,6 +163,7 @@ class ConfigureReply:
     store_ops: int = 0  # rendezvous store operations this rank made to join (group and mesh)
     kept_state: bool = False  # it resumed from its own live state and restored nothing
     peer_bytes: int = 0  # snapshot bytes it fetched from peers' memory
+    cpu_s: float = 0.0  # CPU time the worker process spent configuring (every thread)
 
 
 @dataclass(frozen=True)

@@ -137,6 +137,7 @@ def submit_and_gather(
         store_ops_per_rank=max(r.store_ops for r in ordered),
         ranks_kept_state=sum(r.kept_state for r in ordered),
         peer_bytes=sum(r.peer_bytes for r in ordered),
+        cpu_s=max(r.cpu_s for r in ordered),
     )
 
 

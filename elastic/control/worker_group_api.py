@@ -58,6 +58,7 @@ class ConfigureResult:
     store_ops_per_rank: int = 0  # rendezvous store operations of the rank that made the most
     ranks_kept_state: int = 0  # ranks that resumed from their own live state (restored nothing)
     peer_bytes: int = 0  # snapshot bytes fetched from peers' memory, all ranks together
+    cpu_s: float = 0.0  # the most CPU time one worker spent configuring
 
 
 @runtime_checkable

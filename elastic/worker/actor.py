@@ -192,6 +192,7 @@ class TrainWorker:
     def _configure(self, req: ConfigureRequest) -> ConfigureReply:
         self._phase = "configure"
         self._beat = time.monotonic()
+        cpu0 = time.process_time()
         t_leave = time.perf_counter()
         self._leave()
         t_tier = time.perf_counter()
@@ -262,8 +263,9 @@ class TrainWorker:
             "configure gen %d rank %d: join %.3fs mesh %.3fs build %.3fs restore %.3fs%s",
             req.generation, req.rank, join_s, mesh_s, build_s, restore_s, " (kept its live state)" if adopted else "",
         )  # fmt: skip
+        cpu_s = time.process_time() - cpu0  # this process's own work: no other rank's shares it on a real cluster
         return ConfigureReply(
-            req.rank, trainer.step, init_s, build_s, restore_s, bytes_read, store_ops, adopted, self._peer_bytes
+            req.rank, trainer.step, init_s, build_s, restore_s, bytes_read, store_ops, adopted, self._peer_bytes, cpu_s
         )
 
     def _keepable(self, req: ConfigureRequest) -> LiveState | None:

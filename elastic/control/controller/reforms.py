@@ -81,6 +81,7 @@ class Reformations(StepAccounting):
                 store_ops_per_rank=result.store_ops_per_rank,  # the rendezvous' cost (docs/outputs.md)
                 ranks_kept_state=result.ranks_kept_state,
                 peer_bytes=result.peer_bytes,
+                configure_cpu_s=round(result.cpu_s, 3),
                 **extra,
             )
         self.events.emit("placement", **self.group.placement())
