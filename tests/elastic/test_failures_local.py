@@ -112,7 +112,7 @@ def test_failure_budget_exhausted_exits_1(ray_local, tmp_path, tiny_spec_dict):
     config.write_text(yaml.safe_dump(raw))
     # Two NaN faults, one budgeted failure: the second ends the job.
     script = (
-        "import sys; from jobs.cli import main; from elastic import trainer;"
+        "import sys; from jobs.cli import main; from elastic import api as trainer;"
         "from elastic.faults import WorkerFaults, worker_fault;"
         "orig = trainer.ElasticTrainer.__init__\n"
         "def init(self, spec, **kw):\n"
