@@ -75,15 +75,16 @@ bench: install bench-deps
 GPU_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 GPU_CHECK_ARGS ?=
 GPU_SITE ?= /tmp/site
+GPU_WHL_DIR ?= .whl
 GPU_WHEELS := pydantic==2.14.3 annotated_types==0.8.0 typing_inspection==0.4.5 typing_extensions==4.16.0
 GPU_WHEELS_NATIVE := pydantic_core==2.50.4
 GPU_WHEEL_PLATFORM := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
 	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
 gpu-check:
-	@if ! $(GPU_PY) -c "import pydantic" 2>/dev/null; then \
-		echo "gpu-check: installing .whl/*.whl into $(GPU_SITE)"; \
-		$(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --target $(GPU_SITE) .whl/*.whl || exit 2; \
+	@if ! $(GPU_PY) -c "import pydantic; assert pydantic.VERSION >= '2'" 2>/dev/null; then \
+		echo "gpu-check: installing $(GPU_WHL_DIR)/*.whl into $(GPU_SITE)"; \
+		$(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --target $(GPU_SITE) $(GPU_WHL_DIR)/*.whl || exit 2; \
 		export PYTHONPATH=$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH}; \
 	fi; \
 	$(GPU_PY) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)

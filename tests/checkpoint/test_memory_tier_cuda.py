@@ -42,7 +42,7 @@ def test_engine_reports_the_cuda_peak():
 
     import torch.distributed as dist
 
-    from elastic.model import ModelConfig
+    from elastic.models.gpt import ModelConfig
     from elastic.optim import TrainConfig
     from elastic.parallel.config import ParallelConfig
     from elastic.parallel.dims import ParallelDims
