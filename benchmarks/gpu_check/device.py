@@ -53,19 +53,22 @@ def device_facts() -> dict[str, Any]:
         capability=f"{props.major}.{props.minor}",
         memory_gib=round(props.total_memory / 2**30, 2),
         sm_count=props.multi_processor_count,
-        cudnn=torch.backends.cudnn.version(),
-        nccl=".".join(str(v) for v in torch.cuda.nccl.version()) if hasattr(torch.cuda, "nccl") else None,
-        driver=_driver_version(),
         bf16_peak_tflops=(bf16_peak_flops(props.name) or 0) / 1e12 or None,
         peak_source=PEAK_SOURCE,
+        driver=_driver_version(),
     )
-    try:
-        import triton
-
-        facts["triton"] = triton.__version__
-    except ImportError:
-        facts["triton"] = None
+    facts["cudnn"] = _maybe(torch.backends.cudnn.version)
+    facts["nccl"] = _maybe(lambda: ".".join(str(v) for v in torch.cuda.nccl.version()))
+    facts["triton"] = _maybe(lambda: __import__("triton").__version__)
     return facts
+
+
+def _maybe(fn: Any) -> Any:
+    """A version that may be missing: None rather than a failed part."""
+    try:
+        return fn()
+    except Exception:
+        return None
 
 
 def _driver_version() -> str | None:

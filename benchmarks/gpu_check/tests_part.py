@@ -26,6 +26,7 @@ def run(rec: Any, dry_run: bool) -> None:
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rfEsxX"]
     cmd += [f"--junitxml={xml}", f"--timeout={PER_TEST_TIMEOUT_S}", *GPU_TEST_PATHS]
     rec.say(" ".join(cmd[1:]))
+    sys.stdout.flush()
     proc = subprocess.run(cmd, cwd=ROOT, stdout=sys.stdout, stderr=subprocess.STDOUT)
     outcomes = junit_outcomes(xml)
     counts = {k: sum(1 for o in outcomes.values() if o["outcome"] == k) for k in OUTCOMES}
@@ -33,6 +34,7 @@ def run(rec: Any, dry_run: bool) -> None:
     rec.figure("counts", counts)
     rec.figure("tests", outcomes)
     rec.goal("failed_or_errors", counts["failed"] + counts["error"], "==", 0, performance=False)
+    rec.goal("pytest_exit_code", proc.returncode, "==", 0, performance=False)
     if not dry_run:
         rec.goal("tests_that_ran", counts["passed"] + counts["failed"] + counts["error"], ">=", 1, performance=False)
     if proc.returncode not in (0, 5) and not outcomes:
