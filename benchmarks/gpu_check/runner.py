@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         "check": "gpu_check",
         "dry_run": args.dry_run,
         "command": "make gpu-check" + (" GPU_CHECK_ARGS=--dry-run" if args.dry_run else ""),
+        "commit": _commit(),
         "device": results.get("device", {}).get("figures", {}),
         "wall_s": round(time.monotonic() - t0, 1),
         "total_bound_s": args.total_s,
@@ -122,6 +123,8 @@ def run_part(part: Part, bound_s: float, args: argparse.Namespace, work: str, lo
     except subprocess.TimeoutExpired:
         status, error = "timeout", f"killed at its bound of {bound_s:.0f} s"
         _kill_group(proc)
+    else:
+        _kill_strays(proc)
     reader.join(timeout=5)
     duration = time.monotonic() - t0
     written = _read_json(result_path)
@@ -160,6 +163,24 @@ def _kill_group(proc: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def _kill_strays(proc: subprocess.Popen) -> None:
+    """The part has exited: end anything it left in its process group (a compile worker, a
+    test's child), so that nothing holds the GPU while the next part runs."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _commit() -> str | None:
+    """The commit the check ran from, where the tree is a git checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def _copy_lines(stream: Any, name: str, log: Log, tail: deque) -> None:

@@ -54,6 +54,7 @@ def test_dry_run_records_every_part_and_kills_a_hung_one(tmp_path):
     assert "[tests] timeout" in log and "[snapshot] pass" in log
 
 
+@pytest.mark.timeout(60)
 def test_a_crashing_part_is_recorded_as_an_error(tmp_path):
     from benchmarks.gpu_check import runner
 

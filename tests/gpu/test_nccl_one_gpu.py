@@ -25,7 +25,7 @@ from gpu_testlib import needs_cuda
 
 from elastic.parallel.dims import MESH_DIM_NAMES, ParallelDims
 
-pytestmark = [pytest.mark.gpu, needs_cuda, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.gpu, pytest.mark.cluster, needs_cuda, pytest.mark.timeout(120)]  # cluster: NCCL groups
 
 TIMEOUT = datetime.timedelta(seconds=60)
 

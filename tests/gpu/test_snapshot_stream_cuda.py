@@ -12,7 +12,7 @@ from gpu_testlib import busy_gpu, needs_cuda, sleep_cycles_per_second, tiny_job
 
 from elastic.checkpoint.memory_tier import MemoryTier
 
-pytestmark = [pytest.mark.gpu, needs_cuda, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.gpu, pytest.mark.cluster, needs_cuda, pytest.mark.timeout(120)]  # cluster: NCCL groups
 
 LAYOUT = {"dp": 1, "tp": 1, "pp": 1, "zero": 0}
 

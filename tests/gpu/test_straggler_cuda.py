@@ -12,7 +12,7 @@ from gpu_testlib import busy_gpu, needs_cuda, sleep_cycles_per_second, tiny_job
 
 from elastic.health import StragglerDetector
 
-pytestmark = [pytest.mark.gpu, needs_cuda, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.gpu, pytest.mark.cluster, needs_cuda, pytest.mark.timeout(180)]  # cluster: NCCL groups
 
 DELAY_S = 0.25
 STEPS = 3
