@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install bench-deps demo lint format test test-fast bench clean
+.PHONY: install bench-deps demo lint format test test-fast bench gpu-check gpu-wheels clean
 
 install: $(STAMP)
 
@@ -65,6 +65,37 @@ bench: install bench-deps
 	$(BIN)/python benchmarks/recovery_vs_raytrain.py
 	$(BIN)/python benchmarks/parallel_layouts.py
 	$(BIN)/python benchmarks/tp_data_sharing.py
+
+# The GPU check (docs/gpu.md): every device path on one GPU, in one call, under 8 minutes.
+# It needs no `make install`: on a GPU machine it runs with that machine's own python3 (its
+# torch, no Ray); the pydantic wheels it lacks travel in .whl/ (`make gpu-wheels`, run here)
+# and are installed into /tmp/site only when pydantic is not importable. Writes
+# benchmarks/results/gpu_check.json and .log; exits 1 when a part fails.
+# On CPU: `make gpu-check GPU_CHECK_ARGS=--dry-run` (tiny sizes, gloo; runs/gpu-check-dry/).
+GPU_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+GPU_CHECK_ARGS ?=
+GPU_SITE ?= /tmp/site
+GPU_WHL_DIR ?= .whl
+GPU_WHEELS := pydantic==2.14.3 annotated_types==0.8.0 typing_inspection==0.4.5 typing_extensions==4.16.0
+GPU_WHEELS_NATIVE := pydantic_core==2.50.4
+GPU_WHEEL_PLATFORM := --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 \
+	--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+
+gpu-check:
+	@if ! $(GPU_PY) -c "import pydantic; assert pydantic.VERSION >= '2'" 2>/dev/null; then \
+		echo "gpu-check: installing $(GPU_WHL_DIR)/*.whl into $(GPU_SITE)"; \
+		$(GPU_PY) -m pip install -q --no-index --no-deps --no-compile --target $(GPU_SITE) $(GPU_WHL_DIR)/*.whl || exit 2; \
+		export PYTHONPATH=$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH}; \
+	fi; \
+	$(GPU_PY) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
+
+# The wheels `make gpu-check` needs on a GPU machine (CPython 3.12, x86-64), into .whl/ (git-ignored;
+# carry it to the machine with the working tree).
+gpu-wheels:
+	mkdir -p .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: $(GPU_WHEEL_PLATFORM) -d .whl $(GPU_WHEELS_NATIVE)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform any -d .whl $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -27,8 +27,9 @@ class _RayState:
 
 
 def _shutdown() -> None:
-    import ray
-
+    ray = sys.modules.get("ray")
+    if ray is None:  # never started (and maybe not installed: the gpu tests run where Ray is not)
+        return
     if ray.is_initialized():
         ray.shutdown()
     if _RayState.cluster is not None:

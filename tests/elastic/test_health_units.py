@@ -9,7 +9,7 @@ import torch
 
 from elastic.control.health import CommitGate, LemonTracker, StragglerDetector
 from elastic.faults import flip_bit
-from elastic.worker.sdc import fingerprint
+from elastic.worker.sdc import fingerprint, word_sum_fingerprint
 from elastic.worker.sdc_vote import sdc_due, twin_groups, vote
 
 pytestmark = pytest.mark.timeout(30)
@@ -106,6 +106,21 @@ def test_fingerprint_sees_any_single_bit_flip():
             copy = [p.clone() for p in params]
             flip_bit(copy[1], bit, index)
             assert fingerprint(copy) != base, (bit, index)
+
+
+def test_accelerator_fingerprint_sees_any_single_bit_flip_even_in_a_view_that_starts_mid_word():
+    """The arithmetic a GPU runs (``word_sum_fingerprint``), here on CPU tensors: a bf16 view
+    two bytes into its storage, 32 bytes long, cannot be read as int64 words in place."""
+    torch.manual_seed(0)
+    backing = torch.randn(17).to(torch.bfloat16)
+    params = [torch.randn(64, 32), torch.randn(1003).to(torch.bfloat16), backing[1:]]
+    base = word_sum_fingerprint(params)
+    assert word_sum_fingerprint([p.clone() for p in params]) == base
+    for which in range(3):
+        for bit in (0, 7, 15):
+            copy = [p.clone() for p in params]
+            flip_bit(copy[which], bit, 3)
+            assert word_sum_fingerprint(copy) != base, (which, bit)
 
 
 # ----- lemon nodes

@@ -1,0 +1,7 @@
+"""``python -m benchmarks.gpu_check [--dry-run] ...``: see ``runner.py``."""
+
+import sys
+
+from benchmarks.gpu_check.runner import main
+
+sys.exit(main())
