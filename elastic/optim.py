@@ -42,6 +42,14 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
 
 
+def optimizer_impl(params: list[torch.Tensor]) -> dict[str, bool]:
+    """The fused CUDA kernel where every parameter is a plain CUDA tensor (one launch for the
+    whole update, as torchtitan uses); the per-parameter loop otherwise: DTensors of
+    several meshes (TP x FSDP x PP) cannot share one foreach or fused call."""
+    plain_cuda = bool(params) and all(type(p.data) is torch.Tensor and p.is_cuda for p in params)
+    return {"fused": True} if plain_cuda else {"foreach": False}
+
+
 def build_optimizer(
     model: torch.nn.Module, cfg: TrainConfig
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
@@ -51,6 +59,6 @@ def build_optimizer(
             continue
         (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, **optimizer_impl(decay + no_decay))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg))
     return opt, sched

@@ -165,6 +165,7 @@ class TrainEngine:
                 local = self._pipeline_forward_backward(micro_batches)
             else:
                 local = self._local_forward_backward(micro_batches)
+        _finish_own_work(self.device)  # so the wait timed below is the peers', not this device's queue
         if self.dims.dp == self.dims.world_size:
             value = torch.stack([local.detach().float().reshape(()), torch.tensor(float(flag), device=self.device)])
             t = time.perf_counter()
@@ -345,3 +346,11 @@ def _resolve_device(device: str | torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def _finish_own_work(device: torch.device) -> None:
+    """Wait for this rank's own queued device work. On CUDA, kernels run asynchronously: a
+    collective's wall time would otherwise include this rank's forward and backward, and a
+    slow GPU would look like a fast rank waiting for its peers (``compute_s``, stragglers)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -54,15 +54,19 @@ logger = logging.getLogger(__name__)
 CONCURRENCY_GROUPS = {"train": 1, "control": 4}
 SLOW_PREPARE_S = 2.0  # a rank this late to a rendezvous is logged with where the time went
 
-# Dense fp32 (TF32 tensor-core) peak FLOP/s per device, for MFU; None where unknown (CPU).
-_PEAK_TF32 = {"H200": 494.7e12, "H100": 494.7e12, "A100": 156e12, "L40S": 183e12}
+# Dense peak FLOP/s per device and compute precision, for MFU (vendor data sheets, SXM parts);
+# None where unknown (CPU). bf16 is the default on CUDA (``train.dtype``).
+_PEAK = {
+    "bf16": {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362.05e12},
+    "fp32": {"H200": 494.7e12, "H100": 494.7e12, "A100": 156e12, "L40S": 183e12},  # TF32 tensor cores
+}
 
 
-def peak_flops(device: torch.device) -> float | None:
+def peak_flops(device: torch.device, dtype: str = "fp32") -> float | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((v for k, v in _PEAK_TF32.items() if k in name), None)
+    return next((v for k, v in _PEAK.get(dtype, {}).items() if k in name), None)
 
 
 @ray.remote(concurrency_groups=CONCURRENCY_GROUPS, max_restarts=0)
@@ -197,10 +201,11 @@ class TrainWorker:
             source = FeederSource(req.read_plan, self.spec.data, self.spec.elastic.collective_timeout_s)
         elif self.corpus is None:
             self.corpus = ParquetCorpus(self.corpus_uri, self.spec.data.storage_options)
+        peak = peak_flops(self.device, self.spec.train.resolved_dtype(self.device.type))
         t0 = time.perf_counter()
         trainer = Trainer(
             self.spec, dims, req.rank, self.device, self.tier, self.corpus, self._reports, self._stop,
-            hook=self.hook, peak_flops=peak_flops(self.device), source=source, restoring=req.restore is not None,
+            hook=self.hook, peak_flops=peak, source=source, restoring=req.restore is not None,
         )  # fmt: skip
         build_s = time.perf_counter() - t0
         self.group.built()  # the group's and its mesh's connections, cut on a failure

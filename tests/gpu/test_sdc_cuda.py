@@ -8,7 +8,7 @@ import pytest
 import torch
 from gpu_testlib import needs_cuda
 
-from elastic.control.health import twin_groups, vote
+from elastic.worker.sdc_vote import twin_groups, vote
 from elastic.faults import flip_bit
 from elastic.worker.sdc import fingerprint, word_sum_fingerprint
 

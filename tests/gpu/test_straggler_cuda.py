@@ -61,12 +61,6 @@ def test_a_slow_gpu_lengthens_the_step(tmp_path):
     assert grown >= 0.8 * DELAY_S, f"the step grew {grown:.3f} s for {DELAY_S} s of extra GPU work"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="TrainEngine.sync_wait_s counts this rank's own queued GPU work as waiting for peers: the loss's "
-    "float() synchronises the device inside the timed all-reduce window, so compute_s (wall less that wait) "
-    "is only the host's launch time on CUDA. Remove this marker when own compute is timed on the device.",
-)
 def test_a_slow_gpu_shows_in_own_compute(tmp_path):
     before, after = _steps(tmp_path, _gpu_slow_forward)
     grown = _median(after, "compute_s") - _median(before, "compute_s")
