@@ -3,7 +3,10 @@
 RMSNorm (in fp32), rotary position embeddings (RoPE, Su et al. 2021), a SwiGLU MLP
 (``w2(silu(w1 x) * w3 x)``, Shazeer 2020) and grouped-query attention (``n_kv_heads``
 key/value heads shared by ``n_heads / n_kv_heads`` query heads each, Ainslie et al. 2023).
-Shapes follow Meta's reference code, so ``size: llama3-8b`` has 8.03e9 parameters.
+Shapes follow Meta's reference code, so ``size: llama3-8b`` has 8.03e9 parameters. Llama 3.1
+and later add a RoPE frequency scaling (``model.rope_scaling``, ``llama3_scaled``); Llama 3.2
+1B/3B tie the head to the embedding (``tie_embeddings``). ``elastic.models.hf`` maps the
+model to and from Hugging Face's ``LlamaForCausalLM`` (the ``ModelSpec.hf`` adapter).
 
 The layout rules of the reference GPT hold: blocks in a ``ModuleDict`` keyed by layer
 index (a pipeline stage keeps its FQNs), separate ``wq/wk/wv/wo`` and ``w1/w2/w3``
@@ -14,7 +17,8 @@ the forward from positions (no buffers: the engine's state is parameters only).
 TP plan: ``wq``, ``wk``, ``wv`` column-wise (each TP rank owns ``n_heads / tp`` query and
 ``n_kv_heads / tp`` key/value heads, so ``tp`` must divide ``n_kv_heads``), ``wo``
 row-wise; ``w1`` and ``w3`` column-wise, ``w2`` row-wise; the embedding vocab-parallel
-and the head's logits sharded for ``loss_parallel`` when ``tp`` divides the vocabulary.
+and the head's logits sharded for ``loss_parallel`` when ``tp`` divides the vocabulary and
+the two are not tied.
 """
 
 from __future__ import annotations

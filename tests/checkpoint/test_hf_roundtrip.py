@@ -23,7 +23,6 @@ from elastic.models.spec import model_spec
 from elastic.testing.ranks import run_ranks
 from jobs import JobSpec
 
-pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(120)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
