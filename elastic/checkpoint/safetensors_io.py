@@ -54,10 +54,13 @@ class TensorEntry:
         return math.prod(self.shape[1:]) * self.dtype.itemsize
 
 
+# ``cat_file`` takes ``start``/``end`` by keyword: s3fs's third positional is a version id.
+
+
 def read_header(fs: Any, path: str) -> tuple[dict[str, TensorEntry], dict[str, str], int]:
     """Tensor entries, ``__metadata__`` and the header's size in bytes (what was fetched)."""
-    size = int.from_bytes(fs.cat_file(path, 0, 8), "little")
-    doc = json.loads(fs.cat_file(path, 8, 8 + size))
+    size = int.from_bytes(fs.cat_file(path, start=0, end=8), "little")
+    doc = json.loads(fs.cat_file(path, start=8, end=8 + size))
     meta = doc.pop("__metadata__", None) or {}
     entries = {}
     for name, info in doc.items():
@@ -85,9 +88,9 @@ def read_rows(fs: Any, entry: TensorEntry, lo: int, hi: int, inner: Sequence[tup
             parts = _ranges(fs, entry.path, starts, width * item, local)
             return decode(b"".join(parts), entry.dtype, (hi - lo, width)), width * item * (hi - lo)
     if len(entry.shape) == 0:
-        data = fs.cat_file(entry.path, entry.begin, entry.end)
+        data = fs.cat_file(entry.path, start=entry.begin, end=entry.end)
         return decode(data, entry.dtype, ()), len(data)
-    data = fs.cat_file(entry.path, entry.begin + lo * entry.row_bytes, entry.begin + hi * entry.row_bytes)
+    data = fs.cat_file(entry.path, start=entry.begin + lo * entry.row_bytes, end=entry.begin + hi * entry.row_bytes)
     rows = decode(data, entry.dtype, (hi - lo, *entry.shape[1:]))
     for dim, (offset, length) in enumerate(inner, start=1):
         rows = rows.narrow(dim, offset, length)

@@ -116,6 +116,55 @@ def test_init_from_logits_equal_transformers(hf_dirs, kind):
     assert float((_ours(model_spec(cfg).build_full(0)) - theirs).abs().max()) > 0.1
 
 
+def _s3_env(monkeypatch, moto_s3) -> None:
+    """S3 through the standard AWS variables (how ``init_from`` and ``--out`` reach it)."""
+    from s3fs import S3FileSystem
+    from storage_testlib import FAKE_KEY, FAKE_SECRET
+
+    for name, value in {
+        "AWS_ENDPOINT_URL": moto_s3.endpoint,
+        "AWS_ACCESS_KEY_ID": FAKE_KEY,
+        "AWS_SECRET_ACCESS_KEY": FAKE_SECRET,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    S3FileSystem.clear_instance_cache()
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_reader_fetches_the_slices_a_rank_holds(hf_dirs, where, request, monkeypatch):
+    """A row-wise TP shard of ``wo`` (a column slice) and a FSDP shard of ``wq`` that cuts a
+    head: the reader fetches that column slice only (one range per row), whole heads for the
+    rotary rows, and gives the permuted rows the transformers model holds."""
+    from elastic.checkpoint import safetensors_io
+    from elastic.checkpoint.hf_import import HFReader, halves_to_pairs
+    from storage import ShardRecord, load_into
+
+    uri = hf_dirs["llama3"]
+    if where == "s3":
+        moto_s3 = request.getfixturevalue("moto_s3")
+        bucket = request.getfixturevalue("s3_bucket")
+        _s3_env(monkeypatch, moto_s3)
+        from s3fs import S3FileSystem
+
+        S3FileSystem().put(uri, f"{bucket}/llama3", recursive=True)
+        uri = f"s3://{bucket}/llama3"
+        monkeypatch.setattr(safetensors_io, "MIN_SEGMENT", 0)  # per-row ranges on S3 too
+    cfg = JobSpec.from_dict({"model": model_raw(uri)}).model
+    spec = model_spec(cfg)
+    wo = ShardRecord(torch.empty(32, 16), (32, 32), (0, 16))  # columns 16..31: TP rank 1 of 2
+    wq = ShardRecord(torch.empty(12, 32), (32, 32), (10, 0))  # rows 10..21: cuts heads 1 and 2
+    reader = HFReader(uri, spec.hf, ["blocks.1.attn.wo.weight", "blocks.1.attn.wq.weight"])
+    load_into(reader, {"blocks.1.attn.wo.weight": wo, "blocks.1.attn.wq.weight": wq})
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(hf_dirs["llama3"], dtype=torch.float32).model.layers[1].self_attn
+    assert torch.equal(wo.local, hf.o_proj.weight[:, 16:])
+    assert torch.equal(wq.local, halves_to_pairs(hf.q_proj.weight.detach(), 8)[10:22])
+    # wo: 32 rows x 16 columns; wq: heads 1 and 2 whole (16 rows x 32), 4 bytes each
+    assert reader.data_bytes_read == 4 * (32 * 16 + 16 * 32)
+
+
 # ----- project checkpoint -> HF ---------------------------------------------------------------------
 
 
@@ -142,6 +191,23 @@ def test_export_tied_and_sharded_loads_in_transformers(hf_dirs, tmp_path):
     diff = float((_hf_logits(out) - _ours(model)).abs().max())
     print(f"tied, sharded export: max |logit difference| {diff:.2e}")
     assert diff < EXACT
+
+
+def test_init_from_and_export_through_s3(hf_dirs, tmp_path, moto_s3, s3_bucket, monkeypatch):
+    """``init_from: s3://...`` and ``--out s3://...``, credentials from the AWS variables."""
+    from s3fs import S3FileSystem
+
+    _s3_env(monkeypatch, moto_s3)
+    fs = S3FileSystem()
+    fs.put(hf_dirs["llama3"], f"{s3_bucket}/in", recursive=True)
+    cfg = JobSpec.from_dict({"model": model_raw(f"s3://{s3_bucket}/in")}).model
+    model = load_reference(cfg)
+    assert float((_ours(model) - _hf_logits(hf_dirs["llama3"])).abs().max()) < EXACT
+    _checkpoint(str(tmp_path / "ckpt"), cfg.model_dump(mode="json"), model.state_dict())
+    assert ckpt_export(str(tmp_path / "ckpt"), 2, "hf", f"s3://{s3_bucket}/out", max_shard_size="40KB") == 0
+    fs.get(f"{s3_bucket}/out", str(tmp_path / "back"), recursive=True)
+    assert len(list((tmp_path / "back").glob("*.safetensors"))) > 1
+    assert float((_hf_logits(str(tmp_path / "back")) - _ours(model)).abs().max()) < EXACT
 
 
 def test_export_bf16_gives_back_the_original_tensors_rounded(hf_dirs, tmp_path):
