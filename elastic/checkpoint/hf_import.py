@@ -163,6 +163,18 @@ class HFReader(StorageReader):
         self.data_bytes_read += fetched
 
 
+def _distinct(tensors: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a state dict whose data no earlier entry shares."""
+    seen, out = set(), {}
+    for fqn, value in tensors.items():
+        local = value.to_local() if hasattr(value, "to_local") else value
+        key = (local.data_ptr(), tuple(local.shape))
+        if key not in seen:
+            seen.add(key)
+            out[fqn] = value
+    return out
+
+
 def load_init_from(
     engine: Any, uri: str, waves: int = 1, max_reads_per_host: int = 0, host: str | None = None
 ) -> dict[str, Any]:
@@ -178,8 +190,9 @@ def load_init_from(
         raise ValueError(f"model {engine.spec.name!r} has no Hugging Face adapter")
     t0 = time.perf_counter()
     tensors = get_model_state_dict(engine.model)
+    reads = _distinct(tensors)  # tied weights (one tensor, two names) are read once
     _, stats = read_staggered(
-        engine, tensors, lambda: HFReader(uri, adapter, sorted(tensors)), waves, max_reads_per_host, host
+        engine, reads, lambda: HFReader(uri, adapter, sorted(reads)), waves, max_reads_per_host, host
     )
     set_model_state_dict(engine.model, tensors)
     stats["duration_s"] = time.perf_counter() - t0

@@ -262,7 +262,21 @@ def llama_adapter(cfg: LlamaConfig) -> HFAdapter:
 
 # ----- a user's model with its own adapter --------------------------------------------------------
 
-_NOT_SHAPE = {"torch_dtype", "dtype", "transformers_version", "bos_token_id", "eos_token_id", "architectures"}
+# Keys of an adapter's config.json that say nothing of the weights' shapes or meaning (or
+# that transformers 4 and 5 spell differently: rope_scaling), so they are not compared.
+_NOT_SHAPE = {
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "bos_token_id",
+    "eos_token_id",
+    "architectures",
+    "max_position_embeddings",
+    "rope_scaling",
+    "use_cache",
+    "initializer_range",
+    "attention_dropout",
+}
 
 
 def check_custom_init_from(cfg: CustomConfig, spec: ModelSpec) -> None:

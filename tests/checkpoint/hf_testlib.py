@@ -128,3 +128,11 @@ def train_reference(model: torch.nn.Module, train_cfg: Any) -> list[float]:
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
     return losses
+
+
+def llama_factory(**shape: Any):
+    """A ``kind: custom`` factory whose model is the project's Llama: its ``ModelSpec`` carries
+    the Llama's Hugging Face adapter, as a user's model with its own adapter would."""
+    from elastic.models.spec import model_spec
+
+    return model_spec(LlamaConfig(**shape))

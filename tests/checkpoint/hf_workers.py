@@ -27,13 +27,14 @@ from elastic.testing.ranks import init_group
 from jobs import JobSpec
 
 
-def hf_layouts(rank: int, world: int, out: str, hf_dir: str, layouts: list[tuple[str, dict, int]]) -> dict:
-    """For each ``(name, parallel, waves)``: load, gather, train, save to ``out/<name>``."""
+def hf_layouts(rank: int, world: int, out: str, hf_dirs: dict[str, str], layouts: list[tuple]) -> dict:
+    """For each ``(name, kind, parallel, waves)``: load ``hf_dirs[kind]``, gather, train, save
+    to ``out/<name>``."""
     init_group(rank, world, os.path.join(out, "store"))
     results = {}
     try:
-        for name, parallel, waves in layouts:
-            spec = JobSpec.from_dict(spec_raw(hf_dir, os.path.join(out, name), parallel, waves))
+        for name, kind, parallel, waves in layouts:
+            spec = JobSpec.from_dict(spec_raw(hf_dirs[kind], os.path.join(out, name), parallel, waves))
             tp, pp = spec.parallel.tp, spec.parallel.pp
             dims = ParallelDims(dp=world // (tp * pp), tp=tp, pp=pp, world_size=world)
             engine = TrainEngine(spec.model, spec.parallel, spec.train, dims, spec.seed, restoring=True)
