@@ -127,7 +127,7 @@ def test_init_from_mismatch_is_bad_input_naming_the_field(hf_dirs, extra, field)
 
 
 def test_init_from_refused_before_anything_starts(hf_dirs, tmp_path, capsys):
-    """`elastic run` exits 2 with one line naming the field; no Ray is started for it."""
+    """`elastic run` exits 2 with one line naming the field, from the spec check (before Ray)."""
     from jobs.cli import main
 
     spec = tmp_path / "spec.yaml"
