@@ -60,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     cv = csub.add_parser("verify")
     cv.add_argument("uri")
     cv.add_argument("--step", type=int, default=None)
+    ce = csub.add_parser("export", help="write a checkpoint as a Hugging Face model (docs/checkpoints.md)")
+    ce.add_argument("uri")
+    ce.add_argument("--step", type=int, default=None, help="default: the newest committed")
+    ce.add_argument("--format", dest="fmt", required=True, choices=["hf"])
+    ce.add_argument("--out", required=True, help="a directory (local path or fsspec URI)")
+    ce.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ce.add_argument("--max-shard-size", default="5GB", help="larger models are split into files of this size")
 
     sub.add_parser("schema", help="print the JSON Schema of job specs")
 
@@ -264,6 +271,10 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
 
     if args.ckpt_command == "list":
         return ckpt_list(args.uri, args.json)
+    if args.ckpt_command == "export":
+        from elastic.checkpoint.export import ckpt_export
+
+        return ckpt_export(args.uri, args.step, args.fmt, args.out, args.dtype, args.max_shard_size)
     return ckpt_verify(args.uri, args.step)
 
 

@@ -22,15 +22,52 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 CUSTOM = os.path.join(ROOT, "examples", "custom-model.yaml")
 
 
-@pytest.mark.parametrize("size,params", [("llama3-8b", 8_030_261_248), ("llama3-70b", 70_553_706_496)])
-def test_llama3_named_sizes_have_the_published_shapes(size, params):
-    """8.03B and 70.6B parameters (Meta's model cards); the model built on the meta device agrees
-    with the memory model's arithmetic, so `elastic plan` and the sweep reason about the real thing."""
+LLAMA_PUBLISHED = [  # size, parameters, SwiGLU hidden size (Hugging Face config.json: intermediate_size)
+    ("llama3-8b", 8_030_261_248, 14_336),
+    ("llama3-70b", 70_553_706_496, 28_672),
+    ("llama3.1-8b", 8_030_261_248, 14_336),
+    ("llama3.1-70b", 70_553_706_496, 28_672),
+    ("llama3.1-405b", 405_853_388_800, 53_248),
+    ("llama3.2-1b", 1_235_814_400, 8_192),  # tied embeddings: the head adds nothing
+    ("llama3.2-3b", 3_212_749_824, 8_192),
+]
+
+
+@pytest.mark.parametrize("size,params,hidden", LLAMA_PUBLISHED)
+def test_llama3_named_sizes_have_the_published_shapes(size, params, hidden):
+    """8.03B, 70.6B, 405.9B, 1.24B and 3.21B parameters (Meta's model cards); the model built on
+    the meta device agrees with the memory model's arithmetic, so `elastic plan` and the sweep
+    reason about the real thing."""
     cfg = LlamaConfig(size=size)
-    assert cfg.hidden_dim == {"llama3-8b": 14_336, "llama3-70b": 28_672}[size]
+    assert cfg.hidden_dim == hidden and cfg.vocab_size == 128_256 and cfg.rope_theta == 500_000
+    assert (cfg.rope_scaling is not None) == (not size.startswith("llama3-"))
+    assert cfg.tie_embeddings == size.startswith("llama3.2")
     with torch.device("meta"):
         model = model_spec(cfg).build()
     assert sum(p.numel() for p in model.parameters()) == total_param_count(cfg) == params
+
+
+@pytest.mark.parametrize(
+    "rope_scaling,field",
+    [
+        ({"factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0}, "model.rope_scaling.high_freq_factor"),
+        ({"factor": 0.5}, "model.rope_scaling.factor"),
+        ({"type": "yarn"}, "model.rope_scaling.type"),
+        ({"original_max_position_embeddings": None}, "model.rope_scaling.original_max_position_embeddings"),
+        ({"scale": 2}, "model.rope_scaling.scale"),
+    ],
+)
+def test_rope_scaling_is_validated_naming_the_subfield(rope_scaling, field):
+    full = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    with pytest.raises(SpecError) as info:
+        JobSpec.from_dict({"model": {"kind": "llama", "size": "tiny", "rope_scaling": {**full, **rope_scaling}}})
+    assert info.value.field == field, str(info.value)
+
+
+def test_tied_llama_refuses_pipeline_stages():
+    with pytest.raises(SpecError) as info:
+        JobSpec.from_dict({"model": {"kind": "llama", "size": "tiny", "tie_embeddings": True}, "parallel": {"pp": 2}})
+    assert info.value.field == "model.tie_embeddings"
 
 
 def test_tiny_sizes_built_and_counted_alike():

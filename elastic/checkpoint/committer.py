@@ -37,6 +37,8 @@ class CheckpointCommitter:
         self.uri, self.events = uri, events
         self.options = spec.checkpoint.storage_options
         self.keep = spec.checkpoint.keep
+        # Recorded in every manifest: `elastic ckpt export` rebuilds the model from it, without the spec.
+        self.model = spec.model.model_dump(mode="json")
         self._store = None
         self._groups: dict[tuple[int, int, int], dict[int, UploadReport]] = {}  # (base, world, step) -> rank -> report
         self._finished: set[tuple[int, int, int]] = set()  # groups already submitted
@@ -125,7 +127,7 @@ class CheckpointCommitter:
                 self.store,
                 step,
                 [RankWriteResult.from_dict(r.result) for r in results],
-                extra={"world": world, "layout": results[0].layout},
+                extra={"world": world, "layout": results[0].layout, "model": self.model},
             )
         except Exception as exc:  # noqa: BLE001 - storage down or parts missing: not committed
             error = scrub(f"commit failed: {type(exc).__name__}: {exc}", self.options)[:1000]

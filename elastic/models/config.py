@@ -13,7 +13,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, model_validator
 
 from elastic.errors import SpecError
+from elastic.models.llama_sizes import LLAMA_SIZES
 from elastic.parallel.memory_model import MemoryInputs
+
+INIT_FROM_HELP = "a Hugging Face model directory (config.json + *.safetensors), local path or fsspec URI"
 
 
 class GPTConfig(BaseModel):
@@ -27,12 +30,18 @@ class GPTConfig(BaseModel):
     seq_len: int = Field(64, ge=2)
     tie_embeddings: bool = False
     mlp_ratio: int = Field(4, ge=1)
+    init_from: str | None = Field(None, description=INIT_FROM_HELP + "; kind: llama only")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
     def check(self) -> None:
+        if self.init_from is not None:
+            raise SpecError(
+                "model.init_from",
+                "kind gpt has no Hugging Face weight mapping: Hugging Face Llama models load as kind: llama",
+            )
         if self.d_model % self.n_heads:
             raise SpecError("model.n_heads", f"{self.n_heads} does not divide model.d_model ({self.d_model})")
 
@@ -76,33 +85,24 @@ class GPTConfig(BaseModel):
         return 6.0 * n + 12.0 * L * d * T
 
 
-# Published Llama 3 shapes (Meta's model cards / reference code) and tiny test sizes.
-LLAMA_SIZES: dict[str, dict[str, Any]] = {
-    "llama3-8b": dict(
-        n_layers=32,
-        d_model=4096,
-        n_heads=32,
-        n_kv_heads=8,
-        vocab_size=128_256,
-        ffn_dim_multiplier=1.3,
-        multiple_of=1024,
-        rope_theta=500_000.0,
-        seq_len=8192,
-    ),
-    "llama3-70b": dict(
-        n_layers=80,
-        d_model=8192,
-        n_heads=64,
-        n_kv_heads=8,
-        vocab_size=128_256,
-        ffn_dim_multiplier=1.3,
-        multiple_of=4096,
-        rope_theta=500_000.0,
-        seq_len=8192,
-    ),
-    "debug": dict(n_layers=4, d_model=256, n_heads=8, n_kv_heads=4, vocab_size=2048, multiple_of=64, seq_len=128),
-    "tiny": dict(n_layers=4, d_model=32, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, seq_len=16),
-}
+class RopeScaling(BaseModel):
+    """Llama 3.1's RoPE frequency scaling (``rope_type: llama3`` in Hugging Face configs)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["llama3"] = "llama3"
+    factor: float = Field(..., ge=1, description="long wavelengths are divided by this")
+    low_freq_factor: float = Field(..., gt=0)
+    high_freq_factor: float = Field(..., gt=0)
+    original_max_position_embeddings: int = Field(..., ge=1, description="the pre-training context length")
+
+    def check(self) -> None:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise SpecError(
+                "model.rope_scaling.high_freq_factor",
+                f"{self.high_freq_factor:g} must be larger than model.rope_scaling.low_freq_factor "
+                f"({self.low_freq_factor:g})",
+            )
 
 
 class LlamaConfig(BaseModel):
@@ -111,9 +111,10 @@ class LlamaConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["llama"] = "llama"
-    size: Literal["llama3-8b", "llama3-70b", "debug", "tiny"] | None = Field(
+    size: Literal[tuple(LLAMA_SIZES)] | None = Field(  # type: ignore[valid-type]
         None, description="a named shape (docs/models.md); the other keys override it"
     )
+    init_from: str | None = Field(None, description=INIT_FROM_HELP + "; its config.json gives the shape")
     n_layers: int = Field(4, ge=1)
     d_model: int = Field(256, ge=8)
     n_heads: int = Field(8, ge=1)
@@ -122,8 +123,12 @@ class LlamaConfig(BaseModel):
     seq_len: int = Field(128, ge=2)
     multiple_of: int = Field(256, ge=1, description="SwiGLU hidden size is rounded up to a multiple of this")
     ffn_dim_multiplier: float | None = Field(None, gt=0)
+    ffn_dim: int | None = Field(None, ge=1, description="SwiGLU hidden size; default from multiple_of")
     rope_theta: float = Field(500_000.0, gt=0)
+    rope_scaling: RopeScaling | None = None
     norm_eps: float = Field(1e-5, gt=0)
+    tie_embeddings: bool = Field(False, description="the output head shares the embedding's weight")
+    max_seq_len: int | None = Field(None, ge=2, description="the published context length (metadata)")
 
     @model_validator(mode="before")
     @classmethod
@@ -142,19 +147,27 @@ class LlamaConfig(BaseModel):
 
     @property
     def hidden_dim(self) -> int:
-        """SwiGLU hidden size, as Meta's reference code computes it (14336 for 8B)."""
+        """SwiGLU hidden size: ``ffn_dim``, else as Meta's reference code computes it (14336 for 8B)."""
+        if self.ffn_dim is not None:
+            return self.ffn_dim
         hidden = int(2 * 4 * self.d_model / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
     def check(self) -> None:
+        if self.init_from is not None:  # reads config.json only: the shape, checked against the keys given
+            from elastic.models.hf import apply_hf_config
+
+            apply_hf_config(self)
         if self.d_model % self.n_heads:
             raise SpecError("model.n_heads", f"{self.n_heads} does not divide model.d_model ({self.d_model})")
         if self.head_dim % 2:
             raise SpecError("model.n_heads", f"head dim d_model/n_heads = {self.head_dim} must be even for RoPE")
         if self.n_heads % self.kv_heads:
             raise SpecError("model.n_kv_heads", f"{self.kv_heads} does not divide model.n_heads ({self.n_heads})")
+        if self.rope_scaling is not None:
+            self.rope_scaling.check()
 
     def validate_layout(self, tp: int, pp: int) -> None:
         if tp > self.kv_heads or self.kv_heads % tp:
@@ -168,6 +181,11 @@ class LlamaConfig(BaseModel):
             raise SpecError("parallel.tp", f"{tp} does not divide the SwiGLU hidden size ({self.hidden_dim})")
         if self.n_layers % pp:
             raise SpecError("parallel.pp", f"{pp} does not divide model.n_layers ({self.n_layers})")
+        if pp > 1 and self.tie_embeddings:
+            raise SpecError(
+                "model.tie_embeddings",
+                "tied embeddings need parallel.pp=1 (embedding and head sit on different stages)",
+            )
 
     def block_params(self) -> int:
         d, kv = self.d_model, self.kv_heads * self.head_dim
@@ -186,7 +204,7 @@ class LlamaConfig(BaseModel):
             block_whole=2 * d,  # two RMSNorm weights
             first_split=self.vocab_size * d,
             first_whole=0,
-            last_split=self.vocab_size * d,
+            last_split=0 if self.tie_embeddings else self.vocab_size * d,
             last_whole=d,
             # Whole (16-bit, per s*b*h): the inputs of both norms and of the QKV and MLP
             # matmuls. Split: q, k, v and their rotated copies, the attention output, and
@@ -212,6 +230,7 @@ class CustomConfig(BaseModel):
     args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the factory")
     vocab_size: int | None = Field(None, ge=2, description="default: the factory's ModelSpec.vocab_size")
     seq_len: int | None = Field(None, ge=2, description="default: the factory's ModelSpec.seq_len")
+    init_from: str | None = Field(None, description=INIT_FROM_HELP + "; needs the factory's ModelSpec.hf")
     _import_root: str | None = PrivateAttr(None)  # where the driver found the module (see custom.py)
 
     def check(self) -> None:
@@ -221,6 +240,10 @@ class CustomConfig(BaseModel):
         spec = load_spec(self)
         self.vocab_size = self.vocab_size or spec.vocab_size
         self.seq_len = self.seq_len or spec.seq_len
+        if self.init_from is not None:
+            from elastic.models.hf import check_custom_init_from
+
+            check_custom_init_from(self, spec)
 
     def validate_layout(self, tp: int, pp: int) -> None:
         from elastic.models.custom import load_spec

@@ -21,6 +21,9 @@ The contract the engine relies on:
   ``loss_context(tp)`` (e.g. torch's ``loss_parallel``).
 * ``flops_per_token`` (training, forward + backward) feeds MFU; ``memory`` the memory model.
 * ``check_layout(tp, pp)`` refuses what the model cannot do, naming the spec field.
+* ``hf`` maps the model to and from a Hugging Face model (``model.init_from``, ``elastic
+  ckpt export --format hf``): its ``config.json``, tensor names and RoPE row layout
+  (``elastic.models.hf.HFAdapter``; ``None``: neither is possible).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from elastic.errors import SpecError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from elastic.models.hf import HFAdapter
     from elastic.parallel.memory_model import MemoryInputs
 
 
@@ -77,6 +81,7 @@ class ModelSpec:
     loss_context: Callable[[int], contextlib.AbstractContextManager] = _no_context
     validate_layout: Callable[[int, int], None] | None = None
     memory: MemoryInputs | None = None
+    hf: HFAdapter | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def check_layout(self, tp: int, pp: int) -> None:

@@ -205,7 +205,8 @@ class TrainWorker:
         t0 = time.perf_counter()
         trainer = Trainer(
             self.spec, dims, req.rank, self.device, self.tier, self.corpus, self._reports, self._stop,
-            hook=self.hook, peak_flops=peak, source=source, restoring=req.restore is not None,
+            hook=self.hook, peak_flops=peak, source=source,
+            restoring=req.restore is not None or self._init_from() is not None,
         )  # fmt: skip
         build_s = time.perf_counter() - t0
         self.group.built()  # the group's and its mesh's connections, cut on a failure
@@ -232,8 +233,16 @@ class TrainWorker:
         )  # fmt: skip
         return ConfigureReply(req.rank, trainer.step, init_s, build_s, restore_s, bytes_read)
 
+    def _init_from(self) -> str | None:
+        return getattr(self.spec.model, "init_from", None)
+
     def _restore(self, trainer: Trainer, restore: MemoryRestore | StorageRestore | None) -> int:
-        """Load ``restore`` into ``trainer``; returns the bytes read from storage."""
+        """Load ``restore`` into ``trainer``; returns the bytes read from storage.
+
+        No state to restore is a start from step 0: from ``model.init_from`` when set (a
+        snapshot or checkpoint, when there is one, holds trained weights and wins)."""
+        if restore is None and self._init_from() is not None:
+            return trainer.load_init_from()["bytes_read"]
         if isinstance(restore, StorageRestore):
             return trainer.load_storage(restore)["bytes_read"]
         if isinstance(restore, MemoryRestore):

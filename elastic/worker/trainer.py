@@ -102,6 +102,13 @@ class Trainer:
         restore_rng(_rng_of(objects))
         return stats
 
+    def load_init_from(self) -> dict[str, Any]:
+        """A fresh start from ``model.init_from`` (a Hugging Face directory); returns what was read."""
+        from elastic.checkpoint.hf_import import load_init_from
+
+        d = self.spec.data  # staggered like a restore from storage
+        return load_init_from(self.engine, self.spec.model.init_from, d.waves, d.max_reads_per_host)
+
     def _load_progress(self, objects: dict[str, Any]) -> None:
         self.step = int(objects["train/step"])
         self.batch_index = int(objects["train/batch_index"])

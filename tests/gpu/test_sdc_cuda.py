@@ -8,9 +8,9 @@ import pytest
 import torch
 from gpu_testlib import needs_cuda
 
-from elastic.worker.sdc_vote import twin_groups, vote
 from elastic.faults import flip_bit
 from elastic.worker.sdc import fingerprint, word_sum_fingerprint
+from elastic.worker.sdc_vote import twin_groups, vote
 
 pytestmark = [pytest.mark.gpu, needs_cuda, pytest.mark.timeout(120)]
 
