@@ -25,7 +25,6 @@ import json
 import logging
 import math
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -34,7 +33,7 @@ import time
 
 from benchmarks.harness.cluster import local_cluster
 from benchmarks.harness.plain_prepare import plain_loop
-from benchmarks.harness.results import results_path, utc_iso, write_json
+from benchmarks.harness.results import measured_now, results_path, write_json
 from benchmarks.harness.s3 import MotoS3
 from benchmarks.harness.stats import summary_with_runs
 
@@ -244,9 +243,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = tempfile.mkdtemp(prefix="data-ingest-")
     results = {
-        "measured_at": utc_iso(),
-        "host": platform.node(),
-        "cpus": os.cpu_count(),
+        **measured_now(),
         "load_before": os.getloadavg(),
     }
     moto = MotoS3("bench")

@@ -43,7 +43,7 @@ from dataclasses import asdict
 
 import torch
 
-from benchmarks.harness.results import machine, utc_stamp, write_json
+from benchmarks.harness.results import write_stamped
 from elastic.models.gpt import ModelConfig
 from elastic.testing.layout_memory import (
     DEFAULT_GLOBAL_BATCH,
@@ -229,11 +229,8 @@ def main(argv: list[str] | None = None) -> None:
             "model": model_cfg.model_dump(),
             "wall_s": wall_s,
             "layouts": rows,
-            "date_utc": utc_stamp(),
-            "machine": machine(),
         }
-        write_json(args.json_out, doc, newline=False)
-        print(f"wrote {args.json_out}")
+        write_stamped(args.json_out, doc)
 
 
 if __name__ == "__main__":

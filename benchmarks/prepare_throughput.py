@@ -20,7 +20,6 @@ import glob
 import json
 import logging
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -29,7 +28,7 @@ import tempfile
 import time
 
 from benchmarks.harness.plain_prepare import plain_loop
-from benchmarks.harness.results import results_path, utc_iso, write_json
+from benchmarks.harness.results import measured_now, results_path, write_json
 from benchmarks.harness.stats import summary_with_runs
 
 
@@ -66,9 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = tempfile.mkdtemp(prefix="prepare-bench-")
     results = {
-        "measured_at": utc_iso(),
-        "host": platform.node(),
-        "cpus": os.cpu_count(),
+        **measured_now(),
         "ray_cpus": args.cpus,
         "load_avg_at_start": os.getloadavg(),
         "note": "2-core machine shared with other jobs (load average above); timings are noisy",

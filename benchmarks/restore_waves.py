@@ -24,11 +24,10 @@ import json
 import logging
 import math
 import os
-import platform
 import sys
 import tempfile
 
-from benchmarks.harness.results import results_path, utc_iso, write_json
+from benchmarks.harness.results import measured_now, results_path, write_json
 from benchmarks.harness.s3 import MotoS3
 from benchmarks.harness.stats import summary_with_runs
 
@@ -78,9 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     proxy = CountingProxy(server.endpoint, prefix="/bench/", get_latency_s=args.get_latency)
     os.environ.update(MotoS3.environ(proxy.endpoint))
     results = {
-        "measured_at": utc_iso(),
-        "host": platform.node(),
-        "cpus": os.cpu_count(),
+        **measured_now(),
         "load_avg_at_start": os.getloadavg(),
         "note": "2-core machine shared with other jobs (load average above); timings are noisy",
         "setup": {"ranks": WORLD, "hosts": HOSTS, "zero": 3, "get_latency_s": args.get_latency},

@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.harness.results import machine, utc_stamp, write_json
+from benchmarks.harness.results import write_stamped
 from elastic.ingest.corpus import BatchLayout, ParquetCorpus, synthetic_corpus
 from elastic.parallel.dims import ParallelDims
 from elastic.testing.ports import free_port as _free_port
@@ -340,11 +340,8 @@ def main(argv: list[str] | None = None) -> None:
             "config": vars(args),
             "wall_s": wall_total,
             "shapes": summary,
-            "date_utc": utc_stamp(),
-            "machine": machine(),
         }
-        write_json(args.json_out, doc, newline=False)
-        print(f"wrote {args.json_out}")
+        write_stamped(args.json_out, doc)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,11 @@ def utc_iso() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
+def measured_now() -> dict[str, Any]:
+    """``measured_at`` (UTC), ``host`` and ``cpus``: the head of the data benchmarks' results files."""
+    return {"measured_at": utc_iso(), "host": platform.node(), "cpus": os.cpu_count()}
+
+
 def machine() -> dict[str, Any]:
     """The host, its CPU count and its load averages (1, 5, 15 minutes) now."""
     return {"hostname": platform.node(), "cpus": os.cpu_count(), "loadavg": list(os.getloadavg())}
@@ -55,3 +60,10 @@ def write_json(path: str, obj: Any, indent: int = 2, newline: bool = True) -> No
         if newline:
             f.write("\n")
     os.replace(path + ".tmp", path)
+
+
+def write_stamped(path: str, doc: dict[str, Any]) -> None:
+    """``doc`` with the date and the machine (``date_utc``, ``machine``) added at the end,
+    written to ``path``, and said."""
+    write_json(path, {**doc, "date_utc": utc_stamp(), "machine": machine()}, newline=False)
+    print(f"wrote {path}")

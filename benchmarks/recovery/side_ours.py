@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from benchmarks.harness.cluster import start_cluster
-from benchmarks.harness.kill import kill_node_now
+from benchmarks.harness.kill import add_node_now, kill_node_now, rejoin_figures
 from benchmarks.harness.proc import arm_deadline
 from benchmarks.harness.results import write_json
 
@@ -51,9 +51,7 @@ class KillAndReturn:
             due = self.out.setdefault("return_due_ts", time.time() + self.return_delay_s)
             if time.time() >= due:
                 self.returned = True
-                self.out["node_added_ts"] = time.time()
-                self.cluster.add_node(num_cpus=1)
-                self.out["node_added_done_ts"] = time.time()
+                add_node_now(self.out, self.cluster, num_cpus=1)
 
 
 class _Records(logging.Handler):
@@ -148,10 +146,9 @@ def analyse_ours(events: list[dict[str, Any]], out: dict[str, Any]) -> dict[str,
     if grow is not None and out.get("node_added_done_ts"):
         back = [e for e in steps if e["ts"] > grow["ts"] and e["dp"] == grow["new_dp"]]
         if back:
-            res["rejoin_s"] = back[0]["ts"] - out["node_added_done_ts"]
-            res["add_node_s"] = out["node_added_done_ts"] - out["node_added_ts"]
-            res["rejoin_note"] = (
+            note = (
                 "node up (Cluster.add_node returned) -> first step completed at the full size (a new "
                 "worker actor spawned, state sent from a live peer's memory)"
             )
+            res.update(rejoin_figures(out, back[0]["ts"], note))
     return res

@@ -14,7 +14,6 @@ child process.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import threading
@@ -24,7 +23,7 @@ from typing import Any
 from benchmarks.harness.cluster import start_cluster
 from benchmarks.harness.proc import arm_deadline
 from benchmarks.harness.results import write_json
-from benchmarks.recovery.progress import append_line, kill_rank_node, read_progress
+from benchmarks.recovery.progress import append_line, kill_rank_node, read_progress, side_inputs
 from benchmarks.recovery.scenario import NODES, RAY_TUNED_ENV
 
 
@@ -113,9 +112,7 @@ def raytrain_child(cfg: dict[str, Any]) -> None:
         "system_config": cfg.get("system_config"),
     }
     arm_deadline(cfg["side_timeout"], cfg["out"], out)
-    with open(cfg["spec"]) as f:
-        spec = json.load(f)
-    progress = os.path.join(cfg["work"], "progress.jsonl")
+    spec, progress = side_inputs(cfg)
     t0 = time.time()
     started = start_cluster(system_config=cfg.get("system_config"))
     out["cluster_start_s"] = time.time() - t0

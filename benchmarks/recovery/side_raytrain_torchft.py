@@ -26,29 +26,22 @@ as a crash.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import threading
 import time
 from typing import Any
 
 from benchmarks.harness.cluster import start_cluster
+from benchmarks.harness.kill import add_node_now
 from benchmarks.harness.proc import arm_deadline
 from benchmarks.harness.results import write_json
-from benchmarks.recovery.progress import append_line, read_progress
+from benchmarks.recovery import torchft_loop as ft
+from benchmarks.recovery.progress import append_line, read_progress, report_skipped, side_inputs
 from benchmarks.recovery.scenario import (
     NODES,
     RTFT_NODE_RESOURCE,
     TORCHFT_HEARTBEAT_TIMEOUT_MS,
     TORCHFT_JOIN_TIMEOUT_MS,
-)
-from benchmarks.recovery.torchft_loop import (
-    Replica,
-    analyse_torchft,
-    lighthouse_quorums,
-    start_kill_watch,
-    torchft_steps,
-    torchft_version,
 )
 
 
@@ -78,13 +71,13 @@ def raytrain_torchft_loop(config: dict[str, Any]) -> None:
         append_line(progress, {"ts": time.time(), "rank": idx, "world_rank": world_rank, **rec})
 
     log(kind="start", pid=os.getpid(), node_id=ray.get_runtime_context().get_node_id(), started_at=t_start)
-    replica = Replica.build(config["spec"])
+    replica = ft.Replica.build(config["spec"])
     # The lighthouse address comes from TORCHFT_LIGHTHOUSE (set by Ray Train's torchft
     # backend), the replica group's store from MASTER_ADDR/MASTER_PORT (its own
     # one-worker process group): torchft's defaults, as Ray's example uses them.
     manager = Manager(**replica.manager_kwargs(), replica_id=f"replica_{idx}_{os.getpid()}")
     corpus = ParquetCorpus(replica.spec.data.source)
-    torchft_steps(manager, replica, corpus, world_rank, progress, log, not replacement)
+    ft.torchft_steps(manager, replica, corpus, world_rank, progress, log, not replacement)
     log(kind="end", step=manager.current_step())
 
 
@@ -135,15 +128,11 @@ def raytrain_torchft_child(cfg: dict[str, Any]) -> None:
         from ray.train.torch import TorchTrainer  # noqa: F401
         from ray.train.v2.torch.torchft_config import TorchftConfig  # noqa: F401
     except Exception as exc:
-        out.update(status="skipped", error=f"torchft / TorchftConfig is not importable: {type(exc).__name__}: {exc}")
         out["completion_reason"] = "skipped"
-        write_json(cfg["out"], out)
-        os._exit(0)
+        report_skipped(cfg, out, "torchft / TorchftConfig", exc)
 
-    out["torchft_version"] = torchft_version()
-    with open(cfg["spec"]) as f:
-        spec = json.load(f)
-    progress = os.path.join(cfg["work"], "progress.jsonl")
+    out["torchft_version"] = ft.torchft_version()
+    spec, progress = side_inputs(cfg)
     t0 = time.time()
     # Ray Train pins its lighthouse actor (default resources: 1 CPU to be scheduled) to the
     # controller's node with a hard NodeAffinity; the controller runs on the driver's node,
@@ -166,7 +155,7 @@ def raytrain_torchft_child(cfg: dict[str, Any]) -> None:
             fit_out["raised"] = exc
         fit_out["done_ts"] = time.time()
 
-    start_kill_watch(out, started.cluster, progress, cfg, stop, return_due)
+    ft.start_kill_watch(out, started.cluster, progress, cfg, stop, return_due)
     fitter = threading.Thread(target=fit, daemon=True)
     fitter.start()
     # Leave time to write the result and stop the cluster before the hard deadline.
@@ -174,9 +163,7 @@ def raytrain_torchft_child(cfg: dict[str, Any]) -> None:
     try:
         while fitter.is_alive() and time.time() < deadline:
             if return_due and "node_added_ts" not in out and time.time() >= return_due[0]:
-                out["node_added_ts"] = time.time()
-                started.cluster.add_node(num_cpus=1, resources={RTFT_NODE_RESOURCE: 1})
-                out["node_added_done_ts"] = time.time()
+                add_node_now(out, started.cluster, num_cpus=1, resources={RTFT_NODE_RESOURCE: 1})
             fitter.join(timeout=0.05)
         stop.set()
         out.update(_completion(read_progress(progress), fitter.is_alive(), fit_out, spec["train"]["steps"], t0))
@@ -187,10 +174,10 @@ def raytrain_torchft_child(cfg: dict[str, Any]) -> None:
     # The lighthouse runs in Ray Train's actor: its quorum lines are in that worker's log.
     logs = glob.glob(os.path.join(os.environ.get("TMPDIR", "/tmp"), "ray", "session_*", "logs", "worker-*"))
     out["lighthouse_quorums"] = sorted(
-        (q for path in logs for q in lighthouse_quorums(path)), key=lambda q: q["created"]
+        (q for path in logs for q in ft.lighthouse_quorums(path)), key=lambda q: q["created"]
     )
     recs = read_progress(progress)
-    out.update(analyse_torchft(recs, out))
+    out.update(ft.analyse_torchft(recs, out))
     out.update(replacement_facts(recs, out))
     # Written before the cluster stops: a hung controller may hold ray.shutdown up, and the
     # deadline then kills the process group with the figures already on disk.

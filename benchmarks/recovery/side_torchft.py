@@ -19,16 +19,16 @@ process (the lighthouse lives there).
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 from typing import Any
 
 from benchmarks.harness.cluster import start_cluster
+from benchmarks.harness.kill import add_node_now
 from benchmarks.harness.proc import arm_deadline
 from benchmarks.harness.results import write_json
-from benchmarks.recovery.progress import append_line, read_progress
+from benchmarks.recovery.progress import append_line, read_progress, report_skipped, side_inputs
 from benchmarks.recovery.scenario import NODES, TORCHFT_HEARTBEAT_TIMEOUT_MS, TORCHFT_JOIN_TIMEOUT_MS
 from benchmarks.recovery.torchft_loop import (
     Replica,
@@ -80,15 +80,11 @@ def torchft_child(cfg: dict[str, Any]) -> None:
         import torchft  # noqa: F401
         from torchft.coordination import LighthouseServer
     except Exception as exc:
-        out.update(status="skipped", error=f"torchft is not importable: {type(exc).__name__}: {exc}")
-        write_json(cfg["out"], out)
-        os._exit(0)
+        report_skipped(cfg, out, "torchft", exc)
     import ray
 
     out["torchft_version"] = torchft_version()
-    with open(cfg["spec"]) as f:
-        spec = json.load(f)
-    progress = os.path.join(cfg["work"], "progress.jsonl")
+    spec, progress = side_inputs(cfg)
     t0 = time.time()
     started = start_cluster()
     cluster = started.cluster
@@ -115,10 +111,7 @@ def torchft_child(cfg: dict[str, Any]) -> None:
         deadline = time.time() + cfg["side_timeout"] - 20
         while pending and time.time() < deadline:
             if return_due and not new_ref and time.time() >= return_due[0]:
-                # Ray starts nodes from the main thread only (signal handlers).
-                out["node_added_ts"] = time.time()
-                cluster.add_node(num_cpus=1)
-                out["node_added_done_ts"] = time.time()
+                add_node_now(out, cluster, num_cpus=1)  # from the main thread, as Ray requires
                 new_ref.append(replica_task.remote(dict(base, replica=NODES)))
             ready, _ = ray.wait(list(pending.values()), num_returns=1, timeout=0.05)
             for ref in ready:

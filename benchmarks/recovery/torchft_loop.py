@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchmarks.harness.kill import rejoin_figures
 from benchmarks.recovery.progress import kill_rank_node, read_progress
 from benchmarks.recovery.scenario import NODES
 
@@ -270,12 +271,11 @@ def _rejoin(recs: list[dict[str, Any]], committed: list[dict[str, Any]], out: di
     new = [r for r in committed if r["rank"] == NODES and r["participants"] == NODES]
     start = next((r for r in recs if r["kind"] == "start" and r["rank"] == NODES), None)
     if new:
-        res["rejoin_s"] = new[0]["ts"] - out["node_added_done_ts"]
-        res["add_node_s"] = out["node_added_done_ts"] - out["node_added_ts"]
-        res["rejoin_note"] = (
+        note = (
             "node up (Cluster.add_node returned) -> the new replica's first committed step with every "
             "replica (a new process: imports, model build, Manager, then healed from a live peer over HTTP)"
         )
+        res.update(rejoin_figures(out, new[0]["ts"], note))
         if start is not None:
             res["rejoin_from_process_start_s"] = new[0]["ts"] - start["started_at"]
         if start is not None and new[0].get("healed_ts"):
