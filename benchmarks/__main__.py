@@ -34,11 +34,15 @@ def list_benchmarks() -> None:
     print("\nquick settings (make bench):")
     for b in BENCHMARKS:
         print(f"  python -m {b.module} {' '.join(b.quick)}")
+    print("\npublished runs (make bench-full; defaults otherwise):")
+    for b in BENCHMARKS:
+        if b.full:
+            print(f"  python -m {b.module} {' '.join(b.full)}")
 
 
 def command(b: Benchmark, full: bool, out_dir: str) -> list[str]:
     if full:
-        args = [b.out_flag, b.published()] if b.out_flag and b.results else []
+        args = list(b.full) + ([b.out_flag, b.published()] if b.out_flag and b.results else [])
     else:
         args = list(b.quick) + ([b.out_flag, os.path.join(out_dir, f"{b.name}.json")] if b.out_flag else [])
     return module_command(b.module, *args)

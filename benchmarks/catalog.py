@@ -37,6 +37,7 @@ class Benchmark:
     quick: tuple[str, ...]  # the settings `make bench` runs it with
     needs: tuple[Need, ...] = ()  # without one of these it cannot run here
     optional: tuple[Need, ...] = ()  # without one of these a side is reported skipped
+    full: tuple[str, ...] = ()  # the published run's settings, where they are not the defaults
 
     @property
     def module(self) -> str:
@@ -60,6 +61,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "checkpoint_stall.json",
         "--json",
         ("--d-model", "128", "--layers", "2", "--checkpoints", "3", "--every", "2", "--reps", "1"),
+        full=("--d-model", "256", "--layers", "4", "--checkpoints", "3"),
     ),
     Benchmark(
         "tp_data_sharing",

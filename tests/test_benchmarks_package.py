@@ -80,18 +80,20 @@ def test_every_module_is_in_the_catalog():
 
 
 @pytest.mark.parametrize("bench", catalog.BENCHMARKS, ids=lambda b: b.name)
-def test_every_benchmark_answers_help_with_its_quick_settings(bench, capsys):
-    """``--help`` after the quick settings: argparse checks each value on the way (a bad one
-    exits 2), and every option the catalog passes must be one the benchmark offers, spelled
-    out (argparse would take an abbreviation silently)."""
+def test_every_benchmark_answers_help_with_its_quick_and_published_settings(bench, capsys):
+    """``--help`` after the catalog's settings: argparse checks each value on the way (a bad
+    one exits 2), and every option the catalog passes must be one the benchmark offers,
+    spelled out (argparse would take an abbreviation silently)."""
     module = importlib.import_module(bench.module)
-    with pytest.raises(SystemExit) as done:
-        module.main([*bench.quick, "--help"])
-    assert done.value.code == 0
-    usage = capsys.readouterr().out
-    flags = [a for a in bench.quick if a.startswith("--")] + ([bench.out_flag] if bench.out_flag else [])
-    offered = set(re.findall(r"(?<![\w-])--[\w-]+", usage))
-    assert flags and set(flags) <= offered, (set(flags) - offered, usage)
+    for settings in (bench.quick, bench.full):
+        with pytest.raises(SystemExit) as done:
+            module.main([*settings, "--help"])
+        assert done.value.code == 0, settings
+        usage = capsys.readouterr().out
+        offered = set(re.findall(r"(?<![\w-])--[\w-]+", usage))
+        flags = [a for a in settings if a.startswith("--")] + ([bench.out_flag] if bench.out_flag else [])
+        assert set(flags) <= offered, (set(flags) - offered, usage)
+    assert bench.quick
 
 
 @pytest.mark.parametrize("name", ["torchrun_ddp_baseline", "__main__"])
