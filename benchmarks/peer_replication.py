@@ -28,6 +28,7 @@ import statistics
 import tempfile
 
 from benchmarks.harness import QUICKSTART
+from benchmarks.harness.cluster import embedded_cpus, local_ray
 from benchmarks.harness.stats import least_squares_slope
 from elastic import ElasticTrainer
 from elastic.faults import Fault, FaultInjector
@@ -54,7 +55,9 @@ def run(work: str, name: str, steps: int, replicate: bool, extra: list[str], cal
     ]
     spec = JobSpec.from_yaml(QUICKSTART, overrides=overrides)
     run_dir = os.path.join(work, name)
-    result = ElasticTrainer(spec, run_dir=run_dir, callbacks=list(callbacks)).fit()
+    # Its own Ray, sized as the trainer's embedded one: never a cluster another process recorded.
+    with local_ray(embedded_cpus(spec)):
+        result = ElasticTrainer(spec, run_dir=run_dir, callbacks=list(callbacks)).fit()
     return run_dir, result.model_dump()
 
 

@@ -1,5 +1,5 @@
 """Local multi-node Ray clusters for the benchmarks (``ray.cluster_utils.Cluster``), each on a
-private ``TMPDIR``. Runs in a benchmark's driver process.
+private ``TMPDIR``, and a private single-node Ray. Runs in a benchmark's driver process.
 
 A private ``TMPDIR`` keeps Ray's session files and its ``ray_current_cluster`` address file
 away from ``/tmp/ray``: no other process on this shared machine joins the benchmark's
@@ -118,3 +118,23 @@ def local_cluster(nodes: int = 4, **kwargs: Any) -> Iterator[Any]:
         yield started.cluster
     finally:
         started.stop()
+
+
+def embedded_cpus(spec: Any) -> int:
+    """The logical CPUs of the embedded Ray ``ElasticTrainer`` starts for ``spec``: enough for
+    ``max_dp`` replicas even on a 2-core machine."""
+    workers = spec.elastic.max_dp * spec.parallel.replica_size
+    return max(os.cpu_count() or 1, workers * max(int(spec.resources.cpus_per_worker), 1) + 1)
+
+
+@contextlib.contextmanager
+def local_ray(num_cpus: int, log_level: int = logging.WARNING) -> Iterator[None]:
+    """A new single-node Ray in this process for the block (``address="local"``): a trainer
+    started inside it never joins a cluster that another process on the machine recorded."""
+    import ray
+
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, logging_level=log_level)
+    try:
+        yield
+    finally:
+        ray.shutdown()

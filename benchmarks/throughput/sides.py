@@ -8,12 +8,12 @@ driver process, and ``ours_child`` in its child.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import statistics
 import sys
 
 from benchmarks.harness import BENCHMARKS_DIR
+from benchmarks.harness.cluster import embedded_cpus, local_ray
 from benchmarks.harness.cpu import TreeCPU
 from benchmarks.harness.proc import child_env, module_command, run_logged, tail
 from benchmarks.harness.stats import least_squares_slope, theil_sen_slope
@@ -99,24 +99,15 @@ def run_ours(entry: str, spec_path: str, run_dir: str, timeout: float, warmup: i
 
 def ours_child(spec_path: str, run_dir: str) -> None:
     """Runs in a fresh process: one ElasticTrainer.fit() on a private embedded local Ray."""
-    import ray
-
     from elastic import ElasticTrainer
     from jobs import JobSpec
 
     with open(spec_path) as f:
         spec = JobSpec.from_dict(json.load(f))
-    workers = spec.elastic.max_dp * spec.parallel.replica_size
     # Started here rather than by ElasticTrainer so that it can never join another
     # developer's running cluster; sized exactly as the trainer's embedded Ray would be.
-    cpus = max(os.cpu_count() or 1, workers * max(int(spec.resources.cpus_per_worker), 1) + 1)
-    ray.init(
-        address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING
-    )
-    try:
+    with local_ray(embedded_cpus(spec)):
         result = ElasticTrainer(spec, run_dir=run_dir, progress=False).fit()
-    finally:
-        ray.shutdown()
     if result is None or result.status != "succeeded":
         raise SystemExit(f"elastic run did not succeed: {result}")
 
