@@ -10,3 +10,7 @@
 * ``sweep.py``       the sweep's trial body without Tune, one real out-of-memory trial
 * ``snapshot.py``    the CUDA -> pinned-CPU memory-tier snapshot as a fraction of step time
 """
+
+from benchmarks.gpu_check.runner import main
+
+__all__ = ["main"]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import math
 
-import ckpt_gloo_workers
 import pytest
 import torch
 
+from elastic.testing import checkpoint_ranks
 from elastic.testing.ranks import run_ranks
 
 
@@ -22,7 +22,7 @@ def test_staggered_restore_reads_each_shard_once(tmp_path, zero):
     equal the saved ones (weights, AdamW state, lr, scheduler) and train on identically.
     """
     root, out = str(tmp_path / "ckpt"), tmp_path / "out"
-    ranks = run_ranks(2, ckpt_gloo_workers.staggered_restore, (root, zero), out)
+    ranks = run_ranks(2, checkpoint_ranks.staggered_restore, (root, zero), out)
     doc = json.loads((tmp_path / "ckpt" / "step_00000003" / "metadata.json").read_text())
     data_bytes = sum(c["length"] for t in doc["tensors"].values() for c in t["chunks"])  # as stored
     raw_bytes = sum(math.prod(t["size"]) * getattr(torch, t["dtype"]).itemsize for t in doc["tensors"].values())
@@ -43,7 +43,7 @@ def test_staggered_restore_reads_each_shard_once(tmp_path, zero):
 
 @pytest.mark.timeout(240)
 def test_fsdp_dp2_snapshots_reshard_into_dp1(tmp_path):
-    r = run_ranks(2, ckpt_gloo_workers.reshard_memory, (), tmp_path / "out")[0]
+    r = run_ranks(2, checkpoint_ranks.reshard_memory, (), tmp_path / "out")[0]
     assert r["sharded"] == ["ShardRecord"]  # the snapshots really were FSDP shards
     assert r["diff"] == [] and r["lr"] == r["want_lr"]
     assert r["losses"][1] == pytest.approx(r["losses"][0], rel=1e-5)
@@ -54,7 +54,7 @@ def test_restore_reads_follow_the_waves(tmp_path):
     """FSDP dp=4 on 4 pretend hosts, ``waves: 2``, one read per host: ranks 0-1 read, then
     ranks 2-3, never overlapping; every box is still read once and the state is exact."""
     root = str(tmp_path / "ckpt")
-    ranks = run_ranks(4, ckpt_gloo_workers.staggered_restore, (root, 3, 2, 1, 4), tmp_path / "out")
+    ranks = run_ranks(4, checkpoint_ranks.staggered_restore, (root, 3, 2, 1, 4), tmp_path / "out")
     stats = [r["stats"] for r in ranks]
     assert [s["read_round"] for s in stats] == [0, 0, 1, 1] and {s["read_rounds"] for s in stats} == {2}
     assert max(s["read_ended_at"] for s in stats[:2]) <= min(s["read_started_at"] for s in stats[2:])

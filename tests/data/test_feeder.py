@@ -8,13 +8,13 @@ import json
 import numpy as np
 import pytest
 import ray
-from ingest_testlib import stdlib_texts, write_jsonl
 
 from elastic import ElasticTrainer
 from elastic.ingest.corpus import BatchLayout, ParquetCorpus
 from elastic.ingest.feeder import HostFeeder
 from elastic.ingest.host_readers import feeder_batches, resolve_loader
 from elastic.ingest.prepare import PrepareConfig, prepare
+from elastic.testing.texts import stdlib_texts, write_jsonl
 from jobs import JobSpec
 
 pytestmark = pytest.mark.timeout(240)

@@ -14,12 +14,12 @@ import time
 
 import boto3
 import pytest
-from ingest_testlib import stdlib_texts, write_jsonl
 
 from elastic import ElasticTrainer
 from elastic.events import read_events
 from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault
 from elastic.testing.s3proxy import CountingProxy
+from elastic.testing.texts import stdlib_texts, write_jsonl
 from jobs import JobSpec
 from jobs.cli import main as cli_main
 

@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from ingest_testlib import stdlib_texts, write_jsonl
 
 from elastic.ingest import tokenizer as toks
 from elastic.ingest.index import read_index
 from elastic.ingest.prepare import PrepareConfig, prepare
+from elastic.testing.texts import stdlib_texts, write_jsonl
 from jobs.cli import main as cli_main
 
 pytestmark = pytest.mark.timeout(180)

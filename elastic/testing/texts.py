@@ -1,4 +1,5 @@
-"""Helpers for the data-ingest tests: input text made locally from the standard library's sources."""
+"""Input text for the data-ingest tests and benchmarks, made locally from the standard library's
+sources (text on every machine, nothing downloaded). Runs in the test or benchmark process."""
 
 from __future__ import annotations
 

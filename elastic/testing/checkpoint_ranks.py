@@ -1,8 +1,9 @@
-"""Bodies of the multi-process gloo checkpoint tests (importable by spawned children).
+"""Bodies of the multi-process gloo checkpoint tests and of ``benchmarks/restore_waves.py``
+(importable by the spawned rank processes they run in).
 
 Real ``TrainEngine``s on a gloo CPU mesh, saved through the storage tier's own classes
 (``MemoryTier`` snapshot, ``StorageUploader``, ``CheckpointCommitter``) and restored through
-``restore.py``. Each rank pickles what it saw to ``out/rank{r}.pkl`` for the test to check.
+``restore.py``. Each rank returns what it saw (``run_ranks`` pickles it) for the caller to check.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from elastic.checkpoint.storage_tier import StorageUploader, walk_state
 from elastic.events import EventLog
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
+from elastic.spec import JobSpec
 from elastic.testing.ranks import init_group
-from jobs import JobSpec
 
 GLOBAL, MICRO, STEPS = 8, 2, 3
 
