@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, T
 
 from elastic.errors import SpecError
 from elastic.models.llama_sizes import LLAMA_SIZES
-from elastic.parallel.memory_model import MemoryInputs
+from elastic.parallel.memory_model import LayerActivations, MemoryInputs
 
 INIT_FROM_HELP = "a Hugging Face model directory (config.json + *.safetensors), local path or fsspec URI"
 
@@ -59,22 +59,31 @@ class GPTConfig(BaseModel):
             )
 
     def memory_inputs(self) -> MemoryInputs:
-        d, r = self.d_model, self.mlp_ratio
+        d, r, V = self.d_model, self.mlp_ratio, self.vocab_size
+        tied = self.tie_embeddings  # a tied table is replicated under TP (the plan shards untied ones only)
         return MemoryInputs(
             n_layers=self.n_layers,
             d_model=d,
             n_heads=self.n_heads,
             seq_len=self.seq_len,
-            vocab_size=self.vocab_size,
+            vocab_size=V,
             block_split=(4 + 2 * r) * d * d,
             block_whole=4 * d,  # two LayerNorms (weight + bias)
-            first_split=self.vocab_size * d,
-            first_whole=self.seq_len * d,
-            last_split=0 if self.tie_embeddings else self.vocab_size * d,
+            first_split=0 if tied else V * d,
+            first_whole=self.seq_len * d + (V * d if tied else 0),
+            last_split=0 if tied else V * d,
             last_whole=2 * d,
-            act_whole=10,
-            act_split=8 + 4 * r,
             act_scores=0,  # fused attention (scaled_dot_product_attention): no stored softmax
+            vocab_parallel=not tied,
+            embedding_grad_whole=True,
+            head_params=V * d,
+            # Bytes per token and d_model unit, counted from the ops and measured with the
+            # live-tensor tracker (docs/sweep.md). Whole: each LayerNorm's input and output
+            # (under autocast the output's 16-bit copy for each linear instead). Split: q, k,
+            # v, the attention output, the MLP's two hidden states (r d wide).
+            act_fp32=LayerActivations(whole=16, split=16 + 8 * r, residual=4, head=8, backward=8 * r),
+            act_autocast=LayerActivations(whole=16, split=8 + 4 * r, residual=4, head=6, backward=4 * r),
+            act_bf16=LayerActivations(whole=8, split=8 + 4 * r, residual=2, head=4, backward=4 * r),
         )
 
     def flops_per_token(self) -> float:
@@ -192,26 +201,33 @@ class LlamaConfig(BaseModel):
         return 2 * d * d + 2 * d * kv + 3 * d * self.hidden_dim
 
     def memory_inputs(self) -> MemoryInputs:
-        d, h = self.d_model, self.hidden_dim
-        kv_frac = self.kv_heads / self.n_heads
+        d, V = self.d_model, self.vocab_size
+        r = self.hidden_dim / d
+        tied = self.tie_embeddings  # a tied table is replicated under TP (the plan shards untied ones only)
         return MemoryInputs(
             n_layers=self.n_layers,
             d_model=d,
             n_heads=self.n_heads,
             seq_len=self.seq_len,
-            vocab_size=self.vocab_size,
+            vocab_size=V,
             block_split=self.block_params(),
             block_whole=2 * d,  # two RMSNorm weights
-            first_split=self.vocab_size * d,
-            first_whole=0,
-            last_split=0 if self.tie_embeddings else self.vocab_size * d,
+            first_split=0 if tied else V * d,
+            first_whole=V * d if tied else 0,
+            last_split=0 if tied else V * d,
             last_whole=d,
-            # Whole (16-bit, per s*b*h): the inputs of both norms and of the QKV and MLP
-            # matmuls. Split: q, k, v and their rotated copies, the attention output, and
-            # the SwiGLU w1/w3 outputs, their gated product and the SiLU output.
-            act_whole=8,
-            act_split=6 + 6 * kv_frac + 8 * h / d,
             act_scores=0,  # fused attention (scaled_dot_product_attention): no stored softmax
+            vocab_parallel=not tied,
+            embedding_grad_whole=True,
+            head_params=V * d,
+            # Bytes per token and d_model unit, counted from the ops and measured with the
+            # live-tensor tracker (docs/sweep.md). Whole: each RMSNorm's input, normalised
+            # value and output (fp32 inside the norm), the output's copies for the linears.
+            # Split: rotated q, k and v repeated to every query head, the attention output
+            # and its copy into the o-projection's input, the SwiGLU's four hidden states.
+            act_fp32=LayerActivations(whole=24, split=20 + 16 * r, residual=4, head=12, backward=12 * r),
+            act_autocast=LayerActivations(whole=26, split=10 + 8 * r, residual=4, head=10, backward=6 * r),
+            act_bf16=LayerActivations(whole=20, split=10 + 8 * r, residual=2, head=10, backward=6 * r),
         )
 
     def flops_per_token(self) -> float:

@@ -96,10 +96,11 @@ class TrainEngine:
         self.build_timings["optimizer_s"] = time.perf_counter() - t1
         self._params = [p for p in self.model.parameters() if p.requires_grad]
 
-        self.schedule = None
+        self.schedule = self.pipeline_stage = None
         if dims.pp_enabled:
+            self.pipeline_stage = pp.build_stage(self.model, dims.pp_mesh, self.device)
             self.schedule = pp.build_schedule(
-                self.model, dims.pp_mesh, self.device, self.grad_accum, self.spec.loss_fn, parallel_cfg.pp_schedule
+                self.pipeline_stage, self.grad_accum, self.spec.loss_fn, parallel_cfg.pp_schedule
             )
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -189,6 +190,7 @@ class TrainEngine:
             with ddp.micro_batch_context(self.model, is_last):
                 logits = self.model(inputs.to(self.device))
                 loss = self.spec.loss_fn(logits, targets.to(self.device))
+                del logits  # the loss keeps what backward needs; the logits would hold b*s*V more
                 if is_last and self.dims.dp_enabled and loss.requires_grad:
                     with _own_backward(loss) as own:
                         (loss / self.grad_accum).backward()
@@ -245,6 +247,8 @@ class TrainEngine:
         probe.register(list(self.model.parameters()) + list(self.model.buffers()))
         probe.register(tensors_in(self.optimizer.state))
         probe.register([t for pair in micro_batches for t in pair])
+        if self.pipeline_stage is not None:  # allocated by the first step, written in place by receives
+            probe.register(pp.received_buffers(self.pipeline_stage))
         self._probe = probe
 
     def zero_grad(self) -> None:

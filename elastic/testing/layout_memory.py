@@ -65,9 +65,12 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from pydantic import TypeAdapter
 
+from elastic.models.config import AnyModelConfig
 from elastic.models.gpt import ModelConfig
 from elastic.optim import TrainConfig
+from elastic.parallel import pp
 from elastic.parallel.config import ParallelConfig
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
@@ -202,8 +205,10 @@ def rank_main(rank: int, world: int, cfg: dict, out_dir: str) -> None:
         world_size=world,
         timeout=datetime.timedelta(seconds=300),
     )
-    model_cfg = ModelConfig(**cfg["model"])
-    train_cfg = TrainConfig(steps=10_000, global_batch=cfg["global_batch"], lr=1e-4, warmup_steps=1)
+    model_cfg = TypeAdapter(AnyModelConfig).validate_python(cfg["model"])
+    train_cfg = TrainConfig(
+        steps=10_000, global_batch=cfg["global_batch"], lr=1e-4, warmup_steps=1, dtype=cfg.get("dtype", "fp32")
+    )
     layouts = [Layout(**d) for d in cfg["layouts"]]
     mb = cfg["micro_batch"]
     engines: dict[str, TrainEngine] = {}
@@ -244,6 +249,8 @@ def rank_main(rank: int, world: int, cfg: dict, out_dir: str) -> None:
             tracker.register(list(engine.model.parameters()) + list(engine.model.buffers()))
             tracker.register(_tensors(engine.optimizer.state))
             tracker.register([t for pair in mbs for t in pair])
+            if engine.pipeline_stage is not None:  # kept from the first step, written in place by receives
+                tracker.register(pp.received_buffers(engine.pipeline_stage))
             loss = engine.forward_backward(mbs)
             params = [p for p in engine.model.parameters()]
             params_b = tensor_bytes(params, device)
@@ -301,8 +308,10 @@ def rank_main(rank: int, world: int, cfg: dict, out_dir: str) -> None:
 # --------------------------------------------------------------------------- driver
 
 
-def predict(layout: Layout, model_cfg: ModelConfig, micro_batch: int, grad_accum: int) -> MemoryEstimate:
-    """The memory model's figure for ``layout`` (fp32, the engine's 1F1B schedule, no SP: the TP plan has none)."""
+def predict(
+    layout: Layout, model_cfg: ModelConfig, micro_batch: int, grad_accum: int, dtype: str = "fp32"
+) -> MemoryEstimate:
+    """The memory model's figure for ``layout`` (fp32 state, ``dtype`` compute, the engine's 1F1B schedule)."""
     return estimate_memory(
         model_cfg,
         tp=layout.tp,
@@ -314,6 +323,7 @@ def predict(layout: Layout, model_cfg: ModelConfig, micro_batch: int, grad_accum
         dtype_bytes=4,
         num_microbatches=grad_accum,
         pp_schedule="1f1b",
+        compute_dtype_bytes=2 if dtype == "bf16" else None,
     )
 
 
@@ -333,6 +343,7 @@ def run_layouts(
     rounds: int = 0,
     steps_per_round: int = 0,
     seed: int = 0,
+    dtype: str = "fp32",
 ) -> list[dict]:
     """Spawn ``world`` ranks that run ``rank_main``; returns each rank's results (by layout name)."""
     bad = [lay.name for lay in layouts if lay.world != world]
@@ -348,6 +359,7 @@ def run_layouts(
         "rounds": rounds,
         "steps_per_round": steps_per_round,
         "seed": seed,
+        "dtype": dtype,
         "layouts": [asdict(lay) for lay in layouts],
     }
     with tempfile.TemporaryDirectory(prefix="parallel_layouts-") as out_dir:
@@ -360,10 +372,15 @@ def run_layouts(
 
 
 def peak_vs_prediction(
-    layout: Layout, per_rank: list[dict], model_cfg: ModelConfig, micro_batch: int, device: str = "cpu"
+    layout: Layout,
+    per_rank: list[dict],
+    model_cfg: ModelConfig,
+    micro_batch: int,
+    device: str = "cpu",
+    dtype: str = "fp32",
 ) -> tuple[int, MemoryEstimate, float]:
     """(measured peak of the worst rank, the prediction, measured / predicted) for one layout."""
     ranks = [r[layout.name] for r in per_rank]
     measured = max(r[peak_key(device)] for r in ranks)
-    est = predict(layout, model_cfg, micro_batch, ranks[0]["grad_accum"])
+    est = predict(layout, model_cfg, micro_batch, ranks[0]["grad_accum"], dtype)
     return measured, est, measured / est.total
