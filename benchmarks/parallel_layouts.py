@@ -5,7 +5,7 @@ batch through the project's ``TrainEngine``, in one run of ``--world`` spawned r
 127.0.0.1, one torch thread per rank; ``--device cuda`` uses NCCL, one GPU per rank).
 Default layouts for 4 ranks::
 
-    DP4 (zero 0)   DP2xTP2   DP2xPP2   TP2xPP2   ZeRO-3xDP4   ZeRO-2+AC xDP2xTP2   ZeRO-1xDP4
+    DP4 (zero 0)   DP2xTP2   DP2xPP2   TP2xPP2   ZeRO-3xDP4   ZeRO-2+AC xDP2xTP2   ZeRO-1xDP4   TP2xPP2+AC
 
 Phases (all in the same process group, all engines kept alive):
 

@@ -40,10 +40,13 @@ warm-up) minus ``memory_allocated`` right before the engine was built: the exact
 which the CPU tracker only approximates.
 
 The prediction (``predict``) is ``elastic.parallel.memory_model.estimate_memory`` at the layout's
-tp/pp/dp/zero, micro-batch, recompute flag, ``dtype_bytes=4`` (the engine trains in fp32),
-the real number of micro-batches per step and the PP schedule, with the model's default
-``sequence_parallel`` (off, as in the TP plan). It is the worst pipeline stage; the
-measured figure is the worst rank.
+tp/pp/dp/zero, micro-batch, recompute flag, fp32 state (``dtype_bytes=4``) and the run's
+compute precision (``dtype``: fp32, or bf16 as autocast / FSDP's bf16 policy), the real number
+of micro-batches per step and the PP schedule. It is the worst pipeline stage; the
+measured figure is the worst rank. ``PipelineStage``'s receive buffers are registered with
+the tracker (allocated by the first step, written in place by receives, they would
+otherwise be invisible); classic DDP's reducer buckets are seen only once an op returns a
+view of them, so DDP layouts read a little low on CPU.
 
 Longer than the ~350 lines we aim for: a measurement harness (layouts, gloo ranks, peak
 memory) used by one test and one benchmark, kept in one file.
@@ -107,6 +110,7 @@ LAYOUTS = [
     Layout("ZeRO-3xDP4", dp=4, zero=3),
     Layout("ZeRO-2+ACxDP2xTP2", dp=2, tp=2, zero=2, ac=True),
     Layout("ZeRO-1xDP4", dp=4, zero=1),
+    Layout("TP2xPP2+AC", dp=1, tp=2, pp=2, ac=True),
 ]
 
 
