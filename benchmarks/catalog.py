@@ -71,6 +71,13 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ("--shapes", "quickstart", "--steps", "30", "--warmup", "2"),
     ),
     Benchmark(
+        "playbook_memory",
+        "the memory model's estimate vs the Ultra-Scale Playbook's published peaks (Llama 3.1 8B, 8 H100)",
+        None,
+        "--json",
+        ("--model", "llama3.1-8b"),
+    ),
+    Benchmark(
         "parallel_layouts",
         "tokens/s and per-rank memory of DP/TP/PP/ZeRO layouts, and the memory model's prediction",
         None,
