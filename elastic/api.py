@@ -19,6 +19,7 @@ from elastic.ingest.corpus import synthetic_corpus
 from elastic.progress import ProgressDisplay, format_summary
 from elastic.report.metrics import start_metrics
 from elastic.report.print_report import print_report
+from elastic.report.tracking import start_tensorboard
 from elastic.worker.hooks import StepHook
 
 if TYPE_CHECKING:
@@ -69,6 +70,11 @@ class ElasticTrainer:
         metrics = start_metrics(os.path.basename(self.run_dir))  # live Ray metrics (docs/observability.md)
         if metrics is not None:
             events.subscribe(metrics)
+        tensorboard = start_tensorboard(self.spec.train.tensorboard, self.run_dir)  # train.tensorboard
+        if tensorboard is not None:
+            events.subscribe(tensorboard)
+        for cb in self.callbacks:
+            events.subscribe(cb.after_event)
         signals = StopSignals(self.spec.elastic.stop_grace_s)  # after ray.init, which installs its own
         signals.install()
         try:
@@ -100,6 +106,8 @@ class ElasticTrainer:
         finally:
             signals.uninstall()
             events.close()
+            if tensorboard is not None:
+                tensorboard.close()
             for cb in self.callbacks:
                 cb.close()
             if started_ray:

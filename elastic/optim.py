@@ -6,7 +6,7 @@ import math
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class TrainConfig(BaseModel):
@@ -23,6 +23,17 @@ class TrainConfig(BaseModel):
         None, description="compute precision; default bf16 on CUDA, fp32 on CPU (state stays fp32)"
     )
     compile: bool = Field(False, description="torch.compile each transformer block")
+    tensorboard: bool | str = Field(
+        False,
+        description="write TensorBoard scalars: true for RUN_DIR/tensorboard, or a directory (docs/observability.md)",
+    )
+
+    @field_validator("tensorboard")
+    @classmethod
+    def _tensorboard_dir(cls, value: bool | str) -> bool | str:
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("must be true, false or a directory, got an empty string")
+        return value
 
     def resolved_dtype(self, device_type: str) -> str:
         return self.dtype or ("bf16" if device_type == "cuda" else "fp32")
