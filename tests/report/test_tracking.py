@@ -6,9 +6,9 @@ needs a network or a login)."""
 from __future__ import annotations
 
 import sys
-import types
 
 import pytest
+from tracking_fakes import FakeWandb
 
 from elastic.report.tracking import EventScalars, TensorBoardWriter, tensorboard_dir
 
@@ -131,30 +131,6 @@ def test_mlflow_local_file_store(tmp_path, monkeypatch):
     failed_id = failed.run_id
     failed.close()
     assert client.get_run(failed_id).info.status == "FAILED"
-
-
-class FakeWandb(types.ModuleType):
-    """The part of ``wandb``'s API the callback uses, recording every call."""
-
-    def __init__(self):
-        super().__init__("wandb")
-        self.calls: list[tuple] = []
-
-    def init(self, **kwargs):
-        self.calls.append(("init", kwargs))
-        fake = self
-
-        class Run:
-            def define_metric(self, name, step_metric=None):
-                fake.calls.append(("define_metric", name, step_metric))
-
-            def log(self, data):
-                fake.calls.append(("log", data))
-
-            def finish(self):
-                fake.calls.append(("finish",))
-
-        return Run()
 
 
 def test_wandb_callback_against_the_wandb_api(monkeypatch):
