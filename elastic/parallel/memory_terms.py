@@ -8,14 +8,15 @@ A stage's bytes are ``state + buffers + pipeline + the largest of three moments`
 
 * **state**: parameters, gradients and optimizer state as the engine keeps them
   (``parallelize.py``: classic DDP, ``replicate`` or FSDP2 at the ZeRO level);
-* **buffers**: what the step allocates beside them: DDP's bucket copy of the gradients,
-  one block's flat reduction input, FSDP2's unsharded (all-gathered) parameters, and
-  autocast's 16-bit weight copies;
+* **buffers**: the copies kept through the step: DDP's buckets, ``replicate``'s and FSDP2's
+  unsharded parameters, autocast's 16-bit weights; when backward ends, one unit's
+  reduction buffers too;
 * **pipeline**: ``PipelineStage``'s receive buffers, one per micro-batch of the step for
   activations (every stage but the first) and for their gradients (every stage but the
   last), allocated once and kept, plus the stage outputs kept for backward;
-* the moments: backward starts (every micro-batch in flight stored, the loss tensors),
-  the first recomputed layer, backward ends (all gradients).
+* the moments: backward starts (every micro-batch in flight stored, the loss's
+  gradients), a layer's backward (its weight gradients, the gradients of its
+  activations, a recomputed layer), backward ends (every gradient).
 """
 
 from __future__ import annotations
