@@ -91,8 +91,15 @@ def test_sweep_keeps_a_tp_layout_whose_measured_peak_fits():
     # The old rule (the logits and the embedding counted whole under TP) prunes it.
     from elastic.parallel.memory_model import estimate_memory
 
-    whole = dataclasses.replace(model.memory_inputs(), vocab_parallel=False, first_split=0, last_split=0)
-    whole = dataclasses.replace(whole, first_whole=whole.first_whole + 8192 * 64, last_whole=whole.last_whole + 8192 * 64)
+    m, table = model.memory_inputs(), 8192 * 64
+    whole = dataclasses.replace(
+        m,
+        vocab_parallel=False,
+        first_split=0,
+        last_split=0,
+        first_whole=m.first_whole + table,
+        last_whole=m.last_whole + table,
+    )
     assert estimate_memory(whole, tp=2, micro_batch=4, num_microbatches=2).total > budget
 
 
