@@ -42,7 +42,8 @@ FAST_TESTS := tests/test_memory_model.py tests/test_planner.py tests/test_topolo
 	tests/storage/test_storage_store.py tests/storage/test_storage_fs.py tests/storage/test_storage_dcp.py \
 	tests/test_layers.py tests/elastic/test_recovery_plan.py tests/elastic/test_worker_group_api.py \
 	tests/elastic/test_torch_private_api.py tests/simulator/test_simulator.py tests/tune/test_sweep_space.py \
-	tests/report/test_report_units.py tests/elastic/test_diagnosis.py tests/elastic/test_recovery_report.py \
+	tests/report/test_report_units.py tests/report/test_tracking.py tests/elastic/test_diagnosis.py \
+	tests/elastic/test_recovery_report.py \
 	tests/elastic/test_health_units.py \
 	tests/test_stop_signals.py \
 	tests/test_topology_placement.py \
