@@ -18,7 +18,7 @@ from jobs import JobSpec
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 CUSTOM = os.path.join(ROOT, "examples", "custom-model.yaml")
 
 

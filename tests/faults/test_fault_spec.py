@@ -1,6 +1,6 @@
 """``elastic run --fault KIND@STEP[:key=value...]``: the parser (pure) and the CLI's refusals.
 
-A fault that actually fires through the CLI is tested in tests/elastic/test_failures_local.py.
+A fault that actually fires through the CLI is tested in tests/control/test_failures_local.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from jobs import JobSpec
 
 pytestmark = pytest.mark.timeout(120)
 
-QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "examples", "quickstart.yaml")
+QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "quickstart.yaml")
 
 GOOD = {
     "kill_worker@20:rank=2": ("kill_worker", 20, {"rank": 2}),

@@ -20,7 +20,7 @@ import yaml
 from elastic.placement.planner import plan_layout
 from elastic.placement.topology import topology_from_ray
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "cluster_configs"
 
 

@@ -53,7 +53,7 @@ def test_custom_model_trains_through_elastic_run(fault_free):
 def test_custom_model_recovers_from_node_loss(fault_free, tmp_path):
     """A worker node is SIGKILLed on the CLI's embedded multi-node cluster; the run shrinks to
     dp 1, restores from peer memory and finishes on the fault-free losses (1e-5, as
-    tests/elastic/test_node_loss.py: the same micro-batch gradients summed in another order)."""
+    tests/integration/test_node_loss.py: the same micro-batch gradients summed in another order)."""
     run_dir = str(tmp_path / "run")
     # A private temp dir: the CLI must start its own cluster, not find another one on this machine.
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}

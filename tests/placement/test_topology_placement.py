@@ -1,5 +1,5 @@
 """Pure parts of placement by plan (no Ray): plan -> bundles and label selectors, free capacity,
-the ``placement`` event. The labelled-cluster run is tests/elastic/test_topology_placement_cluster.py."""
+the ``placement`` event. The labelled-cluster run is tests/placement/test_topology_placement_cluster.py."""
 
 from __future__ import annotations
 

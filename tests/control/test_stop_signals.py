@@ -1,6 +1,6 @@
 """The driver's SIGINT/SIGTERM handling (``elastic/control/stop.py``), in this process with real
 signals, and the ``drain`` fault's parsing. No Ray: the graceful stop of a real job is in
-tests/elastic/test_stop_drain.py."""
+tests/control/test_stop_drain.py."""
 
 from __future__ import annotations
 
