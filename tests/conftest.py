@@ -7,7 +7,7 @@ between a single-node local Ray (most tests) and a multi-node ``ray.cluster_util
 
 The tree mirrors the runtime packages (``tests/control`` tests ``elastic/control`` ...);
 ``tests/integration`` holds the multi-node scenarios that cross packages. Helpers shared
-across folders sit here (``elastic_testlib.py``, ``waiting.py``); a folder's own helpers sit
+across folders sit here (``elastic_testlib.py``, ``waiting.py``, ``cluster_guard.py``); a folder's own helpers sit
 in it.
 """
 
@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 
+import cluster_guard
 import pytest
 
 # Test folders are not packages: each imports its helpers by module name.
@@ -24,6 +25,34 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "sto
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
+
+
+# --------------------------------------------------------------------------- the cluster marker
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """An unmarked test runs (setup to teardown) with the cluster entry points guarded."""
+    if item.get_closest_marker("cluster") is not None:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        cluster_guard.install(item, patch)
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that caught the guard's failure (``except BaseException``) still fails."""
+    outcome = yield
+    report = outcome.get_result()
+    failures = cluster_guard.failures(item)
+    if failures and report.passed and call.when in ("setup", "call"):
+        report.outcome = "failed"
+        report.longrepr = failures[0]
+
+
+# --------------------------------------------------------------------------- Ray runtimes
 
 
 class _RayState:

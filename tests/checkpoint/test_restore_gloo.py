@@ -11,6 +11,8 @@ import torch
 from elastic.testing import checkpoint_ranks
 from elastic.testing.ranks import run_ranks
 
+pytestmark = pytest.mark.cluster
+
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("zero", [0, 3])

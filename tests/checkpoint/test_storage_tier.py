@@ -13,7 +13,7 @@ from elastic.checkpoint.storage_tier import open_store
 from elastic.control.callbacks import Callback
 from elastic.faults import WorkerFaults, worker_fault
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 # ~3.4M parameters (41 MB with the AdamW moments): the copy and the write take measurable time.
 MEDIUM = {"n_layers": 4, "d_model": 256, "n_heads": 4, "vocab_size": 512, "seq_len": 16}

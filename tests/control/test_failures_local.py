@@ -20,7 +20,7 @@ from elastic_testlib import (
 from elastic import ElasticTrainer
 from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
 
 def _run(tmp_path, spec, **kwargs):

@@ -14,7 +14,7 @@ from elastic_testlib import elastic_spec, events_of, step_metrics
 
 from elastic.events import read_events
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _cli_run(tmp_path, name, spec, address, *faults):

@@ -18,7 +18,7 @@ from elastic_testlib import elastic_spec, events_of
 
 from elastic import ElasticTrainer
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
 STEPS = 200
 

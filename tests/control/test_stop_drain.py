@@ -29,7 +29,7 @@ from elastic.control.callbacks import Callback
 from elastic.events import read_events
 from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(400)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SLOW_S = 0.25  # rank 0 sleeps this long before every step: a signal lands mid-run

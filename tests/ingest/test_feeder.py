@@ -17,7 +17,7 @@ from elastic.ingest.prepare import PrepareConfig, prepare
 from elastic.testing.texts import stdlib_texts, write_jsonl
 from jobs import JobSpec
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from elastic.testing.texts import stdlib_texts, write_jsonl
 from jobs import JobSpec
 from jobs.cli import main as cli_main
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(400)]
 
 STEPS, FAULT_STEP = 16, 6
 

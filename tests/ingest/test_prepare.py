@@ -14,7 +14,7 @@ from elastic.ingest.prepare import PrepareConfig, prepare
 from elastic.testing.texts import stdlib_texts, write_jsonl
 from jobs.cli import main as cli_main
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
 
 @pytest.fixture(scope="module")

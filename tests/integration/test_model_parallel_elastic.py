@@ -8,7 +8,7 @@ from elastic_testlib import REL_SAME_ORDER, assert_matches_reference, elastic_sp
 from elastic import ElasticTrainer
 from elastic.faults import Fault, FaultInjector
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
 
 STEPS = 16
 

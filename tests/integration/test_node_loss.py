@@ -20,7 +20,7 @@ from elastic.control.callbacks import Callback
 from elastic.control.timing import PHASES
 from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
 
 # These runs change DP (4 -> 3 -> 4, 4 -> 2, ...) against a fault-free reference at dp 2:
 # the same 12 micro-batch gradients summed in another order. Measured: at most 1.6e-7

@@ -14,7 +14,7 @@ from elastic import ElasticTrainer
 from elastic.events import read_events
 from jobs import JobSpec
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 
 def _write_spec(tmp_path, raw) -> str:

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import yaml
+from cli_testlib import run_cli
 
 from elastic.errors import SpecError
 from jobs import JobSpec
@@ -62,27 +63,28 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "jobs.cli", *args], capture_output=True, text=True, timeout=60)
 
 
-def test_cli_refuses_malformed_specs_with_one_line(tmp_path):
-    # One subprocess per bad spec would cost ~2 s each; the CLI entry is exercised on a
-    # handful, covering the three error sources (pydantic, cross-field, YAML/file).
-    for overrides, field in [MALFORMED[0], MALFORMED[2], MALFORMED[5], MALFORMED[17]]:
+def test_cli_refuses_malformed_specs_with_one_line(tmp_path, capsys):
+    # One subprocess per bad spec would cost ~2 s each; the CLI is exercised on a handful,
+    # covering the three error sources (pydantic, cross-field, YAML/file), the console
+    # entry (a subprocess) on the first.
+    for i, (overrides, field) in enumerate([MALFORMED[0], MALFORMED[2], MALFORMED[5], MALFORMED[17]]):
         args = ["run", QUICKSTART]
         for o in overrides:
             args += ["--set", o]
-        proc = _cli(*args)
+        proc = _cli(*args) if i == 0 else run_cli(capsys, *args)
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and field in lines[0], proc.stderr
         assert "Traceback" not in proc.stderr
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("model: {n_layers: [\n")
-    proc = _cli("run", str(bad_yaml))
+    proc = run_cli(capsys, "run", str(bad_yaml))
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
-    proc = _cli("run", str(tmp_path / "missing.yaml"))
+    proc = run_cli(capsys, "run", str(tmp_path / "missing.yaml"))
     assert proc.returncode == 2 and "config" in proc.stderr
 
 
-def test_cli_refuses_unsupported_or_missing_data_sources_before_starting(tmp_path):
+def test_cli_refuses_unsupported_or_missing_data_sources_before_starting(tmp_path, capsys):
     """Found before anything starts (no Ray, no run directory), not as exit 1 at run time."""
     run_dir = tmp_path / "run"
     for source, why in [
@@ -90,7 +92,7 @@ def test_cli_refuses_unsupported_or_missing_data_sources_before_starting(tmp_pat
         (f"file://{tmp_path}/nowhere", "does not exist"),
         (str(tmp_path / "nowhere"), "does not exist"),
     ]:
-        proc = _cli("run", QUICKSTART, "--set", f"data.source={source}", "--run-dir", str(run_dir))
+        proc = run_cli(capsys, "run", QUICKSTART, "--set", f"data.source={source}", "--run-dir", str(run_dir))
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1, proc.stderr
         assert lines[0].startswith("error: data.source: ") and why in lines[0], proc.stderr
@@ -104,14 +106,14 @@ def test_cli_refuses_unsupported_or_missing_data_sources_before_starting(tmp_pat
 @pytest.mark.parametrize(
     "text", ["", "\n\n   \n", "# a spec that lost its body\n\n# name: x\n"], ids=["empty", "blank", "comments"]
 )
-def test_empty_spec_file_is_refused(tmp_path, text):
+def test_empty_spec_file_is_refused(tmp_path, capsys, text):
     path = tmp_path / "spec.yaml"
     path.write_text(text)
     with pytest.raises(SpecError) as info:
         JobSpec.from_yaml(path)
     assert info.value.field == "config" and "is empty" in str(info.value)
     if text == "":
-        proc = _cli("run", str(path), "--run-dir", str(tmp_path / "run"))
+        proc = run_cli(capsys, "run", str(path), "--run-dir", str(tmp_path / "run"))
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: config: "), proc.stderr
         assert not (tmp_path / "run").exists()
@@ -136,8 +138,8 @@ def test_fields_match_design_yaml():
     assert spec.grad_accum(4) == 3
 
 
-def test_schema_is_exported():
-    proc = _cli("schema")
+def test_schema_is_exported(capsys):
+    proc = run_cli(capsys, "schema")
     assert proc.returncode == 0
     schema = json.loads(proc.stdout)
     sections = {"name", "seed", "run_dir", "model", "data", "parallel", "elastic", "resources", "train", "checkpoint"}

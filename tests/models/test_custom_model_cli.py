@@ -14,6 +14,8 @@ import tempfile
 import pytest
 from elastic_testlib import REL_SAME_ORDER, events_of, step_metrics
 
+pytestmark = pytest.mark.cluster
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SPEC = os.path.join("examples", "custom-model.yaml")
 STEPS = 12

@@ -13,7 +13,7 @@ import pytest
 
 from elastic.testing.layout_memory import DEFAULT_MICRO_BATCH, DEFAULT_MODEL, LAYOUTS, peak_vs_prediction, run_layouts
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
 TOLERANCE = 0.15
 

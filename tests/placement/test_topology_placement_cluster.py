@@ -27,7 +27,7 @@ from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault
 from elastic.placement.planner import plan_from_spec
 from elastic.placement.topology import topology_from_dict
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
 STEPS = 14
 RACKS = {"w0": "r0", "w1": "r0", "w2": "r1", "w3": "r1", "w4": "r1"}  # w0..w3: the rack_cluster fixture

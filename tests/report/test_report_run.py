@@ -17,7 +17,7 @@ from elastic import ElasticTrainer
 from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault
 from elastic.report import load_run, scale_factors, write_report
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
 
 SAMPLE = re.compile(r"^(\w+)\{(.*)\} (\S+)$")
 LABEL = re.compile(r'(\w+)="([^"]*)"')
