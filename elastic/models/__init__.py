@@ -7,8 +7,15 @@
 * ``llama_sizes.py`` the named Llama shapes (``model.size``)
 * ``hf.py``      Hugging Face ``config.json`` and tensor names (``model.init_from``, export)
 * ``custom.py``  ``kind: custom``, a user's ``package.module:function`` factory
+
+The model list is here, as in torchtitan's ``models/__init__.py``: each model module
+registers its ``kind`` with ``spec.register_model`` when imported, and Python runs this file
+before any module of the package, so ``model_spec`` always finds every kind while
+``spec.py`` imports no model (no import circle). A new built-in model is one more line below.
 """
 
+from elastic.models import custom, gpt, llama  # noqa: F401  (each registers its kind)
 from elastic.models.config import AnyModelConfig, CustomConfig, GPTConfig, LlamaConfig
+from elastic.models.spec import ModelSpec, model_spec
 
-__all__ = ["AnyModelConfig", "CustomConfig", "GPTConfig", "LlamaConfig"]
+__all__ = ["AnyModelConfig", "CustomConfig", "GPTConfig", "LlamaConfig", "ModelSpec", "model_spec"]

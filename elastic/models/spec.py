@@ -103,6 +103,9 @@ class ModelSpec:
 
 
 # ----- the registry: model.kind -> a function of the config returning its spec -------------
+# Filled by the model modules as they are imported: ``elastic/models/__init__.py`` lists
+# them, and Python runs it before any module of the package, so the registry is full
+# whenever ``model_spec`` can be reached (and this module imports no model: no circle).
 
 _REGISTRY: dict[str, Callable[[Any], ModelSpec]] = {}
 
@@ -115,8 +118,6 @@ def model_spec(cfg: Any) -> ModelSpec:
     """The ``ModelSpec`` of a model config (``ModelSpec`` passes through)."""
     if isinstance(cfg, ModelSpec):
         return cfg
-    from elastic.models import custom, gpt, llama  # noqa: F401  (they register themselves)
-
     kind = getattr(cfg, "kind", None)
     if kind not in _REGISTRY:
         raise SpecError("model.kind", f"unknown kind {kind!r}; known: {', '.join(sorted(_REGISTRY))}")
