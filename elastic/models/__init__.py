@@ -5,6 +5,7 @@
 * ``gpt.py``     ``kind: gpt``, the reference GPT
 * ``llama.py``   ``kind: llama``, Llama 3 family (RMSNorm, RoPE, SwiGLU, GQA)
 * ``llama_sizes.py`` the named Llama shapes (``model.size``)
+* ``rope_scaling.py`` ``model.rope_scaling`` (Llama 3.1)
 * ``hf.py``      Hugging Face ``config.json`` and tensor names (``model.init_from``, export)
 * ``custom.py``  ``kind: custom``, a user's ``package.module:function`` factory
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, T
 
 from elastic.errors import SpecError
 from elastic.models.llama_sizes import LLAMA_SIZES
+from elastic.models.rope_scaling import RopeScaling
 from elastic.parallel.memory_model import MemoryInputs
 
 INIT_FROM_HELP = "a Hugging Face model directory (config.json + *.safetensors), local path or fsspec URI"
@@ -83,26 +84,6 @@ class GPTConfig(BaseModel):
         per_layer = 4 * d * d + 2 * self.mlp_ratio * d * d
         n = L * per_layer + self.vocab_size * d * (1 if self.tie_embeddings else 2)
         return 6.0 * n + 12.0 * L * d * T
-
-
-class RopeScaling(BaseModel):
-    """Llama 3.1's RoPE frequency scaling (``rope_type: llama3`` in Hugging Face configs)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["llama3"] = "llama3"
-    factor: float = Field(..., ge=1, description="long wavelengths are divided by this")
-    low_freq_factor: float = Field(..., gt=0)
-    high_freq_factor: float = Field(..., gt=0)
-    original_max_position_embeddings: int = Field(..., ge=1, description="the pre-training context length")
-
-    def check(self) -> None:
-        if self.high_freq_factor <= self.low_freq_factor:
-            raise SpecError(
-                "model.rope_scaling.high_freq_factor",
-                f"{self.high_freq_factor:g} must be larger than model.rope_scaling.low_freq_factor "
-                f"({self.low_freq_factor:g})",
-            )
 
 
 class LlamaConfig(BaseModel):
