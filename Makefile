@@ -29,12 +29,6 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q --durations=30 tests
 
-# The inner loop: every test that starts no Ray, no process group and no worker process
-# (pure units, the controller on a fake worker group, the CLI's input checks, the layer and
-# file-size checks), selected by marker: tests that start one are marked `cluster`, and
-# tests/conftest.py fails an unmarked test that starts one in-process. Every test here is
-# also in `make test`.
-
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -42,6 +36,12 @@ lint: install
 format: install
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
+
+# The inner loop: every test that starts no Ray, no process group and no worker process
+# (pure units, the controller on a fake worker group, the CLI's input checks, the layer and
+# file-size checks), selected by marker: tests that start one are marked `cluster`, and
+# tests/conftest.py fails an unmarked test that starts one in-process. Every test here is
+# also in `make test`.
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not cluster and not slow and not gpu" tests
