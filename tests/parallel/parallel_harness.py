@@ -34,10 +34,12 @@ class Layout:
     micro_batch: int = 1
     ac: bool = False
     schedule: str = "1f1b"
+    ep: int = 1
+    cp: int = 1
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.ep * self.cp
 
 
 # ----- data: a learnable, deterministic batch per step ----------------------------------

@@ -18,10 +18,12 @@ from elastic.parallel.engine import TrainEngine
 
 
 def make_engine(layout: Layout, world: int, model_cfg=MODEL, train=TRAIN) -> TrainEngine:
-    dims = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, world_size=world)
+    dims = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, world_size=world, ep=layout.ep, cp=layout.cp)
     pcfg = ParallelConfig(
         tp=layout.tp,
         pp=layout.pp,
+        ep=layout.ep,
+        cp=layout.cp,
         zero=layout.zero,
         micro_batch=layout.micro_batch,
         activation_checkpointing=layout.ac,
@@ -31,12 +33,14 @@ def make_engine(layout: Layout, world: int, model_cfg=MODEL, train=TRAIN) -> Tra
 
 
 def train_steps(engine: TrainEngine, layout: Layout, steps: range) -> tuple[list[float], list[float]]:
-    dp_rank = engine.coords.dp_rank
+    """Each data shard (a (dp, ep) pair) its slice of the batch; each CP rank its chunk of it."""
+    shard, coords = engine.dims.data_shard(engine.coords), engine.coords
     losses, norms = [], []
     for step in steps:
-        loss = engine.forward_backward(
-            dp_micro_batches(step, layout.dp, dp_rank, layout.micro_batch, cfg=engine.model_cfg)
-        )
+        micro = dp_micro_batches(step, engine.dims.data_shards, shard, layout.micro_batch, cfg=engine.model_cfg)
+        chunk = micro[0][0].shape[1] // layout.cp
+        lo = coords.cp_rank * chunk
+        loss = engine.forward_backward([(x[:, lo : lo + chunk], y[:, lo : lo + chunk]) for x, y in micro])
         norms.append(engine.optimizer_step())
         losses.append(loss)
     return losses, norms
