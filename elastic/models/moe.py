@@ -97,7 +97,9 @@ def balance_loss(probs: torch.Tensor, top_i: torch.Tensor, cp: Any) -> torch.Ten
 
     ``probs`` ``[b, s, E]`` (each token's scores, summing to 1), ``top_i`` ``[b, s, k]``. ``f_e``:
     the share of the sequence's ``s * k`` assignments that went to ``e``; ``P_e``: the mean
-    probability of ``e``. Under CP both are summed over the sequence's chunks first.
+    probability of ``e``. Under CP both are summed over the sequence's chunks first. (For
+    the gradient one sum would do: ``f`` carries none, and the all-reduce's backward sums
+    every chunk's ``f``; both make the value the whole sequence's on every chunk.)
     """
     b, s, n_experts = probs.shape
     k = top_i.shape[-1]

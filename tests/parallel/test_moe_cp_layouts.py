@@ -24,7 +24,7 @@ pytestmark = pytest.mark.cluster
 
 MOE = LlamaConfig(
     size="tiny",
-    moe={"n_experts": 4, "top_k": 2, "shared_expert": True, "expert_hidden": 32, "aux_loss_coef": 0.1},
+    moe={"n_experts": 4, "top_k": 2, "shared_expert": True, "expert_hidden": 32, "aux_loss_coef": 1.0},
 )
 LLAMA = LlamaConfig(size="tiny")
 REL = 1e-4
