@@ -244,7 +244,7 @@ class Controller:
             tp=tp,
             pp=pp,
             grad_accum=self.spec.grad_accum(dp),
-            world_size=dp * tp * pp,
+            world_size=dp * self.spec.parallel.replica_size,
             step_time_s=step_time,
             tokens_per_s=tps,
             peak_mem_bytes=max(r.peak_mem_bytes for r in results.values()),

@@ -31,11 +31,13 @@ class Ranked(Protocol):
 M = TypeVar("M", bound=Ranked)
 
 
-def shard_of(rank: int, tp: int, pp: int, zero: int) -> Any:
-    """What a rank's training state is: its (pp, tp) coordinate under DDP (every DP replica
-    holds the same), the rank itself under FSDP (every shard is unique)."""
-    c = rank_coords(rank, tp, pp)
-    return (c.pp_rank, c.tp_rank) if zero == 0 else rank
+def shard_of(rank: int, tp: int, pp: int, zero: int, ep: int = 1, cp: int = 1) -> Any:
+    """What a rank's training state is: its (pp, tp, ep) coordinate under DDP (every DP
+    replica holds the same, and so do the CP ranks of a replica: CP splits activations,
+    not parameters; EP ranks hold different experts), the rank itself under FSDP (every
+    shard is unique: dense parameters are sharded over dp x ep x cp)."""
+    c = rank_coords(rank, tp, pp, ep, cp)
+    return (c.pp_rank, c.tp_rank, c.ep_rank) if zero == 0 else rank
 
 
 def complete_replicas(members: Iterable[M], replica_size: int) -> list[list[M]]:
@@ -58,14 +60,20 @@ def rank_order(members: Sequence[M], replica_size: int, rack_of: Callable[[str],
     return [m for r in replicas for m in r]
 
 
-def covers(owners: Iterable[int], world: int, tp: int, pp: int, zero: int) -> bool:
+def covers(owners: Iterable[int], world: int, tp: int, pp: int, zero: int, ep: int = 1, cp: int = 1) -> bool:
     """Do snapshots of these old ranks hold the whole training state of a ``world``-rank layout?"""
-    have = {shard_of(r, tp, pp, zero) for r in owners}
-    return all(shard_of(r, tp, pp, zero) in have for r in range(world))
+    have = {shard_of(r, tp, pp, zero, ep, cp) for r in owners}
+    return all(shard_of(r, tp, pp, zero, ep, cp) in have for r in range(world))
 
 
 def covering_step(
-    holdings: Iterable[dict[int, list[int]] | None], world: int, tp: int, pp: int, zero: int
+    holdings: Iterable[dict[int, list[int]] | None],
+    world: int,
+    tp: int,
+    pp: int,
+    zero: int,
+    ep: int = 1,
+    cp: int = 1,
 ) -> int | None:
     """The newest step whose snapshots, over all ``holdings`` (owner rank -> steps, one
     dict per live member; None for a member that did not answer), cover the old layout."""
@@ -74,7 +82,7 @@ def covering_step(
         for owner, steps in (held or {}).items():
             for s in steps:
                 owners_at.setdefault(s, set()).add(int(owner))
-    good = [s for s, owners in owners_at.items() if covers(owners, world, tp, pp, zero)]
+    good = [s for s, owners in owners_at.items() if covers(owners, world, tp, pp, zero, ep, cp)]
     return max(good) if good else None
 
 
@@ -89,15 +97,23 @@ def holders_at(holdings: Sequence[tuple[M, dict[int, list[int]] | None]], step: 
     return held
 
 
-def owners_for(new_rank: int, holders: dict[int, M], me: M, tp: int, pp: int, zero: int) -> dict[int, M | None]:
+def owners_for(
+    new_rank: int, holders: dict[int, M], me: M, tp: int, pp: int, zero: int, ep: int = 1, cp: int = 1
+) -> dict[int, M | None]:
     """The old ranks whose snapshots the member ``me`` (new rank ``new_rank``) reads, and
     who serves each: None where ``me`` holds it itself.
 
-    It needs the shards of its own (pp, tp) coordinate: one DP replica's copy under DDP (its
-    own if it has one), every DP shard under FSDP (to reshard them).
+    It needs the shards of its own coordinate: under DDP one copy of its (pp, tp, ep)
+    state (its own if it has one: any DP replica or CP rank holds the same), under FSDP
+    every shard of its (pp, tp) coordinate (dense parameters are sharded over dp x ep x
+    cp, experts over dp x cp: resharding reads them all).
     """
-    coord = rank_coords(new_rank, tp, pp)[1:]
-    mine = {o: h for o, h in holders.items() if rank_coords(o, tp, pp)[1:] == coord}
+
+    def coord(rank: int) -> tuple[int, ...]:
+        c = rank_coords(rank, tp, pp, ep, cp)
+        return (c.pp_rank, c.tp_rank, c.ep_rank) if zero == 0 else (c.pp_rank, c.tp_rank)
+
+    mine = {o: h for o, h in holders.items() if coord(o) == coord(new_rank)}
     if zero == 0 and mine:
         owner = next((o for o, h in mine.items() if h is me), next(iter(mine)))
         mine = {owner: mine[owner]}
@@ -123,13 +139,13 @@ def plan_recovery(whole_replicas: int, spare: int, allowed: list[int]) -> Recove
     return RecoveryPlan(dp=dp, keep=keep, grow=dp - keep)
 
 
-def replica_peers(nodes: list[str], tp: int, pp: int, zero: int) -> list[int | None]:
+def replica_peers(nodes: list[str], tp: int, pp: int, zero: int, ep: int = 1, cp: int = 1) -> list[int | None]:
     """For each rank (``nodes[r]`` is rank r's node), the rank that keeps a copy of its
     memory snapshots, or None where no copy is needed.
 
     A rank needs a copy unless a rank on another node already holds the same state: under
-    DDP (``zero`` 0) the DP replicas of a (pp, tp) coordinate are identical, under FSDP every
-    shard is unique. Copies go to another node, so a node loss never takes a shard and its
+    DDP (``zero`` 0) the DP replicas and CP ranks of a (pp, tp, ep) coordinate are identical,
+    under FSDP every shard is unique. Copies go to another node, so a node loss never takes a shard and its
     copy together. The same ring shift is used for every rank where one exists that moves
     each rank off its node, so every rank holds at most one peer's copies; otherwise each
     rank picks the least-loaded rank on another node, the nearest in ring order first. On a
@@ -139,7 +155,7 @@ def replica_peers(nodes: list[str], tp: int, pp: int, zero: int) -> list[int | N
     n = len(nodes)
 
     def content(r: int) -> Any:
-        return shard_of(r, tp, pp, zero)
+        return shard_of(r, tp, pp, zero, ep, cp)
 
     shift = next((k for k in range(1, n) if all(nodes[(r + k) % n] != nodes[r] for r in range(n))), None)
     load = [0] * n

@@ -174,6 +174,7 @@ class WorkerGroup:
         ``storage`` (the checkpoint of ``restore_step``) or ``none`` (start at ``step``).
         """
         tp, pp, zero = self.spec.parallel.tp, self.spec.parallel.pp, self.spec.parallel.zero
+        ep, cp = self.spec.parallel.ep, self.spec.parallel.cp
         old_holders = self._snapshot_holders(restore_step) if source == "memory" else {}
         members = self.rank_order(members)
         for rank, m in enumerate(members):
@@ -189,12 +190,12 @@ class WorkerGroup:
         reads = self.readers.plans([m.node_id for m in members], generation)  # docs/data.md
         peers = [None] * len(members)
         if self.spec.checkpoint.replicate:
-            peers = plan.replica_peers([m.node_id for m in members], tp, pp, zero)
+            peers = plan.replica_peers([m.node_id for m in members], tp, pp, zero, ep=ep, cp=cp)
         refs = []
         for m, peer, read_plan in zip(members, peers, reads):
             restore = None
             if source == "memory":
-                owners = plan.owners_for(m.rank, old_holders, m, tp, pp, zero)
+                owners = plan.owners_for(m.rank, old_holders, m, tp, pp, zero, ep=ep, cp=cp)
                 holders = {o: (None if h is None else h.actor) for o, h in owners.items()}
                 restore = MemoryRestore(restore_step, holders)
             elif source == "storage":
@@ -308,8 +309,8 @@ class WorkerGroup:
     def common_snapshot_step(self, members: list[Member]) -> int | None:
         """Newest step whose snapshots, held by ``members``, cover the whole current layout."""
         p = self.spec.parallel
-        world = self.dp * p.tp * p.pp
-        return plan.covering_step(self._query_snapshots(members), world, p.tp, p.pp, p.zero)
+        world = self.dp * p.replica_size
+        return plan.covering_step(self._query_snapshots(members), world, p.tp, p.pp, p.zero, ep=p.ep, cp=p.cp)
 
     # ------------------------------------------------------------------ running
     def launch(self, last_step: int) -> None:
@@ -431,7 +432,7 @@ class WorkerGroup:
     def placement(self) -> dict[str, Any]:
         """The ``placement`` event's fields for the current members (docs/outputs.md)."""
         p = self.spec.parallel
-        return placement_fields(self.dp, p.tp, p.pp, self.members, self._node_labels)
+        return placement_fields(self.dp, p.tp, p.pp, self.members, self._node_labels, ep=p.ep, cp=p.cp)
 
     def pid_of(self, rank: int) -> int:
         return next(m.pid for m in self.members if m.rank == rank)

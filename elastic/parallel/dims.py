@@ -46,20 +46,44 @@ EXPERT_MESH_NAME = "dp_cp"  # dp x cp flattened: where expert gradients are aver
 
 
 class RankCoords(NamedTuple):
+    """A rank's coordinates in a layout without EP and CP: the ``(dp, pp, tp)`` triple."""
+
     dp_rank: int
     pp_rank: int
     tp_rank: int
-    ep_rank: int = 0
-    cp_rank: int = 0
+
+    @property
+    def ep_rank(self) -> int:
+        return 0
+
+    @property
+    def cp_rank(self) -> int:
+        return 0
 
 
-def rank_coords(rank: int, tp: int, pp: int, ep: int = 1, cp: int = 1) -> RankCoords:
-    """The one formula from a global rank to its coordinates (see the module docstring)."""
+class MeshCoords(NamedTuple):
+    """A rank's coordinates in a layout with EP or CP (``RankCoords``'s fields, then these two)."""
+
+    dp_rank: int
+    pp_rank: int
+    tp_rank: int
+    ep_rank: int
+    cp_rank: int
+
+
+def rank_coords(rank: int, tp: int, pp: int, ep: int = 1, cp: int = 1) -> RankCoords | MeshCoords:
+    """The one formula from a global rank to its coordinates (see the module docstring).
+
+    Without EP and CP the result is the ``(dp_rank, pp_rank, tp_rank)`` triple of before;
+    with them a 5-tuple. Both name every coordinate (``ep_rank``/``cp_rank`` are 0 in the triple).
+    """
     rest, tp_rank = divmod(rank, tp)
     rest, cp_rank = divmod(rest, cp)
     rest, ep_rank = divmod(rest, ep)
     dp_rank, pp_rank = divmod(rest, pp)
-    return RankCoords(dp_rank, pp_rank, tp_rank, ep_rank, cp_rank)
+    if ep == 1 and cp == 1:
+        return RankCoords(dp_rank, pp_rank, tp_rank)
+    return MeshCoords(dp_rank, pp_rank, tp_rank, ep_rank, cp_rank)
 
 
 def rank_of(
@@ -165,7 +189,7 @@ class ParallelDims:
 
     # ----- pure rank arithmetic ---------------------------------------------------------
 
-    def coords(self, rank: int) -> RankCoords:
+    def coords(self, rank: int) -> RankCoords | MeshCoords:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world of size {self.world_size}")
         return rank_coords(rank, self.tp, self.pp, self.ep, self.cp)
@@ -173,7 +197,7 @@ class ParallelDims:
     def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int, ep_rank: int = 0, cp_rank: int = 0) -> int:
         return rank_of(dp_rank, pp_rank, tp_rank, self.tp, self.pp, ep_rank, cp_rank, self.ep, self.cp)
 
-    def data_shard(self, coords: RankCoords) -> int:
+    def data_shard(self, coords: RankCoords | MeshCoords) -> int:
         """Which of the ``data_shards`` slices of each global batch these coordinates train on."""
         return coords.dp_rank * self.ep + coords.ep_rank
 
@@ -305,11 +329,13 @@ class ParallelDims:
         groups = [self.world_mesh[n].get_group() for n in self.mesh_dim_names]
         return groups + [m.get_group() for m in self._flat.values()]
 
-    def local_coords(self) -> RankCoords:
+    def local_coords(self) -> RankCoords | MeshCoords:
         mesh = self.world_mesh
         names = self.mesh_dim_names
 
         def local(name: str) -> int:
             return mesh.get_local_rank(name) if name in names else 0
 
-        return RankCoords(local("dp"), local("pp"), local("tp"), local("ep"), local("cp"))
+        if self.ep == 1 and self.cp == 1:
+            return RankCoords(local("dp"), local("pp"), local("tp"))
+        return MeshCoords(local("dp"), local("pp"), local("tp"), local("ep"), local("cp"))
