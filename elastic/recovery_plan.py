@@ -148,16 +148,24 @@ def replica_peers(nodes: list[str], tp: int, pp: int, zero: int, ep: int = 1, cp
     under FSDP every shard is unique. Copies go to another node, so a node loss never takes a shard and its
     copy together. The same ring shift is used for every rank where one exists that moves
     each rank off its node, so every rank holds at most one peer's copies; otherwise each
-    rank picks the least-loaded rank on another node, the nearest in ring order first. On a
-    single node the copy goes to the next rank (another process), unless an identical
+    rank picks the least-loaded rank on another node, the nearest in ring order first.
+    Either way the copy goes to another replica when one exists on another node: a node
+    loss ends its whole replica (its other ranks are not kept). On a single node the copy goes to the next rank (another process), unless an identical
     replica already lives in another process.
     """
-    n = len(nodes)
+    n, size = len(nodes), tp * pp * ep * cp
 
     def content(r: int) -> Any:
         return shard_of(r, tp, pp, zero, ep, cp)
 
-    shift = next((k for k in range(1, n) if all(nodes[(r + k) % n] != nodes[r] for r in range(n))), None)
+    def off_node(k: int) -> bool:
+        return all(nodes[(r + k) % n] != nodes[r] for r in range(n))
+
+    # A lost node takes its whole replica (the controller re-forms whole replicas only), so
+    # a copy in another replica survives where one in the same replica would not: shifts by
+    # whole replicas first.
+    shifts = [*range(size, n, size), *range(1, n)]
+    shift = next((k for k in shifts if off_node(k)), None)
     load = [0] * n
     out: list[int | None] = []
     for r in range(n):
@@ -167,6 +175,7 @@ def replica_peers(nodes: list[str], tp: int, pp: int, zero: int, ep: int = 1, cp
             continue
         ring = [(r + k) % n for k in range(1, n)]
         far = [q for q in ring if nodes[q] != nodes[r]]
+        far = [q for q in far if q // size != r // size] or far  # another replica first
         if far:
             peer = (
                 (r + shift) % n if shift is not None else min(far, key=lambda q: load[q])

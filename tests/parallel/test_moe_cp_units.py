@@ -156,3 +156,10 @@ def test_planner_keeps_ep_and_cp_groups_inside_a_node_when_they_fit():
     plan = plan_groups(small, tp=2, pp=1, ep=2, cp=2, min_dp=1, max_dp=2)
     assert plan.dp == 2 and plan.tp == 4  # the CP x TP groups stay inside a node, the EP pairs span two
     assert all(len({r.node for r in plan.ranks[i : i + 4]}) == 1 for i in range(0, 16, 4))
+
+
+@pytest.mark.parametrize(("tp", "ep", "cp"), [(1, 1, 2), (1, 2, 1), (2, 1, 1)])
+def test_sharded_state_is_copied_to_another_replica(tp, ep, cp):
+    """FSDP, dp 2 on 4 nodes, a replica of 2 ranks: a node loss ends its whole replica, so each
+    rank's copy lives in the other replica (a shift of 1 would put rank 0's copy in its own)."""
+    assert recovery_plan.replica_peers(["a", "b", "c", "d"], tp, 1, 1, ep=ep, cp=cp) == [2, 3, 0, 1]
