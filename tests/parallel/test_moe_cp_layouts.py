@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 from parallel_harness import SEED, Layout, reference_run, run_ranks
-from parallel_workers import train_layouts
+from parallel_workers import resize_and_resume, train_layouts
 
 from elastic.models.config import LlamaConfig
 from elastic.models.spec import model_spec
@@ -58,6 +58,11 @@ def _reference(cfg: LlamaConfig) -> tuple[list[float], list[float]]:
 
 
 @pytest.fixture(scope="module")
+def moe_reference() -> tuple[list[float], list[float]]:
+    return _reference(MOE)
+
+
+@pytest.fixture(scope="module")
 def moe_runs(tmp_path_factory) -> list[dict]:
     return run_ranks(4, train_layouts, (MOE_LAYOUTS, MOE), tmp_path_factory.mktemp("moe"))
 
@@ -67,8 +72,8 @@ def cp_runs(tmp_path_factory) -> list[dict]:
     return run_ranks(4, train_layouts, (CP_LAYOUTS, LLAMA), tmp_path_factory.mktemp("cp"))
 
 
-def _check(runs: list[dict], layouts: list[Layout], cfg: LlamaConfig) -> None:
-    ref_losses, ref_norms = _reference(cfg)
+def _check(runs: list[dict], layouts: list[Layout], cfg: LlamaConfig, reference: tuple | None = None) -> None:
+    ref_losses, ref_norms = reference or _reference(cfg)
     full = set(dict(model_spec(cfg).build_full(SEED).named_parameters()))
     failures = []
     for layout in layouts:
@@ -85,8 +90,8 @@ def _check(runs: list[dict], layouts: list[Layout], cfg: LlamaConfig) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_moe_matches_single_process_under_ep_tp_pp_fsdp_cp(moe_runs):
-    _check(moe_runs, MOE_LAYOUTS, MOE)
+def test_moe_matches_single_process_under_ep_tp_pp_fsdp_cp(moe_runs, moe_reference):
+    _check(moe_runs, MOE_LAYOUTS, MOE, moe_reference)
 
 
 @pytest.mark.timeout(300)
@@ -104,3 +109,19 @@ def test_moe_experts_are_sharded_over_ep_and_tp(moe_runs):
 @pytest.mark.timeout(300)
 def test_llama_cp_matches_single_process(cp_runs):
     _check(cp_runs, CP_LAYOUTS, LLAMA)
+
+
+@pytest.mark.timeout(300)
+def test_moe_checkpoint_reshards_across_ep_and_cp_degrees(tmp_path, moe_reference):
+    """EP 2 x CP 2 (DDP) -> DCP checkpoint -> the same 4 processes as EP 4 under ZeRO-2: the
+    experts are saved by their full ``[E, ...]`` FQNs, so the resumed run goes on as the
+    single process does."""
+    before = Layout("moe_ep2_cp2", dp=1, ep=2, cp=2, micro_batch=2)
+    after = Layout("moe_zero2_ep4", dp=1, ep=4, zero=2)
+    runs = run_ranks(4, resize_and_resume, (before, after, 2, MOE), tmp_path)
+    ref_losses, ref_norms = moe_reference
+    for run in runs:
+        assert run["resumed_at"] == 2
+        print(f"resumed: losses {_worst(run['losses'], ref_losses):.2e}, norms {_worst(run['norms'], ref_norms):.2e}")
+        assert run["losses"] == pytest.approx(ref_losses, rel=REL)
+        assert run["norms"] == pytest.approx(ref_norms, rel=REL)
