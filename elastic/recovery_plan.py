@@ -144,14 +144,15 @@ def replica_peers(nodes: list[str], tp: int, pp: int, zero: int, ep: int = 1, cp
     memory snapshots, or None where no copy is needed.
 
     A rank needs a copy unless a rank on another node already holds the same state: under
-    DDP (``zero`` 0) the DP replicas and CP ranks of a (pp, tp, ep) coordinate are identical,
-    under FSDP every shard is unique. Copies go to another node, so a node loss never takes a shard and its
-    copy together. The same ring shift is used for every rank where one exists that moves
-    each rank off its node, so every rank holds at most one peer's copies; otherwise each
-    rank picks the least-loaded rank on another node, the nearest in ring order first.
-    Either way the copy goes to another replica when one exists on another node: a node
-    loss ends its whole replica (its other ranks are not kept). On a single node the copy goes to the next rank (another process), unless an identical
-    replica already lives in another process.
+    DDP (``zero`` 0) the DP replicas and CP ranks of a (pp, tp, ep) coordinate are
+    identical, under FSDP every shard is unique. Copies go to another node, so a node loss
+    never takes a shard and its copy together, and to another replica where one exists on
+    another node, because a node loss ends its whole replica (the re-formation keeps whole
+    replicas only). The same ring shift is used for every rank where one exists that moves
+    each rank off its node (shifts by whole replicas first), so every rank holds at most one
+    peer's copies; otherwise each rank picks the least-loaded rank on another node, the
+    nearest in ring order first. On a single node the copy goes to the next rank (another
+    process), unless an identical replica already lives in another process.
     """
     n, size = len(nodes), tp * pp * ep * cp
 
