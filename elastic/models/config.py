@@ -237,6 +237,8 @@ class LlamaConfig(BaseModel):
     def memory_inputs(self) -> MemoryInputs:
         d, h = self.d_model, self.hidden_dim
         kv_frac = self.kv_heads / self.n_heads
+        if self.moe is not None:
+            return self._moe_memory_inputs(kv_frac)
         return MemoryInputs(
             n_layers=self.n_layers,
             d_model=d,
@@ -255,6 +257,34 @@ class LlamaConfig(BaseModel):
             act_whole=8,
             act_split=6 + 6 * kv_frac + 8 * h / d,
             act_scores=0,  # fused attention (scaled_dot_product_attention): no stored softmax
+        )
+
+    def _moe_memory_inputs(self, kv_frac: float) -> MemoryInputs:
+        """As the dense model's, with the MLP's activations those of the routed experts
+        (elastic/parallel/memory_moe.py): kept whole under TP, the router's scores and the
+        ``top_k`` token copies in and out of the experts; split, the experts' (and the
+        shared expert's) four SwiGLU intermediates per copy."""
+        from elastic.parallel.memory_moe import ExpertMemory
+
+        moe, d, he = self.moe, self.d_model, self.expert_hidden
+        dense = 2 * d * d + 2 * d * self.kv_heads * self.head_dim
+        experts = ExpertMemory(moe.n_experts, d, he)
+        return MemoryInputs(
+            n_layers=self.n_layers,
+            d_model=d,
+            n_heads=self.n_heads,
+            seq_len=self.seq_len,
+            vocab_size=self.vocab_size,
+            block_split=dense + int(moe.shared_expert) * 3 * d * he + experts.params,
+            block_whole=2 * d + d * moe.n_experts,  # norms and the router, replicated over TP
+            first_split=self.vocab_size * d,
+            first_whole=0,
+            last_split=self.vocab_size * d,
+            last_whole=d,
+            act_whole=8 + 4 * moe.top_k + 2 * moe.n_experts / d,
+            act_split=6 + 6 * kv_frac + 8 * he * (moe.top_k + int(moe.shared_expert)) / d,
+            act_scores=0,
+            experts=experts,
         )
 
     def flops_per_token(self) -> float:

@@ -17,9 +17,16 @@ from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
 
 
-def make_engine(layout: Layout, world: int, model_cfg=MODEL, train=TRAIN) -> TrainEngine:
+class ProbedParallel(ParallelConfig):
+    """A parallel config whose engine tracks the peak live tensor bytes of one step (elastic/memtrack.py)."""
+
+    memory_probe_step: int | None = None
+
+
+def make_engine(layout: Layout, world: int, model_cfg=MODEL, train=TRAIN, probe_step: int | None = None) -> TrainEngine:
     dims = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, world_size=world, ep=layout.ep, cp=layout.cp)
-    pcfg = ParallelConfig(
+    pcfg = ProbedParallel(
+        memory_probe_step=probe_step,
         tp=layout.tp,
         pp=layout.pp,
         ep=layout.ep,
@@ -37,7 +44,14 @@ def train_steps(engine: TrainEngine, layout: Layout, steps: range) -> tuple[list
     shard, coords = engine.dims.data_shard(engine.coords), engine.coords
     losses, norms = [], []
     for step in steps:
-        micro = dp_micro_batches(step, engine.dims.data_shards, shard, layout.micro_batch, cfg=engine.model_cfg)
+        micro = dp_micro_batches(
+            step,
+            engine.dims.data_shards,
+            shard,
+            layout.micro_batch,
+            cfg=engine.model_cfg,
+            n=engine.train_cfg.global_batch,
+        )
         chunk = micro[0][0].shape[1] // layout.cp
         lo = coords.cp_rank * chunk
         loss = engine.forward_backward([(x[:, lo : lo + chunk], y[:, lo : lo + chunk]) for x, y in micro])
@@ -253,3 +267,16 @@ def compile_resize(rank: int, world: int, out_dir: str, before: Layout, after: L
     second = run(after, after.world, range(2, STEPS))
     dist.destroy_process_group()
     return {"before": first, "after": second}
+
+
+def probe_memory(rank: int, world: int, out_dir: str, layouts: list[Layout], model_cfg, train, steps: int) -> dict:
+    """Each layout's peak live tensor bytes on this rank, in its last of ``steps`` steps."""
+    init_group(rank, world, os.path.join(out_dir, "store"))
+    results = {}
+    for layout in layouts:
+        engine = make_engine(layout, world, model_cfg, train, probe_step=steps)
+        train_steps(engine, layout, range(steps))
+        results[layout.name] = {"peak": engine.probed_peak_bytes, "grad_accum": engine.grad_accum}
+        del engine
+    dist.destroy_process_group()
+    return results
