@@ -163,3 +163,34 @@ def test_sharded_state_is_copied_to_another_replica(tp, ep, cp):
     """FSDP, dp 2 on 4 nodes, a replica of 2 ranks: a node loss ends its whole replica, so each
     rank's copy lives in the other replica (a shift of 1 would put rank 0's copy in its own)."""
     assert recovery_plan.replica_peers(["a", "b", "c", "d"], tp, 1, 1, ep=ep, cp=cp) == [2, 3, 0, 1]
+
+
+def test_sweep_space_takes_ep_and_cp_and_prunes_them_by_memory():
+    from elastic.tune.space import Cluster, config_key, default_space, enumerate_space, parse_space
+    from jobs.spec import JobSpec
+
+    raw = {
+        "model": {"kind": "llama", "size": "tiny", "moe": {"n_experts": 4, "top_k": 2}},
+        "parallel": {"micro_batch": 1},
+        "elastic": {"min_dp": 1, "max_dp": 4},
+        "train": {"global_batch": 8},
+    }
+    spec = JobSpec.from_dict(raw)
+    with pytest.raises(SpecError) as err:
+        parse_space({"ep": [3]}, spec)  # 3 does not divide n_experts 4
+    assert err.value.field == "space.ep"
+    space = parse_space({"ep": [1, 2, 4], "cp": [1, 2]}, spec)
+    big = Cluster(worker_slots=4, slots_per_node=4, memory_per_worker_bytes=1 << 40)
+    cands = {config_key(c.config): c for c in enumerate_space(spec, space, big)}
+    assert cands["dp4-tp1-pp1-z0-mb1"].status == "feasible"
+    assert cands["dp2-tp1-pp1-ep2-z0-mb1"].config["grad_accum"] == 2  # 8 samples over dp 2 x ep 2 shards
+    assert cands["dp1-tp1-pp1-ep2-cp2-z0-mb1"].status == "feasible"
+    too_big = [c for c in cands.values() if (c.config["ep"], c.config["cp"]) == (4, 2)]
+    assert [c.status for c in too_big] == ["pruned_batch"]  # a replica of 8 workers does not fit in 4
+    # memory: EP divides the experts, so under a budget between the two only EP 4 is left
+    by_ep = {c.config["ep"]: c.predicted_mem_bytes for c in cands.values() if c.config["cp"] == 1 and c.config["dp"]}
+    assert by_ep[4] < by_ep[2] < by_ep[1]
+    tight = Cluster(worker_slots=4, slots_per_node=4, memory_per_worker_bytes=(by_ep[4] + by_ep[2]) / 2)
+    kept = [c.config["ep"] for c in enumerate_space(spec, space, tight) if c.status == "feasible"]
+    assert kept and set(kept) == {4}
+    assert default_space(spec, big)["ep"] == [1, 2, 4]
