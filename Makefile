@@ -38,7 +38,7 @@ test: install
 FAST_TESTS := tests/test_memory_model.py tests/test_planner.py tests/test_topology.py \
 	tests/test_cluster_configs.py tests/foundation/test_spec.py tests/foundation/test_data.py \
 	tests/elastic/test_controller.py tests/elastic/test_policies.py tests/elastic/test_rank_order.py \
-	tests/parallel/test_parallel_dims.py tests/checkpoint/test_memory_tier.py \
+	tests/parallel/test_parallel_dims.py tests/parallel/test_moe_cp_units.py tests/checkpoint/test_memory_tier.py \
 	tests/storage/test_storage_store.py tests/storage/test_storage_fs.py tests/storage/test_storage_dcp.py \
 	tests/test_layers.py tests/elastic/test_recovery_plan.py tests/elastic/test_worker_group_api.py \
 	tests/elastic/test_torch_private_api.py tests/simulator/test_simulator.py tests/tune/test_sweep_space.py \
