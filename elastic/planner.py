@@ -256,9 +256,17 @@ def plan_groups(topology: ClusterTopology, tp: int, pp: int, ep: int = 1, cp: in
     last: InfeasibleError | None = None
     for group, stages in inner_groupings(tp, pp, ep, cp):
         try:
-            return plan_layout(topology, group, stages, **kwargs)
+            plan = plan_layout(topology, group, stages, **kwargs)
         except InfeasibleError as exc:
             last = exc
+            continue
+        if ep * cp == 1:
+            return plan
+        note = (
+            f"parallel.ep={ep} x parallel.cp={cp} x parallel.tp={tp}: tp={group} is the group of ranks kept in "
+            f"one node, pp={stages} the groups per replica (rank order dp, pp={pp}, ep, cp, tp; docs/parallelism.md)"
+        )
+        return replace(plan, notes=(*plan.notes, note))
     raise last
 
 
