@@ -37,6 +37,9 @@ MOE_LAYOUTS = [
     Layout("moe_zero3_ep2_dp2", dp=2, ep=2, zero=3),  # FSDP x EP: experts sharded over dp
     Layout("moe_zero2_ep4", dp=1, ep=4, zero=2),  # no replica of an expert: experts left out of FSDP
     Layout("moe_ep2_cp2", dp=1, ep=2, cp=2, micro_batch=2),  # balance loss summed over the chunks
+    # recompute re-runs the dispatch and combine all-to-alls (and the CP all-gather) in backward
+    Layout("moe_zero2_ac_ep2_dp2", dp=2, ep=2, zero=2, ac=True),
+    Layout("moe_ac_ep2_cp2", dp=1, ep=2, cp=2, ac=True, micro_batch=2),
 ]
 CP_LAYOUTS = [
     Layout("cp2_dp2", dp=2, cp=2),
