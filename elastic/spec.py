@@ -70,7 +70,7 @@ class JobSpec(BaseModel):
     def check(self) -> None:
         m, p, e, t = self.model, self.parallel, self.elastic, self.train
         m.check()  # per kind; a custom model's factory is imported and called here
-        validate_layout(m, p.tp, p.pp)
+        validate_layout(m, p.tp, p.pp, p.ep, p.cp)
         self.data.check_source_exists()
         if e.min_dp > e.max_dp:
             raise SpecError("elastic.min_dp", f"{e.min_dp} is larger than elastic.max_dp ({e.max_dp})")
@@ -85,17 +85,17 @@ class JobSpec(BaseModel):
             raise SpecError(
                 "train.global_batch",
                 f"{t.global_batch} is not reachable: no DP degree in [{e.min_dp}, {e.max_dp}] divides "
-                f"global_batch / parallel.micro_batch ({t.global_batch} / {p.micro_batch})",
+                f"global_batch / parallel.micro_batch ({t.global_batch} / {p.micro_batch})"
+                + (f" in dp x parallel.ep ({p.ep}) data shards" if p.ep > 1 else ""),
             )
 
     def allowed_dps(self) -> list[int]:
         """DP degrees that keep ``global_batch`` exact (``elastic.parallel.batch.allowed_dps``)."""
-        return batch.allowed_dps(
-            self.train.global_batch, self.parallel.micro_batch, self.elastic.min_dp, self.elastic.max_dp
-        )
+        p = self.parallel
+        return batch.allowed_dps(self.train.global_batch, p.micro_batch, self.elastic.min_dp, self.elastic.max_dp, p.ep)
 
     def grad_accum(self, dp: int) -> int:
-        return batch.grad_accum(self.train.global_batch, self.parallel.micro_batch, dp)
+        return batch.grad_accum(self.train.global_batch, self.parallel.micro_batch, dp, self.parallel.ep)
 
     # ------------------------------------------------------------------ schema
     @classmethod

@@ -102,8 +102,9 @@ def walk_state(state: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, A
 def owned_paths(state: dict[str, Any], coords: Any, rank: int) -> frozenset[str]:
     """The snapshot paths this rank writes, so that every byte is written exactly once.
 
-    - DTensor shards: the primary replica of the box; a DTensor whose mesh has no ``dp``
-      dimension (TP under DDP) is replicated over DP, so DP rank 0 as well.
+    - DTensor shards: the primary replica of the box; a DTensor whose mesh has no
+      dimension across DP (``dp``, or the flattened ``dp_ep_cp`` / ``dp_cp`` of EP and CP
+      layouts; TP under DDP) is replicated over DP, so DP rank 0 as well.
     - plain tensors and per-parameter optimizer objects (replicated over DP and TP, distinct
       per pipeline stage): the (dp 0, tp 0) rank of each stage.
     - ``train/*`` and the LR scheduler (the same on every rank): global rank 0.
@@ -112,17 +113,19 @@ def owned_paths(state: dict[str, Any], coords: Any, rank: int) -> frozenset[str]
     """
     from torch.distributed.tensor import DTensor
 
+    from elastic.parallel.dims import spans_dp
+
     owned = set()
     for path, value in walk_state(state):
         if path in EXCLUDED:
             continue
         if isinstance(value, DTensor):
             names = value.device_mesh.mesh_dim_names or ()
-            mine = primary_replica(value) and ("dp" in names or coords.dp_rank == 0)
+            mine = primary_replica(value) and (any(spans_dp(n) for n in names) or coords.dp_rank == 0)
         elif path.startswith(GLOBAL_PREFIXES):
             mine = rank == 0
-        else:
-            mine = coords.dp_rank == 0 and coords.tp_rank == 0
+        else:  # the same on every EP and CP rank of a stage too
+            mine = coords.dp_rank == coords.tp_rank == coords.ep_rank == coords.cp_rank == 0
         if mine:
             owned.add(path)
     return frozenset(owned)

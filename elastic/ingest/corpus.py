@@ -243,7 +243,10 @@ class RankStream:
     """Yields ``(batch_index, [(inputs, targets), ...])`` for one DP rank, prefetched.
 
     A background thread reads up to ``prefetch`` batches ahead; the first read waits
-    ``start_delay_s`` (the host's stagger slot).
+    ``start_delay_s`` (the host's stagger slot). ``dp_rank`` is the rank's data shard (with
+    expert parallelism each EP rank of a replica has its own, ``ParallelDims.data_shard``);
+    ``seq_chunk = (cp, cp_rank)``: under context parallelism the rank gets its chunk of
+    every sequence (``elastic.parallel.cp.sequence_slice``).
     """
 
     def __init__(
@@ -255,12 +258,14 @@ class RankStream:
         prefetch: int = 2,
         start_delay_s: float = 0.0,
         source: Iterator[tuple[int, np.ndarray]] | None = None,
+        seq_chunk: tuple[int, int] = (1, 0),
     ):
         import torch  # local: keeps `elastic.ingest.corpus` importable for pure planning code
 
         self._torch = torch
         self.corpus, self.layout, self.dp_rank = corpus, layout, dp_rank
         self._source = source  # (batch_index, rank rows) from a Ray Data pipeline, or None
+        self.seq_chunk = seq_chunk
         self.next_batch = self._first_batch = start_batch
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
         self._stop = threading.Event()
@@ -276,6 +281,9 @@ class RankStream:
             rows = np.concatenate(
                 [self.corpus.rows(idx) for idx in self.layout.micro_batches(batch_index, self.dp_rank)]
             )
+        from elastic.parallel.cp import sequence_slice
+
+        rows = sequence_slice(rows, *self.seq_chunk)
         rows = self._torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
         return [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in rows.split(self.layout.micro_batch)]
 

@@ -89,8 +89,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic.errors import SpecError
-
-_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}
+from elastic.parallel.memory_terms import STATE_BYTES as _STATE_BYTES
+from elastic.parallel.memory_terms import layers_per_stage
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,7 @@ class MemoryInputs:
     act_whole: float = 10
     act_split: float = 24
     act_scores: float = 5
+    experts: Any = None  # a MoE model's routed experts: elastic.parallel.memory_moe.ExpertMemory
 
 
 def memory_inputs(cfg: Any) -> MemoryInputs:
@@ -153,12 +154,6 @@ class MemoryEstimate:
         fields = ("params", "grads", "optimizer", "buffers", "activations", "logits")
         parts = ", ".join(f"{k}={getattr(self, k) / gib:.3f}" for k in fields)
         return f"{self.total / gib:.3f} GiB (stage {self.stage}: {parts})"
-
-
-def layers_per_stage(n_layers: int, pp: int) -> list[int]:
-    """Layers of each pipeline stage; the first ``n_layers % pp`` stages get one more."""
-    base, extra = divmod(n_layers, pp)
-    return [base + (1 if i < extra else 0) for i in range(pp)]
 
 
 def stage_param_count(cfg: Any, tp: int, pp: int, stage: int) -> int:
@@ -222,6 +217,8 @@ def estimate_memory(
     pp_schedule: str = "1f1b",
     num_microbatches: int | None = None,
     compute_dtype_bytes: int | None = None,
+    ep: int = 1,
+    cp: int = 1,
 ) -> MemoryEstimate:
     """Per-rank memory of the worst pipeline stage; see the module doc for the model.
 
@@ -237,6 +234,15 @@ def estimate_memory(
     """
     _check(model_cfg, tp, pp, dp, zero, micro_batch, dtype_bytes, optimizer, pp_schedule)
     model_cfg = memory_inputs(model_cfg)
+    if ep > 1 or cp > 1 or model_cfg.experts is not None:  # experts, EP and CP terms: elastic/parallel/memory_moe.py
+        from elastic.parallel.memory_moe import estimate_moe_cp
+
+        return estimate_moe_cp(
+            estimate_memory, model_cfg, tp=tp, pp=pp, dp=dp, ep=ep, cp=cp, zero=zero, micro_batch=micro_batch,
+            activation_checkpointing=activation_checkpointing, dtype_bytes=dtype_bytes, optimizer=optimizer,
+            sequence_parallel=sequence_parallel, pp_schedule=pp_schedule, num_microbatches=num_microbatches,
+            compute_dtype_bytes=compute_dtype_bytes,
+        )  # fmt: skip
     act_bytes = compute_dtype_bytes or dtype_bytes
     mixed = act_bytes < dtype_bytes
     state_bytes = _STATE_BYTES[optimizer] + (4 if dtype_bytes < 4 else 0)
@@ -313,6 +319,8 @@ def estimate_for_spec(spec: Any, dp: int, dtype_bytes: int = 4, **kwargs: Any) -
     if "num_microbatches" not in kwargs and hasattr(spec, "grad_accum"):
         kwargs["num_microbatches"] = max(1, spec.grad_accum(dp))
     kwargs.setdefault("pp_schedule", getattr(p, "pp_schedule", "1f1b"))
+    kwargs.setdefault("ep", getattr(p, "ep", 1))
+    kwargs.setdefault("cp", getattr(p, "cp", 1))
     return estimate_memory(
         spec.model,
         tp=p.tp,

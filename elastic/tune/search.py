@@ -1,7 +1,7 @@
 """The order in which a sweep measures configurations: a Tune ``Searcher``.
 
 Without ``--exhaustive`` the sweep does not launch every feasible configuration. It
-groups them by layout and sharding, ``(dp, tp, pp, zero)``, and measures in two stages:
+groups them by layout and sharding, ``(dp, tp, pp, ep, cp, zero)``, and measures in two stages:
 
 1. **screen**: one trial per group, at the configuration that is fastest by the usual
    rule when memory allows it: no activation recomputation, the largest micro-batch
@@ -24,8 +24,8 @@ from ray.tune.search import Searcher
 from elastic.tune.space import config_key
 
 
-def group_of(config: dict[str, Any]) -> tuple[int, int, int, int]:
-    return (config["dp"], config["tp"], config["pp"], config["zero"])
+def group_of(config: dict[str, Any]) -> tuple[int, ...]:
+    return (config["dp"], config["tp"], config["pp"], config.get("ep", 1), config.get("cp", 1), config["zero"])
 
 
 def prior_order(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:

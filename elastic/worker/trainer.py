@@ -299,8 +299,10 @@ class Trainer:
 
     def _open_stream(self, start_batch: int, delay_s: float) -> RankStream:
         d = self.spec.data
-        layout = BatchLayout(self.spec.train.global_batch, self.spec.parallel.micro_batch, self.dims.dp)
-        dp_rank = self.dims.coords(self.rank).dp_rank
+        # One slice of each batch per data shard: dp x ep of them (EP ranks train on their own samples).
+        layout = BatchLayout(self.spec.train.global_batch, self.spec.parallel.micro_batch, self.dims.data_shards)
+        coords = self.dims.coords(self.rank)
+        dp_rank = self.dims.data_shard(coords)
         source = None
         if self.source is not None:  # the host feeder staggers hosts by waves itself
             source, delay_s = self.source.open(layout, dp_rank, start_batch), 0.0
@@ -310,7 +312,14 @@ class Trainer:
                 self.corpus.uri, d.storage_options, layout, dp_rank, start_batch, remaining, d.prefetch_steps
             )
         return RankStream(
-            self.corpus, layout, dp_rank, start_batch, prefetch=d.prefetch_steps, start_delay_s=delay_s, source=source
+            self.corpus,
+            layout,
+            dp_rank,
+            start_batch,
+            prefetch=d.prefetch_steps,
+            start_delay_s=delay_s,
+            source=source,
+            seq_chunk=(self.dims.cp, coords.cp_rank),
         )
 
 

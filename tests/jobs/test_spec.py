@@ -49,6 +49,18 @@ MALFORMED = [
     (["model.kind=llama", "model.n_kv_heads=3"], "model.n_kv_heads"),
     (["model.kind=llama", "model.size=llama3-1b"], "model.size"),
     (["train.dtype=fp16"], "train.dtype"),
+    # expert and context parallelism (docs/parallelism.md)
+    (["parallel.ep=2"], "parallel.ep"),  # gpt has no experts
+    (["parallel.cp=2"], "parallel.cp"),  # nor context-parallel attention
+    (["model.kind=llama", "parallel.ep=2"], "parallel.ep"),  # a dense llama has no experts
+    (["model.kind=llama", "model.moe={n_experts: 4, top_k: 2}", "parallel.ep=3"], "parallel.ep"),  # 3 ∤ 4
+    (["model.kind=llama", "model.moe={n_experts: 4, top_k: 5}"], "model.moe.top_k"),
+    (["model.kind=llama", "model.moe={n_experts: 4}"], "model.moe.top_k"),
+    (["model.kind=llama", "model.moe={n_experts: 4, top_k: 1, bogus: 1}"], "model.moe.bogus"),
+    (["model.kind=llama", "model.moe={n_experts: 4, top_k: 1, router: relu}"], "model.moe.router"),
+    (["model.kind=llama", "parallel.cp=3"], "parallel.cp"),  # 3 ∤ seq_len 128
+    (["model.kind=llama", "model.moe={n_experts: 8, top_k: 2}", "parallel.ep=8"], "train.global_batch"),
+    (["model.kind=llama", "model.moe={n_experts: 4, top_k: 2, expert_hidden: 30}", "parallel.tp=4"], "parallel.tp"),
 ]
 
 
