@@ -27,6 +27,7 @@ from elastic.checkpoint.memory_tier import MemoryTier, Snapshot
 from elastic.checkpoint.restore import load_from_storage, load_snapshots_into
 from elastic.checkpoint.storage_tier import StorageUploader
 from elastic.ingest.corpus import BatchLayout, ParquetCorpus, RankStream, ray_data_batches
+from elastic.ingest.preflight import check_rows
 from elastic.messages import AnomalyReport, SdcReport, SnapshotReport, StepReport, StorageRestore
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
@@ -303,8 +304,14 @@ class Trainer:
                 self.corpus.uri, d.storage_options, layout, dp_rank, start_batch, remaining, d.prefetch_steps
             )
         return RankStream(
-            self.corpus, layout, dp_rank, start_batch, prefetch=d.prefetch_steps, start_delay_s=delay_s, source=source
-        )
+            self.corpus, layout, dp_rank, start_batch, prefetch=d.prefetch_steps, start_delay_s=delay_s, source=source,
+            row_check=self._check_rows,
+        )  # fmt: skip
+
+    def _check_rows(self, rows: Any, batch_index: int) -> None:
+        """Rows of the wrong width or ids outside the vocabulary: a ``CorpusError`` (not retried)."""
+        m = self.spec.model
+        check_rows(rows, m.seq_len + 1, m.vocab_size, f"{self.spec.data.source} batch {batch_index}")
 
 
 def _rng_of(objects: dict[str, Any]) -> dict[str, Any]:
