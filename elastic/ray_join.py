@@ -55,7 +55,9 @@ def resolve(address: str | None) -> Target:
                 "auto: no Ray cluster is running on this machine (start one with `ray start --head`, "
                 "or leave --address out to run on an embedded one)",
             )
-        return Target(recorded, field)
+        # "auto", not the recorded address: Ray then uses the local token by itself (it sends
+        # one unasked only to a cluster it found on its own, never to a named address).
+        return Target("auto", field)
     hostport = address.split("://", 1)[1] if "://" in address else address
     if not answers(hostport):
         raise SpecError(field, f"no Ray cluster answers at {address} (nothing accepts connections there)")

@@ -49,7 +49,8 @@ def check_corpus(data: Any, seq_len: int, vocab_size: int) -> None:
             log.warning("data.source not checked from the driver (%s): the readers will check it", type(exc).__name__)
             return
         raise SpecError("data.source", f"{data.source} cannot be read: {_reason(exc)}") from None
-    _check_index(data, seq_len, vocab_size)
+    if fs.isdir(fs._strip_protocol(data.source)):  # a prepared corpus is a directory with an index.json
+        _check_index(data, seq_len, vocab_size)
     for path in _spread(files, MAX_FOOTERS):
         _check_footer(fs, path, seq_len, vocab_size)
     _check_sample(fs, files[0], seq_len, vocab_size)

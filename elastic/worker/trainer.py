@@ -6,7 +6,9 @@ calls ``train_step`` until the run ends or the group agrees to stop. Per step:
 
 1. read this DP rank's micro-batches (prefetched; the wait is ``data_wait_s``);
 2. forward and backward, agreeing with every rank on "stop after this step";
-3. check the loss: a NaN or spike rolls back to the newest own snapshot instead;
+3. check the loss: a NaN or spike rolls back to the newest own snapshot instead (with SDC
+   checks on, replicas whose parameters disagree roll back to the verified state and
+   retrain the same batch: the hardware's fault, not the data's);
 4. optimizer step (after any snapshot copy of the previous step has finished);
 5. snapshot the state to the memory tier (and hand it to the storage tier when due);
 6. report the step.
@@ -152,6 +154,13 @@ class Trainer:
         self.last_progress = time.monotonic()
         anomaly = self.monitor.check(loss)
         if anomaly is not None:
+            # With SDC checks on, ask the replicas first: if their parameters disagree, the
+            # NaN or spike came from the hardware (a flipped bit), not from the batch, so the
+            # verified state is restored and the same batch is trained again. Only a loss
+            # every replica agrees on is the data's fault, and its batch is skipped.
+            self.engine.zero_grad()
+            if self.sdc.enabled and self._sdc_rolled_back(step):
+                return stop
             self._roll_back(step, batch_index, loss, anomaly)
             return stop
         wait_s = self.tier.wait()

@@ -133,6 +133,7 @@ class Controller(Reformations):
             dp_history=self.dp_history,
             recoveries=self.recoveries,
             excluded_nodes=self.health.excluded_nodes(),
+            checkpoint_failures=list(self.committer.failures) if self.committer is not None else [],
             **({"stop": extra} if status == "stopped" else {}),
         )
         if status == "failed":
@@ -197,10 +198,20 @@ class Controller(Reformations):
         if evict is not None:  # on_straggler / on_sdc: evict
             return self._recovering(evict)
         if obs.finished:
-            return Finished()
+            return self._finished()
         if obs.stopped:  # stopped at a boundary without a resize request: restart the loop
             return Running()
         return self._grow_check() or state
+
+    def _finished(self) -> State:
+        """Every step done: finished, unless the final storage checkpoint could not be
+        committed (DESIGN §10): the run would then look complete with nothing to resume."""
+        if self.committer is None or not self.spec.checkpoint.every_steps:  # no storage tier
+            return Finished()
+        why = self.committer.final_failure(self.step)
+        if why is None:
+            return Finished()
+        return Failed(f"the final checkpoint (step {self.step}) could not be committed to storage: {why}")
 
     # ------------------------------------------------------------------ growing back
     def _grow_check(self) -> State | None:
