@@ -147,8 +147,11 @@ class Controller(Reformations):
         try:
             return handler(state)
         except WorkerFailure as failure:  # a failure while starting, recovering or resizing
-            if isinstance(state, Starting):
-                return Failed(f"could not start the worker group: {failure.cause}: {failure.detail}")
+            if isinstance(state, Starting):  # recorded like any failure, so its cause is in events.jsonl too
+                self.failures += 1
+                f = failure
+                self.events.emit("failure", cause=f.cause, ranks=f.ranks, nodes=f.nodes, detail=f.detail)
+                return Failed(f"could not start the worker group: {f.cause}: {f.detail}")
             return self._recovering(failure)
 
     # ------------------------------------------------------------------ starting
