@@ -27,6 +27,12 @@ class DuplicateKey(yaml.constructor.ConstructorError):
 class _StrictLoader(yaml.SafeLoader):
     """``SafeLoader`` that refuses a key written twice in one mapping."""
 
+    _root: yaml.Node | None = None  # the document, kept to name a duplicate's dotted path
+
+    def get_single_data(self) -> Any:
+        self._root = self.get_single_node()
+        return None if self._root is None else self.construct_document(self._root)
+
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
@@ -42,8 +48,7 @@ class _StrictLoader(yaml.SafeLoader):
 
 def _dotted(loader: _StrictLoader, node: yaml.MappingNode, key: Any) -> str:
     """The dotted path of ``key`` inside ``node`` (found from the document's root)."""
-    root = getattr(loader, "_root_node", None)
-    path = _path_to(root, node) if root is not None else None
+    path = _path_to(loader._root, node) if loader._root is not None else None
     return ".".join([*(path or []), str(key)])
 
 
@@ -58,17 +63,11 @@ def _path_to(current: yaml.Node, target: yaml.Node) -> list[str] | None:
     return None
 
 
-def _compose_root(loader: _StrictLoader) -> Any:
-    node = loader.get_single_node()
-    loader._root_node = node
-    return None if node is None else loader.construct_document(node)
-
-
 def load_yaml(text: str) -> Any:
     """Parse one YAML document; a duplicated key raises ``DuplicateKey``."""
     loader = _StrictLoader(text)
     try:
-        return _compose_root(loader)
+        return loader.get_single_data()
     finally:
         loader.dispose()
 

@@ -41,7 +41,7 @@ def check_corpus(data: Any, seq_len: int, vocab_size: int) -> None:
     if data.source == "synthetic":
         return
     try:
-        fs, files = _parquet_files(data.source, data.storage_options)
+        fs, files, is_dir = _parquet_files(data.source, data.storage_options)
     except SpecError:
         raise
     except Exception as exc:  # noqa: BLE001 - remote and unreachable from here: checked when read
@@ -49,7 +49,7 @@ def check_corpus(data: Any, seq_len: int, vocab_size: int) -> None:
             log.warning("data.source not checked from the driver (%s): the readers will check it", type(exc).__name__)
             return
         raise SpecError("data.source", f"{data.source} cannot be read: {_reason(exc)}") from None
-    if fs.isdir(fs._strip_protocol(data.source)):  # a prepared corpus is a directory with an index.json
+    if is_dir:  # a prepared corpus is a directory with an index.json
         _check_index(data, seq_len, vocab_size)
     for path in _spread(files, MAX_FOOTERS):
         _check_footer(fs, path, seq_len, vocab_size)
@@ -72,14 +72,15 @@ def check_rows(rows: Any, row_width: int, vocab_size: int, where: str) -> None:
 # --------------------------------------------------------------------------- the checks
 
 
-def _parquet_files(source: str, options: dict[str, Any]) -> tuple[Any, list[str]]:
+def _parquet_files(source: str, options: dict[str, Any]) -> tuple[Any, list[str], bool]:
+    """The source's filesystem, its parquet files in order, and whether it is a directory."""
     fs, root = fsspec.core.url_to_fs(source, **(options or {}))
     if fs.isdir(root):
         files = sorted(p for p in fs.ls(root, detail=False) if p.endswith(".parquet"))
         if not files:
             raise SpecError("data.source", f"{redact_uri(source)} holds no .parquet files")
-        return fs, files
-    return fs, [root]
+        return fs, files, True
+    return fs, [root], False
 
 
 def _check_index(data: Any, seq_len: int, vocab_size: int) -> None:
