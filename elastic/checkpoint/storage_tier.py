@@ -8,7 +8,10 @@ tier's snapshot of that step with the collective-free :func:`storage.write_rank_
   pays for *starting* the CPU copy (which the memory tier makes anyway); the copy itself
   overlaps the next forward/backward. The snapshot buffer is leased from the memory tier
   so its double buffer cannot reuse it mid-upload. Training never waits for storage, and a
-  storage outage past the retry deadline only costs that checkpoint.
+  storage outage past the retry deadline only costs that checkpoint (reported at once:
+  a warning, its event and ``summary.json``'s ``checkpoint_failures``). The final
+  checkpoint is never skipped and always waited for: a job whose final checkpoint is not
+  committed ends failed (DESIGN §10).
 - ``checkpoint.async: false``: copy and write inline, the baseline the benchmark measures.
 
 Each rank writes only what it owns (see :func:`owned_paths`), so a checkpoint holds every
@@ -197,8 +200,9 @@ class StorageUploader:
             self._write(job, blocking_from=t0)
             return
         job.blocking_s += time.perf_counter() - t0
+        final = step == self.last_step
         with self._cond:
-            if len(self._jobs) > MAX_QUEUED:
+            if len(self._jobs) > MAX_QUEUED and not final:  # the final checkpoint is never skipped
                 self._report(job, None, f"skipped: {len(self._jobs)} earlier uploads still pending", 0.0, time.time())
                 return
             self._jobs.append(job)
@@ -206,7 +210,7 @@ class StorageUploader:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=f"ckpt-upload-r{self.rank}", daemon=True)
             self._thread.start()
-        if step == self.last_step:  # the job is over: no training left to overlap with
+        if final:  # the job is over: no training left to overlap with
             waited = self.flush(self.store.retry.deadline_s + 60)
             log.info("final checkpoint step %d: waited %.3fs for the upload", step, waited)
 

@@ -34,6 +34,7 @@ import ray
 import torch
 
 from elastic.checkpoint.memory_tier import MemoryTier, Snapshot
+from elastic.errors import CorpusError
 from elastic.ingest.corpus import ParquetCorpus
 from elastic.messages import (
     ConfigureReply,
@@ -298,7 +299,7 @@ class TrainWorker:
         detail = f"{type(exc).__name__}: {str(exc)[:300]}"
         step = self.trainer.step if self.trainer is not None else 0
         if not is_collective_error(exc):
-            return RunOutcome("error", step, "worker_error", detail)
+            return RunOutcome("error", step, "worker_error", detail, retryable=not isinstance(exc, CorpusError))
         timed_out = blocked_s >= 0.9 * self.spec.elastic.collective_timeout_s
         return RunOutcome("error", step, "timeout" if timed_out else "peer", detail)
 

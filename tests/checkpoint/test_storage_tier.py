@@ -102,6 +102,7 @@ def test_s3_outage_mid_run_fails_only_those_checkpoints(ray_local, tiny_spec_dic
     failed = [e for e in stored if not e["committed"]]
     committed = sorted(e["step"] for e in stored if e["committed"])
     assert failed and all(e["error"] for e in failed), stored
+    assert [(f["step"], f["cause"]) for f in result.checkpoint_failures] == [(e["step"], e["error"]) for e in failed]
     assert steps in committed and max(e["step"] for e in failed) < steps
     assert any(s > max(e["step"] for e in failed) for s in committed)  # uploads recovered
     store = open_store(uri, options)

@@ -7,7 +7,7 @@ EP the two ranks of a replica hold different experts, under CP the same paramete
 DDP (zero 0) the other replica holds the same state either way, which
 ``elastic/control/recovery_plan.py`` must see. (With zero >= 1 every rank's shard is unique and
 comes back from its copy in the other replica: 0 or 1 steps lost, as for every FSDP layout,
-tests/elastic/test_node_loss.py.)
+tests/integration/test_node_loss.py.)
 """
 
 from __future__ import annotations

@@ -79,9 +79,10 @@ def test_elastic_run_cli_writes_contract_artefacts(ray_local, tiny_spec_dict, tm
     assert steps[0]["grad_accum"] * steps[0]["dp"] * 2 == 8  # global = dp * micro * accum
     summary = json.load(open(run_dir / "summary.json"))
     contract = {"status", "steps", "final_loss", "wall_s", "mean_tokens_per_s", "failures", "dp_history", "recoveries"}
-    # docs/events.md: `excluded_nodes` (lemon nodes) is always written, `stop` only after a stop
-    assert set(summary) == contract | {"excluded_nodes"}
-    assert summary["excluded_nodes"] == []
+    # docs/outputs.md: `excluded_nodes` (lemon nodes) and `checkpoint_failures` are always
+    # written, `stop` only after a stop
+    assert set(summary) == contract | {"excluded_nodes", "checkpoint_failures"}
+    assert summary["excluded_nodes"] == [] and summary["checkpoint_failures"] == []
     assert summary["status"] == "succeeded" and summary["steps"] == 6
     assert summary["final_loss"] == pytest.approx(steps[-1]["loss"])
     assert "step" in proc.stdout and "loss" in proc.stdout  # progress display

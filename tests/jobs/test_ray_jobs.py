@@ -7,8 +7,10 @@ head's address file goes to that private temp dir, so no other process joins it 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -48,10 +50,14 @@ def _wait(condition, timeout: float, what: str, every: float = 0.5):
 @pytest.fixture
 def ray_head(tmp_path_factory):
     """A real head serving the Jobs API; yields (env, gcs address, dashboard URL)."""
+    with _head(tmp_path_factory, RAY_AUTH_MODE="disabled") as head:
+        yield head
+
+
+@contextlib.contextmanager
+def _head(tmp_path_factory, **extra_env):
     temp = str(tmp_path_factory.mktemp("rayhead"))
-    env = dict(
-        os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0"
-    )
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", RAY_USAGE_STATS_ENABLED="0", **extra_env)
     # `ray job stop` waits this long between SIGTERM and SIGKILL (Ray's default: 3 s), read by
     # the head's job supervisor: time for the stop checkpoint (docs/stopping.md).
     env["RAY_JOB_STOP_WAIT_TIME_S"] = "90"
@@ -308,3 +314,44 @@ def test_ray_job_submit_runs_jobs_train_and_ray_job_stop_leaves_a_resumable_chec
     events = read_events(resumed)
     assert [(e["source"], e["step"]) for e in events if e["kind"] == "restore"] == [("storage", newest)]
     assert [e["step"] for e in events if e["kind"] == "step"] == [newest + 1, newest + 2]
+
+
+@pytest.fixture
+def token_head(tmp_path_factory):
+    """A head with Ray token authentication, on a machine (HOME) where ~/.ray/auth_token exists,
+    as after any ``ray.init`` of Ray 2.60; yields (env without RAY_AUTH_MODE, dashboard URL)."""
+    home = tmp_path_factory.mktemp("home")
+    (home / ".ray").mkdir()
+    (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
+    with _head(tmp_path_factory, HOME=str(home), RAY_AUTH_MODE="token") as (env, _, url):
+        yield {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}, url
+
+
+def _readme_recipe() -> tuple[str, str]:
+    """The README's Ray Jobs recipe: its `export RAY_AUTH_MODE=...` line and its `ray job submit` line."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    block = next(b for b in text.split("```bash")[1:] if "ray job submit" in b.split("```")[0]).split("```")[0]
+    lines = [line.split("  #")[0].strip() for line in block.splitlines()]
+    export = next(line for line in lines if line.startswith("export RAY_AUTH_MODE="))
+    submit = next(line for line in lines if line.startswith("ray job submit"))
+    return export, submit
+
+
+def test_readme_ray_jobs_recipe_works_as_written_with_token_auth(token_head, tmp_path):
+    """The README's lines run through bash as written (the address pointed at this head, a
+    tiny model and a run directory appended); without its export the head refuses them."""
+    env, url = token_head
+    export, submit = _readme_recipe()
+    assert "http://127.0.0.1:8265" in submit
+    job_dir = str(tmp_path / "job")
+    extra = " ".join(f"--set {kv}" for kv in TINY + ["train.steps=3", "checkpoint.every_steps=0"])
+    line = f"{submit.replace('http://127.0.0.1:8265', url)} {extra} --run-dir {job_dir}"
+    refused = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert refused.returncode != 0
+    assert "no authentication token was found" in refused.stdout + refused.stderr, refused.stderr[-2000:]
+    proc = subprocess.run(
+        ["bash", "-c", f"{export}\n{line}"], capture_output=True, text=True, timeout=400, env=env, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.load(open(f"{job_dir}/summary.json"))
+    assert summary["status"] == "succeeded" and summary["steps"] == 3

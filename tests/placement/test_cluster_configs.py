@@ -77,7 +77,7 @@ def _fake_bin(tmp_path: Path, name: str, body: str) -> None:
 
 
 FAKE_CURL = """
-for a in "$@"; do url="$a"; done
+for a in "$@"; do case "$a" in http*) url="$a" ;; esac; done
 case "$url" in
   */api/token) echo tok ;;
   */instance-id) echo i-0abc123 ;;
@@ -169,3 +169,67 @@ def test_local_recipe_is_valid_bash_with_labels():
     assert "--labels=" in text and "rack=" in text and "--num-cpus=1" in text
     bad = subprocess.run(["bash", str(script), "bogus"], capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+# ---------------------------------------------------------------------- security: Ray token auth
+
+
+def _ray_starts(commands: list[str]) -> list[str]:
+    return [c for c in commands if "ray start" in c]
+
+
+def test_aws_turns_token_auth_on_with_a_token_from_a_secret():
+    cfg = _load("aws-gpu.yaml")
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        commands = cfg[key]
+        starts = _ray_starts(commands)
+        assert starts and all("RAY_AUTH_MODE=token ray start" in c for c in starts), commands
+        # the token is installed from the secret before Ray starts
+        fetch = [i for i, c in enumerate(commands) if "ray-auth-token.sh" in c]
+        assert fetch and fetch[0] < commands.index(starts[0]), commands
+    head = " ".join(cfg["head_start_ray_commands"])
+    assert "--dashboard-host=0.0.0.0" not in head and "--dashboard-host=127.0.0.1" in head
+    assert any("export RAY_AUTH_MODE=token" in c for c in cfg["setup_commands"])  # drivers and `ray exec` too
+    assert cfg["provider"]["security_group"]["GroupName"]
+    assert not cfg["provider"]["security_group"].get("IpPermissions")  # no Ray port opened to anyone
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_aws_token_script_installs_the_secret_privately(tmp_path):
+    """cluster_configs/ray-auth-token.sh with a fake `aws` and metadata server: the secret ends
+    up in ~/.ray/auth_token, readable by its owner only; an empty secret fails the node's start."""
+    bin_dir, home = tmp_path / "bin", tmp_path / "home"
+    bin_dir.mkdir()
+    home.mkdir()
+    _fake_bin(bin_dir, "curl", FAKE_CURL)
+    _fake_bin(bin_dir, "aws", 'case "$*" in *elastic-train/ray-auth-token*) echo s3cr3t-token ;; *) exit 3 ;; esac\n')
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(home)}
+    env.pop("AWS_REGION", None)
+    script = str(CONFIGS / "ray-auth-token.sh")
+    subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=30, check=True)
+    token = home / ".ray" / "auth_token"
+    assert token.read_text() == "s3cr3t-token"
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600
+    failed = subprocess.run(
+        ["bash", script], env={**env, "RAY_AUTH_SECRET_ID": "other"}, capture_output=True, text=True, timeout=30
+    )
+    assert failed.returncode != 0 and token.read_text() == "s3cr3t-token"
+
+
+def test_kuberay_turns_token_auth_on_with_a_secret_and_admits_only_its_pods():
+    doc = _load("kuberay-raycluster.yaml")
+    auth = doc["spec"]["authOptions"]
+    assert auth["mode"] == "token" and auth["secretName"]
+    assert doc["spec"]["headGroupSpec"]["serviceType"] == "ClusterIP"
+    policy = _load("kuberay-networkpolicy.yaml")
+    assert policy["kind"] == "NetworkPolicy" and policy["spec"]["policyTypes"] == ["Ingress"]
+    own = {"ray.io/cluster": doc["metadata"]["name"]}
+    assert policy["spec"]["podSelector"]["matchLabels"] == own
+    sources = [src for rule in policy["spec"]["ingress"] for src in rule["from"]]
+    assert {"podSelector": {"matchLabels": own}} in sources
+    assert all("ipBlock" not in src for src in sources)  # nothing from outside the Kubernetes cluster
+
+
+def test_local_recipe_uses_token_auth():
+    text = (CONFIGS / "local.sh").read_text()
+    assert "RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}" in text and "--dashboard-host=127.0.0.1" in text
