@@ -29,27 +29,6 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q --durations=30 tests
 
-# The inner loop: pure units (spec, data, policies, planner, topology, memory model, storage
-# store and formats, memory tier, mesh dims) and the controller's state machine on a fake
-# worker group. Selected by file, because what makes a test slow here is what it starts
-# (a Ray runtime, gloo process groups, a multi-node Cluster), not a marker; the
-# -m filter also drops anything marked slow (multi-node clusters, the measured memory
-# model) or gpu. Every test here is also in `make test`.
-FAST_TESTS := tests/test_memory_model.py tests/test_planner.py tests/test_topology.py \
-	tests/test_cluster_configs.py tests/foundation/test_spec.py tests/foundation/test_data.py \
-	tests/elastic/test_controller.py tests/elastic/test_policies.py tests/elastic/test_rank_order.py \
-	tests/parallel/test_parallel_dims.py tests/checkpoint/test_memory_tier.py \
-	tests/storage/test_storage_store.py tests/storage/test_storage_fs.py tests/storage/test_storage_dcp.py \
-	tests/test_layers.py tests/elastic/test_recovery_plan.py tests/elastic/test_worker_group_api.py \
-	tests/elastic/test_torch_private_api.py tests/simulator/test_simulator.py tests/tune/test_sweep_space.py \
-	tests/report/test_report_units.py tests/report/test_tracking.py tests/elastic/test_diagnosis.py \
-	tests/elastic/test_recovery_report.py \
-	tests/elastic/test_health_units.py \
-	tests/test_stop_signals.py \
-	tests/test_topology_placement.py \
-	tests/data/test_waves.py \
-	tests/test_benchmarks_package.py
-
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -58,8 +37,14 @@ format: install
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# The inner loop: every test that starts no Ray, no process group and no worker process
+# (pure units, the controller on a fake worker group, the CLI's input checks, the layer and
+# file-size checks), selected by marker: tests that start one are marked `cluster`, and
+# tests/conftest.py fails an unmarked test that starts one in-process. Every test here is
+# also in `make test`.
+
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow and not gpu" $(FAST_TESTS)
+	$(BIN)/python -m pytest -q -m "not cluster and not slow and not gpu" tests
 
 # Every benchmark at its quick settings, in the catalog's order (benchmarks/catalog.py); one
 # that cannot run here says why and is skipped (engine_vs_torchtitan: a GPU and torchtitan),

@@ -18,7 +18,7 @@ Phases (all in the same process group, all engines kept alive):
    ``global_batch * seq_len / median``, and the ratio to the first layout.
 
 Memory, per rank (the measuring code is ``elastic/testing/layout_memory.py``, shared with
-``tests/test_memory_model_measured.py``, which asserts the same ratio within +-15%):
+``tests/parallel/test_memory_model_measured.py``, which asserts the same ratio within +-15%):
 ``state`` (bytes of params, grads and optimizer state held at the end of the step),
 ``peak`` (the headline: peak live tensor bytes over one instrumented step, a CPU stand-in
 for ``torch.cuda.max_memory_allocated``; the real figure on ``--device cuda``) and
@@ -160,7 +160,7 @@ def print_table(rows: list[dict], args, model_cfg: ModelConfig, wall_s: float) -
     ratios = [r["measured"]["peak_bytes_max_rank"] / r["predicted"]["total"] for r in rows]
     print(
         f"peak/pred over all layouts: {min(ratios):.2f} to {max(ratios):.2f} "
-        f"(tests/test_memory_model_measured.py asserts 0.85 to 1.15 on the default model)."
+        f"(tests/parallel/test_memory_model_measured.py asserts 0.85 to 1.15 on the default model)."
     )
     method = rows[0]["measured"]["rss_method"]
     print(f"rssΔ = peak RSS after the build minus RSS before it ({method}); page-granular and polluted by the")

@@ -131,8 +131,10 @@ def _replicated_over_dp(value: Any) -> bool:
 
     if not isinstance(value, DTensor):
         return True  # plain tensors are never sharded over DP
+    from elastic.parallel.dims import spans_dp
+
     names = value.device_mesh.mesh_dim_names or ()
-    return "dp" not in names or isinstance(value.placements[names.index("dp")], Replicate)
+    return all(isinstance(p, Replicate) for n, p in zip(names, value.placements) if spans_dp(n))
 
 
 def _local(value: Any) -> torch.Tensor:

@@ -34,11 +34,13 @@ Holdings = dict[int, list[int]]  # one worker's memory tier: owner rank -> the s
 Source = Literal["memory", "storage", "none"]
 
 
-def shard_of(rank: int, tp: int, pp: int, zero: int) -> Any:
-    """What a rank's training state is: its (pp, tp) coordinate under DDP (every DP replica
-    holds the same), the rank itself under FSDP (every shard is unique)."""
-    c = rank_coords(rank, tp, pp)
-    return (c.pp_rank, c.tp_rank) if zero == 0 else rank
+def shard_of(rank: int, tp: int, pp: int, zero: int, ep: int = 1, cp: int = 1) -> Any:
+    """What a rank's training state is: its (pp, tp, ep) coordinate under DDP (every DP
+    replica holds the same, and so do the CP ranks of a replica: CP splits activations,
+    not parameters; EP ranks hold different experts), the rank itself under FSDP (every
+    shard is unique: dense parameters are sharded over dp x ep x cp)."""
+    c = rank_coords(rank, tp, pp, ep, cp)
+    return (c.pp_rank, c.tp_rank, c.ep_rank) if zero == 0 else rank
 
 
 def complete_replicas(members: Iterable[M], replica_size: int) -> list[list[M]]:
@@ -61,14 +63,20 @@ def rank_order(members: Sequence[M], replica_size: int, rack_of: Callable[[str],
     return [m for r in replicas for m in r]
 
 
-def covers(owners: Iterable[int], world: int, tp: int, pp: int, zero: int) -> bool:
+def covers(owners: Iterable[int], world: int, tp: int, pp: int, zero: int, ep: int = 1, cp: int = 1) -> bool:
     """Do snapshots of these old ranks hold the whole training state of a ``world``-rank layout?"""
-    have = {shard_of(r, tp, pp, zero) for r in owners}
-    return all(shard_of(r, tp, pp, zero) in have for r in range(world))
+    have = {shard_of(r, tp, pp, zero, ep, cp) for r in owners}
+    return all(shard_of(r, tp, pp, zero, ep, cp) in have for r in range(world))
 
 
 def covering_step(
-    holdings: Iterable[dict[int, list[int]] | None], world: int, tp: int, pp: int, zero: int
+    holdings: Iterable[dict[int, list[int]] | None],
+    world: int,
+    tp: int,
+    pp: int,
+    zero: int,
+    ep: int = 1,
+    cp: int = 1,
 ) -> int | None:
     """The newest step whose snapshots, over all ``holdings`` (owner rank -> steps, one
     dict per live member; None for a member that did not answer), cover the old layout."""
@@ -77,7 +85,7 @@ def covering_step(
         for owner, steps in (held or {}).items():
             for s in steps:
                 owners_at.setdefault(s, set()).add(int(owner))
-    good = [s for s, owners in owners_at.items() if covers(owners, world, tp, pp, zero)]
+    good = [s for s, owners in owners_at.items() if covers(owners, world, tp, pp, zero, ep, cp)]
     return max(good) if good else None
 
 
@@ -92,15 +100,23 @@ def holders_at(holdings: Sequence[tuple[M, dict[int, list[int]] | None]], step: 
     return held
 
 
-def owners_for(new_rank: int, holders: dict[int, M], me: M, tp: int, pp: int, zero: int) -> dict[int, M | None]:
+def owners_for(
+    new_rank: int, holders: dict[int, M], me: M, tp: int, pp: int, zero: int, ep: int = 1, cp: int = 1
+) -> dict[int, M | None]:
     """The old ranks whose snapshots the member ``me`` (new rank ``new_rank``) reads, and
     who serves each: None where ``me`` holds it itself.
 
-    It needs the shards of its own (pp, tp) coordinate: one DP replica's copy under DDP (its
-    own if it has one), every DP shard under FSDP (to reshard them).
+    It needs the shards of its own coordinate: under DDP one copy of its (pp, tp, ep)
+    state (its own if it has one: any DP replica or CP rank holds the same), under FSDP
+    every shard of its (pp, tp) coordinate (dense parameters are sharded over dp x ep x
+    cp, experts over dp x cp: resharding reads them all).
     """
-    coord = rank_coords(new_rank, tp, pp)[1:]
-    mine = {o: h for o, h in holders.items() if rank_coords(o, tp, pp)[1:] == coord}
+
+    def coord(rank: int) -> tuple[int, ...]:
+        c = rank_coords(rank, tp, pp, ep, cp)
+        return (c.pp_rank, c.tp_rank, c.ep_rank) if zero == 0 else (c.pp_rank, c.tp_rank)
+
+    mine = {o: h for o, h in holders.items() if coord(o) == coord(new_rank)}
     if zero == 0 and mine:
         owner = next((o for o, h in mine.items() if h is me), next(iter(mine)))
         mine = {owner: mine[owner]}
@@ -126,25 +142,34 @@ def plan_recovery(whole_replicas: int, spare: int, allowed: list[int]) -> Recove
     return RecoveryPlan(dp=dp, keep=keep, grow=dp - keep)
 
 
-def replica_peers(nodes: list[str], tp: int, pp: int, zero: int) -> list[int | None]:
+def replica_peers(nodes: list[str], tp: int, pp: int, zero: int, ep: int = 1, cp: int = 1) -> list[int | None]:
     """For each rank (``nodes[r]`` is rank r's node), the rank that keeps a copy of its
     memory snapshots, or None where no copy is needed.
 
     A rank needs a copy unless a rank on another node already holds the same state: under
-    DDP (``zero`` 0) the DP replicas of a (pp, tp) coordinate are identical, under FSDP every
-    shard is unique. Copies go to another node, so a node loss never takes a shard and its
-    copy together. The same ring shift is used for every rank where one exists that moves
-    each rank off its node, so every rank holds at most one peer's copies; otherwise each
-    rank picks the least-loaded rank on another node, the nearest in ring order first. On a
-    single node the copy goes to the next rank (another process), unless an identical
-    replica already lives in another process.
+    DDP (``zero`` 0) the DP replicas and CP ranks of a (pp, tp, ep) coordinate are
+    identical, under FSDP every shard is unique. Copies go to another node, so a node loss
+    never takes a shard and its copy together, and to another replica where one exists on
+    another node, because a node loss ends its whole replica (the re-formation keeps whole
+    replicas only). The same ring shift is used for every rank where one exists that moves
+    each rank off its node (shifts by whole replicas first), so every rank holds at most one
+    peer's copies; otherwise each rank picks the least-loaded rank on another node, the
+    nearest in ring order first. On a single node the copy goes to the next rank (another
+    process), unless an identical replica already lives in another process.
     """
-    n = len(nodes)
+    n, size = len(nodes), tp * pp * ep * cp
 
     def content(r: int) -> Any:
-        return shard_of(r, tp, pp, zero)
+        return shard_of(r, tp, pp, zero, ep, cp)
 
-    shift = next((k for k in range(1, n) if all(nodes[(r + k) % n] != nodes[r] for r in range(n))), None)
+    def off_node(k: int) -> bool:
+        return all(nodes[(r + k) % n] != nodes[r] for r in range(n))
+
+    # A lost node takes its whole replica (the controller re-forms whole replicas only), so
+    # a copy in another replica survives where one in the same replica would not: shifts by
+    # whole replicas first.
+    shifts = [*range(size, n, size), *range(1, n)]
+    shift = next((k for k in shifts if off_node(k)), None)
     load = [0] * n
     out: list[int | None] = []
     for r in range(n):
@@ -154,6 +179,7 @@ def replica_peers(nodes: list[str], tp: int, pp: int, zero: int) -> list[int | N
             continue
         ring = [(r + k) % n for k in range(1, n)]
         far = [q for q in ring if nodes[q] != nodes[r]]
+        far = [q for q in far if q // size != r // size] or far  # another replica first
         if far:
             peer = (
                 (r + shift) % n if shift is not None else min(far, key=lambda q: load[q])
@@ -203,19 +229,21 @@ def plan_reform(
     zero: int,
     replicate: bool,
     rack_of: Callable[[str], str],
+    ep: int = 1,
+    cp: int = 1,
 ) -> ReformPlan[M]:
     """The whole re-formation of ``members`` (whole replicas, any order) at ``dp``.
 
     ``holdings`` is the one snapshot query of the old layout's live members (kept or not:
     a worker that is about to leave can still serve its snapshots).
     """
-    order = rank_order(members, tp * pp, rack_of)
+    order = rank_order(members, tp * pp * ep * cp, rack_of)
     owners: list[dict[int, M | None]] = [{} for _ in order]
     if restore.source == "memory" and restore.step is not None:
         holders = holders_at(holdings, restore.step)
-        owners = [owners_for(rank, holders, m, tp, pp, zero) for rank, m in enumerate(order)]
+        owners = [owners_for(rank, holders, m, tp, pp, zero, ep, cp) for rank, m in enumerate(order)]
     peers: list[int | None] = [None] * len(order)
     if replicate:
-        peers = replica_peers([m.node_id for m in order], tp, pp, zero)
+        peers = replica_peers([m.node_id for m in order], tp, pp, zero, ep, cp)
     resume = restore.step if restore.step is not None else step
     return ReformPlan(list(order), dp, resume, restore, owners, peers)

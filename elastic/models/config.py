@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, T
 
 from elastic.errors import SpecError
 from elastic.models.llama_sizes import LLAMA_SIZES
+from elastic.models.rope_scaling import RopeScaling
 from elastic.parallel.memory_model import LayerActivations, MemoryInputs
 
 INIT_FROM_HELP = "a Hugging Face model directory (config.json + *.safetensors), local path or fsspec URI"
@@ -45,7 +46,13 @@ class GPTConfig(BaseModel):
         if self.d_model % self.n_heads:
             raise SpecError("model.n_heads", f"{self.n_heads} does not divide model.d_model ({self.d_model})")
 
-    def validate_layout(self, tp: int, pp: int) -> None:
+    def validate_layout(self, tp: int, pp: int, ep: int = 1, cp: int = 1) -> None:
+        if ep > 1:
+            raise SpecError(
+                "parallel.ep", "model.kind gpt has no experts; expert parallelism needs llama with model.moe"
+            )
+        if cp > 1:
+            raise SpecError("parallel.cp", "model.kind gpt has no context-parallel attention; use model.kind llama")
         if self.n_heads % tp:
             raise SpecError("parallel.tp", f"{tp} does not divide model.n_heads ({self.n_heads})")
         if self.d_model % tp:
@@ -94,28 +101,35 @@ class GPTConfig(BaseModel):
         return 6.0 * n + 12.0 * L * d * T
 
 
-class RopeScaling(BaseModel):
-    """Llama 3.1's RoPE frequency scaling (``rope_type: llama3`` in Hugging Face configs)."""
+class MoEConfig(BaseModel):
+    """``model.moe``: every Llama block's MLP becomes a top-k routed mixture of SwiGLU experts.
+
+    Routing is dropless (no capacity factor: every token reaches its ``top_k`` experts), so
+    a token's output never depends on which other tokens share its micro-batch, and the
+    load-balancing loss is computed per sequence: the model is the same function under
+    every micro-batch size and parallel layout (docs/models.md).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["llama3"] = "llama3"
-    factor: float = Field(..., ge=1, description="long wavelengths are divided by this")
-    low_freq_factor: float = Field(..., gt=0)
-    high_freq_factor: float = Field(..., gt=0)
-    original_max_position_embeddings: int = Field(..., ge=1, description="the pre-training context length")
+    n_experts: int = Field(..., ge=1, description="routed experts per layer (parallel.ep must divide it)")
+    top_k: int = Field(..., ge=1, description="experts each token is routed to")
+    expert_hidden: int | None = Field(
+        None, ge=1, description="SwiGLU hidden size of one expert; default the dense MLP's"
+    )
+    shared_expert: bool = Field(False, description="add one always-used SwiGLU expert of the same size")
+    router: Literal["softmax", "sigmoid"] = Field("softmax", description="how router logits become scores")
+    norm_topk_prob: bool = Field(False, description="rescale each token's top_k weights to sum to 1")
+    aux_loss_coef: float = Field(0.01, ge=0, description="weight of the per-sequence load-balancing loss")
 
     def check(self) -> None:
-        if self.high_freq_factor <= self.low_freq_factor:
-            raise SpecError(
-                "model.rope_scaling.high_freq_factor",
-                f"{self.high_freq_factor:g} must be larger than model.rope_scaling.low_freq_factor "
-                f"({self.low_freq_factor:g})",
-            )
+        if self.top_k > self.n_experts:
+            raise SpecError("model.moe.top_k", f"{self.top_k} is more than model.moe.n_experts ({self.n_experts})")
 
 
 class LlamaConfig(BaseModel):
-    """Llama 3 family: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention."""
+    """Llama 3 family: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention;
+    with ``moe``, a routed mixture of experts in place of the MLP."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -138,6 +152,7 @@ class LlamaConfig(BaseModel):
     norm_eps: float = Field(1e-5, gt=0)
     tie_embeddings: bool = Field(False, description="the output head shares the embedding's weight")
     max_seq_len: int | None = Field(None, ge=2, description="the published context length (metadata)")
+    moe: MoEConfig | None = Field(None, description="a routed mixture of experts in place of the MLP")
 
     @model_validator(mode="before")
     @classmethod
@@ -177,8 +192,14 @@ class LlamaConfig(BaseModel):
             raise SpecError("model.n_kv_heads", f"{self.kv_heads} does not divide model.n_heads ({self.n_heads})")
         if self.rope_scaling is not None:
             self.rope_scaling.check()
+        if self.moe is not None:
+            self.moe.check()
 
-    def validate_layout(self, tp: int, pp: int) -> None:
+    @property
+    def expert_hidden(self) -> int:
+        return (self.moe.expert_hidden if self.moe is not None else None) or self.hidden_dim
+
+    def validate_layout(self, tp: int, pp: int, ep: int = 1, cp: int = 1) -> None:
         if tp > self.kv_heads or self.kv_heads % tp:
             raise SpecError(
                 "parallel.tp",
@@ -195,12 +216,35 @@ class LlamaConfig(BaseModel):
                 "model.tie_embeddings",
                 "tied embeddings need parallel.pp=1 (embedding and head sit on different stages)",
             )
+        self._validate_ep_cp(tp, ep, cp)
+
+    def _validate_ep_cp(self, tp: int, ep: int, cp: int) -> None:
+        moe = self.moe
+        if ep > 1 and moe is None:
+            raise SpecError("parallel.ep", f"expert parallelism ({ep}) needs a mixture of experts (model.moe)")
+        if moe is not None and moe.n_experts % ep:
+            raise SpecError("parallel.ep", f"{ep} does not divide model.moe.n_experts ({moe.n_experts})")
+        if moe is not None and self.expert_hidden % tp:
+            raise SpecError("parallel.tp", f"{tp} does not divide the expert hidden size ({self.expert_hidden})")
+        if self.seq_len % cp:
+            raise SpecError("parallel.cp", f"{cp} does not split model.seq_len ({self.seq_len}) into equal chunks")
 
     def block_params(self) -> int:
         d, kv = self.d_model, self.kv_heads * self.head_dim
-        return 2 * d * d + 2 * d * kv + 3 * d * self.hidden_dim
+        attn = 2 * d * d + 2 * d * kv
+        if self.moe is None:
+            return attn + 3 * d * self.hidden_dim
+        return attn + self.moe_block_params()
+
+    def moe_block_params(self, active: bool = False) -> int:
+        """The MoE layer's parameters: router, experts (only ``top_k`` of them if ``active``), shared expert."""
+        moe, d = self.moe, self.d_model
+        experts = moe.top_k if active else moe.n_experts
+        return d * moe.n_experts + (experts + int(moe.shared_expert)) * 3 * d * self.expert_hidden
 
     def memory_inputs(self) -> MemoryInputs:
+        if self.moe is not None:
+            return self._moe_memory_inputs(self.kv_heads / self.n_heads)
         d, V = self.d_model, self.vocab_size
         r = self.hidden_dim / d
         tied = self.tie_embeddings  # a tied table is replicated under TP (the plan shards untied ones only)
@@ -230,9 +274,45 @@ class LlamaConfig(BaseModel):
             act_bf16=LayerActivations(whole=20, split=10 + 8 * r, residual=2, head=10, backward=6 * r),
         )
 
+    def _moe_memory_inputs(self, kv_frac: float) -> MemoryInputs:
+        """As the dense model's, with the MLP's activations those of the routed experts
+        (elastic/parallel/memory_moe.py): kept whole under TP, the router's scores and the
+        ``top_k`` token copies in and out of the experts; split, the experts' (and the
+        shared expert's) four SwiGLU intermediates per copy."""
+        from elastic.parallel.memory_moe import ExpertMemory
+
+        moe, d, he, V = self.moe, self.d_model, self.expert_hidden, self.vocab_size
+        tied = self.tie_embeddings
+        dense = 2 * d * d + 2 * d * self.kv_heads * self.head_dim
+        experts = ExpertMemory(moe.n_experts, d, he)
+        return MemoryInputs(
+            n_layers=self.n_layers,
+            d_model=d,
+            n_heads=self.n_heads,
+            seq_len=self.seq_len,
+            vocab_size=V,
+            block_split=dense + int(moe.shared_expert) * 3 * d * he + experts.params,
+            block_whole=2 * d + d * moe.n_experts,  # norms and the router, replicated over TP
+            first_split=0 if tied else V * d,
+            first_whole=V * d if tied else 0,
+            last_split=0 if tied else V * d,
+            last_whole=d,
+            vocab_parallel=not tied,  # the dense model's TP plan for the embedding and head
+            embedding_grad_whole=True,
+            head_params=V * d,
+            act_whole=8 + 4 * moe.top_k + 2 * moe.n_experts / d,
+            act_split=6 + 6 * kv_frac + 8 * he * (moe.top_k + int(moe.shared_expert)) / d,
+            act_scores=0,
+            experts=experts,
+        )
+
     def flops_per_token(self) -> float:
-        """6N (weights, embeddings counted once as in torchtitan) + 12·L·d·T attention."""
-        n = self.n_layers * self.block_params() + self.vocab_size * self.d_model
+        """6N (weights, embeddings counted once as in torchtitan) + 12·L·d·T attention;
+        with experts N counts the active ones (``top_k`` of them) only."""
+        block = self.block_params()
+        if self.moe is not None:
+            block += self.moe_block_params(active=True) - self.moe_block_params()
+        n = self.n_layers * block + self.vocab_size * self.d_model
         return 6.0 * n + 12.0 * self.n_layers * self.d_model * self.seq_len
 
 
@@ -261,10 +341,10 @@ class CustomConfig(BaseModel):
 
             check_custom_init_from(self, spec)
 
-    def validate_layout(self, tp: int, pp: int) -> None:
+    def validate_layout(self, tp: int, pp: int, ep: int = 1, cp: int = 1) -> None:
         from elastic.models.custom import load_spec
 
-        load_spec(self).check_layout(tp, pp)
+        load_spec(self).check_layout(tp, pp, ep, cp)
 
     def memory_inputs(self) -> MemoryInputs:
         from elastic.models.custom import load_spec

@@ -181,7 +181,7 @@ def apply_hf_config(cfg: LlamaConfig) -> None:
         )
     if "rope_scaling" in given:
         _check_rope_scaling(cfg, hf["rope_scaling"])
-    from elastic.models.config import RopeScaling
+    from elastic.models.rope_scaling import RopeScaling
 
     for name, value in hf.items():
         if name == "max_seq_len" and (value is None or "max_seq_len" in given):

@@ -47,13 +47,20 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(
-    seq: int, head_dim: int, theta: float, device: torch.device, scaling: RopeScaling | None = None
+    seq: int,
+    head_dim: int,
+    theta: float,
+    device: torch.device,
+    scaling: RopeScaling | None = None,
+    start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of ``pos * theta^(-2i/head_dim)``, shape ``[seq, head_dim / 2]`` (fp32)."""
+    """cos and sin of ``pos * theta^(-2i/head_dim)`` for positions ``start .. start + seq - 1``,
+    shape ``[seq, head_dim / 2]`` (fp32). ``start`` > 0: a context-parallel chunk."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     if scaling is not None:
         inv_freq = llama3_scaled(inv_freq, scaling)
-    angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv_freq)
+    positions = torch.arange(start, start + seq, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
     return angles.cos(), angles.sin()
 
 
@@ -87,6 +94,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, kv_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, kv_dim, bias=False)
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.cp = None  # an elastic.parallel.cp.ContextParallel when the sequence is split over ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
@@ -94,8 +102,12 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        cos, sin = rope_tables(seq, self.head_dim, self.theta, x.device, self.rope_scaling)
+        start = self.cp.rope_offset(seq) if self.cp is not None else 0
+        cos, sin = rope_tables(seq, self.head_dim, self.theta, x.device, self.rope_scaling, start)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.cp is not None:  # this rank's chunk of the sequence attends to all earlier chunks
+            y = self.cp.attention(q, k, v, self.n_rep)
+            return self.wo(y.transpose(1, 2).reshape(bsz, seq, -1))
         if self.n_rep > 1:  # each key/value head serves n_rep consecutive query heads
             k = k.repeat_interleave(self.n_rep, dim=1)
             v = v.repeat_interleave(self.n_rep, dim=1)
@@ -128,11 +140,11 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, block: type[nn.Module] = Block):
         super().__init__()
         self.cfg = cfg
         self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.blocks = nn.ModuleDict({str(i): block(cfg) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:  # Llama 3.2 1B/3B; tied again in ``init_weights`` after ``to_empty``
@@ -193,6 +205,14 @@ def apply_tp(model: Llama, tp_mesh) -> Llama:
     return model
 
 
+def apply_cp(model: Llama, cp_mesh) -> Llama:
+    """Context-parallel attention in every block (``elastic/parallel/cp.py``)."""
+    from elastic.parallel.cp import apply_cp as cp_attention
+
+    cp_attention([block.attn for block in model.blocks.values()], cp_mesh)
+    return model
+
+
 def llama_spec(cfg: LlamaConfig) -> ModelSpec:
     from elastic.parallel.tp import loss_context
 
@@ -210,6 +230,7 @@ def llama_spec(cfg: LlamaConfig) -> ModelSpec:
         validate_layout=cfg.validate_layout,
         memory=cfg.memory_inputs(),
         hf=llama_adapter(cfg),
+        cp_plan=apply_cp,
     )
 
 

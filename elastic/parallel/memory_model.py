@@ -25,7 +25,8 @@ What the estimate follows, from the engine (``elastic/parallel/``):
 * the peak is the largest of three moments of a step: backward starts, the first layer
   recomputed, backward ends.
 
-A model kind can add its own terms (mixture of experts, context parallelism) through
+Experts and expert and context parallelism go through ``memory_moe.py`` (the dense part
+through these terms, theirs added). Any model kind can add terms of its own through
 ``MemoryInputs.extra_terms``: a function of the ``StageContext`` returning ``ExtraTerms``,
 added to the stage before its peak is taken.
 """
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from elastic.errors import SpecError
-from elastic.parallel.memory_terms import STATE_BYTES, ceil_div, stage_estimate, stage_params
+from elastic.parallel.memory_terms import STATE_BYTES, ceil_div, layers_per_stage, stage_estimate, stage_params
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class StageContext:
     stage: int
     layers: int
     micro_batch: int
-    tokens: int  # per micro-batch on this rank: micro_batch * seq_len / cp
+    tokens: int  # per micro-batch on this rank: micro_batch * seq_len
     microbatches: int  # per step (gradient accumulation; the pipeline's micro-batches)
     in_flight: int  # micro-batches whose activations the stage holds at once
     recompute: bool
@@ -94,8 +95,6 @@ class StageContext:
     compute_bytes: int  # activations and the weights computed with
     fsdp: bool  # FSDP2 holds the parameters (zero >= 1 with dp > 1, or with bf16)
     optimizer: str = "adamw"
-    ep: int = 1
-    cp: int = 1
     extra: ExtraTerms = ExtraTerms()
 
 
@@ -142,6 +141,7 @@ class MemoryInputs:
     act_autocast: LayerActivations | None = None
     act_bf16: LayerActivations | None = None
     extra_terms: Callable[[StageContext], ExtraTerms] | None = field(default=None, compare=False)
+    experts: Any = None  # a MoE model's routed experts: elastic.parallel.memory_moe.ExpertMemory
 
     def activations(self, precision: str, compute_bytes: int, param_bytes: int) -> LayerActivations:
         """The per-layer bytes at ``precision`` (declared, or Korthikanti's scaled)."""
@@ -185,12 +185,6 @@ class MemoryEstimate:
         fields = ("params", "grads", "optimizer", "buffers", "pipeline", "activations", "logits")
         parts = ", ".join(f"{k}={getattr(self, k) / gib:.3f}" for k in fields)
         return f"{self.total / gib:.3f} GiB (stage {self.stage}: {parts})"
-
-
-def layers_per_stage(n_layers: int, pp: int) -> list[int]:
-    """Layers of each pipeline stage; the first ``n_layers % pp`` stages get one more."""
-    base, extra = divmod(n_layers, pp)
-    return [base + (1 if i < extra else 0) for i in range(pp)]
 
 
 def stage_param_count(cfg: Any, tp: int, pp: int, stage: int) -> int:
@@ -247,12 +241,19 @@ def estimate_memory(
     ``dtype_bytes``: the stored parameters (4: the engine's fp32 master weights).
     ``compute_dtype_bytes=2`` is the engine's ``train.dtype: bf16``: autocast with ZeRO 0,
     FSDP2's bf16 policy with ZeRO >= 1. ``num_microbatches`` (gradient accumulation
-    steps, the pipeline's micro-batches): ``None`` assumes ``pp`` of them. ``ep`` and
-    ``cp`` are passed to the model's ``extra_terms``; ``cp`` also divides the tokens a
-    rank holds.
+    steps, the pipeline's micro-batches): ``None`` assumes ``pp`` of them. ``ep``, ``cp``
+    and a model with experts: ``memory_moe.estimate_moe_cp``.
     """
     _check(model_cfg, tp, pp, dp, zero, micro_batch, dtype_bytes, optimizer, pp_schedule)
     m = memory_inputs(model_cfg)
+    if ep > 1 or cp > 1 or m.experts is not None:  # experts, EP and CP terms: elastic/parallel/memory_moe.py
+        from elastic.parallel.memory_moe import estimate_moe_cp
+
+        return estimate_moe_cp(
+            estimate_memory, m, tp=tp, pp=pp, dp=dp, ep=ep, cp=cp, zero=zero, micro_batch=micro_batch,
+            activation_checkpointing=activation_checkpointing, dtype_bytes=dtype_bytes, optimizer=optimizer,
+            pp_schedule=pp_schedule, num_microbatches=num_microbatches, compute_dtype_bytes=compute_dtype_bytes,
+        )  # fmt: skip
     worst: MemoryEstimate | None = None
     for stage in range(pp):
         ctx = _context(
@@ -269,8 +270,6 @@ def estimate_memory(
             compute_dtype_bytes=compute_dtype_bytes,
             optimizer=optimizer,
             schedule=pp_schedule,
-            ep=ep,
-            cp=cp,
         )
         if m.extra_terms is not None:
             ctx = replace(ctx, extra=m.extra_terms(ctx))
@@ -300,8 +299,6 @@ def _context(
     compute_dtype_bytes: int | None = None,
     optimizer: str = "adamw",
     schedule: str = "1f1b",
-    ep: int = 1,
-    cp: int = 1,
 ) -> StageContext:
     compute = compute_dtype_bytes or dtype_bytes
     if dtype_bytes < 4 or (compute < dtype_bytes and zero >= 1):
@@ -322,7 +319,7 @@ def _context(
         stage=stage,
         layers=layers_per_stage(m.n_layers, pp)[stage],
         micro_batch=micro_batch,
-        tokens=ceil_div(micro_batch * m.seq_len, cp),
+        tokens=micro_batch * m.seq_len,
         microbatches=microbatches,
         in_flight=in_flight if pp > 1 else 1,
         recompute=recompute,
@@ -331,8 +328,6 @@ def _context(
         compute_bytes=compute,
         fsdp=fsdp,
         optimizer=optimizer,
-        ep=ep,
-        cp=cp,
     )
 
 

@@ -1,7 +1,8 @@
 """The terms of the memory model, one function each, for one pipeline stage (pure arithmetic).
 
 ``memory_model.estimate_memory`` builds a ``StageContext`` per stage and calls
-``stage_estimate``; the account of every term, and how each was measured, is in
+``stage_estimate``; ``memory_moe.py`` (experts, EP, CP) shares ``STATE_BYTES`` and
+``layers_per_stage``. The account of every term, and how each was measured, is in
 docs/sweep.md ("How the memory model counts"). Runs wherever a spec is checked.
 
 A stage's bytes are ``state + buffers + pipeline + the largest of three moments``:
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from elastic.parallel.memory_model import LayerActivations, MemoryInputs, StageContext
 
-STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}
+STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}  # optimizer state bytes per fp32 parameter
 # The loss on the last stage, bytes per token and vocabulary entry (all fp32: the loss
 # upcasts): the log-probabilities cross_entropy keeps for backward; when backward starts,
 # their gradient and the logits' gradient (torch's loss_parallel fuses the two: one).
@@ -49,6 +50,12 @@ class StageTerms:
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.buffers + self.pipeline + self.activations + self.logits
+
+
+def layers_per_stage(n_layers: int, pp: int) -> list[int]:
+    """Layers of each pipeline stage; the first ``n_layers % pp`` stages get one more."""
+    base, extra = divmod(n_layers, pp)
+    return [base + (1 if i < extra else 0) for i in range(pp)]
 
 
 def ceil_div(num: float, den: int) -> int:

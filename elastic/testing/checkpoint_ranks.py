@@ -154,3 +154,54 @@ def reshard_memory(rank: int, world: int, out: str) -> dict | None:
         }
     finally:
         dist.destroy_process_group()
+
+
+def _ep_cp_train(engine: TrainEngine, start: int, steps: int) -> list[float]:
+    """Each data shard (dp x ep) its samples, each CP rank its chunk of every sequence."""
+    dims, coords = engine.dims, engine.coords
+    chunk = 16 // dims.cp
+    lo = coords.cp_rank * chunk
+    losses = []
+    for step in range(start, start + steps):
+        micro = micro_batches(step, dims.data_shards, dims.data_shard(coords))
+        losses.append(engine.forward_backward([(x[:, lo : lo + chunk], y[:, lo : lo + chunk]) for x, y in micro]))
+        engine.optimizer_step()
+    return losses
+
+
+def storage_roundtrip_ep_cp(rank: int, world: int, out: str, root: str, zero: int, ep: int, cp: int) -> dict:
+    """A MoE Llama at dp x ep x cp = world: save step 3 through the storage tier (every rank
+    writes what it owns), restore it from storage into fresh engines of the same layout."""
+    init_group(rank, world, os.path.join(out, "store"))
+    try:
+        dp = world // (ep * cp)
+        raw = make_spec(zero, root).model_dump(by_alias=True)
+        raw["model"] = {"kind": "llama", "size": "tiny", "moe": {"n_experts": 4, "top_k": 2, "shared_expert": True}}
+        raw["parallel"].update(ep=ep, cp=cp)
+        raw["elastic"].update(max_dp=dp)
+        spec = JobSpec.from_dict(raw)
+        dims = ParallelDims(dp=dp, tp=1, pp=1, world_size=world, ep=ep, cp=cp)
+        engine = TrainEngine(spec.model, spec.parallel, spec.train, dims, spec.seed)
+        _ep_cp_train(engine, 0, STEPS)
+        tier, results = MemoryTier(), collections.deque()
+        uploader = StorageUploader(spec, root, rank, engine.dims, tier, results, base_step=0)
+        state = {"app": engine.state_dict(), "train": {"step": STEPS, "batch_index": STEPS}}
+        uploader.save(STEPS, state, tier.snapshot_async(STEPS, rank, state, {"dp": dp}))
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, results[0])
+        if rank == 0:
+            committer = CheckpointCommitter(spec, root, EventLog(out))
+            for r, res in enumerate(gathered):
+                committer.add(r, res)
+            assert committer.join(60)
+        dist.barrier()
+        want = full_state(engine)
+        restored = TrainEngine(
+            spec.model, spec.parallel, spec.train, ParallelDims(dp=dp, tp=1, pp=1, world_size=world, ep=ep, cp=cp), 1
+        )
+        objects, stats = load_from_storage(restored, STEPS, root, {})
+        got = full_state(restored)
+        next_losses = (_ep_cp_train(engine, STEPS, 1)[0], _ep_cp_train(restored, STEPS, 1)[0])
+        return {"stats": stats, "diff": diff(want, got), "step": objects["train/step"], "losses": next_losses}
+    finally:
+        dist.destroy_process_group()

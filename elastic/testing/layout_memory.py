@@ -1,7 +1,7 @@
 """Per-rank peak memory of parallel layouts, measured, next to the memory model's prediction.
 
 Shared by ``benchmarks/parallel_layouts.py`` (which adds timing rounds and prints the table)
-and ``tests/test_memory_model_measured.py`` (which asserts the prediction within +-15%).
+and ``tests/parallel/test_memory_model_measured.py`` (which asserts the prediction within +-15%).
 ``run_layouts`` spawns ``world`` ranks (gloo on 127.0.0.1, one torch thread per rank;
 ``device="cuda"`` uses NCCL, one GPU per rank); every layout trains the same GPT
 (``build_model`` with the same seed) on the same global batch through ``TrainEngine``.

@@ -44,7 +44,7 @@ def trial_resources(spec: Any, config: dict[str, Any]):
     """The ``PlacementGroupFactory`` of one configuration: the trainable, then every worker."""
     from ray.tune import PlacementGroupFactory
 
-    world = config["dp"] * config["tp"] * config["pp"]
+    world = config["dp"] * config["tp"] * config["pp"] * config.get("ep", 1) * config.get("cp", 1)
     tp_on_gpus = spec.resources.device == "cuda" and config["tp"] > 1
     return PlacementGroupFactory(
         [{"CPU": DRIVER_CPU}] + [worker_bundle(spec.resources)] * world,
@@ -148,7 +148,7 @@ class _Reporter:
     def __init__(self, ctx: dict[str, Any], config: dict[str, Any], predicted: int, t0: float, report: Any = None):
         self.ctx, self.config, self.predicted, self.t0 = ctx, config, predicted, t0
         self.report = report
-        self.world = config["dp"] * config["tp"] * config["pp"]
+        self.world = config["dp"] * config["tp"] * config["pp"] * config.get("ep", 1) * config.get("cp", 1)
         self.tps: list[float] = []
         self.step_s: list[float] = []
         self.mfu: list[float] = []

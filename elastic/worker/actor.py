@@ -34,6 +34,7 @@ import ray
 import torch
 
 from elastic.checkpoint.memory_tier import MemoryTier, Snapshot
+from elastic.errors import CorpusError
 from elastic.ingest.corpus import ParquetCorpus
 from elastic.messages import (
     ConfigureReply,
@@ -44,7 +45,7 @@ from elastic.messages import (
     StorageRestore,
     WorkerInfo,
 )
-from elastic.parallel.dims import MESH_DIM_NAMES, ParallelDims
+from elastic.parallel.dims import ParallelDims
 from elastic.worker.hooks import StepHook
 from elastic.worker.process_group import ReconfigurableProcessGroup, is_collective_error
 from elastic.worker.trainer import Trainer
@@ -185,13 +186,15 @@ class TrainWorker:
                 req.generation, req.rank, t_join - t_leave, t_tier - t_leave, t_join - t_tier,
             )  # fmt: skip
         dp, tp, pp = req.dims
+        ep, cp = self.spec.parallel.ep, self.spec.parallel.cp  # fixed for the job: only dp changes
+        world = dp * tp * pp * ep * cp
         self.rank = req.rank
-        join_s = self.group.configure(req.generation, req.rank, dp * tp * pp, req.store)
+        join_s = self.group.configure(req.generation, req.rank, world, req.store)
         # The mesh's sub-groups connect within the rendezvous timeout, then get the collective one.
         t_mesh = time.perf_counter()
-        dims = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=dp * tp * pp, timeout=self.group.rendezvous_timeout)
+        dims = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=world, ep=ep, cp=cp, timeout=self.group.rendezvous_timeout)
         dims.build_mesh(self.device.type)
-        self.group.mesh_built([dims.world_mesh[name].get_group() for name in MESH_DIM_NAMES])
+        self.group.mesh_built(dims.mesh_groups())
         mesh_s = time.perf_counter() - t_mesh
         init_s = join_s + mesh_s  # the rendezvous: the group and its mesh sub-groups
         source = None
@@ -296,7 +299,7 @@ class TrainWorker:
         detail = f"{type(exc).__name__}: {str(exc)[:300]}"
         step = self.trainer.step if self.trainer is not None else 0
         if not is_collective_error(exc):
-            return RunOutcome("error", step, "worker_error", detail)
+            return RunOutcome("error", step, "worker_error", detail, retryable=not isinstance(exc, CorpusError))
         timed_out = blocked_s >= 0.9 * self.spec.elastic.collective_timeout_s
         return RunOutcome("error", step, "timeout" if timed_out else "peer", detail)
 

@@ -139,7 +139,8 @@ class SdcGuard:
         else:
             gathered = [local]
         fps = [int(t.item()) for t in gathered]
-        coords = [(self.dims.coords(r).pp_rank, self.dims.coords(r).tp_rank) for r in range(world)]
+        # Ranks that hold the same parameters (zero 0): one (pp, tp, ep) coordinate, over DP and CP.
+        coords = [(c.pp_rank, c.tp_rank, c.ep_rank) for c in map(self.dims.coords, range(world))]
         self.check_s = time.perf_counter() - t0
         return vote(fps, twin_groups(coords))
 

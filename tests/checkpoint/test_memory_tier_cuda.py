@@ -9,6 +9,7 @@ import torch
 from elastic.checkpoint.memory_tier import MemoryTier
 
 pytestmark = [
+    pytest.mark.cluster,
     pytest.mark.gpu,
     pytest.mark.timeout(120),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),

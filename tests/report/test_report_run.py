@@ -14,15 +14,13 @@ import time
 import urllib.request
 
 import pytest
+from elastic_testlib import FAULT_STEP, STEPS, elastic_spec, events_of
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "elastic"))
-from elastic_testlib import FAULT_STEP, STEPS, elastic_spec, events_of  # noqa: E402
+from elastic import ElasticTrainer
+from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault
+from elastic.report import load_run, scale_factors, write_report
 
-from elastic import ElasticTrainer  # noqa: E402
-from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault  # noqa: E402
-from elastic.report import load_run, scale_factors, write_report  # noqa: E402
-
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
 
 SAMPLE = re.compile(r"^(\w+)\{(.*)\} (\S+)$")
 LABEL = re.compile(r'(\w+)="([^"]*)"')
