@@ -38,17 +38,21 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from typing import Any
+
+from benchmarks.harness.cluster import start_cluster
+from benchmarks.harness.kill import PidsGroup, node_index_of
+from benchmarks.harness.proc import arm_deadline, child_env, module_command, run_logged, tail
+from benchmarks.harness.results import results_path, utc_iso, write_json
+from benchmarks.harness.stats import median_range
 
 TINY = {"n_layers": 4, "d_model": 64, "n_heads": 4, "vocab_size": 512, "seq_len": 32}
 M50 = {"n_layers": 4, "d_model": 256, "n_heads": 4, "vocab_size": 2048, "seq_len": 32}  # 4.2M params, 50.5 MB
@@ -67,7 +71,7 @@ SCENARIOS: dict[str, tuple[dict, int, int, int, int | None, int, int, int]] = {
 }
 PRE_STEP = ("detect_s", "decide_s", "free_s", "spawn_s", "rendezvous_s", "rebuild_s", "restore_s", "configure_other_s")
 WORKER_SIDE = ("rendezvous_s", "rebuild_s", "restore_s", "configure_other_s")
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "recovery_scaling.json")
+RESULTS = results_path("recovery_scaling.json")
 
 
 # --------------------------------------------------------------------------- one run (child)
@@ -91,36 +95,30 @@ def spec_dict(name: str, kill_step: int) -> dict[str, Any]:
 
 def child(cfg: dict[str, Any]) -> None:
     """Run one scenario on its own cluster; write what it measured to ``cfg['out']``."""
-    import ray
-    from ray.cluster_utils import Cluster
-
     from elastic import ElasticTrainer
     from elastic.control.callbacks import Callback
     from elastic.events import read_events
-    from elastic.faults import kill_node, worker_nodes
+    from elastic.faults import kill_node
     from jobs import JobSpec
 
     _, tp, pp, _, _, nodes, per_node, _ = SCENARIOS[cfg["scenario"]]
     out: dict[str, Any] = {"scenario": cfg["scenario"], "load_before": os.getloadavg()[0]}
-    timer = threading.Timer(cfg["timeout_s"], lambda: os._exit(3))  # nothing outlives the budget
-    timer.daemon = True
-    timer.start()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    for _ in range(nodes):
-        cluster.add_node(num_cpus=per_node)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
+    arm_deadline(cfg["timeout_s"], cfg["out"], out)  # nothing outlives the budget
+    started = start_cluster(nodes, node_cpus=per_node, dashboard=False)
+    cluster = started.cluster
 
     class KillNode(Callback):
+        """Kill the last rank's node once ``kill_step`` is done (from a thread: the controller
+        is not held by ``remove_node``)."""
+
         def __init__(self) -> None:
             self.thread: threading.Thread | None = None
 
         def after_step(self, step: int, group: Any) -> None:
             if self.thread is None and step >= cfg["kill_step"]:
-                victim = next(m for m in group.members if m.rank == group.members[-1].rank)
-                pids = {victim.node_id: [m.pid for m in group.members if m.node_id == victim.node_id]}
-                index = [n.node_id for n in worker_nodes(cluster)].index(victim.node_id)
-                holder = type("Pids", (), {"pids_on_node": lambda self, n: pids.get(n, [])})()
+                node = max(group.members, key=lambda m: m.rank).node_id
+                holder = PidsGroup({node: [m.pid for m in group.members if m.node_id == node]})
+                index = node_index_of(cluster, node)
                 self.thread = threading.Thread(target=kill_node, args=(cluster, index, holder), daemon=True)
                 self.thread.start()
 
@@ -148,11 +146,9 @@ def child(cfg: dict[str, Any]) -> None:
     except Exception as exc:  # reported, not hidden
         out["status"] = f"error: {type(exc).__name__}: {exc}"
     finally:
-        ray.shutdown()
-        cluster.shutdown()
+        started.stop()
     out["load_after"] = os.getloadavg()[0]
-    with open(cfg["out"], "w") as f:
-        json.dump(out, f)
+    write_json(cfg["out"], out)
     os._exit(0)
 
 
@@ -215,17 +211,15 @@ def run_scenario(name: str, rep: int, args: argparse.Namespace) -> dict[str, Any
     with tempfile.TemporaryDirectory(prefix=f"scaling-{name}-") as work:
         cfg = {"scenario": name, "work": work, "out": os.path.join(work, "out.json"),
                "kill_step": args.kill_step, "timeout_s": args.timeout_s}  # fmt: skip
-        t0 = time.time()
-        proc = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), "--child", json.dumps(cfg)],
-            capture_output=True, text=True, timeout=args.timeout_s + 60,
-        )  # fmt: skip
+        cmd = module_command("benchmarks.recovery_scaling", "--child", json.dumps(cfg))
+        log = os.path.join(work, "child.log")
+        rc, wall_s, _ = run_logged(cmd, args.timeout_s + 60, child_env(), log)
         try:
             with open(cfg["out"]) as f:
                 res = json.load(f)
         except OSError:
-            res = {"scenario": name, "status": f"no result (exit {proc.returncode}): {proc.stderr[-400:]}"}
-    res.update(rep=rep, wall_s=round(time.time() - t0, 1))
+            res = {"scenario": name, "status": f"no result (exit {rc}): {tail(log, 8)[-400:]}"}
+    res.update(rep=rep, wall_s=round(wall_s, 1))
     cost = res.get("cost_s")
     print(f"  {name:>11} rep {rep}: {res.get('status')} cost {cost if cost is None else round(cost, 3)}s "
           f"breakdown {res.get('breakdown')} ops/rank {res.get('store_ops_per_rank')} "
@@ -234,11 +228,10 @@ def run_scenario(name: str, rep: int, args: argparse.Namespace) -> dict[str, Any
     return res
 
 
-def stats(values: list[float]) -> dict[str, float] | None:
-    values = [v for v in values if v is not None]
-    if not values:
-        return None
-    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
+def stats(values: list[float | None]) -> dict[str, float] | None:
+    """Median and range (``harness.stats.median_range``), to the millisecond."""
+    s = median_range(values)
+    return None if s is None else {k: round(v, 3) for k, v in s.items()}
 
 
 def summarise(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -314,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(runs)
     result = {
         "benchmark": "recovery_scaling",
-        "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "measured_at": utc_iso(),
         "machine": {"cores": os.cpu_count(), "platform": platform.platform(), "backend": "gloo (CPU)"},
         "kill_step": args.kill_step, "reps": args.reps, "scenarios": summary, "goals": goals(summary),
         "store_ops": ops, "runs": runs,
@@ -328,9 +321,7 @@ def main(argv: list[str] | None = None) -> int:
               f"kept {s['ranks_kept_state']}, load {s['load'] and s['load']['median']}")  # fmt: skip
     print("ratios:", json.dumps(result["goals"]))
     if args.out:
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.out, result, indent=1)
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if k != "runs"}))
     return 0

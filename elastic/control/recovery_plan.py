@@ -35,14 +35,16 @@ Holdings = dict[int, list[int]]  # one worker's memory tier: owner rank -> the s
 Source = Literal["memory", "storage", "none"]
 
 
-def shard_of(rank: int, tp: int, pp: int, zero: int, shard_group: int | None = None) -> Any:
-    """What a rank's training state is: its (pp, tp) coordinate under DDP (every DP replica
-    holds the same), the rank itself under FSDP (every shard is unique), and under HSDP
-    (``shard_group``) its place in its shard group with its (pp, tp) coordinate (the shard
-    groups replicate each other, and their size never changes)."""
-    c = rank_coords(rank, tp, pp)
+def shard_of(rank: int, tp: int, pp: int, zero: int, ep: int = 1, cp: int = 1, shard_group: int | None = None) -> Any:
+    """What a rank's training state is: its (pp, tp, ep) coordinate under DDP (every DP
+    replica holds the same, and so do the CP ranks of a replica: CP splits activations,
+    not parameters; EP ranks hold different experts), the rank itself under FSDP (every
+    shard is unique: dense parameters are sharded over dp x ep x cp), and under HSDP
+    (``shard_group``, only with ep = cp = 1) its place in its shard group with its (pp, tp)
+    coordinate (the shard groups replicate each other, and their size never changes)."""
+    c = rank_coords(rank, tp, pp, ep, cp)
     if zero == 0:
-        return (c.pp_rank, c.tp_rank)
+        return (c.pp_rank, c.tp_rank, c.ep_rank)
     if shard_group:
         return (c.dp_rank % shard_group, c.pp_rank, c.tp_rank)
     return rank
@@ -68,10 +70,19 @@ def rank_order(members: Sequence[M], replica_size: int, rack_of: Callable[[str],
     return [m for r in replicas for m in r]
 
 
-def covers(owners: Iterable[int], world: int, tp: int, pp: int, zero: int, shard_group: int | None = None) -> bool:
+def covers(
+    owners: Iterable[int],
+    world: int,
+    tp: int,
+    pp: int,
+    zero: int,
+    ep: int = 1,
+    cp: int = 1,
+    shard_group: int | None = None,
+) -> bool:
     """Do snapshots of these old ranks hold the whole training state of a ``world``-rank layout?"""
-    have = {shard_of(r, tp, pp, zero, shard_group) for r in owners}
-    return all(shard_of(r, tp, pp, zero, shard_group) in have for r in range(world))
+    have = {shard_of(r, tp, pp, zero, ep, cp, shard_group) for r in owners}
+    return all(shard_of(r, tp, pp, zero, ep, cp, shard_group) in have for r in range(world))
 
 
 def covering_step(
@@ -80,6 +91,8 @@ def covering_step(
     tp: int,
     pp: int,
     zero: int,
+    ep: int = 1,
+    cp: int = 1,
     shard_group: int | None = None,
 ) -> int | None:
     """The newest step whose snapshots, over all ``holdings`` (owner rank -> steps, one
@@ -89,7 +102,7 @@ def covering_step(
         for owner, steps in (held or {}).items():
             for s in steps:
                 owners_at.setdefault(s, set()).add(int(owner))
-    good = [s for s, owners in owners_at.items() if covers(owners, world, tp, pp, zero, shard_group)]
+    good = [s for s, owners in owners_at.items() if covers(owners, world, tp, pp, zero, ep, cp, shard_group)]
     return max(good) if good else None
 
 
@@ -105,22 +118,35 @@ def holders_at(holdings: Sequence[tuple[M, dict[int, list[int]] | None]], step: 
 
 
 def owners_for(
-    new_rank: int, holders: dict[int, M], me: M, tp: int, pp: int, zero: int, shard_group: int | None = None
+    new_rank: int,
+    holders: dict[int, M],
+    me: M,
+    tp: int,
+    pp: int,
+    zero: int,
+    ep: int = 1,
+    cp: int = 1,
+    shard_group: int | None = None,
 ) -> dict[int, M | None]:
     """The old ranks whose snapshots the member ``me`` (new rank ``new_rank``) reads, and
     who serves each: None where ``me`` holds it itself.
 
-    It needs the shards of its own (pp, tp) coordinate: one DP replica's copy under DDP (its
-    own if it has one), every DP shard under FSDP (to reshard them), and under HSDP one copy
-    of its own shard (its own if it has one), the groups being replicas of each other.
+    It needs the shards of its own coordinate: under DDP one copy of its (pp, tp, ep)
+    state (its own if it has one: any DP replica or CP rank holds the same), under FSDP
+    every shard of its (pp, tp) coordinate (dense parameters are sharded over dp x ep x
+    cp, experts over dp x cp: resharding reads them all), and under HSDP one copy of its
+    own shard (its own if it has one), the groups being replicas of each other.
     """
-    coord = rank_coords(new_rank, tp, pp)[1:]
-    mine = {o: h for o, h in holders.items() if rank_coords(o, tp, pp)[1:] == coord}
-    replicated = zero == 0 or bool(shard_group)
+
+    def coord(rank: int) -> tuple[int, ...]:
+        c = rank_coords(rank, tp, pp, ep, cp)
+        return (c.pp_rank, c.tp_rank, c.ep_rank) if zero == 0 else (c.pp_rank, c.tp_rank)
+
+    mine = {o: h for o, h in holders.items() if coord(o) == coord(new_rank)}
     if shard_group:
-        want = shard_of(new_rank, tp, pp, zero, shard_group)
-        mine = {o: h for o, h in mine.items() if shard_of(o, tp, pp, zero, shard_group) == want}
-    if replicated and mine:
+        want = shard_of(new_rank, tp, pp, zero, ep, cp, shard_group)
+        mine = {o: h for o, h in mine.items() if shard_of(o, tp, pp, zero, ep, cp, shard_group) == want}
+    if (zero == 0 or shard_group) and mine:
         owner = next((o for o, h in mine.items() if h is me), next(iter(mine)))
         mine = {owner: mine[owner]}
     return {owner: (None if h is me else h) for owner, h in mine.items()}
@@ -145,25 +171,36 @@ def plan_recovery(whole_replicas: int, spare: int, allowed: list[int]) -> Recove
     return RecoveryPlan(dp=dp, keep=keep, grow=dp - keep)
 
 
-def replica_peers(nodes: list[str], tp: int, pp: int, zero: int, shard_group: int | None = None) -> list[int | None]:
+def replica_peers(
+    nodes: list[str], tp: int, pp: int, zero: int, ep: int = 1, cp: int = 1, shard_group: int | None = None
+) -> list[int | None]:
     """For each rank (``nodes[r]`` is rank r's node), the rank that keeps a copy of its
     memory snapshots, or None where no copy is needed.
 
     A rank needs a copy unless a rank on another node already holds the same state: under
-    DDP (``zero`` 0) the DP replicas of a (pp, tp) coordinate are identical, under FSDP every
-    shard is unique. Copies go to another node, so a node loss never takes a shard and its
-    copy together. The same ring shift is used for every rank where one exists that moves
-    each rank off its node, so every rank holds at most one peer's copies; otherwise each
-    rank picks the least-loaded rank on another node, the nearest in ring order first. On a
-    single node the copy goes to the next rank (another process), unless an identical
-    replica already lives in another process.
+    DDP (``zero`` 0) the DP replicas and CP ranks of a (pp, tp, ep) coordinate are
+    identical, under FSDP every shard is unique. Copies go to another node, so a node loss
+    never takes a shard and its copy together, and to another replica where one exists on
+    another node, because a node loss ends its whole replica (the re-formation keeps whole
+    replicas only). The same ring shift is used for every rank where one exists that moves
+    each rank off its node (shifts by whole replicas first), so every rank holds at most one
+    peer's copies; otherwise each rank picks the least-loaded rank on another node, the
+    nearest in ring order first. On a single node the copy goes to the next rank (another
+    process), unless an identical replica already lives in another process.
     """
-    n = len(nodes)
+    n, size = len(nodes), tp * pp * ep * cp
 
     def content(r: int) -> Any:
-        return shard_of(r, tp, pp, zero, shard_group)
+        return shard_of(r, tp, pp, zero, ep, cp, shard_group)
 
-    shift = next((k for k in range(1, n) if all(nodes[(r + k) % n] != nodes[r] for r in range(n))), None)
+    def off_node(k: int) -> bool:
+        return all(nodes[(r + k) % n] != nodes[r] for r in range(n))
+
+    # A lost node takes its whole replica (the controller re-forms whole replicas only), so
+    # a copy in another replica survives where one in the same replica would not: shifts by
+    # whole replicas first.
+    shifts = [*range(size, n, size), *range(1, n)]
+    shift = next((k for k in shifts if off_node(k)), None)
     load = [0] * n
     out: list[int | None] = []
     for r in range(n):
@@ -173,6 +210,7 @@ def replica_peers(nodes: list[str], tp: int, pp: int, zero: int, shard_group: in
             continue
         ring = [(r + k) % n for k in range(1, n)]
         far = [q for q in ring if nodes[q] != nodes[r]]
+        far = [q for q in far if q // size != r // size] or far  # another replica first
         if far:
             peer = (
                 (r + shift) % n if shift is not None else min(far, key=lambda q: load[q])
@@ -225,6 +263,8 @@ def plan_reform(
     zero: int,
     replicate: bool,
     rack_of: Callable[[str], str],
+    ep: int = 1,
+    cp: int = 1,
     shard_group: int | None = None,
     old_dp: int | None = None,
 ) -> ReformPlan[M]:
@@ -236,7 +276,7 @@ def plan_reform(
     place in its group. ``old_dp``: the layout the members' ranks (``member.rank``, < 0 for
     a newcomer) refer to, for ``ReformPlan.regroup``.
     """
-    replica = tp * pp
+    replica = tp * pp * ep * cp
     if shard_group:
         replicas = [members[i : i + replica] for i in range(0, len(members), replica)]
         members = arrange_shard_groups(replicas, lambda m: m.rank, shard_group, replica)
@@ -244,13 +284,13 @@ def plan_reform(
     owners: list[dict[int, M | None]] = [{} for _ in order]
     if restore.source == "memory" and restore.step is not None:
         holders = holders_at(holdings, restore.step)
-        owners = [owners_for(rank, holders, m, tp, pp, zero, shard_group) for rank, m in enumerate(order)]
+        owners = [owners_for(rank, holders, m, tp, pp, zero, ep, cp, shard_group) for rank, m in enumerate(order)]
     peers: list[int | None] = [None] * len(order)
     if replicate:
-        peers = replica_peers([m.node_id for m in order], tp, pp, zero, shard_group)
+        peers = replica_peers([m.node_id for m in order], tp, pp, zero, ep, cp, shard_group)
     resume = restore.step if restore.step is not None else step
     kept: list[Regroup] = []
     if old_dp:
         prior = [m.rank if m.rank >= 0 else None for m in order]
-        kept = regroup(prior, old_dp, dp, tp=tp, pp=pp, zero=zero, shard_group=shard_group)
+        kept = regroup(prior, old_dp, dp, tp=tp, pp=pp, zero=zero, shard_group=shard_group, ep=ep, cp=cp)
     return ReformPlan(list(order), dp, resume, restore, owners, peers, kept)

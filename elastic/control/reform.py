@@ -105,7 +105,7 @@ def choose_restore(
     holdings = group.snapshot_holdings(holders)
     pairs = list(zip(holders, holdings))
     p = spec.parallel
-    step = plan.covering_step(holdings, group.dp * p.tp * p.pp, p.tp, p.pp, p.zero, p.shard_group)
+    step = plan.covering_step(holdings, group.dp * p.replica_size, p.tp, p.pp, p.zero, p.ep, p.cp, p.shard_group)
     if step is not None:
         return RestoreChoice(step, "memory"), pairs
     if committer is not None:
@@ -144,6 +144,8 @@ def reform(
         zero=p.zero,
         replicate=spec.checkpoint.replicate,
         rack_of=group.rack_of,
+        ep=p.ep,
+        cp=p.cp,
         shard_group=p.shard_group,
         old_dp=group.dp,
     )

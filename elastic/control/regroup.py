@@ -15,6 +15,10 @@ fields of its ``ConfigureRequest``:
   order, no newcomer), the old ranks left out: NCCL can then shrink the old communicator
   (``torch.distributed.shrink_group``) instead of bootstrapping a new one.
 
+Layouts with EP or CP (``parallel.ep``/``parallel.cp`` above 1) keep nothing yet: every
+rank restores as before (``keep_state`` False, no unchanged group); only ``prior_rank`` and
+``shrink_excluded`` are planned for them.
+
 HSDP (``parallel.shard_group``) makes losing a replica cheap only if the survivors stay in
 place: :func:`hsdp_order` picks which whole replicas to keep (complete shard groups first,
 then as many distinct places in a group as possible) and :func:`arrange_shard_groups` puts
@@ -72,13 +76,17 @@ def regroup(
     pp: int,
     zero: int,
     shard_group: int | None = None,
+    ep: int = 1,
+    cp: int = 1,
 ) -> list[Regroup]:
     """For each new rank ``r`` (``prior[r]``: its old rank, None for a newcomer), what it keeps."""
-    old_world = old_dp * tp * pp
+    old_world = old_dp * tp * pp * ep * cp
     survivors = [p for p in prior if p is not None]
     shrink = None
     if all(p is not None for p in prior) and survivors == sorted(survivors) and len(survivors) < old_world:
         shrink = tuple(sorted(set(range(old_world)) - set(survivors)))
+    if ep > 1 or cp > 1:  # (the module docstring: nothing kept yet)
+        return [Regroup(rank, old, False, (), shrink) for rank, old in enumerate(prior)]
     out = []
     for rank, old in enumerate(prior):
         keep = old is not None and content(old, old_dp, tp, pp, zero, shard_group) == content(

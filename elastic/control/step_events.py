@@ -25,7 +25,7 @@ def step_fields(spec: JobSpec, dp: int, step: int, results: dict[int, StepReport
         tp=tp,
         pp=pp,
         grad_accum=spec.grad_accum(dp),
-        world_size=dp * tp * pp,
+        world_size=dp * spec.parallel.replica_size,
         step_time_s=step_time,
         tokens_per_s=tokens / step_time if step_time > 0 else 0.0,
         peak_mem_bytes=max(r.peak_mem_bytes for r in results.values()),

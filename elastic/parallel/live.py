@@ -53,7 +53,7 @@ class LiveState:
 
 def keeps_module(cfg: ParallelConfig, dims: ParallelDims) -> bool:
     """Is the whole module kept (pure DP under DDP), rather than its local shards?"""
-    return cfg.zero == 0 and not dims.tp_enabled and not dims.pp_enabled
+    return cfg.zero == 0 and not (dims.tp_enabled or dims.pp_enabled or dims.ep_enabled or dims.cp_enabled)
 
 
 def release(engine: Any, step: int, rank: int) -> LiveState:
@@ -67,6 +67,7 @@ def release(engine: Any, step: int, rank: int) -> LiveState:
         optim = {n: {k: _local(v) for k, v in state[p].items()} for n, p in named.items() if p in state}
         live = LiveState(step, rank, engine.dims.dp, params=params, optim=optim)
     engine.model = engine.module = engine.gpt = engine.optimizer = engine.scheduler = engine.schedule = None
+    engine.pipeline_stage = None
     engine._params, engine.named_params = [], []
     engine._sd_cache = None
     return live

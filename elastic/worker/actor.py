@@ -35,6 +35,7 @@ import torch
 
 from elastic.checkpoint.memory_tier import MemoryTier, Snapshot
 from elastic.checkpoint.peer_fetch import layout_of, needed_owners
+from elastic.errors import CorpusError
 from elastic.ingest.corpus import ParquetCorpus
 from elastic.messages import (
     ConfigureReply,
@@ -47,6 +48,7 @@ from elastic.messages import (
 )
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.live import LiveState
+from elastic.worker.device_peak import peak_flops
 from elastic.worker.hooks import StepHook
 from elastic.worker.process_group import ReconfigurableProcessGroup, is_collective_error
 from elastic.worker.trainer import StepAborted, Trainer
@@ -55,16 +57,6 @@ logger = logging.getLogger(__name__)
 
 CONCURRENCY_GROUPS = {"train": 1, "control": 4}
 SLOW_PREPARE_S = 2.0  # a rank this late to a rendezvous is logged with where the time went
-
-# Dense fp32 (TF32 tensor-core) peak FLOP/s per device, for MFU; None where unknown (CPU).
-_PEAK_TF32 = {"H200": 494.7e12, "H100": 494.7e12, "A100": 156e12, "L40S": 183e12}
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in _PEAK_TF32.items() if k in name), None)
 
 
 @ray.remote(concurrency_groups=CONCURRENCY_GROUPS, max_restarts=0)
@@ -204,14 +196,14 @@ class TrainWorker:
                 req.generation, req.rank, t_join - t_leave, t_tier - t_leave, t_join - t_tier,
             )  # fmt: skip
         dp, tp, pp = req.dims
+        ep, cp = self.spec.parallel.ep, self.spec.parallel.cp  # fixed for the job: only dp changes
+        world = dp * tp * pp * ep * cp
         self.rank = req.rank
-        join_s = self.group.configure(
-            req.generation, req.rank, dp * tp * pp, req.store, req.store_secret, req.shrink_excluded
-        )
+        join_s = self.group.configure(req.generation, req.rank, world, req.store, req.store_secret, req.shrink_excluded)
         # The mesh's sub-groups connect within the rendezvous timeout, then get the collective one.
         t_mesh = time.perf_counter()
         dims = ParallelDims(
-            dp=dp, tp=tp, pp=pp, world_size=dp * tp * pp, shard_group=self.spec.parallel.shard_group,
+            dp=dp, tp=tp, pp=pp, world_size=world, ep=ep, cp=cp, shard_group=self.spec.parallel.shard_group,
             timeout=self.group.rendezvous_timeout,
         )  # fmt: skip
         dims.build_mesh(self.device.type)
@@ -227,11 +219,12 @@ class TrainWorker:
             source = FeederSource(req.read_plan, self.spec.data, self.spec.elastic.collective_timeout_s)
         elif self.corpus is None:
             self.corpus = ParquetCorpus(self.corpus_uri, self.spec.data.storage_options)
+        peak = peak_flops(self.device, self.spec.train.resolved_dtype(self.device.type))
         t0 = time.perf_counter()
         trainer = Trainer(
             self.spec, dims, req.rank, self.device, self.tier, self.corpus, self._reports, self._stop,
-            hook=self.hook, peak_flops=peak_flops(self.device), source=source,
-            restoring=req.restore is not None or kept is not None, adopt=kept, abort=self._abort,
+            hook=self.hook, peak_flops=peak, source=source, adopt=kept, abort=self._abort,
+            restoring=req.restore is not None or kept is not None or self._init_from() is not None,
         )  # fmt: skip
         build_s = time.perf_counter() - t0
         self.group.built()  # the group's and its mesh's connections, cut on a failure
@@ -280,8 +273,16 @@ class TrainWorker:
             return None
         return kept
 
+    def _init_from(self) -> str | None:
+        return getattr(self.spec.model, "init_from", None)
+
     def _restore(self, trainer: Trainer, restore: MemoryRestore | StorageRestore | None) -> int:
-        """Load ``restore`` into ``trainer``; returns the bytes read from storage."""
+        """Load ``restore`` into ``trainer``; returns the bytes read from storage.
+
+        No state to restore is a start from step 0: from ``model.init_from`` when set (a
+        snapshot or checkpoint, when there is one, holds trained weights and wins)."""
+        if restore is None and self._init_from() is not None:
+            return trainer.load_init_from()["bytes_read"]
         if isinstance(restore, StorageRestore):
             return trainer.load_storage(restore)["bytes_read"]
         if isinstance(restore, MemoryRestore):
@@ -344,7 +345,7 @@ class TrainWorker:
         if isinstance(exc, StepAborted):
             return RunOutcome("error", step, "peer", detail)
         if not is_collective_error(exc):
-            return RunOutcome("error", step, "worker_error", detail)
+            return RunOutcome("error", step, "worker_error", detail, retryable=not isinstance(exc, CorpusError))
         timed_out = blocked_s >= 0.9 * self.spec.elastic.collective_timeout_s
         return RunOutcome("error", step, "timeout" if timed_out else "peer", detail)
 

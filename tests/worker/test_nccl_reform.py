@@ -1,0 +1,55 @@
+"""The NCCL path of ``ReconfigurableProcessGroup``, on one GPU (world size 1).
+
+What runs here: the group is bound to the rank's device at init (eager, so the mesh's
+sub-groups are split from it), its communicator is made without blocking, the job's sealed
+store works with NCCL, a re-formation (leave, join the next generation) works, and a
+shrink is refused where it cannot apply (gloo; a one-rank group). What cannot run on one
+GPU, nor anywhere here: ``shrink_group`` itself (it needs 2 ranks on 2 devices, and NCCL
+refuses two ranks on one device), and a survivor's blocked collective aborted by it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from elastic.parallel.dims import ParallelDims
+from elastic.worker.process_group import ReconfigurableProcessGroup, RendezvousStore
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.cluster,  # NCCL process groups
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def test_nccl_group_is_bound_split_and_re_formed():
+    torch.cuda.set_device(0)
+    store = RendezvousStore("127.0.0.1", 60)
+    group = ReconfigurableProcessGroup("cuda", 60)
+    try:
+        for generation in (1, 2):
+            group.configure(generation, 0, 1, store.address, store.secret)
+            world = dist.group.WORLD
+            assert dist.get_backend() == "nccl"
+            assert world.bound_device_id == torch.device("cuda", 0)  # eager init: meshes split from it
+            options = world._get_backend(torch.device("cuda", 0)).options
+            assert options.config.blocking == 0  # non-blocking communicator init
+            assert group.store_ops() > 0  # through the sealed, counted store
+            dims = ParallelDims(dp=1, tp=1, pp=1, world_size=1, timeout=group.rendezvous_timeout)
+            dims.build_mesh("cuda")
+            group.mesh_built(dims.mesh_groups())
+            t = torch.ones(4, device="cuda")
+            for g in dims.mesh_groups():
+                dist.all_reduce(t, group=g)
+            torch.cuda.synchronize()
+            assert float(t.sum()) == 4.0
+            assert not group.shrink(())  # nothing to leave out
+            del dims, t
+            group.leave()
+            assert not dist.is_initialized()
+    finally:
+        group.leave()
+        store.close()
