@@ -115,7 +115,7 @@ def test_plan_reform_keeps_hsdp_groups_whole_and_reports_what_ranks_keep():
     ],
 )
 def test_hsdp_snapshots_cover_with_one_copy_of_each_place(zero, shard_group, holdings, want):
-    assert plan.covering_step(holdings, 4, 1, 1, zero, shard_group) == want
+    assert plan.covering_step(holdings, 4, 1, 1, zero, shard_group=shard_group) == want
 
 
 def test_free_survivors_on_nccl_kills_the_lost_replica_and_shrinks_the_others():

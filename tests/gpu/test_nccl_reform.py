@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from gpu_testlib import needs_cuda
 
 from elastic.parallel.dims import ParallelDims
 from elastic.worker.process_group import ReconfigurableProcessGroup, RendezvousStore
@@ -21,7 +22,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.cluster,  # NCCL process groups
     pytest.mark.timeout(180),
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    needs_cuda,
 ]
 
 
