@@ -73,6 +73,14 @@ def _shutdown() -> None:
 
 
 @pytest.fixture
+def no_ray():
+    """No Ray runtime in this process: for tests that check a command started none (a runtime
+    left up by an earlier test would make ``ray.is_initialized()`` prove nothing)."""
+    _shutdown()
+    yield
+
+
+@pytest.fixture
 def ray_local():
     """A single-node Ray with 6 logical CPUs (enough for 4 workers on 2 real cores)."""
     import ray

@@ -23,7 +23,7 @@ STARTS = {
 
 
 @pytest.mark.parametrize("what", list(STARTS))
-def test_an_unmarked_test_cannot_start_a_cluster(request, what):
+def test_an_unmarked_test_cannot_start_a_cluster(no_ray, request, what):
     with pytest.raises(pytest.fail.Exception, match="not marked `cluster`"):
         STARTS[what]()
     assert not ray.is_initialized() and not dist.is_initialized()

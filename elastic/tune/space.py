@@ -168,5 +168,5 @@ def _judge(spec: Any, cfg: dict[str, Any], cluster: Cluster, dtype_bytes: int) -
 def trial_spec_dict(spec: Any, config: dict[str, Any]) -> dict[str, Any]:
     """The job spec of one configuration (the user's spec, its ``parallel`` replaced)."""
     raw = spec.model_dump(by_alias=True)
-    raw["parallel"].update({k: config[k] for k in SPACE_KEYS if k in config})  # (older results lack a key)
+    raw.setdefault("parallel", {}).update({k: config[k] for k in SPACE_KEYS if k in config})
     return raw

@@ -30,6 +30,15 @@ from jobs.cli import main
 
 pytestmark = pytest.mark.timeout(120)
 
+
+@pytest.fixture(autouse=True)
+def _start_without_ray(request):
+    """Each case that asserts "no Ray" starts with none (``no_ray``); the cluster cases at the end
+    bring their own."""
+    if request.node.get_closest_marker("cluster") is None:
+        request.getfixturevalue("no_ray")
+
+
 QUICKSTART = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "quickstart.yaml")
 TINY_MODEL = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.vocab_size=64", "model.seq_len=16"]
 
