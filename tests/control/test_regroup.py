@@ -29,6 +29,17 @@ def test_ddp_survivors_keep_their_state_and_their_tp_groups():
     assert out[0].shrink_excluded == (2, 3)
 
 
+def test_ep_and_cp_layouts_keep_nothing_yet_but_say_who_was_who():
+    # dp 3 x ep 2 (replicas of 2 ranks), replica 1 (old ranks 2, 3) lost. Under DDP an EP
+    # rank's experts would match, but the worker keeps no EP/CP state: every rank restores.
+    for ep, cp in ((2, 1), (1, 2)):
+        out = regroup([0, 1, 4, 5], 3, 2, tp=1, pp=1, zero=0, ep=ep, cp=cp)
+        assert [r.keep_state for r in out] == [False] * 4
+        assert [r.unchanged_groups for r in out] == [()] * 4
+        assert [r.prior_rank for r in out] == [0, 1, 4, 5]
+        assert out[0].shrink_excluded == (2, 3)  # the old world is dp x ep x cp = 6 ranks
+
+
 def test_a_split_tp_group_is_not_unchanged():
     # tp 2 x pp 2, dp 2: the new replica 0 takes old ranks 0, 1 as its stage 0 but old 6, 7
     # as its stage 1: the TP groups stay, the PP groups do not.
