@@ -281,6 +281,34 @@ def goals(summary: dict[str, Any]) -> dict[str, Any]:
     return g
 
 
+def targets(summary: dict[str, Any], g: dict[str, Any], ops: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's goals next to what was measured (``met`` is None where not measured)."""
+
+    def bound(value: float | None, limit: float) -> dict[str, Any]:
+        return {"goal": f"<= {limit}", "measured": value, "met": None if value is None else value <= limit}
+
+    restore = {n: (summary.get(n, {}).get("breakdown", {}).get("restore_s") or {}).get("median")
+               for n in ("ddp_50mb", "ddp_500mb", "hsdp_50mb", "hsdp_500mb")}  # fmt: skip
+    # Store operations beyond the replicate (DP) group's full mesh, which gloo connects with
+    # one set and one get per member: constant in the number of replicas when only it grows.
+    beyond = {}
+    for layout, replica in (("dp", 1), ("tp2pp2", 4)):
+        rows = [r for r in ops if r["layout"] == layout and r["world_group"] == "lazy"]
+        beyond[layout] = {r["world"]: r["store_ops_per_rank"] - 2 * r["world"] // replica for r in rows}
+    flat = all(len(set(v.values())) <= 1 for v in beyond.values()) if ops else None
+    return {
+        "tp2pp2_cost16_over_cost8": bound(g.get("tp2pp2_cost16_over_cost8"), 1.3),
+        "ddp_cost500_over_cost50": bound(g.get("ddp_cost500_over_cost50"), 1.2),
+        "hsdp_cost500_over_cost50": bound(g.get("hsdp_cost500_over_cost50"), 1.2),
+        "survivors_restore_s": {"goal": "near 0", "measured": restore},
+        "store_ops_beyond_replicate_group": {
+            "goal": "no growth with the number of replicas beyond the backend's replicate group (gloo: 2 per member)",
+            "measured": beyond,
+            "met": flat,
+        },
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=3)
@@ -310,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         "measured_at": utc_iso(),
         "machine": {"cores": os.cpu_count(), "platform": platform.platform(), "backend": "gloo (CPU)"},
         "kill_step": args.kill_step, "reps": args.reps, "scenarios": summary, "goals": goals(summary),
+        "targets": targets(summary, goals(summary), ops),
         "store_ops": ops, "runs": runs,
     }  # fmt: skip
     print("\nre-formation cost (downtime - first step), median [min, max]:")
