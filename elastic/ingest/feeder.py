@@ -38,7 +38,7 @@ import numpy as np
 import ray
 from ray.actor import ActorClass
 
-from elastic.ingest.feeder_reads import SEGMENT_UNITS, build_executor, close_executor, decode_shard
+from elastic.ingest.feeder_reads import build_executor, close_executor, decode_shard
 from elastic.ingest.feeder_window import FeederWindow
 from elastic.ingest.index import read_index
 from elastic.ingest.rounds import wave_of
@@ -46,7 +46,7 @@ from storage import open_storage
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SEGMENT_UNITS", "HostFeeder"]
+__all__ = ["HostFeeder"]
 
 
 class _HostFeeder(FeederWindow):
