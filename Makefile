@@ -29,9 +29,11 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q --durations=30 tests
 
+# ruff, then mypy on elastic/ and storage/ (the packages named in pyproject's [tool.mypy]).
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 format: install
 	$(BIN)/ruff format .
@@ -95,4 +97,4 @@ gpu-wheels:
 		--platform any -d .whl $(GPU_WHEELS)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache

@@ -18,6 +18,7 @@ from elastic.errors import JobFailed
 from elastic.events import EventLog, RunResult, write_summary
 from elastic.ingest.corpus import synthetic_corpus
 from elastic.ingest.preflight import check_corpus
+from elastic.models.config import token_shape
 from elastic.progress import ProgressDisplay, format_summary
 from elastic.report.metrics import start_metrics
 from elastic.report.print_report import print_report
@@ -126,8 +127,8 @@ class ElasticTrainer:
         naming the field (exit 2): the corpus, the cluster address, the run directory and the
         checkpoint location (reused locations: ``elastic/run_dirs.py``). Returns the cluster
         to join (None: already connected)."""
-        m = self.spec.model
-        check_corpus(self.spec.data, m.seq_len, m.vocab_size)
+        seq_len, vocab_size = token_shape(self.spec.model)
+        check_corpus(self.spec.data, seq_len, vocab_size)
         target = None if ray.is_initialized() else ray_join.resolve(self.address)
         ck = self.spec.checkpoint
         uses_storage = bool(ck.every_steps) or self.resume
@@ -146,8 +147,8 @@ class ElasticTrainer:
         if d.source != "synthetic":
             return d.source
         cache = d.cache_dir or os.path.join(self.run_dir, "data")
-        m = self.spec.model
-        return synthetic_corpus(cache, d.num_samples, m.seq_len, m.vocab_size, self.spec.seed)
+        seq_len, vocab_size = token_shape(self.spec.model)
+        return synthetic_corpus(cache, d.num_samples, seq_len, vocab_size, self.spec.seed)
 
     def _resume_point(self) -> int | None:
         from elastic.checkpoint.restore import latest_storage_step

@@ -64,7 +64,8 @@ def optimizer_impl(params: list[torch.Tensor]) -> dict[str, bool]:
 def build_optimizer(
     model: torch.nn.Module, cfg: TrainConfig
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    decay, no_decay = [], []
+    decay: list[torch.Tensor] = []
+    no_decay: list[torch.Tensor] = []
     for p in model.parameters():
         if not p.requires_grad:
             continue

@@ -28,7 +28,7 @@ from typing import Any
 from elastic.errors import JobFailed, SpecError
 
 PROBE_TIMEOUT_S = 3.0
-QUIET = {"log_to_driver": False, "logging_level": logging.WARNING}
+QUIET_LOG_LEVEL = logging.WARNING  # Ray's own logging on the driver; workers' logs are not forwarded
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def connect(target: Target, start_embedded: Callable[[], None]) -> bool:
         if target.address is None:
             start_embedded()
             return True
-        ray.init(address=target.address, **QUIET)
+        ray.init(address=target.address, log_to_driver=False, logging_level=QUIET_LOG_LEVEL)
         return False
     except (SpecError, JobFailed):
         raise
@@ -110,7 +110,14 @@ def embedded(num_cpus: int, **init: Any) -> Callable[[], None]:
     def start() -> None:
         import ray
 
-        ray.init(address="local", num_cpus=int(num_cpus), include_dashboard=False, **QUIET, **init)
+        ray.init(
+            address="local",
+            num_cpus=int(num_cpus),
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=QUIET_LOG_LEVEL,
+            **init,
+        )
 
     return start
 

@@ -119,8 +119,8 @@ def check_checkpoint_location(store: Any, root: str, resume: bool, identity: Job
     try:
         names = store.storage.ls(root)
     except Exception as exc:  # noqa: BLE001 - any client's error: one line naming the field
-        why = _reason(exc, store.options)
-        raise SpecError("checkpoint.uri", f"cannot list {redact_uri(root)}: {why}") from None
+        reason = _reason(exc, store.options)
+        raise SpecError("checkpoint.uri", f"cannot list {redact_uri(root)}: {reason}") from None
     steps = [n for n in names if n.startswith("step_")]
     if not steps:
         return
@@ -135,8 +135,8 @@ def check_checkpoint_location(store: Any, root: str, resume: bool, identity: Job
     except FileNotFoundError:
         raw = None
     except Exception as exc:  # noqa: BLE001
-        why = _reason(exc, store.options)
-        raise SpecError("checkpoint.uri", f"cannot read {redact_uri(root)}/{IDENTITY}: {why}") from None
+        reason = _reason(exc, store.options)
+        raise SpecError("checkpoint.uri", f"cannot read {redact_uri(root)}/{IDENTITY}: {reason}") from None
     why = identity.difference(raw)
     if why is not None:
         raise SpecError("checkpoint.uri", f"--resume cannot continue from {redact_uri(root)}: {why}")

@@ -29,6 +29,7 @@ def first_non_finite(value: Any, path: str = "") -> tuple[str, float] | None:
     mapping or a validated model; model fields are named by their alias), or None."""
     if isinstance(value, float):
         return None if math.isfinite(value) else (path, value)
+    items: list[tuple[object, Any]]
     if isinstance(value, BaseModel):
         items = [(f.alias or name, getattr(value, name)) for name, f in type(value).model_fields.items()]
     elif isinstance(value, dict):

@@ -37,9 +37,12 @@ class ReshardPlanner(DefaultLoadPlanner):
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> LoadPlan:
+        metadata = self.metadata
+        if metadata is None:
+            raise RuntimeError("ReshardPlanner: set_up_planner was given no checkpoint metadata")
         items = []
         for fqn, target in self.state_dict.items():
-            md = self.metadata.state_dict_metadata.get(fqn)
+            md = metadata.state_dict_metadata.get(fqn)
             if md is None:
                 if self.strict:
                     raise LayoutMismatch(f"{fqn}: not in the checkpoint")

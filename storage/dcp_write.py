@@ -19,7 +19,7 @@ import logging
 import pickle
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -140,7 +140,8 @@ def _write_data_file(
             t = _compact(tensor)
             begin, sink.item_crc = sink.pos, 0
             try:
-                torch.save(t, sink)
+                # torch.save only writes and flushes a file-like object; IO[bytes] is nominal.
+                torch.save(t, cast(IO[bytes], sink))
             except RuntimeError:
                 if sink.error is not None:  # the stream's own error, not torch's account of it
                     raise sink.error from None

@@ -121,7 +121,7 @@ class CheckpointCommitter:
             info = commit_checkpoint(
                 self.store,
                 step,
-                [RankWriteResult.from_dict(r.result) for r in results],
+                [_write_result(r) for r in results],
                 extra={"world": world, "layout": results[0].layout, "model": self.model},
             )
         except Exception as exc:  # noqa: BLE001 - storage down or parts missing: not committed
@@ -171,3 +171,10 @@ def _distinct(errors: list[str]) -> str:
         rank, _, message = e.partition(": ")
         by_message.setdefault(message, []).append(rank.removeprefix("rank "))
     return "; ".join(f"rank{'s' if len(r) > 1 else ''} {','.join(r)}: {m}" for m, r in by_message.items())
+
+
+def _write_result(report: UploadReport) -> RankWriteResult:
+    """What a rank wrote, from a report without an error (one with neither is a worker bug)."""
+    if report.result is None:
+        raise RuntimeError(f"rank {report.rank}'s upload report has neither an error nor a result")
+    return RankWriteResult.from_dict(report.result)

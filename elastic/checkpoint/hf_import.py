@@ -23,7 +23,12 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import LoadPlan, LoadPlanner, Metadata, StorageReader
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    STORAGE_TYPES,
+    ChunkStorageMetadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.futures import Future
 
 from elastic.checkpoint.safetensors_io import TensorEntry, read_header, read_rows
@@ -88,7 +93,7 @@ class HFReader(StorageReader):
         )  # fmt: skip
         if unexpected:
             raise ValueError(f"{redact_uri(uri)} holds tensors this model has no place for: {unexpected[:5]}")
-        tensors = {}
+        tensors: dict[str, STORAGE_TYPES] = {}
         for fqn in fqns:
             if fqn not in adapter.names:
                 raise ValueError(f"{fqn}: the model's Hugging Face adapter does not name it")

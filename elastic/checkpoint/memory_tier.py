@@ -1,8 +1,9 @@
 """Memory tier: per-rank CPU snapshots of the training state, double-buffered.
 
-A snapshot is a flat mapping ``fqn -> tensor | ShardRecord | plain value`` (the shape the
-storage tier writes, see ``storage.dcp``). Tensors are copied into preallocated CPU
-buffers (pinned on CUDA) that are reused, so steady-state snapshots allocate nothing.
+Runs in each worker process (the training loop's snapshots, the peer copies it holds). A
+snapshot (``snapshot.py``) is a flat mapping ``fqn -> tensor | ShardRecord | plain value``.
+Tensors are copied into preallocated CPU buffers (pinned on CUDA) that are reused, so
+steady-state snapshots allocate nothing.
 
 Double buffering: a copy in progress always goes to a buffer that is not the newest
 complete snapshot, so a failure during a copy never corrupts the last good one. A buffer
@@ -20,144 +21,26 @@ thread. The sender holds a lease on the buffer only while serialising it. Backpr
 keeps this deterministic: a new snapshot starts only once the previous one has reached
 its peer (or ``replicate_timeout_s`` passed), so every snapshot is replicated, one at a
 time, and the wait counts in the snapshot's ``blocking_s``.
-
-Longer than the ~350 lines we aim for: the snapshot buffers, their double buffering, leases
-and peer copies share one lock and are kept in one file.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import threading
 import time
-import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from elastic.checkpoint.snapshot import Snapshot, alloc_like, copy_plain, flatten_state, same_structure, unflatten_state
 from storage.records import ShardRecord
 
+# Snapshot and unflatten_state are imported from here by the worker and the restore path.
+__all__ = ["MemoryTier", "Snapshot", "flatten_state", "unflatten_state"]
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Snapshot:
-    step: int
-    rank: int
-    tensors: dict[str, Any]  # fqn -> Tensor | ShardRecord (CPU)
-    objects: dict[str, Any]  # plain data: scheduler, data cursor, RNG states, step
-    layout: dict[str, int] = field(default_factory=dict)  # dp/tp/pp/zero it was taken under
-    complete: bool = False
-    leases: int = 0
-    copy_s: float = 0.0
-    reported: bool = False
-
-    def to_wire(self) -> dict[str, Any]:
-        """A form Ray ships without pickling tensors: each tensor as a flat byte array.
-
-        Ray serialises numpy arrays out of band (one copy into its object store) and the
-        receiver maps them without copying; pickled tensors would be copied twice more and
-        re-allocated on arrival. Byte views keep every dtype (numpy has no bfloat16).
-        """
-        tensors = {}
-        for key, value in self.tensors.items():
-            t = value.local if isinstance(value, ShardRecord) else value
-            entry = {
-                "bytes": t.detach().contiguous().reshape(-1).view(torch.uint8).numpy(),
-                "dtype": str(t.dtype).removeprefix("torch."),
-                "shape": tuple(t.shape),
-            }
-            if isinstance(value, ShardRecord):
-                entry["global_shape"], entry["offsets"] = value.global_shape, value.offsets
-            tensors[key] = entry
-        return {
-            "step": self.step,
-            "rank": self.rank,
-            "layout": dict(self.layout),
-            "objects": self.objects,
-            "tensors": tensors,
-        }
-
-    @classmethod
-    def from_wire(cls, wire: dict[str, Any]) -> Snapshot:
-        """The inverse of :meth:`to_wire`; the tensors are read-only views of the received bytes."""
-        tensors: dict[str, Any] = {}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            for key, e in wire["tensors"].items():
-                t = torch.from_numpy(e["bytes"]).view(getattr(torch, e["dtype"])).reshape(e["shape"])
-                tensors[key] = ShardRecord(t, e["global_shape"], e["offsets"]) if "offsets" in e else t
-        return cls(wire["step"], wire["rank"], tensors, wire["objects"], wire["layout"], complete=True)
-
-    @property
-    def nbytes(self) -> int:
-        total = 0
-        for v in self.tensors.values():
-            t = v.local if isinstance(v, ShardRecord) else v
-            total += t.numel() * t.element_size()
-        return total
-
-
-SEP = "/"  # path separator: module FQNs already contain dots
-
-
-def flatten_state(state: dict[str, Any], prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split a nested state dict into (tensor leaves, plain leaves) keyed by ``a/b/fqn`` paths."""
-    from torch.distributed.tensor import DTensor
-
-    tensors: dict[str, Any] = {}
-    objects: dict[str, Any] = {}
-    for key, value in state.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict):
-            t, o = flatten_state(value, path + SEP)
-            tensors.update(t)
-            objects.update(o)
-        elif isinstance(value, DTensor):
-            tensors[path] = ShardRecord.from_dtensor(value)
-        elif isinstance(value, torch.Tensor) and value.dim() > 0:
-            tensors[path] = value
-        else:
-            objects[path] = value
-    return tensors, objects
-
-
-_ATOMIC = (str, int, float, bool, bytes, type(None))
-
-
-def copy_plain(value: Any) -> Any:
-    """A deep copy of plain data (dicts, lists, tuples, scalars, small tensors).
-
-    ``copy.deepcopy`` keeps a memo of every object it visits, which costs about a
-    millisecond per step for the RNG states and optimizer hyperparameters; plain data has
-    no shared or cyclic references to preserve, so a direct walk suffices.
-    """
-    if isinstance(value, _ATOMIC):
-        return value
-    if isinstance(value, dict):
-        return {k: copy_plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [v if type(v) in _ATOMIC else copy_plain(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(v if type(v) in _ATOMIC else copy_plain(v) for v in value)
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    return copy.deepcopy(value)
-
-
-def unflatten_state(flat: dict[str, Any]) -> dict[str, Any]:
-    nested: dict[str, Any] = {}
-    for path, value in flat.items():
-        node = nested
-        *parents, leaf = path.split(SEP)
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return nested
 
 
 class MemoryTier:
@@ -290,10 +173,10 @@ class MemoryTier:
     def _buffer_for(self, tensors: dict[str, Any]) -> Snapshot:
         with self._lock:
             for i, cand in enumerate(self._free):
-                if _same_structure(cand.tensors, tensors):
+                if same_structure(cand.tensors, tensors):
                     return self._free.pop(i)
             self._free.clear()  # layout changed: old buffers can never be reused
-        return Snapshot(-1, -1, {k: _alloc_like(v, self._pin) for k, v in tensors.items()}, {})
+        return Snapshot(-1, -1, {k: alloc_like(v, self._pin) for k, v in tensors.items()}, {})
 
     def _retire_old(self) -> None:
         """Keep the two newest complete snapshots; recycle older unleased buffers."""
@@ -400,27 +283,3 @@ class MemoryTier:
             for old in sorted(held)[:-2]:
                 del held[old]
             return True
-
-
-def _alloc_like(value: Any, pin: bool) -> Any:
-    if isinstance(value, ShardRecord):
-        return ShardRecord(_alloc_like(value.local, pin), tuple(value.global_shape), tuple(value.offsets))
-    return torch.empty(value.shape, dtype=value.dtype, device="cpu", pin_memory=pin)
-
-
-def _same_structure(buf: dict[str, Any], tensors: dict[str, Any]) -> bool:
-    if buf.keys() != tensors.keys():
-        return False
-    for k, v in tensors.items():
-        old = buf[k]
-        if isinstance(old, ShardRecord) != isinstance(v, ShardRecord):
-            return False
-        if isinstance(v, ShardRecord) and (
-            old.global_shape != tuple(v.global_shape) or old.offsets != tuple(v.offsets)
-        ):
-            return False
-        a = old.local if isinstance(old, ShardRecord) else old
-        b = v.local if isinstance(v, ShardRecord) else v
-        if a.shape != b.shape or a.dtype != b.dtype:
-            return False
-    return True

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from elastic.control.recovery_plan import RecoveryPlan, plan_recovery
 
@@ -50,7 +50,8 @@ def draining_nodes(timeout_s: float = 2.0) -> dict[str, DrainNotice]:
     import ray
     from ray.core.generated import gcs_pb2
 
-    gcs = ray._private.worker.global_worker.gcs_client
+    # The GCS client is set on the worker when it connects (no attribute declared for mypy).
+    gcs = cast(Any, ray._private.worker.global_worker).gcs_client
     infos = gcs.get_all_node_info(timeout=timeout_s)
     deadlines_ms = ray._private.state.state.get_draining_nodes()
     now_wall, now = time.time(), time.monotonic()

@@ -31,7 +31,7 @@ from elastic.control.states import State
 
 log = logging.getLogger(__name__)
 
-SIGNAL_NAMES = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}
+SIGNAL_NAMES: dict[int, str] = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM"}
 CHECKPOINT_TIMEOUT_S = 300.0  # writing and committing the stop checkpoint (after the boundary)
 
 
@@ -51,10 +51,11 @@ def stop_now_in(exc: BaseException) -> StopNow | None:
     """The ``StopNow`` behind ``exc``: raised from the handler inside a Ray call, it comes
     out wrapped (Cython reports it as a ``SystemError`` caused by it)."""
     seen = 0
-    while exc is not None and seen < 5:
-        if isinstance(exc, StopNow):
-            return exc
-        exc = exc.__cause__ or exc.__context__
+    cur: BaseException | None = exc
+    while cur is not None and seen < 5:
+        if isinstance(cur, StopNow):
+            return cur
+        cur = cur.__cause__ or cur.__context__
         seen += 1
     return None
 
@@ -89,6 +90,8 @@ class StopSignals:
 
     @property
     def signal_name(self) -> str:
+        if self.signum is None:
+            return "None"  # no signal came
         return SIGNAL_NAMES.get(self.signum, str(self.signum))
 
     @property
@@ -135,7 +138,7 @@ class StopSignals:
                 file=sys.stderr,
                 flush=True,
             )
-            self._timer = threading.Timer(self.grace_s, self._expire)
+            self._timer = threading.Timer(self.grace_s, self._expire, args=(signum,))
             self._timer.daemon = True
             self._timer.start()
             return
@@ -144,11 +147,11 @@ class StopSignals:
         self.second = True
         raise StopNow(f"second signal ({SIGNAL_NAMES.get(signum, signum)}): stopped at once")
 
-    def _expire(self) -> None:  # timer thread: wake the main thread through the handler
+    def _expire(self, signum: int) -> None:  # timer thread: wake the main thread through the handler
         if self.finished or self.boundary_reached:
             return
         self.grace_expired = True
-        _thread.interrupt_main(self.signum)
+        _thread.interrupt_main(signal.Signals(signum))
 
 
 # --------------------------------------------------------------------------- controller side
@@ -182,4 +185,4 @@ def exit_code_of(result: Any) -> int:
     """The exit code of a stopped job: 128 + its signal (130 SIGINT, 143 SIGTERM)."""
     name = (getattr(result, "stop", None) or {}).get("signal")
     codes = {v: 128 + int(k) for k, v in SIGNAL_NAMES.items()}
-    return codes.get(name, 128 + int(signal.SIGTERM))
+    return codes.get(str(name), 128 + int(signal.SIGTERM))

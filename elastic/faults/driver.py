@@ -134,6 +134,8 @@ class FaultInjector(Callback):
     def _node_index(self, fault: Fault, group: Any) -> int | None:
         index = fault.node_index
         if index is None:  # the node hosting ``fault.rank``
+            if fault.rank is None:
+                raise ValueError(f"fault {fault.kind}@{fault.at_step} names neither a node nor a rank")
             members = self._next_members or sorted(group.members, key=lambda m: m.rank)
             host = members[fault.rank].node_id
             index = next(i for i, n in enumerate(worker_nodes(self.cluster)) if n.node_id == host)

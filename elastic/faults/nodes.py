@@ -8,7 +8,7 @@ import os
 import signal
 import socket
 import time
-from typing import Any
+from typing import Any, cast
 
 
 def kill_node(cluster: Any, node_index: int, group: Any = None, graceful_raylet: bool = False) -> Any:
@@ -46,7 +46,8 @@ def drain_node(node_id: str, deadline_s: float | None, reason: str = "preemption
         "idle_termination": autoscaler_pb2.DRAIN_NODE_REASON_IDLE_TERMINATION,
     }
     deadline_ms = 0 if deadline_s is None else int(time.time() * 1000 + deadline_s * 1000)
-    gcs = ray._private.worker.global_worker.gcs_client
+    # The GCS client is set on the worker when it connects (no attribute declared for mypy).
+    gcs = cast(Any, ray._private.worker.global_worker).gcs_client
     accepted, why = gcs.drain_node(node_id, reasons[reason], message or f"drain {reason}", deadline_ms)
     if not accepted:
         raise RuntimeError(f"Ray did not accept the drain of node {node_id}: {why}")

@@ -235,6 +235,8 @@ class ParquetCorpus:
             if out is None:
                 out = np.empty((len(rows), picked.shape[1]), dtype=np.int64)
             out[mask] = picked
+        if out is None:
+            raise ValueError("ParquetCorpus.rows: no sample indices")
         return out
 
 
@@ -293,8 +295,8 @@ class RankStream:
         from elastic.parallel.cp import sequence_slice
 
         rows = sequence_slice(rows, *self.seq_chunk)
-        rows = self._torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
-        return [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in rows.split(self.layout.micro_batch)]
+        tokens = self._torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+        return [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in tokens.split(self.layout.micro_batch)]
 
     def _run(self, batch_index: int, delay: float) -> None:
         if delay > 0 and self._stop.wait(delay):

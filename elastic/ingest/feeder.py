@@ -19,32 +19,39 @@ and reconfigurations; it is rebuilt only when the stream must jump (a rollback p
 is kept, or a restore from storage of an older step), or after ``SEGMENT_UNITS`` shards.
 Engine ``threads`` reads with the feeder's own threads. Staggering (``waves``) and the
 per-host read cap are applied here. See docs/data.md.
+
+Runs in the ``HostFeeder`` actor, one per reading host. The window of shards it keeps (rows
+to shards, eviction) is its base class in ``feeder_window.py``; the shard reads and engine
+``ray_data``'s executor are in ``feeder_reads.py``.
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 import ray
+from ray.actor import ActorClass
 
-from elastic.ingest.index import read_index, sha256
+from elastic.ingest.feeder_reads import build_executor, close_executor, decode_shard
+from elastic.ingest.feeder_window import FeederWindow
+from elastic.ingest.index import read_index
 from elastic.ingest.rounds import wave_of
 from storage import open_storage
 
 log = logging.getLogger(__name__)
 
-SEGMENT_UNITS = 256  # shards per Ray Data executor: building one costs about 1 ms per shard
+__all__ = ["HostFeeder"]
 
 
-@ray.remote(num_cpus=0, max_concurrency=32)
-class HostFeeder:
+class _HostFeeder(FeederWindow):
+    """The ``HostFeeder`` actor's body (the module docstring); Ray's handle is ``HostFeeder``."""
+
     def __init__(
         self,
         root: str,
@@ -57,25 +64,17 @@ class HostFeeder:
     ):
         self.root, self.storage_options, self.engine = root, storage_options, engine
         self.fs = open_storage(root, storage_options).fs
-        self.rows_ahead, self.rows_behind = rows_ahead, rows_behind
+        super().__init__(rows_ahead, rows_behind)
         self.max_reads, self.timeout_s = max_reads, timeout_s
-        self.index = None  # read in this host's first turn: the index is a read too
-        self._lock = threading.Condition()
-        self._units: dict[int, np.ndarray] = {}
-        self._inflight: set[int] = set()
-        self._low: dict[Any, int] = {}  # per serving key (a DP rank): the first row it still needs
-        self._low_default = 0
-        self._next_unit: int | None = None  # the next shard to read, in stream order
-        self._seq = 0  # bumped when the stream jumps: reads of an older position are dropped
         self._epoch: str | None = None  # the stream begun last (a layout, or a rollback in it)
         self._continued = False
         self._turn = False  # this host may start reads (its wave's turn came)
         self._reported = True
-        self._gate = None
-        self.host_index, self.wave, self.lookahead = 0, 0, 1
+        self._gate: Any = None  # the WaveGate actor of this stream's waves
+        self.host_index = 0
         self._error: BaseException | None = None
         self._stop = False
-        self.stats = {
+        self.stats: dict[str, Any] = {
             "gets": 0,
             "bytes_read": 0,
             "wave": 0,
@@ -94,29 +93,12 @@ class HostFeeder:
             self._pool = ThreadPoolExecutor(max_workers=max(1, max_reads), thread_name_prefix="feeder-read")
             threading.Thread(target=self._schedule, daemon=True, name="feeder-schedule").start()
 
-    # ------------------------------------------------------------------ global row <-> shard
-    def _unit_of(self, row: int) -> int:
-        epoch, r = divmod(row, self.total)
-        return epoch * self.n + int(np.searchsorted(self.starts, r, side="right") - 1)
-
-    def _unit_start(self, k: int) -> int:
-        return (k // self.n) * self.total + int(self.starts[k % self.n])
-
-    def _low_row(self) -> int:
-        return min(self._low.values()) if self._low else self._low_default
-
-    def _first_window(self) -> range:
-        first = self._unit_of(self._low_default)
-        return range(first, first + self.lookahead)
-
-    def _want_more(self) -> bool:
-        """Whether the stream should read its next shard now."""
-        return (
-            self._turn
-            and self._error is None
-            and self._next_unit is not None
-            and self._next_unit < self._unit_of(self._low_row()) + self.lookahead
-        )
+    def _unit_to_read(self) -> int | None:
+        """The next shard of the stream if it should be read now, else None."""
+        k = self._next_unit
+        if not self._turn or self._error is not None or k is None:
+            return None
+        return k if k < self._unit_of(self._low_row()) + self.lookahead else None
 
     # ------------------------------------------------------------------ a new layout
     def begin(self, epoch: str, start_row: int, host_index: int, hosts: int, waves: int, gate: Any = None) -> bool:
@@ -152,23 +134,11 @@ class HostFeeder:
         threading.Thread(target=self._take_turn, args=(epoch, gate, wave, waves), daemon=True).start()
         return continued
 
-    def _holds_from(self, row: int) -> bool:
-        u0 = self._unit_of(row)
-        if self._next_unit is None or u0 > self._next_unit:
-            return False
-        return all(k in self._units or k in self._inflight for k in range(u0, self._next_unit))
-
-    def _set_lookahead(self) -> None:
-        # Shards ahead of the oldest row still wanted: enough for ``rows_ahead`` rows, plus one
-        # per wave: later waves read further ahead, so their steady-state reads stay apart too.
-        smallest = min(s.rows for s in self.index.shards)
-        self.lookahead = -(-self.rows_ahead // smallest) + 1 + self.wave
-
     def _take_turn(self, epoch: str, gate: Any, wave: int, waves: int) -> None:
         """Wait for this host's wave (unless its first window is already here), read the
         index on first use, then let the stream read."""
         with self._lock:
-            held = self.index is not None and all(k in self._units for k in self._first_window())
+            held = self._first_window_held()
         if gate is not None and not held:
             t0 = time.perf_counter()
             try:
@@ -189,11 +159,8 @@ class HostFeeder:
                     self._lock.notify_all()
                 return
             with self._lock:
-                self.index, self.n, self.total, self.starts = index, len(index.shards), index.num_rows, index.starts
+                self._set_index(index)
                 self.stats["gets"] += 1
-                self._set_lookahead()
-                if self._next_unit is None:
-                    self._next_unit = self._unit_of(self._low_default)
         with self._lock:
             if self._epoch == epoch:
                 self._turn = True
@@ -202,19 +169,10 @@ class HostFeeder:
 
     def _check_first_window(self) -> None:
         """Tell the gate, once, that this host's first window is read (lock held)."""
-        if self._reported or self.index is None:
-            return
-        if all(k in self._units for k in self._first_window()):
+        if not self._reported and self._first_window_held():
             self._reported = True
             if self._gate is not None:
                 self._gate.done.remote(self.host_index)
-
-    def _evict(self) -> None:
-        """Drop shards wholly before ``rows_behind`` rows under the oldest row still wanted
-        (lock held): a rollback of a step or two still finds its rows here."""
-        keep = self._unit_of(max(0, self._low_row() - self.rows_behind))
-        for k in [k for k in self._units if k < keep]:
-            del self._units[k]
 
     def _store(self, k: int, rows: np.ndarray, nbytes: int) -> None:
         self.stats["gets"] += 1
@@ -230,19 +188,20 @@ class HostFeeder:
             while not self._stop:
                 if self.index is not None:
                     self._evict()
-                if self._want_more() and len(self._inflight) < self.max_reads:
-                    k = self._next_unit
-                    self._next_unit += 1
+                k = self._unit_to_read() if len(self._inflight) < self.max_reads else None
+                if k is not None:
+                    self._next_unit = k + 1
                     self._inflight.add(k)
                     self._pool.submit(self._read, k, self._seq)
                     continue
                 self._lock.wait(timeout=1.0)
 
     def _read(self, k: int, seq: int) -> None:
-        shard = self.index.shards[k % self.n]
+        index = self._corpus()
+        shard = index.shards[k % self.n]
         try:
-            data = self.fs.cat_file(self.index.uri(shard))  # one GET
-            rows = _decode_shard(data, shard.sha256, shard.path)
+            data = self.fs.cat_file(index.uri(shard))  # one GET
+            rows = decode_shard(data, shard.sha256, shard.path)
             with self._lock:
                 if seq == self._seq:
                     self._store(k, rows, len(data))
@@ -257,19 +216,6 @@ class HostFeeder:
                 self._lock.notify_all()
 
     # ------------------------------------------------------------------ engine "ray_data"
-    def _task_options(self) -> dict[str, Any]:
-        """Ray Data settings of this feeder's pipelines: in order, no progress output, read
-        tasks on this node with no CPU, at most ``max_reads`` at once."""
-        import ray.data
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        ctx = ray.data.DataContext.get_current()
-        ctx.execution_options.preserve_order = True
-        ctx.enable_progress_bars = False
-        ctx.print_on_execution_start = False
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        return {"compute": ray.data.TaskPoolStrategy(size=self.max_reads), "num_cpus": 0, "scheduling_strategy": here}
-
     def _ray_data_reader(self) -> None:
         """Take shards, in order, from one Ray Data streaming executor that lives as long as
         the stream goes on.
@@ -283,7 +229,8 @@ class HostFeeder:
         jump (``_seq``) ends the executor: its waiting tasks get no permit and return at
         once; the next one starts from the new position, before this host's turn if it
         comes later, so its processes are up when reading may begin."""
-        it, x, spent = None, 0, False
+        it: Iterator[dict[str, np.ndarray]] | None = None
+        x, spent = 0, False
         while True:
             with self._lock:
                 while not self._stop and self._epoch is None:
@@ -296,9 +243,9 @@ class HostFeeder:
                     self._x_seq, self._x_base = self._seq, self._next_unit
                     self._lock.notify_all()  # permits of the old executor end
             try:
-                if rebuild:
-                    _close(it)
-                    it, spent = self._executor(x), False
+                if rebuild or it is None:
+                    close_executor(it)
+                    it, spent = build_executor(x, self.max_reads, self.storage_options, self.timeout_s), False
                     with self._lock:
                         self.stats["executors"] += 1
                 batch = next(it)
@@ -306,7 +253,7 @@ class HostFeeder:
                 spent = True
                 continue
             except BaseException as exc:  # surfaced to every caller of rows()
-                _close(it)
+                close_executor(it)
                 it = None
                 with self._lock:
                     if self._x_seq == self._seq:
@@ -318,12 +265,12 @@ class HostFeeder:
                 if nbytes < 0 or self._x_seq != self._seq:
                     continue  # a task of an ended executor, or of a stream that jumped
                 if k == self._next_unit:
-                    self._next_unit += 1
+                    self._next_unit = k + 1
                     self._store(k, np.asarray(batch["tokens"][0], dtype=np.int32), nbytes)
                 else:  # never expected: the executor keeps the order
                     self._error = RuntimeError(f"Ray Data returned shard {k}, expected {self._next_unit}")
                     self._lock.notify_all()
-        _close(it)
+        close_executor(it)
 
     def permit(self, x: int, pos: int, timeout_s: float) -> tuple[int, str, str] | None | bool:
         """Asked by a read task of executor ``x`` before reading its stream position ``pos``:
@@ -339,29 +286,13 @@ class HostFeeder:
                 if self._turn and self._error is None and self._x_base is not None:
                     k = self._x_base + pos
                     if k < self._unit_of(self._low_row()) + self.lookahead:
-                        shard = self.index.shards[k % self.n]
-                        return k, self.index.uri(shard), shard.sha256
+                        index = self._corpus()
+                        shard = index.shards[k % self.n]
+                        return k, index.uri(shard), shard.sha256
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._lock.wait(timeout=min(left, 1.0))
-
-    def _executor(self, x: int):
-        """Executor ``x``: stream positions ``0 .. SEGMENT_UNITS - 1`` read in order by tasks
-        that wait for a permit before each read (``permit``)."""
-        import ray.data
-
-        opts = self._task_options()
-        me = ray.get_runtime_context().current_actor
-        ds = ray.data.from_items([{"pos": p} for p in range(SEGMENT_UNITS)], override_num_blocks=SEGMENT_UNITS)
-        ds = ds.map_batches(
-            _read_units,
-            fn_kwargs={"feeder": me, "x": x, "storage_options": self.storage_options, "timeout_s": self.timeout_s},
-            batch_size=1,
-            batch_format="numpy",
-            **opts,
-        )
-        return iter(ds.iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=0))
 
     # ------------------------------------------------------------------ serving
     def rows(self, start: int, count: int, key: Any = None, epoch: str | None = None) -> np.ndarray:
@@ -369,7 +300,7 @@ class HostFeeder:
         None) as int64 ``[count, seq_len + 1]``. ``key`` names the caller (its DP rank): the
         oldest row any caller still wants bounds the window."""
         deadline = time.monotonic() + self.timeout_s
-        parts = []
+        parts: list[np.ndarray] = []
         with self._lock:
             if epoch is not None and epoch != self._epoch:  # a rank of an old layout, still prefetching
                 raise RuntimeError(f"data feeder: stream {epoch} was replaced by {self._epoch}")
@@ -410,7 +341,7 @@ class HostFeeder:
                     raise RuntimeError(f"data feeder: stream {epoch} was replaced by {self._epoch}")
                 if self._error is not None:
                     raise RuntimeError(f"data feeder read failed: {self._error}") from self._error
-                if self.index is not None and all(k in self._units for k in self._first_window()):
+                if self._first_window_held():
                     return True
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -432,41 +363,8 @@ class HostFeeder:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _close(it: Any) -> None:
-    """Shut a Ray Data iterator's executor down (closing its generator does)."""
-    close = getattr(it, "close", None)
-    if close is not None:
-        try:
-            close()
-        except Exception as exc:  # noqa: BLE001 - an executor already failed or gone
-            log.debug("closing a Ray Data iterator: %s", exc)
-
-
-def _decode_shard(data: bytes, digest: str, name: str) -> np.ndarray:
-    """A shard's bytes, verified against the index's sha256, as int32 rows."""
-    if sha256(data) != digest:
-        raise OSError(f"{name}: checksum mismatch (damaged or replaced shard)")
-    col = pq.read_table(io.BytesIO(data), columns=["tokens"]).column("tokens").combine_chunks()
-    return col.flatten().to_numpy().astype(np.int32, copy=False).reshape(len(col), -1)
-
-
-_FS: dict[str, Any] = {}  # per read-task process: fsspec filesystem by options
-
-
-def _read_units(batch: dict[str, np.ndarray], feeder: Any, x: int, storage_options: dict[str, Any], timeout_s: float):
-    """Ray Data map stage of engine ``ray_data``: a stream position -> its shard's rows (one
-    GET), once the feeder permits it; an ended executor's position -> a skip mark."""
-    (pos,) = (int(p) for p in batch["pos"])
-    while True:
-        grant = ray.get(feeder.permit.remote(x, pos, timeout_s), timeout=timeout_s + 30)
-        if grant is not False:
-            break
-    if grant is None:
-        return {"unit": np.asarray([-1]), "tokens": np.zeros((1, 1, 1), dtype=np.int32), "nbytes": np.asarray([-1])}
-    k, uri, digest = grant
-    key = repr(sorted(storage_options.items()))
-    if key not in _FS:
-        _FS[key] = open_storage(uri, storage_options).fs
-    data = _FS[key].cat_file(uri)
-    rows = _decode_shard(data, digest, uri.rsplit("/", 1)[-1])
-    return {"unit": np.asarray([k]), "tokens": rows[None], "nbytes": np.asarray([len(data)], dtype=np.int64)}
+# Applied as a call, not a decorator: mypy keeps a decorated class's own type, so it would not
+# know the actor class's .remote()/.options(). The ignore: Ray's stubs for ray.remote(**options)
+# list task options only, not the actor option max_concurrency (the feeder serves ranks,
+# permits and reads from up to 32 threads at once).
+HostFeeder: ActorClass[_HostFeeder] = ray.remote(num_cpus=0, max_concurrency=32)(_HostFeeder)  # type: ignore[call-overload]

@@ -116,9 +116,10 @@ def infer_format(files: list[str], given: str | None) -> str:
             raise SpecError("--format", f"{given!r} is not one of {', '.join(FORMATS)}")
         return given
     kinds = {_EXT.get(os.path.splitext(f)[1].lower()) for f in files}
-    if len(kinds) != 1 or None in kinds:
+    known = {k for k in kinds if k is not None}
+    if len(kinds) != 1 or not known:
         raise SpecError("--format", "cannot tell the input format from the file names; pass --format")
-    return kinds.pop()
+    return known.pop()
 
 
 def _dataset(fmt: str, fs: Any, files: list[str], text_field: str, blocks: int | None = None):

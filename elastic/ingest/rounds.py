@@ -32,14 +32,14 @@ def read_rounds(reader_hosts: list[str | None], waves: int, max_reads_per_host: 
         return [None] * len(reader_hosts), 0
     cap = max(1, max_reads_per_host)
     nth: dict[str, int] = {}
-    slot_of: list[int | None] = []
+    slot_of: list[tuple[str, int] | None] = []  # each rank's (host, slot in its host), None: reads nothing
     for h in reader_hosts:
         if h is None:
             slot_of.append(None)
             continue
-        slot_of.append(nth.get(h, 0) // cap)
+        slot_of.append((h, nth.get(h, 0) // cap))
         nth[h] = nth.get(h, 0) + 1
     slots = max(-(-k // cap) for k in nth.values())
     n = len(hosts)
-    rounds = [None if h is None else wave_of(hosts[h], n, waves) * slots + s for h, s in zip(reader_hosts, slot_of)]
+    rounds = [None if hs is None else wave_of(hosts[hs[0]], n, waves) * slots + hs[1] for hs in slot_of]
     return rounds, (wave_of(n - 1, n, waves) + 1) * slots

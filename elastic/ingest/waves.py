@@ -44,9 +44,9 @@ def read_plans(node_ids: list[str], replica_size: int, epoch: str) -> list[ReadP
     ]
 
 
-@ray.remote(num_cpus=0)
-class WaveGate:
-    """Opens wave ``w`` once every host of the waves before it reported ``done``."""
+class _WaveGate:
+    """Opens wave ``w`` once every host of the waves before it reported ``done`` (the
+    ``WaveGate`` actor's body)."""
 
     def __init__(self, hosts: int, waves: int):
         self.hosts, self.waves = hosts, waves
@@ -68,6 +68,11 @@ class WaveGate:
 
     async def state(self) -> list[int]:
         return sorted(self.done_hosts)
+
+
+# Applied as a call, not a decorator: mypy keeps a decorated class's own type, so the actor
+# class's .options() would be unknown to it.
+WaveGate = ray.remote(num_cpus=0)(_WaveGate)
 
 
 def gate(name: str, hosts: int, waves: int):

@@ -236,9 +236,15 @@ class LlamaConfig(BaseModel):
             return attn + 3 * d * self.hidden_dim
         return attn + self.moe_block_params()
 
+    def moe_config(self) -> MoEConfig:
+        """``moe``, for the code of a mixture-of-experts model (calling it on a dense one is a bug)."""
+        if self.moe is None:
+            raise RuntimeError("model.moe is not set: a dense Llama has no experts")
+        return self.moe
+
     def moe_block_params(self, active: bool = False) -> int:
         """The MoE layer's parameters: router, experts (only ``top_k`` of them if ``active``), shared expert."""
-        moe, d = self.moe, self.d_model
+        moe, d = self.moe_config(), self.d_model
         experts = moe.top_k if active else moe.n_experts
         return d * moe.n_experts + (experts + int(moe.shared_expert)) * 3 * d * self.expert_hidden
 
@@ -281,7 +287,7 @@ class LlamaConfig(BaseModel):
         shared expert's) four SwiGLU intermediates per copy."""
         from elastic.parallel.memory_moe import ExpertMemory
 
-        moe, d, he, V = self.moe, self.d_model, self.expert_hidden, self.vocab_size
+        moe, d, he, V = self.moe_config(), self.d_model, self.expert_hidden, self.vocab_size
         tied = self.tie_embeddings
         dense = 2 * d * d + 2 * d * self.kv_heads * self.head_dim
         experts = ExpertMemory(moe.n_experts, d, he)
@@ -358,6 +364,14 @@ class CustomConfig(BaseModel):
         from elastic.models.custom import load_spec
 
         return load_spec(self).flops_per_token
+
+
+def token_shape(model: GPTConfig | LlamaConfig | CustomConfig) -> tuple[int, int]:
+    """``(seq_len, vocab_size)`` of a checked model config. A custom model's are filled in from
+    its factory by ``check()``, which every spec passes before a run or a command uses it."""
+    if model.seq_len is None or model.vocab_size is None:
+        raise RuntimeError(f"model {model.kind}: seq_len and vocab_size are set by check(), which has not run")
+    return model.seq_len, model.vocab_size
 
 
 def _kind_of(value: Any) -> str:

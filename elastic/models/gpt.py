@@ -88,6 +88,8 @@ class GPT(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids -> logits on a full model; hidden states in or out on a pipeline stage."""
         if self.tok_emb is not None:
+            if self.pos_emb is None:
+                raise RuntimeError("a GPT stage that embeds tokens needs its position embeddings too")
             pos = torch.arange(x.shape[1], device=x.device)
             x = self.tok_emb(x) + self.pos_emb(pos)
         for block in self.blocks.values():

@@ -165,7 +165,7 @@ def _rope_from_hf(doc: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 def apply_hf_config(cfg: LlamaConfig) -> None:
     """Fill ``cfg``'s shape from ``cfg.init_from``'s config.json; a key the spec gives that
     disagrees is bad input naming that key. Reads ``config.json`` only (and lists the weights)."""
-    cfg.init_from = resolve(cfg.init_from)
+    cfg.init_from = resolve(_init_from(cfg))
     hf = llama_fields_from_hf(read_hf_config(cfg.init_from))
     given = cfg.model_fields_set
     for name in ("n_layers", "d_model", "n_heads", "vocab_size", "norm_eps", "tie_embeddings", "rope_theta"):
@@ -191,9 +191,11 @@ def apply_hf_config(cfg: LlamaConfig) -> None:
 
 def _check_rope_scaling(cfg: LlamaConfig, hf: dict[str, Any] | None) -> None:
     mine = cfg.rope_scaling.model_dump() if cfg.rope_scaling is not None else None
-    if (mine is None) != (hf is None):
-        raise SpecError("model.rope_scaling", f"{mine} differs from config.json's {hf}")
-    for key in _LLAMA3_KEYS if mine else ():
+    if mine is None or hf is None:
+        if (mine is None) != (hf is None):
+            raise SpecError("model.rope_scaling", f"{mine} differs from config.json's {hf}")
+        return
+    for key in _LLAMA3_KEYS:
         if mine[key] != hf[key]:
             raise SpecError(f"model.rope_scaling.{key}", f"{mine[key]} differs from config.json's {hf[key]}")
 
@@ -279,11 +281,18 @@ _NOT_SHAPE = {
 }
 
 
+def _init_from(cfg: LlamaConfig | CustomConfig) -> str:
+    """``cfg.init_from``, which the config's ``check()`` only hands here when it is set."""
+    if cfg.init_from is None:
+        raise RuntimeError("model.init_from is not set: there is no Hugging Face checkpoint to read")
+    return cfg.init_from
+
+
 def check_custom_init_from(cfg: CustomConfig, spec: ModelSpec) -> None:
     """``kind: custom`` with ``init_from``: the factory's adapter must agree with config.json."""
     if spec.hf is None:
         raise SpecError(FIELD, f"{cfg.factory} gives no Hugging Face adapter (ModelSpec.hf), so it cannot load one")
-    cfg.init_from = resolve(cfg.init_from)
+    cfg.init_from = resolve(_init_from(cfg))
     doc = read_hf_config(cfg.init_from)
     for key, value in spec.hf.config.items():
         if key in doc and key not in _NOT_SHAPE and doc[key] != value:

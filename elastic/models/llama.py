@@ -24,6 +24,7 @@ the two are not tied.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,9 @@ from torch import nn
 from elastic.models.config import LlamaConfig, RopeScaling
 from elastic.models.hf import llama_adapter
 from elastic.models.spec import ModelSpec, lm_loss, normal_or_ones, register_model, seeded_init
+
+if TYPE_CHECKING:
+    from elastic.parallel.cp import ContextParallel
 
 
 class RMSNorm(nn.Module):
@@ -94,7 +98,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, kv_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, kv_dim, bias=False)
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.cp = None  # an elastic.parallel.cp.ContextParallel when the sequence is split over ranks
+        self.cp: ContextParallel | None = None  # set when the sequence is split over ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
@@ -149,6 +153,10 @@ class Llama(nn.Module):
         self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:  # Llama 3.2 1B/3B; tied again in ``init_weights`` after ``to_empty``
             self.head.weight = self.tok_emb.weight
+
+    def attentions(self) -> list[Attention]:
+        """Every block's attention (a ``Block`` or a ``MoEBlock``, each holds one as ``attn``)."""
+        return [cast(Attention, block.attn) for block in self.blocks.values()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids -> logits on a full model; hidden states in or out on a pipeline stage."""
@@ -209,7 +217,7 @@ def apply_cp(model: Llama, cp_mesh) -> Llama:
     """Context-parallel attention in every block (``elastic/parallel/cp.py``)."""
     from elastic.parallel.cp import apply_cp as cp_attention
 
-    cp_attention([block.attn for block in model.blocks.values()], cp_mesh)
+    cp_attention(model.attentions(), cp_mesh)
     return model
 
 

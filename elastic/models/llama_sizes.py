@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-_LLAMA3 = dict(vocab_size=128_256, rope_theta=500_000.0, seq_len=8192, max_seq_len=8192)
+_LLAMA3: dict[str, Any] = dict(vocab_size=128_256, rope_theta=500_000.0, seq_len=8192, max_seq_len=8192)
 _LLAMA31 = dict(
     _LLAMA3,
     max_seq_len=131_072,

@@ -28,7 +28,7 @@ dimension first, so expert parallelism shards dimension 0), ``shared.w1/w2/w3.we
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,9 @@ from elastic.models.config import LlamaConfig
 from elastic.models.llama import Attention, Llama, RMSNorm, build_stage
 from elastic.models.spec import ModelSpec, lm_loss, register_variant, seeded_init
 from elastic.parallel import ep as ep_comm
+
+if TYPE_CHECKING:
+    from elastic.parallel.cp import ContextParallel
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -120,14 +123,14 @@ def balance_loss(probs: torch.Tensor, top_i: torch.Tensor, cp: Any) -> torch.Ten
 class MoE(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        moe = cfg.moe
+        moe = cfg.moe_config()
         self.n_experts, self.top_k, self.router_kind = moe.n_experts, moe.top_k, moe.router
         self.norm_topk_prob, self.aux_loss_coef = moe.norm_topk_prob, moe.aux_loss_coef
         self.router = nn.Linear(cfg.d_model, moe.n_experts, bias=False)
         self.experts = GroupedExperts(moe.n_experts, cfg.d_model, cfg.expert_hidden)
         self.shared = SwiGLU(cfg.d_model, cfg.expert_hidden) if moe.shared_expert else None
         self.ep: ep_comm.ExpertParallel | None = None  # set by ``apply_ep``
-        self.cp = None  # set by ``apply_cp``: the balance loss sums over the sequence's chunks
+        self.cp: ContextParallel | None = None  # set by ``apply_cp``: the balance loss sums over the chunks
         self.loss_scale = 1.0  # the engine's factor on a micro-batch's loss (``set_loss_scale``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -179,8 +182,9 @@ class MoEBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-def moe_layers(model: nn.Module) -> list[MoE]:
-    return [block.mlp for block in model.blocks.values()]
+def moe_layers(model: Llama) -> list[MoE]:
+    """Every block's MoE layer (a MoE Llama is built of ``MoEBlock``s only)."""
+    return [cast(MoEBlock, block).mlp for block in model.blocks.values()]
 
 
 def init_rule(n_layers: int):
@@ -205,7 +209,7 @@ def apply_tp(model: Llama, tp_mesh) -> Llama:
 
     col, row = ColwiseParallel(), RowwiseParallel()
     plan = {"attn.wq": col, "attn.wk": col, "attn.wv": col, "attn.wo": row}
-    if model.cfg.moe.shared_expert:
+    if model.cfg.moe_config().shared_expert:
         plan.update({"mlp.shared.w1": col, "mlp.shared.w3": col, "mlp.shared.w2": row})
     apply_block_plan(list(model.blocks.values()), tp_mesh, plan)
     if model.cfg.vocab_size % tp_mesh.size() == 0:
@@ -215,8 +219,8 @@ def apply_tp(model: Llama, tp_mesh) -> Llama:
 
 def apply_ep(model: Llama, dims: Any) -> list[nn.Module]:
     """Shard every layer's experts over EP (and their hidden dimension over TP); returns them."""
-    ctx = ep_comm.expert_context(dims, model.cfg.moe.n_experts)
-    experts = []
+    ctx = ep_comm.expert_context(dims, model.cfg.moe_config().n_experts)
+    experts: list[nn.Module] = []
     for layer in moe_layers(model):
         if dims.expert_shard_mesh is not None:
             ep_comm.distribute_experts(layer.experts, dims, GroupedExperts.TP_DIMS)
@@ -229,13 +233,13 @@ def apply_moe_cp(model: Llama, cp_mesh) -> Llama:
     """Context-parallel attention, and balance losses summed over each sequence's chunks."""
     from elastic.parallel.cp import apply_cp
 
-    ctx = apply_cp([block.attn for block in model.blocks.values()], cp_mesh)
+    ctx = apply_cp(model.attentions(), cp_mesh)
     for layer in moe_layers(model):
         layer.cp = ctx
     return model
 
 
-def set_loss_scale(model: nn.Module, scale: float) -> None:
+def set_loss_scale(model: Llama, scale: float) -> None:
     for layer in moe_layers(model):
         layer.loss_scale = scale
 

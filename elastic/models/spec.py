@@ -37,7 +37,7 @@ import contextlib
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -71,25 +71,29 @@ def _no_context(tp: int) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+# The model class a spec builds: every hook below takes the model that ``build`` returned.
+M = TypeVar("M", bound=nn.Module)
+
+
 @dataclass
-class ModelSpec:
+class ModelSpec(Generic[M]):
     name: str
-    build: Callable[[], nn.Module]
-    init_weights: Callable[[nn.Module, int], None]
+    build: Callable[[], M]
+    init_weights: Callable[[M, int], None]
     vocab_size: int
     seq_len: int
     flops_per_token: float = 0.0
-    blocks: Callable[[nn.Module], list[nn.Module]] = default_blocks
-    tp_plan: Callable[[nn.Module, DeviceMesh], Any] | None = None
-    split_stage: Callable[[nn.Module, int, int], nn.Module] | None = None
+    blocks: Callable[[M], list[nn.Module]] = default_blocks
+    tp_plan: Callable[[M, DeviceMesh], Any] | None = None
+    split_stage: Callable[[M, int, int], nn.Module] | None = None
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
     loss_context: Callable[[int], contextlib.AbstractContextManager] = _no_context
     validate_layout: Callable[..., None] | None = None
     memory: MemoryInputs | None = None
     hf: HFAdapter | None = None
-    ep_plan: Callable[[nn.Module, Any], list[nn.Module]] | None = None
-    cp_plan: Callable[[nn.Module, DeviceMesh], Any] | None = None
-    set_loss_scale: Callable[[nn.Module, float], None] | None = None
+    ep_plan: Callable[[M, Any], list[nn.Module]] | None = None
+    cp_plan: Callable[[M, DeviceMesh], Any] | None = None
+    set_loss_scale: Callable[[M, float], None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def check_layout(self, tp: int, pp: int, ep: int = 1, cp: int = 1) -> None:

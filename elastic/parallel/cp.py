@@ -29,8 +29,9 @@ the mean over the whole sequence.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -79,7 +80,13 @@ def chunk_causal_mask(q_len: int, k_len: int, q_start: int, device: torch.device
     return torch.arange(k_len, device=device)[None, :] <= q_pos[:, None]
 
 
-def apply_cp(attention_modules: list[torch.nn.Module], cp_mesh: Any) -> ContextParallel:
+class SplitsSequence(Protocol):
+    """An attention module that attends over the chunks of a split sequence once given a context."""
+
+    cp: ContextParallel | None
+
+
+def apply_cp(attention_modules: Sequence[SplitsSequence], cp_mesh: Any) -> ContextParallel:
     """Make each attention module context-parallel over ``cp_mesh`` (sets its ``cp``)."""
     ctx = ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
     for module in attention_modules:

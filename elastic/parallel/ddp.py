@@ -21,6 +21,7 @@ parameters is dp x ep x cp and that of experts dp x cp (``ParallelDims.dense_mes
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -37,7 +38,7 @@ def apply_ddp(
     classic: bool,
     blocks: list[nn.Module],
     init_sync: bool = True,
-    experts: list[nn.Module] = (),
+    experts: Sequence[nn.Module] = (),
     expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Replicated data parallelism over ``dp_mesh``; returns the module to train.
@@ -51,7 +52,7 @@ def apply_ddp(
         return DistributedDataParallel(model, process_group=dp_mesh.get_group(), init_sync=init_sync)
     from elastic.parallel.fsdp import expert_params
 
-    ignored = (expert_params(experts) if expert_mesh is None else set()) or None
+    ignored = (expert_params(list(experts)) if expert_mesh is None else set()) or None
     for unit in experts if expert_mesh is not None else ():
         replicate(unit, mesh=expert_mesh)
     for block in blocks:

@@ -149,11 +149,11 @@ def distribute_experts(experts: nn.Module, dims: Any, tp_dims: dict[str, int]) -
     The expert dimension (0) is sharded over ``ep``; with TP, each parameter's hidden
     dimension (``tp_dims[name]``) over ``tp`` as well. Works on the meta device.
     """
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 
     mesh = dims.expert_shard_mesh
     for name, param in list(experts.named_parameters(recurse=False)):
-        placements = []
+        placements: list[Placement] = []
         if dims.ep > 1:
             placements.append(Shard(0))
         if dims.tp > 1:

@@ -224,7 +224,7 @@ class PlannedSlots(ReplicaSlots):
         self.lemons |= nodes
         self._release_pinned(self.lemons, keep)
         if self.fallback is not None:
-            super().exclude(nodes, keep)
+            super().exclude(nodes, set(keep))
 
     def avoid(self, node_ids: Iterable[str], keep: frozenset[int] | set[int] = frozenset()) -> None:
         """Nodes Ray is draining (``elastic/control/drain.py``): not planned while they drain, and groups

@@ -30,157 +30,34 @@ the order buys no locality either way, and dp outermost has the property elastic
 needs: a model replica is one contiguous block of ``tp * pp`` ranks. Dropping or adding
 a replica never renumbers the ranks inside the others; it only shifts whole blocks.
 
-Longer than the ~350 lines we aim for: one placement algorithm and its JSON document, which
-read best together.
+The plan itself (``LayoutPlan``) is in ``layout_plan.py``, the greedy packing in
+``packing.py``; this module decides and checks (runs on the driver, in ``elastic plan`` and
+in the simulator).
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Hashable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from typing import Any, overload
 
 from elastic.errors import InfeasibleError, SpecError
-from elastic.parallel.dims import rank_coords, rank_of
-from elastic.placement.topology import NVLINK_DOMAIN, ClusterTopology, NodeInfo
+from elastic.placement import packing
+from elastic.placement.layout_plan import MESH_DIM_NAMES, LayoutPlan, RankPlacement, TPGroup
+from elastic.placement.topology import ClusterTopology, NodeInfo
 
-MESH_DIM_NAMES: tuple[str, str, str] = ("dp", "pp", "tp")
-
-T = TypeVar("T")
-# A TP group is the tuple of node names of its tp ranks; a replica is pp TP groups.
-TPGroup = tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class RankPlacement:
-    rank: int
-    node: str
-    dp_rank: int
-    pp_rank: int
-    tp_rank: int
-
-    def to_dict(self) -> dict[str, Any]:
-        # Key order is part of the `elastic plan --json` contract.
-        return {
-            "rank": self.rank,
-            "node": self.node,
-            "dp_rank": self.dp_rank,
-            "pp_rank": self.pp_rank,
-            "tp_rank": self.tp_rank,
-        }
-
-
-@dataclass(frozen=True)
-class LayoutPlan:
-    dp: int
-    tp: int
-    pp: int
-    ranks: tuple[RankPlacement, ...]
-    device: str = "cuda"
-    node_racks: dict[str, str | None] = field(default_factory=dict)
-    max_replicas: int = 0  # whole replicas the topology could hold
-    min_dp: int = 1
-    max_dp: int | None = None
-    allowed_dps: tuple[int, ...] | None = None
-    notes: tuple[str, ...] = ()
-    # After drop_nodes: for each new dp_rank, the dp_rank it had in the plan it came from.
-    origin_dp_ranks: tuple[int, ...] | None = None
-
-    mesh_dim_names: ClassVar[tuple[str, str, str]] = MESH_DIM_NAMES
-
-    # ------------------------------------------------------------------ rank algebra
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
-
-    def rank_of(self, dp: int, pp: int, tp: int) -> int:
-        for name, value, size in (("dp", dp, self.dp), ("pp", pp, self.pp), ("tp", tp, self.tp)):
-            if not 0 <= value < size:
-                raise IndexError(f"{name} rank {value} out of range [0, {size})")
-        return rank_of(dp, pp, tp, self.tp, self.pp)
-
-    def coords_of(self, rank: int) -> tuple[int, int, int]:
-        if not 0 <= rank < self.world_size:
-            raise IndexError(f"rank {rank} out of range [0, {self.world_size})")
-        return tuple(rank_coords(rank, self.tp, self.pp))
-
-    # ------------------------------------------------------------------ views
-    @property
-    def replicas(self) -> list[tuple[str, ...]]:
-        """Nodes of each replica (index = dp_rank), in stage order, without repeats."""
-        out: list[list[str]] = [[] for _ in range(self.dp)]
-        for r in self.ranks:
-            if r.node not in out[r.dp_rank]:
-                out[r.dp_rank].append(r.node)
-        return [tuple(nodes) for nodes in out]
-
-    @property
-    def nodes(self) -> list[str]:
-        """Nodes in use, in order of their first rank."""
-        return list(self.bundles_per_node())
-
-    def bundles_per_node(self) -> dict[str, int]:
-        """Workers (placement-group bundles) per node, nodes in order of their first rank."""
-        out: dict[str, int] = {}
-        for r in self.ranks:
-            out[r.node] = out.get(r.node, 0) + 1
-        return out
-
-    def ranks_on_node(self, node: str) -> list[int]:
-        return [r.rank for r in self.ranks if r.node == node]
-
-    def tp_groups(self) -> list[list[RankPlacement]]:
-        """One list of tp placements per (dp_rank, pp_rank), in rank order."""
-        return [list(self.ranks[i : i + self.tp]) for i in range(0, len(self.ranks), self.tp)]
-
-    @property
-    def cross_rack_dp_ranks(self) -> list[int]:
-        return [d for d, nodes in enumerate(self.replicas) if len({self.node_racks.get(n) for n in nodes}) > 1]
-
-    @property
-    def cross_node_tp(self) -> bool:
-        return any(len({r.node for r in g}) > 1 for g in self.tp_groups())
-
-    def ring_rack_crossings(self) -> int:
-        """Most rack-to-rack hops of any DP ring (one ring per (pp_rank, tp_rank))."""
-        if self.dp < 2:
-            return 0
-        worst = 0
-        for pp in range(self.pp):
-            for tp in range(self.tp):
-                racks = [self.node_racks.get(self.ranks[self.rank_of(d, pp, tp)].node) for d in range(self.dp)]
-                worst = max(worst, sum(racks[i] != racks[(i + 1) % self.dp] for i in range(self.dp)))
-        return worst
-
-    # ------------------------------------------------------------------ output
-    def to_dict(self) -> dict[str, Any]:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp, "ranks": [r.to_dict() for r in self.ranks]}
-
-    def to_json(self, indent: int | None = None) -> str:
-        """The ``elastic plan --json`` document (``docs/cli.md``)."""
-        return json.dumps(self.to_dict(), indent=indent)
-
-    def to_table(self) -> str:
-        """One row per TP group: where each (dp_rank, pp_rank) runs."""
-        lines = [
-            f"dp={self.dp} tp={self.tp} pp={self.pp} world_size={self.world_size} "
-            f"mesh={self.mesh_dim_names} max_replicas={self.max_replicas} "
-            f"ring_rack_crossings={self.ring_rack_crossings()}",
-            f"{'dp':>4} {'pp':>4}  {'ranks':<13} {'rack':<10} nodes",
-        ]
-        for group in self.tp_groups():
-            first, last = group[0], group[-1]
-            ranks = str(first.rank) if first is last else f"{first.rank}-{last.rank}"
-            nodes = list(dict.fromkeys(r.node for r in group))
-            racks = ",".join(dict.fromkeys(str(self.node_racks.get(n) or "-") for n in nodes))
-            lines.append(f"{first.dp_rank:>4} {first.pp_rank:>4}  {ranks:<13} {racks:<10} {','.join(nodes)}")
-        lines += [f"note: {n}" for n in self.notes]
-        return "\n".join(lines)
-
-    def _replica_groups(self) -> list[list[TPGroup]]:
-        groups = [tuple(r.node for r in g) for g in self.tp_groups()]
-        return [groups[d * self.pp : (d + 1) * self.pp] for d in range(self.dp)]
+# LayoutPlan and RankPlacement are imported from here by the CLI, the simulator and the tests.
+__all__ = [
+    "MESH_DIM_NAMES",
+    "LayoutPlan",
+    "RankPlacement",
+    "drop_nodes",
+    "inner_groupings",
+    "plan_from_spec",
+    "plan_groups",
+    "plan_layout",
+    "spec_placement_args",
+]
 
 
 # ---------------------------------------------------------------------- planning
@@ -205,34 +82,34 @@ def plan_layout(
     ``slots_per_worker`` is the device resource of one worker (GPUs on cuda, CPUs on cpu);
     ``cpus_per_worker`` and ``custom`` are extra needs that can also limit a node.
     """
-    allowed_dps = None if allowed_dps is None else tuple(sorted(set(allowed_dps)))
-    _check_request(tp, pp, min_dp, max_dp, allowed_dps, device, allow_cross_node_tp)
+    allowed = None if allowed_dps is None else tuple(sorted(set(allowed_dps)))
+    _check_request(tp, pp, min_dp, max_dp, allowed, device, allow_cross_node_tp)
     slots = {n.name: n.worker_slots(device, slots_per_worker, cpus_per_worker, custom) for n in topology}
     nodes = [n for n in _rack_major(topology) if slots[n.name] > 0]
     if not nodes:
         raise InfeasibleError("resources", f"no node has room for a worker ({_need(device, slots_per_worker)})")
     racks = {n.name: n.rack for n in topology}
 
-    tp_groups = _tp_groups(nodes, slots, tp, device, allow_cross_node_tp)
+    tp_groups = packing.tp_groups(nodes, slots, tp, device, allow_cross_node_tp)
     if not tp_groups:
-        raise InfeasibleError("parallel.tp", _tp_too_big(nodes, slots, tp, device, allow_cross_node_tp))
-    replicas = _replicas(tp_groups, pp, racks)
+        raise InfeasibleError("parallel.tp", packing.tp_too_big(nodes, slots, tp, device, allow_cross_node_tp))
+    replicas = packing.replicas(tp_groups, pp, racks)
 
-    fit = _allowed(min_dp, max_dp, allowed_dps, cap=len(replicas))
+    fit = _allowed(min_dp, max_dp, allowed, cap=len(replicas))
     if not fit:
         raise InfeasibleError(
             "elastic.min_dp" if len(replicas) < min_dp else "train.global_batch",
             f"only {len(replicas)} whole replica(s) of tp*pp={tp * pp} workers fit "
             f"({sum(slots.values())} worker slots on {len(nodes)} node(s)), "
-            f"but DP must be {_describe_allowed(min_dp, max_dp, allowed_dps)}",
+            f"but DP must be {_describe_allowed(min_dp, max_dp, allowed)}",
         )
     dp = max(fit)
-    chosen = _choose(replicas, dp, racks)
+    chosen = packing.choose(replicas, dp, racks)
     notes = []
     idle = sum(slots.values()) - dp * tp * pp
     if idle:
         notes.append(f"{idle} worker slot(s) left idle")
-    return _build(chosen, tp, pp, device, racks, len(replicas), min_dp, max_dp, allowed_dps, notes)
+    return _build(chosen, tp, pp, device, racks, len(replicas), min_dp, max_dp, allowed, notes)
 
 
 def inner_groupings(tp: int, pp: int, ep: int = 1, cp: int = 1) -> list[tuple[int, int]]:
@@ -253,12 +130,12 @@ def plan_groups(topology: ClusterTopology, tp: int, pp: int, ep: int = 1, cp: in
     With ``ep`` or ``cp`` above 1 the plan's ``tp`` is the size of the in-node group it kept
     together and its ``pp`` the number of such groups per replica.
     """
-    last: InfeasibleError | None = None
+    failures: list[InfeasibleError] = []
     for group, stages in inner_groupings(tp, pp, ep, cp):
         try:
             plan = plan_layout(topology, group, stages, **kwargs)
         except InfeasibleError as exc:
-            last = exc
+            failures.append(exc)
             continue
         if ep * cp == 1:
             return plan
@@ -267,7 +144,7 @@ def plan_groups(topology: ClusterTopology, tp: int, pp: int, ep: int = 1, cp: in
             f"one node, pp={stages} the groups per replica (rank order dp, pp={pp}, ep, cp, tp; docs/parallelism.md)"
         )
         return replace(plan, notes=(*plan.notes, note))
-    raise last
+    raise failures[-1]  # inner_groupings is never empty: the last grouping tried, the most spread out
 
 
 def plan_from_spec(spec: Any, topology: ClusterTopology, *, allow_cross_node_tp: bool | None = None) -> LayoutPlan:
@@ -313,7 +190,11 @@ def spec_placement_args(spec: Any) -> dict[str, Any]:
     }
 
 
-def drop_nodes(target: LayoutPlan | ClusterTopology, lost_nodes: Iterable[str]) -> Any:
+@overload
+def drop_nodes(target: LayoutPlan, lost_nodes: Iterable[str]) -> LayoutPlan: ...
+@overload
+def drop_nodes(target: ClusterTopology, lost_nodes: Iterable[str]) -> ClusterTopology: ...
+def drop_nodes(target: LayoutPlan | ClusterTopology, lost_nodes: Iterable[str]) -> LayoutPlan | ClusterTopology:
     """Remove lost nodes.
 
     * On a topology: the topology without them (re-plan it with :func:`plan_layout`).
@@ -355,7 +236,15 @@ def drop_nodes(target: LayoutPlan | ClusterTopology, lost_nodes: Iterable[str]) 
 # ---------------------------------------------------------------------- internals
 
 
-def _check_request(tp, pp, min_dp, max_dp, allowed_dps, device, cross) -> None:
+def _check_request(
+    tp: int,
+    pp: int,
+    min_dp: int,
+    max_dp: int | None,
+    allowed_dps: tuple[int, ...] | None,
+    device: str,
+    cross: bool,
+) -> None:
     for name, value in (("parallel.tp", tp), ("parallel.pp", pp), ("elastic.min_dp", min_dp)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise SpecError(name, f"must be an integer >= 1, got {value!r}")
@@ -393,82 +282,19 @@ def _rack_major(topology: ClusterTopology) -> list[NodeInfo]:
     return [topology.node(name) for names in topology.racks().values() for name in names]
 
 
-def _pack(items: list[T], size: int, levels: list[Callable[[T], Hashable | None]]) -> list[tuple[list[T], int]]:
-    """Cut ``items`` into groups of ``size``, innermost level first.
-
-    At each level, the items still unused are bucketed by the level's key (``None``: the
-    item cannot be pooled at this level) and each bucket is cut into consecutive groups;
-    its remainder passes to the next level. Returns ``(group, level)`` pairs.
-    """
-    remaining = list(enumerate(items))
-    groups: list[tuple[list[T], int]] = []
-    for level, key in enumerate(levels):
-        buckets: dict[Hashable, list[tuple[int, T]]] = {}
-        left: list[tuple[int, T]] = []
-        for pair in remaining:
-            k = key(pair[1])
-            (left if k is None else buckets.setdefault(k, [])).append(pair)
-        for bucket in buckets.values():
-            cut = len(bucket) // size * size
-            groups += [([it for _, it in bucket[i : i + size]], level) for i in range(0, cut, size)]
-            left += bucket[cut:]
-        remaining = sorted(left, key=lambda pair: pair[0])
-    return groups
-
-
-def _tp_groups(nodes: list[NodeInfo], slots: dict[str, int], tp: int, device: str, cross: bool) -> list[TPGroup]:
-    by_name = {n.name: n for n in nodes}
-    items = [n.name for n in nodes for _ in range(slots[n.name])]
-    levels: list[Callable[[str], Hashable | None]] = [lambda name: name]
-    if device == "cuda":
-        levels.append(lambda name: by_name[name].labels.get(NVLINK_DOMAIN))
-    elif cross:
-        levels += [lambda name: ("rack", by_name[name].rack), lambda name: "*"]
-    position = {name: i for i, name in enumerate(by_name)}
-    groups = [tuple(g) for g, _ in _pack(items, tp, levels)]
-    return sorted(groups, key=lambda g: (position[g[0]], g))
-
-
-@dataclass(frozen=True)
-class _Replica:
-    groups: tuple[TPGroup, ...]
-    level: int  # 0: one node, 1: one rack, 2: spans racks
-    index: int
-    home_rack: str | None
-    cross_rack: bool
-
-
-def _replicas(groups: list[TPGroup], pp: int, racks: dict[str, str | None]) -> list[_Replica]:
-    def one_node(g: TPGroup) -> Hashable | None:
-        return g[0] if len(set(g)) == 1 else None
-
-    def one_rack(g: TPGroup) -> Hashable | None:
-        rs = {racks[n] for n in g}
-        return ("rack", rs.pop()) if len(rs) == 1 else None
-
-    packed = _pack(groups, pp, [one_node, one_rack, lambda g: "*"])
-    out = []
-    for i, (grps, level) in enumerate(packed):
-        nodes = [n for g in grps for n in g]
-        out.append(_Replica(tuple(grps), level, i, racks[nodes[0]], len({racks[n] for n in nodes}) > 1))
-    return out
-
-
-def _choose(replicas: list[_Replica], dp: int, racks: dict[str, str | None]) -> list[list[TPGroup]]:
-    """Pick ``dp`` replicas (fullest racks first) and order them rack by rack."""
-    first_seen = {r: i for i, r in enumerate(dict.fromkeys(racks.values()))}
-    capacity: dict[str | None, int] = {}
-    for rep in replicas:
-        if not rep.cross_rack:
-            capacity[rep.home_rack] = capacity.get(rep.home_rack, 0) + 1
-    rack_rank = {r: (-capacity.get(r, 0), first_seen[r]) for r in first_seen}
-    preferred = sorted(replicas, key=lambda p: (p.cross_rack, rack_rank[p.home_rack], p.level, p.index))[:dp]
-    ring = sorted(preferred, key=lambda p: (rack_rank[p.home_rack], p.cross_rack, p.level, p.index))
-    return [list(p.groups) for p in ring]
-
-
-def _build(replicas, tp, pp, device, racks, max_replicas, min_dp, max_dp, allowed_dps, notes) -> LayoutPlan:
-    ranks = []
+def _build(
+    replicas: Sequence[Sequence[TPGroup]],
+    tp: int,
+    pp: int,
+    device: str,
+    racks: dict[str, str | None],
+    max_replicas: int,
+    min_dp: int,
+    max_dp: int | None,
+    allowed_dps: tuple[int, ...] | None,
+    notes: list[str],
+) -> LayoutPlan:
+    ranks: list[RankPlacement] = []
     for dp_rank, groups in enumerate(replicas):
         for pp_rank, group in enumerate(groups):
             for tp_rank, node in enumerate(group):
@@ -492,19 +318,3 @@ def _build(replicas, tp, pp, device, racks, max_replicas, min_dp, max_dp, allowe
         why = "inside shared NVLink domains" if device == "cuda" else "allow_cross_node_tp"
         notes.append(f"TP groups span nodes ({why})")
     return replace(plan, notes=tuple(notes))
-
-
-def _tp_too_big(nodes, slots, tp, device, cross) -> str:
-    unit = "worker slots"
-    if cross:
-        return f"tp={tp} needs {tp} {unit} but the whole cluster has {sum(slots.values())}"
-    domains: dict[str, int] = {}
-    for n in nodes:
-        key = n.labels.get(NVLINK_DOMAIN, f"node {n.name}") if device == "cuda" else n.name
-        domains[key] = domains.get(key, 0) + slots[n.name]
-    best = max(domains, key=domains.get)
-    where = "NVLink domain" if device == "cuda" else "node"
-    return (
-        f"tp={tp} is larger than any {where}'s {unit} (largest: {domains[best]} on {best}); "
-        f"TP groups must stay inside one {where}"
-    )

@@ -119,6 +119,7 @@ class ClusterTopology:
     """An ordered list of nodes. The order is kept: it breaks ties in the planner."""
 
     nodes: tuple[NodeInfo, ...]
+    _by_name: dict[str, NodeInfo] = field(init=False, repr=False, compare=False)
 
     def __init__(self, nodes: Iterable[NodeInfo]):
         nodes = tuple(nodes)
@@ -263,7 +264,7 @@ def topology_from_ray(ray_nodes: Iterable[Mapping[str, Any]]) -> ClusterTopology
     """
     alive = [n for n in ray_nodes if n.get("Alive", n.get("alive", False))]
     base_names = [str(n.get("NodeName") or n.get("NodeManagerAddress") or "node") for n in alive]
-    nodes = []
+    nodes: list[NodeInfo] = []
     for node, base in zip(alive, base_names):
         resources = {str(k): float(v) for k, v in (node.get("Resources") or {}).items()}
         labels = {str(k): str(v) for k, v in (node.get("Labels") or {}).items() if k != _NODE_ID_LABEL}

@@ -218,7 +218,7 @@ def breakdown_figure(data: RunData, out_dir: str) -> str:
     else:
         measured_comm = any(last[n].get("comm_s") is not None for n in steps)
         compute_name = "compute" if measured_comm else "compute (communication included)"
-        rows = {
+        rows: dict[str, list[float]] = {
             "data wait": [], compute_name: [], "communication": [], "snapshot blocking": [],
             "checkpoint blocking": [], "other": [],
         }  # fmt: skip
@@ -235,17 +235,18 @@ def breakdown_figure(data: RunData, out_dir: str) -> str:
             rows["other"].append(max(0.0, float(s["step_time_s"]) - wait - compute - comm))
         colors = ["tab:orange", "tab:blue", "tab:cyan", "tab:green", "tab:red", "0.7"]
         width, per_bin = 1.0, 1
+        bars: list[float] = [float(n) for n in steps]  # each bar's x: a step, or a bin's mean step
         if len(steps) > MAX_BARS:  # a long run: the mean of each bin of consecutive steps
             per_bin = -(-len(steps) // MAX_BARS)
-            steps = [sum(steps[i : i + per_bin]) / len(steps[i : i + per_bin]) for i in range(0, len(steps), per_bin)]
+            bars = [sum(steps[i : i + per_bin]) / len(steps[i : i + per_bin]) for i in range(0, len(steps), per_bin)]
             rows = {k: _bin_means(v, per_bin) for k, v in rows.items()}
             width = float(per_bin)
-        bottom = [0.0] * len(steps)
+        bottom = [0.0] * len(bars)
         for (name, vals), color in zip(rows.items(), colors, strict=True):
             if not any(vals):
                 continue
             ax.bar(
-                steps, [v * 1e3 for v in vals], bottom=[b * 1e3 for b in bottom], width=width, color=color, label=name
+                bars, [v * 1e3 for v in vals], bottom=[b * 1e3 for b in bottom], width=width, color=color, label=name
             )
             bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
         if per_bin > 1:

@@ -100,7 +100,9 @@ def cluster_events(job: Job, sc: Scenario) -> tuple[tuple, list[Event]]:
     total = sum(healthy)
     causes = list(CAUSES)
     weights = [LLAMA3_CAUSES[c][0] for c in causes]
-    end, t, repairs, out = sc.days * DAY, 0.0, [], []
+    end, t = sc.days * DAY, 0.0
+    repairs: list[tuple[float, int]] = []  # a heap of (repair time, rack)
+    out: list[Event] = []
     rate = sc.rate_per_node_s
     hist = Counter(healthy)
     start = _key(hist)

@@ -83,6 +83,8 @@ class _Run:
         step = self.r.step_s(self.dp, c.step_s)
         f = c.snapshot_blocking_s / step
         cycle = self.interval * (1 + f) + c.ckpt_blocking_s
+        if self.seg_start is None:
+            raise RuntimeError("simulator: no training segment is open")
         e = t - self.seg_start
         n = math.floor(e / cycle)
         tau = n * self.interval + min((e - n * cycle) / (1 + f), self.interval)
@@ -124,6 +126,8 @@ class _Run:
         c, key = self.costs, self.key
         dp = self.r.dp(key)
         if dp is None:  # below min_dp: wait for capacity (a repair) and plan again then
+            if self.pending is None:
+                raise RuntimeError("simulator: a recovery is planned with none in progress")
             self.waiting_since, self.pending["survivors"] = t, survivors
             self.timeline.append((t, 0))
             return

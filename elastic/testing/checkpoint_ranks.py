@@ -20,6 +20,7 @@ from elastic.checkpoint.memory_tier import MemoryTier
 from elastic.checkpoint.restore import load_from_storage, load_snapshots_into
 from elastic.checkpoint.storage_tier import StorageUploader, walk_state
 from elastic.events import EventLog
+from elastic.messages import UploadReport
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
 from elastic.spec import JobSpec
@@ -91,7 +92,7 @@ def staggered_restore(
         spec = make_spec(zero, root)
         engine = build(spec, world)
         train(engine, 0, STEPS)
-        tier, results = MemoryTier(), collections.deque()
+        tier, results = MemoryTier(), collections.deque[UploadReport]()
         uploader = StorageUploader(spec, root, rank, engine.dims, tier, results, base_step=0)
         state = {"app": engine.state_dict(), "train": {"step": STEPS, "batch_index": STEPS}}
         uploader.save(STEPS, state, tier.snapshot_async(STEPS, rank, state, {"dp": world}))
@@ -183,7 +184,7 @@ def storage_roundtrip_ep_cp(rank: int, world: int, out: str, root: str, zero: in
         dims = ParallelDims(dp=dp, tp=1, pp=1, world_size=world, ep=ep, cp=cp)
         engine = TrainEngine(spec.model, spec.parallel, spec.train, dims, spec.seed)
         _ep_cp_train(engine, 0, STEPS)
-        tier, results = MemoryTier(), collections.deque()
+        tier, results = MemoryTier(), collections.deque[UploadReport]()
         uploader = StorageUploader(spec, root, rank, engine.dims, tier, results, base_step=0)
         state = {"app": engine.state_dict(), "train": {"step": STEPS, "batch_index": STEPS}}
         uploader.save(STEPS, state, tier.snapshot_async(STEPS, rank, state, {"dp": dp}))

@@ -70,7 +70,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from pydantic import TypeAdapter
 
-from elastic.models.config import AnyModelConfig
+from elastic.models.config import AnyModelConfig, token_shape
 from elastic.models.gpt import ModelConfig
 from elastic.optim import TrainConfig
 from elastic.parallel import pp
@@ -170,10 +170,11 @@ class RssProbe:
 # --------------------------------------------------------------------------- per rank
 
 
-def make_batches(cfg: ModelConfig, global_batch: int, micro_batch: int, dp: int, dp_rank: int, step: int):
+def make_batches(cfg: AnyModelConfig, global_batch: int, micro_batch: int, dp: int, dp_rank: int, step: int):
     """This DP rank's micro-batches of a deterministic random batch (the same for every layout)."""
     gen = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, cfg.vocab_size, (global_batch, cfg.seq_len + 1), generator=gen)
+    seq_len, vocab_size = token_shape(cfg)
+    tokens = torch.randint(0, vocab_size, (global_batch, seq_len + 1), generator=gen)
     per_rank = global_batch // dp
     mine = tokens[dp_rank * per_rank : (dp_rank + 1) * per_rank]
     return [

@@ -9,7 +9,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.tune import Callback
@@ -20,6 +20,9 @@ from elastic.ingest.preflight import check_corpus
 from elastic.tune import report as rep
 from elastic.tune.space import Cluster, config_key, default_space, enumerate_space, parse_space
 from elastic.tune.trial import DRIVER_CPU, run_trial, trial_resources, worker_bundle
+
+if TYPE_CHECKING:
+    from elastic.spec import JobSpec
 
 METRIC = "tokens_per_s"
 WARMUP_STEPS = 2
@@ -133,7 +136,7 @@ def run_sweep(
             ray.shutdown()
 
 
-def restore_trainable(out: str, spec_cls: type):
+def restore_trainable(out: str, spec_cls: type[JobSpec]):
     """The trainable (with its resources) of the sweep in ``out``, for ``Tuner.restore``;
     ``spec_cls`` is ``jobs.JobSpec``."""
     from ray import tune

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic.parallel.config import ParallelConfig
 from elastic.parallel.memory_model import estimate_for_spec
 from elastic.placement.slots import ReplicaSlots
 from elastic.tune.space import config_key, trial_spec_dict
+
+if TYPE_CHECKING:
+    from elastic.control.controller import Controller
 
 DRIVER_CPU = 0.01  # bundle 0: the trainable (the job's driver); it only polls workers
 PROBE_STEP = 2  # after step 1 created the optimizer state
@@ -81,7 +84,7 @@ class TrialSlots(ReplicaSlots):
         return super().actor_options(self.pg, group.first + bundle_index)
 
 
-def _controller_for(pg: Any, dp: int, listener: Any) -> type:
+def _controller_for(pg: Any, dp: int, listener: Any) -> type[Controller]:
     # Imported here: the rest of this module (the trial's spec, metrics and status) is also
     # used without Ray, by the GPU check (benchmarks/gpu_check/sweep.py).
     from elastic.control.controller import Controller
@@ -145,7 +148,9 @@ class _Reporter:
     """An ``EventLog`` listener: every committed step becomes one Tune report (or, given
     ``report``, one call of it: the GPU check runs the trial body without Tune)."""
 
-    def __init__(self, ctx: dict[str, Any], config: dict[str, Any], predicted: int, t0: float, report: Any = None):
+    def __init__(
+        self, ctx: dict[str, Any], config: dict[str, Any], predicted: int | None, t0: float, report: Any = None
+    ):
         self.ctx, self.config, self.predicted, self.t0 = ctx, config, predicted, t0
         self.report = report
         self.world = config["dp"] * config["tp"] * config["pp"] * config.get("ep", 1) * config.get("cp", 1)

@@ -15,7 +15,9 @@ def capture_rng() -> dict[str, str]:
     Strings, not lists of ints: a snapshot copies its plain data every step, and walking
     ~6,000 list items cost about half a millisecond per step.
     """
-    np_state = np.random.get_state()
+    np_state = np.random.get_state()  # legacy=True: the MT19937 tuple (a dict only with legacy=False)
+    if isinstance(np_state, dict):
+        raise TypeError("numpy.random.get_state() gave a dict, not the legacy MT19937 tuple")
     py_state = random.getstate()
     return {
         "torch": torch.get_rng_state().numpy().tobytes().hex(),
@@ -34,7 +36,8 @@ def restore_rng(states: dict[str, Any]) -> None:
     n = states.get("numpy")
     if isinstance(n, str):
         key, pos = n.split(":")
-        np.random.set_state(("MT19937", np.frombuffer(bytes.fromhex(key), dtype=np.uint32), int(pos)))
+        # No cached Gaussian: the 3-tuple numpy also takes means the same (has_gauss 0, 0.0).
+        np.random.set_state(("MT19937", np.frombuffer(bytes.fromhex(key), dtype=np.uint32), int(pos), 0, 0.0))
     p = states.get("python")
     if isinstance(p, str):
         random.setstate((3, tuple(int(x) for x in np.frombuffer(bytes.fromhex(p), dtype=np.uint64)), None))

@@ -36,7 +36,7 @@ def fingerprint(params: list[torch.Tensor]) -> int:
     if all(t.device.type == "cpu" for t in locals_):
         crc = 0
         for t in locals_:
-            crc = zlib.crc32(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()), crc)
+            crc = zlib.crc32(t.contiguous().reshape(-1).view(torch.uint8).numpy().data, crc)
         return crc
     return word_sum_fingerprint(locals_)
 
@@ -107,6 +107,8 @@ class SdcGuard:
     def restore_initial(self, engine: Any) -> None:
         """Back to the fresh start of the run (see ``baseline``)."""
         init = self.initial
+        if init is None:
+            raise RuntimeError("SDC check: no initial state was kept to roll back to (baseline not taken)")
         with torch.no_grad():
             for p, saved in zip(engine.model.parameters(), init["params"]):
                 (p.to_local() if hasattr(p, "to_local") else p).copy_(

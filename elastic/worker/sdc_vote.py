@@ -47,9 +47,10 @@ def vote(fingerprints: Sequence[int], groups: Sequence[Sequence[int]]) -> SdcVer
     return SdcVerdict(tuple(sorted(odd)), decided)
 
 
-def twin_groups(coords: Sequence[tuple[int, int]]) -> list[list[int]]:
-    """Ranks grouped by their (pp_rank, tp_rank): ``coords[rank]`` gives them."""
-    groups: dict[tuple[int, int], list[int]] = {}
+def twin_groups(coords: Sequence[tuple[int, ...]]) -> list[list[int]]:
+    """Ranks grouped by the coordinates that fix their parameters (``(pp_rank, tp_rank)``, with
+    ``ep_rank`` under EP): ``coords[rank]`` gives them."""
+    groups: dict[tuple[int, ...], list[int]] = {}
     for rank, key in enumerate(coords):
         groups.setdefault(tuple(key), []).append(rank)
     return [g for g in groups.values() if len(g) > 1]

@@ -14,28 +14,44 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 TINY_LLAMA = dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, vocab_size=256, multiple_of=16)
 
 
-def sleep_cycles_per_second() -> float:
-    """How many ``torch.cuda._sleep`` cycles keep this GPU busy for one second.
+_BUSY_N = 4096  # fp32 matmuls of this size: ~2 ms each on an H100/H200, real work no clock can skip
 
-    The first launch of the kernel pays for its loading; timed then, the rate came out far
-    too low on an H200 and "0.5 s" of work took a millisecond. So: warm up, then time two
-    launches of ~0.1 s and keep the faster (the lower bound of the kernel's own time)."""
-    torch.cuda._sleep(1000)
+
+def sleep_cycles_per_second() -> float:
+    """How many units of ``busy_gpu`` work this GPU does in one second (one unit: a
+    4096 x 4096 fp32 matmul).
+
+    ``torch.cuda._sleep`` was used first: on the H200 (torch 2.11, CUDA 13) "0.5 s" of it,
+    calibrated the same way, was gone in 2 ms when a snapshot followed it, while the same
+    kernel did slow a forward pass. Matmuls are work the GPU has to do. Warm up (cuBLAS picks
+    its kernel), then time two batches of 20 and keep the faster."""
+    a, out = _busy_operands()
+    for _ in range(3):
+        torch.mm(a, a, out=out)
     torch.cuda.synchronize()
-    cycles, rates = 100_000_000, []
+    rates = []
     for _ in range(2):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        torch.cuda._sleep(cycles)
+        for _ in range(20):
+            torch.mm(a, a, out=out)
         end.record()
         end.synchronize()
-        rates.append(cycles / (start.elapsed_time(end) / 1000.0))
+        rates.append(20 / (start.elapsed_time(end) / 1000.0))
     return max(rates)
+
+
+def _busy_operands() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(_BUSY_N, _BUSY_N, device="cuda", generator=gen) / _BUSY_N**0.5
+    return a, torch.empty_like(a)
 
 
 def busy_gpu(seconds: float, rate: float) -> None:
     """Queue about ``seconds`` of GPU work on the current stream; returns at once."""
-    torch.cuda._sleep(int(seconds * rate))
+    a, out = _busy_operands()
+    for _ in range(max(1, int(seconds * rate))):
+        torch.mm(a, a, out=out)
 
 
 def tiny_job(tmp_path, **overrides):

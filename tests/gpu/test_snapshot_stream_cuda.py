@@ -31,10 +31,12 @@ def test_snapshot_copies_the_update_queued_before_it_without_waiting_for_it():
     t0 = time.perf_counter()
     tier.snapshot_async(1, 0, state, LAYOUT)
     started_s = time.perf_counter() - t0
+    queued = not torch.cuda.current_stream().query()  # the busy work and the update: not done yet
     tier.wait()
     waited_s = time.perf_counter() - t0
     host = tier.get(0, 1).tensors["app/w"]
     assert host.is_pinned()
+    assert queued, "the busy work had finished before the snapshot started: this test proves nothing"
     assert torch.equal(host, torch.ones_like(host)), "the copy ran before the update queued ahead of it"
     assert started_s < 0.2, f"snapshot_async held the training thread {started_s:.3f} s for queued GPU work"
     assert waited_s > 0.3, f"wait() returned after {waited_s:.3f} s, before the queued work could have finished"

@@ -45,7 +45,7 @@ def _gpu_slow_forward(engine) -> None:
 
 
 def test_a_host_side_straggler_shows_in_own_compute_on_cuda(tmp_path):
-    from elastic.faults import _slow_forward
+    from elastic.faults.worker import _slow_forward
 
     before, after = _steps(tmp_path, lambda engine: _slow_forward(engine, DELAY_S))
     grown = _median(after, "compute_s") - _median(before, "compute_s")
