@@ -86,7 +86,7 @@ class JobSpec(BaseModel):
                 f"needs replicated parameters (parallel.zero: 0); with zero={p.zero} no two ranks hold the same shard",
             )
         if p.shard_group is not None:
-            self._check_shard_group()
+            self._check_shard_group(p.shard_group)
         if self.resources.device == "cuda" and self.resources.gpus_per_worker <= 0:
             raise SpecError("resources.gpus_per_worker", "must be > 0 when resources.device is cuda")
         if not self.allowed_dps():
@@ -97,14 +97,14 @@ class JobSpec(BaseModel):
                 + (f" in dp x parallel.ep ({p.ep}) data shards" if p.ep > 1 else ""),
             )
 
-    def _check_shard_group(self) -> None:
+    def _check_shard_group(self, group: int) -> None:
         p, e = self.parallel, self.elastic
         if p.zero < 1:
             raise SpecError("parallel.shard_group", "needs FSDP (parallel.zero >= 1): with zero 0 nothing is sharded")
         if p.ep > 1 or p.cp > 1 or getattr(self.model, "moe", None) is not None:
             other = "parallel.ep above 1" if p.ep > 1 else "parallel.cp above 1" if p.cp > 1 else "model.moe"
             raise SpecError("parallel.shard_group", f"HSDP does not combine with {other} (unset one of them)")
-        if p.shard_group > e.max_dp:
+        if group > e.max_dp:
             raise SpecError(
                 "parallel.shard_group", f"{p.shard_group} is larger than elastic.max_dp ({e.max_dp}): no group fits"
             )

@@ -141,8 +141,8 @@ def arrange_shard_groups(
     rest: list[Sequence[T]] = []
     for rep in replicas:
         old = old_rank(rep[0])
-        place = (old // replica_size) % g if old is not None and old >= 0 else None
-        target = next((grp for grp in slots if place is not None and grp[place] is None), None)
+        place = (old // replica_size) % g if old is not None and old >= 0 else -1  # -1: a newcomer
+        target = next((grp for grp in slots if place >= 0 and grp[place] is None), None)
         if target is None:
             rest.append(rep)
         else:
@@ -151,7 +151,8 @@ def arrange_shard_groups(
     out: list[T] = []
     for grp in slots:
         for i in range(g):
-            if grp[i] is None:
-                grp[i] = rest.pop(0)
-            out.extend(grp[i])
+            placed = grp[i]
+            if placed is None:
+                placed = grp[i] = rest.pop(0)
+            out.extend(placed)
     return out

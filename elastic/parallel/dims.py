@@ -248,7 +248,7 @@ class ParallelDims:
 
     def _mesh_shape(self) -> tuple[int, ...]:
         if self.hsdp:
-            g = self.shard_group
+            g = self.shard_group or 1  # (set: hsdp)
             return (self.dp // g, g, self.pp, self.tp)
         return tuple(getattr(self, n) for n in self.mesh_dim_names)
 
@@ -297,6 +297,8 @@ class ParallelDims:
                 group = dist.new_group(ranks=ranks, timeout=self.timeout, group_desc="mesh_dp")
                 if dist.get_rank() in ranks:
                     mine = group
+        if mine is None:  # every rank is in one (pp, tp) coordinate's DP group
+            raise RuntimeError(f"rank {dist.get_rank()} is in no DP group of a {self.world_size}-rank mesh")
         return DeviceMesh.from_group(mine, device_type, mesh_dim_names=("dp",))
 
     @property

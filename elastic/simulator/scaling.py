@@ -99,7 +99,10 @@ def load_curve() -> ReformCurve | None:
     big = [n for n in ("tp2pp2_16", "hsdp_500mb", "ddp_500mb") if sc.get(n, {}).get("cost_s")]
     fixed = max(sum(_median(sc[n]["breakdown"].get(k)) or 0.0 for k in WORLD_FREE) for n in big) if big else 0.0
     dp = [(int(n.split("_")[1]), _median(sc[n]["breakdown"].get("rendezvous_s"))) for n in ("dp_4", "dp_16") if n in sc]
-    slope = (dp[1][1] - dp[0][1]) / (dp[1][0] - dp[0][0]) if len(dp) == 2 and None not in (dp[0][1], dp[1][1]) else 0.0
+    slope = 0.0
+    if len(dp) == 2:
+        (w0, r0), (w1, r1) = dp
+        slope = (r1 - r0) / (w1 - w0) if r0 is not None and r1 is not None else 0.0
     kept = [k for n in big for k in sc[n].get("ranks_kept_state", []) if k]
     control: list[tuple[int, float]] = []
     cp = _read(CONTROL_PLANE)

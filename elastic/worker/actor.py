@@ -269,9 +269,7 @@ class TrainWorker:
         kept = self._kept
         if kept is None or not req.keep_state or req.prior_rank != kept.rank or kept.step != req.step:
             return None
-        if req.step not in self.tier.holdings().get(kept.rank, []):
-            return None
-        return kept
+        return kept if req.step in self.tier.holdings().get(kept.rank, []) else None
 
     def _init_from(self) -> str | None:
         return getattr(self.spec.model, "init_from", None)
@@ -312,6 +310,8 @@ class TrainWorker:
         """Train until ``last_step`` or an agreed stop; errors are returned, not raised."""
         self._phase = "train"
         trainer = self.trainer
+        if trainer is None:
+            raise RuntimeError("run() before configure(): no trainer")
         self.tier.keep_layout(trainer.layout)  # every peer has restored by now
         try:
             while trainer.step < last_step:

@@ -267,12 +267,12 @@ class ReconfigurableProcessGroup:
         return self._client.ops - self._ops_at_join if self._client is not None else 0
 
     def _store_client(self, address: tuple[str, int], secret: str) -> JobStore:
-        if self._client is None or self._client_address != (tuple(address), secret):
+        if self._client is None or self._client_address != ((address[0], int(address[1])), secret):
             self._client_sockets.before_init()
             tcp = dist.TCPStore(address[0], address[1], is_master=False, timeout=self.rendezvous_timeout)
             self._client = JobStore(tcp, secret)
             self._client_sockets.capture()
-            self._client_address = (tuple(address), secret)
+            self._client_address = ((address[0], int(address[1])), secret)
         return self._client
 
 
