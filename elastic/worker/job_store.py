@@ -45,14 +45,25 @@ class JobStore(dist.Store):
     """A ``dist.Store`` over ``inner`` (the job's ``TCPStore`` client) that seals every key
     and value with ``secret`` and counts its operations."""
 
-    def __init__(self, inner: Any, secret: str):
+    def __init__(self, inner: Any, secret: str, counter: list[int] | None = None):
         super().__init__()
         self.inner = inner
+        self._secret = secret
+        self._counter = counter if counter is not None else [0]  # shared with clones
+        self._clones: list[JobStore] = []
         key = hashlib.sha256(secret.encode()).digest()
         self._name_key = hmac.new(key, b"name", hashlib.sha256).digest()
         self._enc_key = hmac.new(key, b"encrypt", hashlib.sha256).digest()
         self._mac_key = hmac.new(key, b"authenticate", hashlib.sha256).digest()
-        self.ops = 0
+
+    @property
+    def ops(self) -> int:
+        """Store operations by this rank: this client's and its clones' (NCCL clones it)."""
+        return self._counter[0]
+
+    @ops.setter
+    def ops(self, value: int) -> None:
+        self._counter[0] = value
 
     # ----- sealing ------------------------------------------------------------------------
     def name(self, key: str) -> str:
@@ -124,6 +135,18 @@ class JobStore(dist.Store):
     def num_keys(self) -> int:
         self.ops += 1
         return self.inner.num_keys()
+
+    def clone(self) -> JobStore:
+        """A second client of the same store, sealed the same way and counted in the same tally.
+
+        c10d calls it from C++ (``split_group`` and NCCL's communicator set-up clone their
+        parent's store); without it a Python store fails there with "pure virtual function
+        ::c10d::Store::clone", which only a GPU run showed."""
+        twin = JobStore(self.inner.clone(), self._secret, self._counter)
+        # The caller holds only the C++ side: kept here, the Python object (and so the
+        # methods above) lives as long as this client, i.e. the generation's group.
+        self._clones.append(twin)
+        return twin
 
     def set_timeout(self, timeout: timedelta) -> None:
         self.inner.set_timeout(timeout)

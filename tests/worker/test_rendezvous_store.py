@@ -63,6 +63,23 @@ def _join(rank: int, world: int, out_dir: str, address: tuple[str, int], secret:
     return {"sum": float(t), "ops": ops}
 
 
+def test_a_clone_made_from_cpp_is_sealed_and_counted_the_same():
+    """c10d clones a group's store in C++ (``split_group``, NCCL's set-up): a ``PrefixStore``
+    over the job's store, cloned as c10d does, reads and writes the same sealed keys and
+    counts into the rank's tally. Without ``JobStore.clone`` this failed with "pure virtual
+    function ::c10d::Store::clone" on the first NCCL split (seen on an H200)."""
+    import gc
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
+    job = JobStore(dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=datetime.timedelta(seconds=10)), "b" * 64)
+    twin = dist.PrefixStore("gen2", job).clone()
+    gc.collect()  # the clone's Python side must outlive the call that made it
+    twin.set("0", b"10.0.0.2:2345")
+    assert job.get("gen2/0") == b"10.0.0.2:2345" and twin.get("0") == b"10.0.0.2:2345"
+    assert job.ops == 3
+    assert not server.check(["gen2/0"])  # sealed: the plain name is not on the server
+
+
 @pytest.mark.cluster
 def test_store_answers_nobody_without_the_jobs_secret(tmp_path):
     host = _non_loopback_ip() or "127.0.0.1"
