@@ -172,7 +172,7 @@ class ReconfigurableProcessGroup:
         with _gloo_lazy_init(self.backend == "gloo" and self.lazy_world):
             dist.init_process_group(
                 backend=self.backend,
-                store=dist.PrefixStore(f"gen{generation}/", client),
+                store=self._group_store(client, generation),
                 rank=rank,
                 world_size=world,
                 timeout=self.rendezvous_timeout,
@@ -265,6 +265,19 @@ class ReconfigurableProcessGroup:
     def store_ops(self) -> int:
         """Store operations this rank made since it began joining the current generation."""
         return self._client.ops - self._ops_at_join if self._client is not None else 0
+
+    def _group_store(self, client: JobStore, generation: int) -> Any:
+        """The store a generation's groups meet in.
+
+        gloo: the sealed, counted ``JobStore``. NCCL: a C++ ``PrefixStore`` under a name only
+        the secret gives, over the plain client. c10d clones the store from C++ for every
+        ``split_group`` and NCCL's set-up; a Python store there failed (torch 2.11, H200:
+        first "pure virtual function ::c10d::Store::clone", then, given a ``clone``, a
+        segmentation fault inside ``split_group``). So under NCCL keys are unguessable but
+        values are not sealed, and the operations are not counted (docs/architecture.md)."""
+        if self.backend == "nccl":
+            return dist.PrefixStore(f"{client.name('nccl')}/gen{generation}/", client.inner)
+        return dist.PrefixStore(f"gen{generation}/", client)
 
     def _store_client(self, address: tuple[str, int], secret: str) -> JobStore:
         if self._client is None or self._client_address != ((address[0], int(address[1])), secret):
