@@ -11,10 +11,11 @@ a ``Rollback`` to apply. The workers' side of the SDC check is ``elastic/worker/
 from __future__ import annotations
 
 import logging
-import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from elastic.errors import SilentCorruption, Straggler, WorkerFailure
 from elastic.events import EventLog, Recovery
@@ -57,28 +58,52 @@ class StragglerDetector:
         self._run.clear()
         self._reported.clear()
 
-    def feed(self, compute_s: dict[int, float]) -> StragglerEpisode | None:
-        """One committed step's own compute per rank; returns a new episode or None."""
+    def feed(self, compute_s: Mapping[int, float]) -> StragglerEpisode | None:
+        """One committed step's own compute per rank; returns a new episode or None.
+
+        One sort per step (O(N log N)): each rank's peer median is read from the sorted
+        values with the rank's own value left out.
+        """
         if len(compute_s) < 2:
             return None
-        ratios: dict[int, float] = {}
-        for rank, own in compute_s.items():
-            peers = [v for r, v in compute_s.items() if r != rank]
-            ref = statistics.median(peers)
-            ratios[rank] = own / ref if ref > 0 else 1.0
+        ranks = np.fromiter(compute_s.keys(), dtype=np.int64, count=len(compute_s))
+        own = np.fromiter(compute_s.values(), dtype=np.float64, count=len(compute_s))
+        ref = peer_medians(own)
+        safe = np.where(ref > 0, ref, 1.0)
+        ratios = np.where(ref > 0, own / safe, 1.0)
+        slow = ratios > self.factor
+        slow_ranks = set(ranks[slow].tolist())
+        for rank in [r for r in self._run if r not in slow_ranks and r in compute_s]:  # the episode ends
+            del self._run[rank]
+            self._reported.discard(rank)
         new = []
-        for rank, ratio in ratios.items():
-            if ratio > self.factor:
-                self._run[rank] = self._run.get(rank, 0) + 1
-                if self._run[rank] >= self.steps and rank not in self._reported:
-                    self._reported.add(rank)
-                    new.append(rank)
-            else:
-                self._run.pop(rank, None)
-                self._reported.discard(rank)
+        for rank in slow_ranks:
+            self._run[rank] = self._run.get(rank, 0) + 1
+            if self._run[rank] >= self.steps and rank not in self._reported:
+                self._reported.add(rank)
+                new.append(rank)
         if not new:
             return None
-        return StragglerEpisode(sorted(new), round(max(ratios[r] for r in new), 3))
+        ratio_of = dict(zip(ranks[slow].tolist(), ratios[slow].tolist()))
+        return StragglerEpisode(sorted(new), round(max(ratio_of[r] for r in new), 3))
+
+
+def peer_medians(values: np.ndarray) -> np.ndarray:
+    """For each value, the median of all the others (``statistics.median``'s convention: the
+    mean of the two middle ones for an even count), from one sort."""
+    n = len(values)
+    order = np.argsort(values, kind="stable")
+    s = values[order]
+    pos = np.empty(n, dtype=np.int64)
+    pos[order] = np.arange(n)
+
+    def without_self(j: int) -> np.ndarray:  # element j of the sorted values once one's own is left out
+        return np.where(j < pos, s[j], s[min(j + 1, n - 1)])
+
+    if (n - 1) % 2:  # an odd count of peers: the middle one
+        return without_self((n - 2) // 2)
+    mid = (n - 1) // 2
+    return (without_self(mid - 1) + without_self(mid)) / 2
 
 
 # --------------------------------------------------------------------------- commits behind SDC checks

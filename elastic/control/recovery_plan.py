@@ -16,11 +16,13 @@ group (``elastic/control/worker_group.py``) only carries it out.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from elastic.control import policies
+from elastic.control.peer_ring import LeastLoaded, ring_shift
 from elastic.parallel.dims import rank_coords
 
 
@@ -62,16 +64,23 @@ def rank_order(members: Sequence[M], replica_size: int, rack_of: Callable[[str],
 
 
 def covers(owners: Iterable[int], world: int, tp: int, pp: int, zero: int) -> bool:
-    """Do snapshots of these old ranks hold the whole training state of a ``world``-rank layout?"""
-    have = {shard_of(r, tp, pp, zero) for r in owners}
-    return all(shard_of(r, tp, pp, zero) in have for r in range(world))
+    """Do snapshots of these old ranks hold the whole training state of a ``world``-rank layout?
+
+    O(len(owners) + tp * pp): under DDP the shards repeat every ``tp * pp`` ranks, under FSDP
+    every rank below ``world`` is its own shard.
+    """
+    if zero == 0:
+        have = {shard_of(r, tp, pp, zero) for r in owners}
+        return all(shard_of(r, tp, pp, zero) in have for r in range(min(world, tp * pp)))
+    return len({r for r in owners if 0 <= r < world}) == world
 
 
 def covering_step(
     holdings: Iterable[dict[int, list[int]] | None], world: int, tp: int, pp: int, zero: int
 ) -> int | None:
     """The newest step whose snapshots, over all ``holdings`` (owner rank -> steps, one
-    dict per live member; None for a member that did not answer), cover the old layout."""
+    dict per live member; None for a member that did not answer), cover the old layout.
+    O(the holdings' total size)."""
     owners_at: dict[int, set[int]] = {}
     for held in holdings:
         for owner, steps in (held or {}).items():
@@ -97,14 +106,34 @@ def owners_for(new_rank: int, holders: dict[int, M], me: M, tp: int, pp: int, ze
     who serves each: None where ``me`` holds it itself.
 
     It needs the shards of its own (pp, tp) coordinate: one DP replica's copy under DDP (its
-    own if it has one), every DP shard under FSDP (to reshard them).
+    own if it has one), every DP shard under FSDP (to reshard them). For many ranks, build
+    one ``OwnerIndex`` and ask it (``plan_reform`` does).
     """
-    coord = rank_coords(new_rank, tp, pp)[1:]
-    mine = {o: h for o, h in holders.items() if rank_coords(o, tp, pp)[1:] == coord}
-    if zero == 0 and mine:
-        owner = next((o for o, h in mine.items() if h is me), next(iter(mine)))
-        mine = {owner: mine[owner]}
-    return {owner: (None if h is me else h) for owner, h in mine.items()}
+    return OwnerIndex(holders, tp, pp, zero).owners(new_rank, me)
+
+
+class OwnerIndex:
+    """``owners_for`` for every rank of a layout in O(1) each under DDP (O(dp) under FSDP,
+    the size of the answer): the holders indexed once by (pp, tp) coordinate and holder."""
+
+    def __init__(self, holders: dict[int, M], tp: int, pp: int, zero: int):
+        self.tp, self.pp, self.zero = tp, pp, zero
+        self.by_coord: dict[tuple[int, int], list[tuple[int, M]]] = {}  # in ``holders`` order
+        self.first_of: dict[tuple[tuple[int, int], int], int] = {}  # (coord, id(holder)) -> first owner
+        for owner, holder in holders.items():
+            coord = tuple(rank_coords(owner, tp, pp)[1:])
+            self.by_coord.setdefault(coord, []).append((owner, holder))
+            self.first_of.setdefault((coord, id(holder)), owner)
+
+    def owners(self, new_rank: int, me: M) -> dict[int, M | None]:
+        coord = tuple(rank_coords(new_rank, self.tp, self.pp)[1:])
+        mine = self.by_coord.get(coord, [])
+        if self.zero == 0 and mine:
+            owner = self.first_of.get((coord, id(me)))
+            holder = me if owner is not None else mine[0][1]
+            owner = owner if owner is not None else mine[0][0]
+            return {owner: None if holder is me else holder}
+        return {owner: (None if h is me else h) for owner, h in mine}
 
 
 @dataclass(frozen=True)
@@ -138,30 +167,27 @@ def replica_peers(nodes: list[str], tp: int, pp: int, zero: int) -> list[int | N
     rank picks the least-loaded rank on another node, the nearest in ring order first. On a
     single node the copy goes to the next rank (another process), unless an identical
     replica already lives in another process.
+
+    O(N * ranks per node) with a ring shift, O(N log N) more without (``peer_ring.py``).
     """
     n = len(nodes)
-
-    def content(r: int) -> Any:
-        return shard_of(r, tp, pp, zero)
-
-    shift = next((k for k in range(1, n) if all(nodes[(r + k) % n] != nodes[r] for r in range(n))), None)
-    load = [0] * n
+    content = [shard_of(r, tp, pp, zero) for r in range(n)]
+    twin_nodes: dict[Any, set[str]] = {}
+    for r, c in enumerate(content):
+        twin_nodes.setdefault(c, set()).add(nodes[r])
+    twins_count = Counter(content)
+    on_node = Counter(nodes)
+    shift = ring_shift(nodes)
+    nearest = None if shift is not None or len(on_node) < 2 else LeastLoaded(nodes)
     out: list[int | None] = []
     for r in range(n):
-        twins = [q for q in range(n) if q != r and content(q) == content(r)]
-        if any(nodes[q] != nodes[r] for q in twins):
+        if len(twin_nodes[content[r]]) > 1:  # an identical replica lives on another node
             out.append(None)
             continue
-        ring = [(r + k) % n for k in range(1, n)]
-        far = [q for q in ring if nodes[q] != nodes[r]]
-        if far:
-            peer = (
-                (r + shift) % n if shift is not None else min(far, key=lambda q: load[q])
-            )  # least loaded, nearest first
+        if on_node[nodes[r]] < n:  # some rank lives on another node
+            peer: int | None = (r + shift) % n if nearest is None else nearest.pick(r)
         else:
-            peer = ring[0] if ring and not twins else None
-        if peer is not None:
-            load[peer] += 1
+            peer = (r + 1) % n if n > 1 and twins_count[content[r]] == 1 else None
         out.append(peer)
     return out
 
@@ -212,8 +238,8 @@ def plan_reform(
     order = rank_order(members, tp * pp, rack_of)
     owners: list[dict[int, M | None]] = [{} for _ in order]
     if restore.source == "memory" and restore.step is not None:
-        holders = holders_at(holdings, restore.step)
-        owners = [owners_for(rank, holders, m, tp, pp, zero) for rank, m in enumerate(order)]
+        index = OwnerIndex(holders_at(holdings, restore.step), tp, pp, zero)
+        owners = [index.owners(rank, m) for rank, m in enumerate(order)]
     peers: list[int | None] = [None] * len(order)
     if replicate:
         peers = replica_peers([m.node_id for m in order], tp, pp, zero)

@@ -29,7 +29,7 @@ from elastic.errors import ActorDied
 from elastic.ingest.host_readers import HostReaders
 from elastic.messages import DEAD, RunOutcome, WorkerInfo, WorkerReport
 from elastic.placement.planned import PlannedSlots, placement_fields
-from elastic.placement.slots import ReplicaSlots
+from elastic.placement.slots import ReplicaSlots, group_tables
 from elastic.worker import TrainWorker
 from elastic.worker.hooks import StepHook
 from elastic.worker.process_group import RendezvousStore
@@ -113,7 +113,8 @@ class WorkerGroup:
         used = {id(m.group) for m in self.members}
         spare = [g for g in self.slots.ready(timeout) if id(g) not in used]
         if self._avoid_nodes:  # draining nodes are not grown into (elastic/control/drain.py)
-            spare = [g for g in spare if not group_nodes(g) & self._avoid_nodes]
+            table = group_tables(spare)
+            spare = [g for g in spare if not group_nodes(table[g.id.hex()]) & self._avoid_nodes]
         return spare
 
     def wait_spare(self, count: int, timeout: float) -> list[Any]:
@@ -341,8 +342,6 @@ class WorkerGroup:
             self._store = None
 
 
-def group_nodes(group: Any) -> set[str]:
-    """The node ids a placement group's bundles are on."""
-    from ray.util.placement_group import placement_group_table
-
-    return set((placement_group_table(group).get("bundles_to_node_id") or {}).values())
+def group_nodes(table: dict[str, Any]) -> set[str]:
+    """The node ids a placement group's bundles are on, from its GCS record (``group_tables``)."""
+    return set((table.get("bundles_to_node_id") or {}).values())
