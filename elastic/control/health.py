@@ -19,7 +19,7 @@ import numpy as np
 
 from elastic.errors import SilentCorruption, Straggler, WorkerFailure
 from elastic.events import EventLog, Recovery
-from elastic.messages import SdcReport, StepReport
+from elastic.messages import SdcReport, StepRows
 from elastic.worker.sdc_vote import sdc_due
 
 if TYPE_CHECKING:
@@ -64,16 +64,21 @@ class StragglerDetector:
         One sort per step (O(N log N)): each rank's peer median is read from the sorted
         values with the rank's own value left out.
         """
-        if len(compute_s) < 2:
-            return None
         ranks = np.fromiter(compute_s.keys(), dtype=np.int64, count=len(compute_s))
         own = np.fromiter(compute_s.values(), dtype=np.float64, count=len(compute_s))
+        return self.feed_columns(ranks, own)
+
+    def feed_columns(self, ranks: np.ndarray, own: np.ndarray) -> StragglerEpisode | None:
+        """``feed`` for a step given as columns: the ranks and their own compute."""
+        if len(ranks) < 2:
+            return None
         ref = peer_medians(own)
         safe = np.where(ref > 0, ref, 1.0)
         ratios = np.where(ref > 0, own / safe, 1.0)
         slow = ratios > self.factor
         slow_ranks = set(ranks[slow].tolist())
-        for rank in [r for r in self._run if r not in slow_ranks and r in compute_s]:  # the episode ends
+        present = set(ranks.tolist()) if self._run else set()
+        for rank in [r for r in self._run if r not in slow_ranks and r in present]:  # the episode ends
             del self._run[rank]
             self._reported.discard(rank)
         new = []
@@ -222,14 +227,15 @@ class HealthMonitor:
         return sorted({m.node_id for m in self._members() if m.rank in wanted})
 
     # ----- stragglers
-    def on_step(self, step: int, results: dict[int, StepReport]) -> WorkerFailure | None:
-        """A committed step; returns a straggler eviction when ``on_straggler`` is evict."""
+    def on_step(self, step: int, rows: StepRows) -> WorkerFailure | None:
+        """A committed step (every rank's report, as columns); returns a straggler eviction
+        when ``on_straggler`` is evict."""
         if self._gate is not None and sdc_due(step, self.e.sdc_check_every, self._last_step):
             self._gate.verify(step)  # every rank passed this step's check
-        if len(results) != self._world:  # a new layout
-            self._world = len(results)
+        if len(rows.ranks) != self._world:  # a new layout
+            self._world = len(rows.ranks)
             self.stragglers.reset()
-        episode = self.stragglers.feed({r: rep.compute_s for r, rep in results.items()})
+        episode = self.stragglers.feed_columns(rows.ranks, rows.compute_s)
         if episode is None:
             return None
         nodes = self._nodes_of(episode.ranks)
@@ -250,6 +256,9 @@ class HealthMonitor:
     def stale(self, rank: int) -> bool:
         """Reports of ``rank`` from before an SDC rollback it has not announced yet are stale."""
         return rank in self._stale
+
+    def stale_ranks(self) -> set[int]:
+        return self._stale
 
     def on_sdc(self, rank: int, report: SdcReport) -> tuple[Rollback | None, WorkerFailure | None]:
         """One rank's ``SdcReport``; the first of an incident returns its rollback (and an

@@ -23,7 +23,7 @@ from elastic.control.recovery_plan import Holdings, ReformPlan, RestoreChoice
 from elastic.control.timing import PhaseTimer
 from elastic.control.worker_group_api import ConfigureResult, Member, WorkerGroupAPI
 from elastic.errors import WorkerFailure
-from elastic.messages import StepReport, WorkerReport
+from elastic.messages import StepReport, StepRows, WorkerReport
 
 if TYPE_CHECKING:
     from elastic.spec import JobSpec
@@ -75,7 +75,7 @@ def free_survivors(
     group.kill(stuck)
     stuck_ids = {id(m) for m in stuck}
     survivors = [m for m in survivors if id(m) not in stuck_ids]
-    reports = [(r, rep) for r, rep in group.drain_results(survivors) if isinstance(rep, StepReport)]
+    reports = [(r, rep) for r, rep in group.drain_results(survivors) if isinstance(rep, StepReport | StepRows)]
     return survivors, Boundary(stuck=stuck, reports=reports)
 
 

@@ -80,6 +80,8 @@ class TrainWorker:
         self._reports = ReportQueue()
         self._beat = time.monotonic()
         self._phase = "idle"
+        self._runs = 0  # run() calls started: the node agent matches an outcome to its run
+        self._outcome: RunOutcome | None = None  # how the last run() ended
         self._stop = threading.Event()
         self.hook = step_hook
         if step_hook is not None:
@@ -113,6 +115,8 @@ class TrainWorker:
         """
         if wait_s > 0 and not self._reports:
             self._reports.ready.wait(wait_s)
+        elif wait_s <= 0:  # a flush: a long poll in flight answers now too, with what it has
+            self._reports.ready.set()
         self._reports.ready.clear()
         drained = []
         while self._reports:
@@ -121,7 +125,8 @@ class TrainWorker:
         if trainer is not None:
             self._step = trainer.step
         beat = max(self._beat, trainer.last_progress if trainer is not None else 0.0)
-        return PollReply(self.rank, self._step, self._phase, time.monotonic() - beat, drained)
+        idle = time.monotonic() - beat
+        return PollReply(self.rank, self._step, self._phase, idle, drained, self._outcome, self._runs)
 
     def _touch_beat(self) -> None:
         self._beat = time.monotonic()
@@ -251,8 +256,26 @@ class TrainWorker:
     def run(self, last_step: int) -> RunOutcome:
         """Train until ``last_step`` or an agreed stop; errors are returned, not raised."""
         self._phase = "train"
+        self._runs, self._outcome = self._runs + 1, None
         trainer = self.trainer
         self.tier.keep_layout(trainer.layout)  # every peer has restored by now
+        try:
+            outcome = self._train(trainer, last_step)
+        finally:
+            self._phase = "idle"
+            self._beat = time.monotonic()
+        if outcome.status == "error":
+            # Outside the except block, so the traceback no longer pins the frames that hold
+            # the process group: dropping every reference closes its connections, and peers
+            # blocked in a collective with this rank fail at once instead of timing out.
+            trainer.drop_engine()
+            del trainer
+            self.group.leave()
+        self._outcome = outcome  # the node agent reads it with the next poll (elastic/agent/)
+        self._reports.ready.set()
+        return outcome
+
+    def _train(self, trainer: Trainer, last_step: int) -> RunOutcome:
         try:
             while trainer.step < last_step:
                 if trainer.train_step():
@@ -261,17 +284,7 @@ class TrainWorker:
             self.tier.wait()
             return RunOutcome("done", trainer.step)
         except Exception as exc:
-            outcome = self._classify(exc, time.monotonic() - trainer.last_progress)
-        finally:
-            self._phase = "idle"
-            self._beat = time.monotonic()
-        # Outside the except block, so the traceback no longer pins the frames that hold
-        # the process group: dropping every reference closes its connections, and peers
-        # blocked in a collective with this rank fail at once instead of timing out.
-        trainer.drop_engine()
-        del trainer
-        self.group.leave()
-        return outcome
+            return self._classify(exc, time.monotonic() - trainer.last_progress)
 
     def _classify(self, exc: Exception, blocked_s: float) -> RunOutcome:
         """Whose failure: a collective's (a peer went away, or it timed out) or this rank's own.

@@ -44,12 +44,12 @@ from elastic.control.reform import (
     stop_at_boundary,
 )
 from elastic.control.states import Failed, Finished, Resizing, Running, Starting, State
+from elastic.control.step_events import StepTally
 from elastic.control.stop import CHECKPOINT_TIMEOUT_S, StopSignals, checked_stop_checkpoint, stop_now_in, stopped_state
 from elastic.control.worker_group import WorkerGroup
 from elastic.control.worker_group_api import WorkerGroupAPI
 from elastic.errors import JobFailed, WorkerFailure
 from elastic.events import EventLog, Recovery, RunResult
-from elastic.messages import StepReport
 from elastic.worker.hooks import StepHook
 
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ class Controller(Reformations):
         self.losses: dict[int, float] = {}
         self.tokens_per_s: list[float] = []
         self.outages = Outages()
-        self._pending: dict[int, dict[int, StepReport]] = {}  # step -> rank -> report
+        self._pending: dict[int, StepTally] = {}  # step -> its reports so far
         self._recovered_at_step = 0
         self._last_grow_check = 0.0
         self._drain_watch = DrainWatch()

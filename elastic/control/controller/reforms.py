@@ -26,7 +26,7 @@ from elastic.control.states import Failed, Recovering, Resizing, Running, State
 from elastic.control.timing import PhaseTimer
 from elastic.control.worker_group_api import Member
 from elastic.errors import WorkerFailure
-from elastic.messages import StepReport, WorkerReport
+from elastic.messages import StepReport, StepRows, WorkerReport
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +55,10 @@ class Reformations(StepAccounting):
     def _absorb(self, reports: Sequence[tuple[int, WorkerReport]]) -> None:
         """Steps that stopping ranks reported on the way out: kept until a plan commits them."""
         for rank, result in reports:
-            if isinstance(result, StepReport) and result.step > self.step:
-                self._pending.setdefault(result.step, {})[rank] = result
+            if isinstance(result, StepRows) and result.step > self.step:
+                self._tally(result.step).add(result)
+            elif isinstance(result, StepReport) and result.step > self.step:
+                self._tally(result.step).add_report(rank, result)
 
     def _reformed(self, old_dp: int, reformed: Reformed, reason: str, **resize: object) -> None:
         """Record a re-formation: the step resumed from, the resize and restore events."""

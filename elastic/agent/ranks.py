@@ -1,0 +1,41 @@
+"""The agent's way to real ranks: Ray actor calls to ``TrainWorker``s (``node.RankBackend``).
+
+Where it runs: in the ``NodeAgent`` actor. One ``ray.wait`` covers every call in flight, and
+the agent's doorbell (``bell.py``), so that a command's new calls are waited on at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
+from elastic.agent.bell import Doorbell
+from elastic.errors import root_cause
+
+
+class ActorRanks:
+    def __init__(self, bell: Doorbell):
+        self.bell = bell
+
+    def call(self, handle: Any, method: str, *args: Any) -> Any:
+        return getattr(handle, method).remote(*args)
+
+    def wait(self, futures: list[Any], timeout_s: float) -> list[Any]:
+        return self.bell.wait(futures, timeout_s)
+
+    def result(self, future: Any) -> tuple[str, Any]:
+        try:
+            return "ok", ray.get(future, timeout=0)
+        except ActorUnavailableError:  # unreachable for now: silence counts, death is confirmed later
+            return "unavailable", None
+        except RayActorError:
+            return "dead", None
+        except GetTimeoutError:
+            return "unavailable", None
+        except Exception as exc:  # noqa: BLE001 - the rank's own error, named by its root cause
+            return "error", root_cause(exc)
+
+    def wake(self) -> None:
+        self.bell.ring()
