@@ -78,6 +78,7 @@ class Aggregator:
     def __init__(self, child_wait_s: float = CHILD_WAIT_S):
         self._doorbell = Doorbell(ray.get_runtime_context().current_actor)
         self.core = AggregatorCore(self._doorbell, child_wait_s=child_wait_s)
+        self._local: dict[str, Any] = {}  # what local children (virtual nodes) share in this process
         threading.Thread(target=_loop, args=(self.core.pump, child_wait_s, "aggregator"), daemon=True).start()
 
     @ray.method(concurrency_group="bell", enable_task_events=False)
@@ -96,7 +97,11 @@ class Aggregator:
     def adopt(self, key: str, handle: Any, nodes: list[str]) -> None:
         """Add or replace the child ``key`` (an actor, or a local node's factory), over ``nodes``."""
         local = not isinstance(handle, ray.actor.ActorHandle)
-        self.core.adopt(key, handle.start() if local else handle, nodes, local=local)
+        self.core.adopt(key, handle.start(self._local) if local else handle, nodes, local=local)
+
+    @ray.method(concurrency_group="command")
+    def route(self, key: str, nodes: list[str]) -> None:
+        self.core.route(key, nodes)
 
     @ray.method(concurrency_group="command")
     def disown(self, nodes: list[str]) -> None:

@@ -83,6 +83,14 @@ class AggregatorCore:
                 self.pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="local-agent")
         self.bell.ring()
 
+    def route(self, key: str, nodes: list[str]) -> None:
+        """``nodes`` (new below the child ``key``) are reached through it."""
+        with self.cond:
+            child = self.children.get(key)
+            if child is not None:
+                child.nodes |= set(nodes)
+                self.routes.update(dict.fromkeys(nodes, key))
+
     def disown(self, nodes: list[str]) -> None:
         """Stop routing ``nodes`` (their agents are gone for good); a child left empty goes."""
         with self.cond:

@@ -80,6 +80,7 @@ class AgentTree:
         self.channels: dict[str, _Channel] = {}
         self.outstanding = Outstanding()
         self.seen: dict[str, int] = {}  # node -> the last item seq taken in
+        self.calls = 0  # Ray calls the driver made into the tree (for the control-plane benchmark)
         self._cids = itertools.count(1)
         self._agg_ids = itertools.count()
 
@@ -111,9 +112,14 @@ class AgentTree:
             self._hang(parent, level + 1)
         self.parent[key] = parent
         self.children[parent].add(key)
-        for k in self._chain(parent):
+        nodes = sorted(self.nodes_under[key])
+        self.handles[parent].adopt.remote(key, self.handles[key], nodes)
+        chain = self._chain(parent)
+        for below, above in zip(chain, chain[1:]):  # every aggregator above routes these nodes down
+            self.handles[above].route.remote(below, nodes)
+        for k in chain:
             self.nodes_under[k] |= self.nodes_under[key]
-        self.handles[parent].adopt.remote(key, self.handles[key], sorted(self.nodes_under[key]))
+        self.calls += len(chain)
 
     def _chain(self, key: str | None) -> list[str]:
         """``key`` and its ancestors."""
@@ -191,6 +197,7 @@ class AgentTree:
                 by_channel.setdefault(ch, {})[node] = part
         for ch, sub in by_channel.items():
             self.channels[ch].handle.command.remote(cid, sub)
+        self.calls += len(by_channel)
         return cid
 
     def resend(self, cid: int, parts: dict[str, NodeCommand]) -> None:
@@ -207,6 +214,7 @@ class AgentTree:
         for ch in self.channels.values():
             if ch.request is None:
                 ch.request = ch.handle.digest.remote(ch.acks or None, CHANNEL_WAIT_S, ch.resend)
+                self.calls += 1
                 ch.acks, ch.resend = {}, False
                 if not self.outstanding.in_flight(ch.key):
                     grace = 0.0 if ch.started else STARTUP_GRACE_S

@@ -12,6 +12,7 @@ one per rank.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +94,7 @@ def configure_through(
         parts.setdefault(m.node_id, {})[m.wid] = req
     expect = {node: set(reqs) for node, reqs in parts.items()}
     g = group._command({node: NodeConfigure(reqs) for node, reqs in parts.items()}, expect)
+    group.configure_sent_at.append(time.monotonic())  # every request is on its way (benchmarks/control_plane.py)
     for m in members:
         m.since = g.cid
     group._wait_for(g, timeout_s + RPC_TIMEOUT_S, until_failure=True)

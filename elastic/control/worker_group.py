@@ -98,6 +98,7 @@ class WorkerGroup(GroupNews):
         self._unreachable: dict[str, float] = {}
         self._gathers: dict[int, Gather] = {}
         self._configuring = False
+        self.configure_sent_at: list[float] = []  # driver clock: each configure's requests all sent
 
     # ------------------------------------------------------------------ seams (the control-plane benchmark's)
     def _make_slots(self) -> ReplicaSlots:
@@ -187,9 +188,15 @@ class WorkerGroup(GroupNews):
 
     def _adopt(self, members: list[Member]) -> None:
         """Give new members worker ids and their nodes' agents (new nodes get one)."""
+        self._number(members)
+        self._attach(members)
+
+    def _number(self, members: list[Member]) -> None:
         for m in members:
             m.wid = next(self._wids)
             self._by_wid[m.wid] = m
+
+    def _attach(self, members: list[Member]) -> None:
         grouped = by_node(members)
         per_node = max(len(ms) for ms in grouped.values()) if grouped else 1
         expected = -(-self.spec.elastic.max_dp * self.replica_size // per_node)  # the most nodes the job may span

@@ -1,0 +1,251 @@
+"""The node agent's and the aggregator's logic without Ray: scripted ranks, a test clock.
+
+A ``ScriptedRanks`` backend stands for the Ray calls: every call is a future the test
+answers (or lets die), so each rule of the agent is checked on its own: a step's rows go up
+once per node, news of an outcome, a death or a silence, commands answered per node (a
+failure first), a flush after the poll in flight, items kept until acked.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from elastic.agent.aggregator import AggregatorCore
+from elastic.agent.bell import Doorbell
+from elastic.agent.liveness import Outstanding
+from elastic.agent.node import LINGER_S, POLL_WAIT_S, REPORT_SILENCE_S, NodeCore
+from elastic.messages import (
+    Attach,
+    CommandDone,
+    ConfigureReply,
+    Launch,
+    NodeConfigure,
+    PollReply,
+    Query,
+    RunOutcome,
+    StepReport,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Future:
+    def __init__(self, handle: str, method: str, args: tuple):
+        self.handle, self.method, self.args = handle, method, args
+        self.status: str | None = None
+        self.value = None
+
+    def answer(self, value=None, status: str = "ok") -> None:
+        self.status, self.value = status, value
+
+
+class ScriptedRanks:
+    def __init__(self) -> None:
+        self.calls: list[Future] = []
+
+    def call(self, handle, method, *args):
+        f = Future(handle, method, args)
+        self.calls.append(f)
+        return f
+
+    def wait(self, futures, timeout_s):
+        return [f for f in futures if f.status is not None]
+
+    def result(self, f):
+        return f.status, f.value
+
+    def wake(self):
+        pass
+
+    def pending(self, handle: str, method: str) -> list[Future]:
+        return [f for f in self.calls if f.handle == handle and f.method == method and f.status is None]
+
+
+def _report(step: int, compute: float = 1.0) -> StepReport:
+    return StepReport(step, 2.5, 1.0, 0.1, step, 0, 1000.0 + step, compute_s=compute)
+
+
+def _node(ranks: int = 2):
+    clock, backend = Clock(), ScriptedRanks()
+    core = NodeCore("n0", backend, clock=clock)
+    core.command(1, Attach({w: (f"r{w}", w) for w in range(ranks)}))
+    core.pump(0)
+    return core, backend, clock
+
+
+def _answer_polls(core, backend, replies: dict[int, PollReply]) -> None:
+    for wid, reply in replies.items():
+        backend.pending(f"r{wid}", "poll")[0].answer(reply)
+    core.pump(0)
+
+
+def test_a_step_goes_up_once_per_node_when_every_rank_reported():
+    core, backend, clock = _node(2)
+    assert [f.args for f in backend.calls] == [(POLL_WAIT_S,), (POLL_WAIT_S,)]  # one long poll per rank
+    _answer_polls(core, backend, {0: PollReply(0, 1, "train", 0.0, [_report(1)])})
+    assert core.digest(None, 0.0).rows == []  # rank 1 has not reported step 1 yet
+    _answer_polls(core, backend, {1: PollReply(1, 1, "train", 0.0, [_report(1, 2.0)])})
+    d = core.digest(None, 0.0)
+    assert [(r.step, r.ranks.tolist(), r.compute_s.tolist()) for r in d.rows] == [(1, [0, 1], [1.0, 2.0])]
+    assert len(backend.pending("r0", "poll")) == 1  # asked again at once
+
+
+def test_rows_of_a_lagging_rank_go_up_after_the_linger():
+    core, backend, clock = _node(2)
+    _answer_polls(core, backend, {0: PollReply(0, 1, "train", 0.0, [_report(1)])})
+    clock.t += LINGER_S * 1.5
+    core.pump(0)
+    assert [r.ranks.tolist() for r in core.digest(None, 0.0).rows] == [[0]]
+
+
+def test_items_are_kept_until_acked_and_sent_again_to_a_new_parent():
+    core, backend, clock = _node(1)
+    _answer_polls(core, backend, {0: PollReply(0, 1, "train", 0.0, [_report(1)])})
+    first = core.digest(None, 0.0)
+    assert len(first.rows) == 1 and first.seqs == {"n0": 1}
+    assert core.digest(None, 0.0).rows == []  # already sent to this parent
+    assert len(core.digest(None, 0.0, resend=True).rows) == 1  # a new parent: everything not acked
+    core.digest({"n0": 1}, 0.0)
+    assert core.digest(None, 0.0, resend=True).rows == []  # acked: gone
+
+
+def test_an_outcome_is_news_and_brings_the_ranks_rows_with_it():
+    core, backend, clock = _node(2)
+    core.command(2, Launch(3))
+    core.pump(0)
+    out = RunOutcome("error", 1, "peer", "Connection closed")
+    _answer_polls(core, backend, {0: PollReply(0, 1, "idle", 0.0, [_report(1)], out, runs=1)})
+    d = core.digest(None, 0.0)
+    assert [r.ranks.tolist() for r in d.rows] == [[0]]  # not held back for rank 1
+    (news,) = d.states["n0"].news
+    assert news.wid == 0 and news.outcome == out and news.since == 2
+
+
+def test_an_outcome_of_an_earlier_run_is_stale():
+    core, backend, clock = _node(1)
+    stopped = RunOutcome("stopped", 4)
+    _answer_polls(core, backend, {0: PollReply(0, 4, "idle", 0.0, [], stopped, runs=1)})
+    assert core.digest(None, 0.0).states["n0"].news[0].outcome == stopped
+    core.command(3, Launch(9))  # a new run: the rank still shows the old outcome until it starts
+    core.pump(0)
+    _answer_polls(core, backend, {0: PollReply(0, 4, "idle", 0.0, [], stopped, runs=1)})
+    assert core.digest(None, 0.0).states == {}
+    _answer_polls(core, backend, {0: PollReply(0, 5, "idle", 0.0, [], RunOutcome("done", 9), runs=2)})
+    assert core.digest(None, 0.0).states["n0"].news[0].outcome.status == "done"
+
+
+def test_a_dead_rank_is_news_at_once():
+    core, backend, clock = _node(2)
+    backend.pending("r1", "poll")[0].answer(status="dead")
+    core.pump(0)
+    (news,) = core.digest(None, 0.0).states["n0"].news
+    assert news.wid == 1 and news.dead
+    assert backend.pending("r1", "poll") == []  # not asked again
+
+
+def test_a_silent_rank_is_news_past_due_and_not_before():
+    core, backend, clock = _node(1)
+    clock.t += POLL_WAIT_S + REPORT_SILENCE_S * 0.5
+    core.pump(0)
+    assert core.digest(None, 0.0).states == {}  # a long poll is not silence
+    clock.t += REPORT_SILENCE_S
+    core.pump(0)
+    (news,) = core.digest(None, 0.0).states["n0"].news
+    assert news.silent_s == pytest.approx(REPORT_SILENCE_S * 1.5)
+    backend.pending("r0", "poll")[0].answer(status="unavailable")  # a retry keeps the first due time
+    clock.t += REPORT_SILENCE_S
+    core.pump(0)
+    assert core.digest(None, 0.0).states["n0"].news[0].silent_s == pytest.approx(REPORT_SILENCE_S * 2.5)
+    _answer_polls(core, backend, {0: PollReply(0, 0, "idle", 0.0)})
+    assert core.digest(None, 0.0).states == {}
+
+
+def test_configure_is_answered_per_node_and_a_failure_first():
+    core, backend, clock = _node(3)
+    core.command(5, NodeConfigure({0: "req0", 1: "req1", 2: "req2"}))
+    core.pump(0)
+    calls = {f.handle: f for f in backend.calls if f.method == "configure"}
+    assert set(calls) == {"r0", "r1", "r2"} and calls["r1"].args == ("req1",)
+    calls["r1"].answer("ValueError: bad", status="error")
+    core.pump(0)
+    (early,) = [i for _, _, i in core.digest(None, 0.0).items]
+    assert early == CommandDone(5, {}, {1: "ValueError: bad"}, (), early.state)  # before the others answer
+    calls["r0"].answer(ConfigureReply(0, 7, 0.1, 0.1, 0.1))
+    calls["r2"].answer(status="dead")
+    core.pump(0)
+    (done,) = [i for _, _, i in core.digest(None, 0.0).items]
+    assert done.cid == 5 and set(done.replies) == {0} and done.lost == (2,) and done.errors == {}
+
+
+def test_a_flush_answers_after_the_poll_in_flight_and_its_reports():
+    core, backend, clock = _node(1)
+    long_poll = backend.pending("r0", "poll")[0]
+    core.command(6, Query("flush"))
+    core.pump(0)
+    (short,) = [f for f in backend.pending("r0", "poll") if f.args == (0.0,)]
+    short.answer(PollReply(0, 2, "train", 0.0, [_report(2)]))
+    core.pump(0)
+    early = core.digest(None, 0.0)
+    assert [r.step for r in early.rows] == [2] and early.items == []  # the long poll may carry reports too
+    long_poll.answer(PollReply(0, 1, "train", 0.0, [_report(1)]))
+    core.pump(0)
+    d = core.digest(None, 0.0)
+    assert [r.step for r in d.rows] == [1] and [i.cid for _, _, i in d.items] == [6]
+    seqs = [s for s, _ in core.items]
+    assert d.items[0][1] == max(seqs)  # the answer comes after every report it flushed
+
+
+def test_liveness_judges_requests_past_due_not_the_time_since_the_last_reply():
+    """A driver stalled for 2x the timeout: the answers that came meanwhile are taken in
+    first, and the new requests are not yet due, so nobody is silent."""
+    o = Outstanding()
+    o.issued("a", now=0.0, answer_within_s=1.0)
+    o.issued("b", now=0.0, answer_within_s=1.0)
+    # ... the stall: 20 s pass; both answered meanwhile, taken in before judging
+    o.answered("a")
+    o.answered("b")
+    o.issued("a", now=20.0, answer_within_s=1.0)
+    o.issued("b", now=20.0, answer_within_s=1.0)
+    assert o.silent(now=20.0, threshold_s=10.0) == {}
+    # a peer that did not answer is silent once its request is past due by the timeout
+    assert o.silent(now=31.5, threshold_s=10.0) == {"a": 10.5, "b": 10.5}
+
+
+def test_aggregator_merges_its_nodes_rows_and_reports_a_lost_child():
+    clock = Clock()
+    agg = AggregatorCore(Doorbell(None), clock=clock, child_wait_s=0.0)
+    nodes = []
+    for i in range(3):
+        backend = ScriptedRanks()
+        core = NodeCore(f"n{i}", backend, clock=clock)
+        core.command(1, Attach({10 * i: (f"r{10 * i}", i)}))
+        core.pump(0)
+        nodes.append((core, backend))
+        agg.adopt(f"n{i}", core, [f"n{i}"], local=True)
+    for i, (core, backend) in enumerate(nodes):
+        backend.pending(f"r{10 * i}", "poll")[0].answer(PollReply(i, 1, "train", 0.0, [_report(1, 1.0 + i)]))
+        core.pump(0)
+    for _ in range(50):
+        agg.pump(0.05)
+        if sum(len(r.ranks) for r in agg.rows) == 3:
+            break
+    clock.t += LINGER_S * 1.5
+    d = agg.digest(None, 0.0)
+    assert [(r.step, sorted(r.ranks.tolist())) for r in d.rows] == [(1, [0, 1, 2])]  # one block for the step
+    assert d.seqs == {"n0": 1, "n1": 1, "n2": 1}
+    nodes[1][0].gone = True  # node n1 is lost with its agent
+    for _ in range(50):
+        agg.pump(0.05)
+        if agg.dead:
+            break
+    assert agg.digest(None, 0.0).lost == {"n1": math.inf}
