@@ -97,6 +97,7 @@ class PollReply:
     reports: list[WorkerReport] = field(default_factory=list)
     outcome: RunOutcome | None = None  # how its last run() ended (None: running, or never run)
     runs: int = 0  # run() calls it started: ``outcome`` belongs to the last one
+    first_seq: int = 0  # the number of ``reports[0]`` (they are consecutive)
 
 
 @dataclass(frozen=True)
@@ -244,10 +245,13 @@ class CommandDone:
 
 @dataclass(frozen=True)
 class RankReport:
-    """A rank's report other than a step's (an anomaly, an SDC check, a checkpoint upload)."""
+    """A rank's report other than a step's (an anomaly, an SDC check, a checkpoint upload);
+    ``wid`` and ``seq`` (the worker's number for it) let the driver drop one sent twice."""
 
     rank: int
     report: WorkerReport
+    wid: int = -1
+    seq: int = 0
 
 
 @dataclass(frozen=True, eq=False)

@@ -77,6 +77,8 @@ class _Rank:
     runs_seen: int = 0  # the newest run count a poll answer carried
     stale_upto: int = -1  # outcomes of runs up to this one belong to an earlier layout or run
     silence_mark: int = 0  # how many REPORT_SILENCE_S its poll is past due, as last reported
+    have: int = -1  # the worker's number of the last report this agent took in
+    ack: int = -1  # ... and of the last one the driver has: the worker may drop it
     since: int = 0  # the command (configure or launch) its current run belongs to
 
 
@@ -108,7 +110,9 @@ class NodeCore:
         self.items: list[tuple[int, Any]] = []  # (seq, StepRows | RankReport | CommandDone), until acked
         self.seq = self.sent = self.acked = 0
         self.version = self.sent_version = 0  # of the node's news
-        self.rows: dict[int, tuple[list[tuple[int, StepReport]], float]] = {}  # step -> reports, first seen
+        self.rows: dict[int, tuple[list[tuple[int, StepReport]], float, dict[int, int]]] = {}  # step -> reports,
+        # first seen, wid -> the worker's number of its report
+        self.marks: dict[int, dict[int, int]] = {}  # item seq -> wid -> the worker's report number in it
         self.cond = threading.Condition()
         self.gone = False  # set when the node is lost (the benchmark's virtual nodes): every call raises
         self._rows_now = False
@@ -135,7 +139,7 @@ class NodeCore:
             self.cond.notify_all()
 
     def _next_wake(self) -> float | None:
-        times = [first + LINGER_S for _, first in self.rows.values()]
+        times = [first + LINGER_S for _, first, _ in self.rows.values()]
         due = self.outstanding.next_deadline(REPORT_SILENCE_S)
         if due is not None:
             times.append(due)
@@ -182,11 +186,17 @@ class NodeCore:
         r.rank = reply.rank if reply.rank >= 0 else r.rank
         r.step = reply.step
         r.runs_seen = max(r.runs_seen, reply.runs)
-        for rep in reply.reports:
+        for i, rep in enumerate(reply.reports):
+            seq = reply.first_seq + i if reply.first_seq else 0  # 0: a worker that does not number them
+            if seq and seq <= r.have:
+                continue  # taken in before (a report is sent again until acked)
+            r.have = max(r.have, seq)
             if isinstance(rep, StepReport):
-                self.rows.setdefault(rep.step, ([], now))[0].append((reply.rank, rep))
+                reports, _, marks = self.rows.setdefault(rep.step, ([], now, {}))
+                reports.append((reply.rank, rep))
+                marks[r.wid] = seq
             else:
-                self._push(RankReport(reply.rank, rep))
+                self._push(RankReport(reply.rank, rep, r.wid, seq), {r.wid: seq})
         if reply.outcome is not None and reply.runs > r.stale_upto and r.outcome is None:
             r.outcome, r.outcome_at = reply.outcome, now
             self.version += 1
@@ -202,7 +212,7 @@ class NodeCore:
     def _issue_polls(self, now: float) -> None:
         for wid, r in self.ranks.items():
             if r.dead_at is None and wid not in self.polls:
-                f = self.backend.call(r.handle, "poll", self.poll_wait_s)
+                f = self.backend.call(r.handle, "poll", self.poll_wait_s, r.ack, r.have)
                 self.inflight[f] = ("poll", wid)
                 self.polls[wid] = f
                 if not self.outstanding.in_flight(wid):  # a retried poll keeps its first due time
@@ -218,10 +228,10 @@ class NodeCore:
     def _emit_rows(self, now: float, force: bool = False) -> None:
         live = sum(1 for r in self.ranks.values() if r.dead_at is None)
         for step in sorted(self.rows):
-            reports, first = self.rows[step]
+            reports, first, marks = self.rows[step]
             if force or len(reports) >= live or now - first >= LINGER_S:
                 del self.rows[step]
-                self._push(rows_of(step, reports))
+                self._push(rows_of(step, reports), marks)
 
     def _finish(self, now: float) -> None:
         for cid, g in list(self.gathers.items()):
@@ -235,9 +245,11 @@ class NodeCore:
                 self._push(CommandDone(cid, {}, dict(g.errors), tuple(g.lost), self.state(now)))
                 g.errors, g.lost, g.unsent = {}, [], 0
 
-    def _push(self, item: Any) -> None:
+    def _push(self, item: Any, marks: dict[int, int] | None = None) -> None:
         self.seq += 1
         self.items.append((self.seq, item))
+        if marks:
+            self.marks[self.seq] = marks
 
     # ------------------------------------------------------------------ commands
     def command(self, cid: int, part: NodeCommand) -> None:
@@ -311,7 +323,7 @@ class NodeCore:
             if wid in self.polls:
                 g.long_polls[wid] = self.polls[wid]
             g.waiting.add(wid)
-            self.inflight[self.backend.call(r.handle, "poll", 0.0)] = ("flush", cid, wid)
+            self.inflight[self.backend.call(r.handle, "poll", 0.0, r.ack, r.have)] = ("flush", cid, wid)
 
     # ------------------------------------------------------------------ the parent's long poll
     def digest(self, acks: dict[str, int] | None, wait_s: float, resend: bool = False) -> Digest:
@@ -325,6 +337,10 @@ class NodeCore:
             if ack is not None and ack > self.acked:
                 self.acked = ack
                 self.items = [(s, i) for s, i in self.items if s > ack]
+                for seq in [s for s in self.marks if s <= ack]:  # the workers may drop what the driver has
+                    for wid, number in self.marks.pop(seq).items():
+                        if wid in self.ranks:
+                            self.ranks[wid].ack = max(self.ranks[wid].ack, number)
             if resend:
                 self.sent, self.sent_version = self.acked, -1
             deadline = self.clock() + wait_s

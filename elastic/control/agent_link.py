@@ -80,6 +80,7 @@ class AgentTree:
         self.channels: dict[str, _Channel] = {}
         self.outstanding = Outstanding()
         self.seen: dict[str, int] = {}  # node -> the last item seq taken in
+        self.reports_seen: dict[int, int] = {}  # wid -> the worker's number of its last report taken in
         self.calls = 0  # Ray calls the driver made into the tree (for the control-plane benchmark)
         self._cids = itertools.count(1)
         self._agg_ids = itertools.count()
@@ -255,6 +256,9 @@ class AgentTree:
             if seq <= self.seen.get(node, 0):
                 continue  # seen before: a replaced parent asked again
             if isinstance(item, RankReport):
+                if item.seq and item.seq <= self.reports_seen.get(item.wid, 0):
+                    continue  # a replaced agent sent it again
+                self.reports_seen[item.wid] = max(item.seq, self.reports_seen.get(item.wid, 0))
                 taken.reports.append((item.rank, item.report))
             elif isinstance(item, CommandDone):
                 taken.done.append((node, item))

@@ -106,27 +106,29 @@ class TrainWorker:
     # Task events (Ray's per-task state records sent to the GCS) are off for the polls: they
     # come several times a second per rank and nobody reads them.
     @ray.method(concurrency_group="control", enable_task_events=False)
-    def poll(self, wait_s: float = 0.0) -> PollReply:
+    def poll(self, wait_s: float = 0.0, ack: int | None = None, have: int | None = None) -> PollReply:
         """Heartbeat: progress counters plus the reports produced since the last poll.
 
         With ``wait_s``, a long poll: it answers as soon as a report is produced, or after
         ``wait_s`` with none, so that a step's result reaches the driver within
-        milliseconds rather than at its next look.
+        milliseconds rather than at its next look. Its node agent (``elastic/agent/``) passes
+        ``have`` (the last report it has) and ``ack`` (the last one the driver has): reports
+        are kept until acked, so an agent that replaces a lost one gets them all again.
+        Without them, every report is handed over once.
         """
-        if wait_s > 0 and not self._reports:
+        after = -1 if have is None else have
+        if wait_s > 0 and not self._reports.has_after(after):
             self._reports.ready.wait(wait_s)
         elif wait_s <= 0:  # a flush: a long poll in flight answers now too, with what it has
             self._reports.ready.set()
         self._reports.ready.clear()
-        drained = []
-        while self._reports:
-            drained.append(self._reports.popleft())
+        first, reports = self._reports.take(ack, after, keep=have is not None)
         trainer = self.trainer
         if trainer is not None:
             self._step = trainer.step
         beat = max(self._beat, trainer.last_progress if trainer is not None else 0.0)
         idle = time.monotonic() - beat
-        return PollReply(self.rank, self._step, self._phase, idle, drained, self._outcome, self._runs)
+        return PollReply(self.rank, self._step, self._phase, idle, reports, self._outcome, self._runs, first)
 
     def _touch_beat(self) -> None:
         self._beat = time.monotonic()
@@ -322,16 +324,41 @@ class TrainWorker:
             )  # fmt: skip
 
 
-class ReportQueue(collections.deque):
-    """The reports the worker's poll hands over; ``ready`` is set by every append."""
+class ReportQueue:
+    """The reports the worker's ``poll`` hands over, numbered from 1; ``ready`` is set by
+    every append. The trainer only appends. Reports are kept until acked (at most ``KEEP``
+    of them: the oldest go first), for a node agent that replaces a lost one."""
+
+    KEEP = 4096
 
     def __init__(self) -> None:
-        super().__init__()
+        self._items: collections.deque[tuple[int, Any]] = collections.deque()
+        self._seq = 0
+        self._lock = threading.Lock()
         self.ready = threading.Event()
 
     def append(self, item: Any) -> None:
-        super().append(item)
+        with self._lock:
+            self._seq += 1
+            self._items.append((self._seq, item))
+            if len(self._items) > self.KEEP:
+                self._items.popleft()
         self.ready.set()
+
+    def has_after(self, have: int) -> bool:
+        with self._lock:
+            return bool(self._items) and self._items[-1][0] > have
+
+    def take(self, ack: int | None, have: int, keep: bool) -> tuple[int, list[Any]]:
+        """(the first's number, the reports after ``have``); those up to ``ack`` are dropped
+        first, and without ``keep`` the ones handed over too."""
+        with self._lock:
+            while self._items and ack is not None and self._items[0][0] <= ack:
+                self._items.popleft()
+            out = [(s, r) for s, r in self._items if s > have]
+            if not keep:
+                self._items.clear()
+        return (out[0][0] if out else 0), [r for _, r in out]
 
 
 def _sender(peer: Any, timeout_s: float):

@@ -26,6 +26,7 @@ from elastic.messages import (
     Query,
     RunOutcome,
     StepReport,
+    UploadReport,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -91,7 +92,7 @@ def _answer_polls(core, backend, replies: dict[int, PollReply]) -> None:
 
 def test_a_step_goes_up_once_per_node_when_every_rank_reported():
     core, backend, clock = _node(2)
-    assert [f.args for f in backend.calls] == [(POLL_WAIT_S,), (POLL_WAIT_S,)]  # one long poll per rank
+    assert [f.args for f in backend.calls] == [(POLL_WAIT_S, -1, -1)] * 2  # one long poll per rank
     _answer_polls(core, backend, {0: PollReply(0, 1, "train", 0.0, [_report(1)])})
     assert core.digest(None, 0.0).rows == []  # rank 1 has not reported step 1 yet
     _answer_polls(core, backend, {1: PollReply(1, 1, "train", 0.0, [_report(1, 2.0)])})
@@ -192,7 +193,7 @@ def test_a_flush_answers_after_the_poll_in_flight_and_its_reports():
     long_poll = backend.pending("r0", "poll")[0]
     core.command(6, Query("flush"))
     core.pump(0)
-    (short,) = [f for f in backend.pending("r0", "poll") if f.args == (0.0,)]
+    (short,) = [f for f in backend.pending("r0", "poll") if f.args[0] == 0.0]
     short.answer(PollReply(0, 2, "train", 0.0, [_report(2)]))
     core.pump(0)
     early = core.digest(None, 0.0)
@@ -249,3 +250,36 @@ def test_aggregator_merges_its_nodes_rows_and_reports_a_lost_child():
         if agg.dead:
             break
     assert agg.digest(None, 0.0).lost == {"n1": math.inf}
+
+
+def test_reports_are_acked_back_to_the_worker_once_the_driver_has_them():
+    """Numbered reports: the agent passes on what it has (``have``) and, once the driver
+    acked the item that carried a report, that the worker may drop it (``ack``)."""
+    core, backend, clock = _node(1)
+    upload = UploadReport(1, 0, (0, 1), {}, None, None, 0.0, 0.0, 0.0, 0)
+    _answer_polls(core, backend, {0: PollReply(0, 1, "train", 0.0, [_report(1), upload], first_seq=7)})
+    d = core.digest(None, 0.0)
+    assert [(i.wid, i.seq) for _, _, i in d.items] == [(0, 8)]
+    assert backend.pending("r0", "poll")[0].args == (POLL_WAIT_S, -1, 8)  # has 7 and 8, nothing acked
+    core.digest(d.seqs, 0.0)  # the driver has both items
+    backend.pending("r0", "poll")[0].answer(PollReply(0, 1, "train", 0.0))
+    core.pump(0)
+    assert backend.pending("r0", "poll")[0].args == (POLL_WAIT_S, 8, 8)
+    # A report sent again (not acked when the worker answered) is taken in once.
+    _answer_polls(core, backend, {0: PollReply(0, 1, "train", 0.0, [upload], first_seq=8)})
+    assert core.digest(None, 0.0).items == []
+
+
+def test_a_new_agent_gets_every_report_not_acked_from_the_worker():
+    """The worker's queue keeps reports until acked: an agent replacing a lost one (asking
+    with nothing) gets them again; acked ones are gone."""
+    from elastic.worker.actor import ReportQueue
+
+    q = ReportQueue()
+    for i in range(5):
+        q.append(f"r{i + 1}")
+    assert q.take(ack=None, have=-1, keep=True) == (1, ["r1", "r2", "r3", "r4", "r5"])
+    assert q.take(ack=2, have=5, keep=True) == (0, [])  # the first agent had 1-5, the driver 1-2
+    assert q.take(ack=None, have=-1, keep=True) == (3, ["r3", "r4", "r5"])  # a new agent
+    assert q.has_after(4) and not q.has_after(5)
+    assert q.take(ack=None, have=-1, keep=False) == (3, ["r3", "r4", "r5"]) and not q.has_after(-1)

@@ -263,11 +263,6 @@ class Controller(Reformations):
         groups = spare[: intent.plan.grow]
         return Resizing("drain", intent.plan.dp, groups, keep=keep, at_once=intent.urgent, fields=fields)
 
-    def _step_time_s(self) -> float:
-        if not self.tokens_per_s or self.tokens_per_s[-1] <= 0:
-            return 1.0
-        return self.spec.train.global_batch * self.spec.model.seq_len / self.tokens_per_s[-1]
-
     # ------------------------------------------------------------------ a graceful stop
     def _stop_job(self, signals: StopSignals) -> State:
         """The first signal: stop every rank after the same step and checkpoint that step."""

@@ -21,6 +21,7 @@ from elastic.control.reform import (
     reform,
     release_dead_groups,
     stop_at_boundary,
+    survivors_wait_s,
 )
 from elastic.control.states import Failed, Recovering, Resizing, Running, State
 from elastic.control.timing import PhaseTimer
@@ -100,7 +101,11 @@ class Reformations(StepAccounting):
         timer.mark("decide_s")
         blamed = set(f.ranks) if f.cause != "worker_error" else set()
         culprits = [m for m in group.members if m.rank in blamed]
-        survivors, boundary = free_survivors(group, culprits, e.collective_timeout_s + 5)
+        wait_s = survivors_wait_s(self._step_time_s(), e.collective_timeout_s, self.spec.resources.device)
+        survivors, boundary = free_survivors(group, culprits, wait_s)
+        if boundary.stuck:
+            hung = [m.rank for m in boundary.stuck]
+            logger.warning("ranks %s did not leave their step within %.1fs: hung, killed", hung, wait_s)
         self._absorb(boundary.reports)
         replicas = complete_replicas(survivors, self.spec.parallel.replica_size)
         timer.mark("free_s")

@@ -166,6 +166,12 @@ class StepAccounting(ControllerFields):
         (from its last poll answer) and the per-step results received but not committed."""
         return max([self.step] + [m.step for m in self.group.members] + list(self._pending))
 
+    def _step_time_s(self) -> float:
+        """The last committed step's time (1 s before the first)."""
+        if not self.tokens_per_s or self.tokens_per_s[-1] <= 0:
+            return 1.0
+        return self.spec.train.global_batch * self.spec.model.seq_len / self.tokens_per_s[-1]
+
     def _budget_spent(self) -> bool:
         decision = policies.failure_decision(self.failures, self.spec.elastic.max_failures)
         return decision is policies.FailureDecision.RAISE
