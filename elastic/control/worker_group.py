@@ -68,6 +68,7 @@ class Member:
     step: int = 0
     silent_s: float = 0.0  # how long its poll is past due, as its agent last said
     since: int = 0  # the command (configure or launch) its current run belongs to
+    launched: bool = False  # its run() was started (since its last configure)
 
 
 class WorkerGroup(GroupNews):
@@ -209,7 +210,7 @@ class WorkerGroup(GroupNews):
         group and restore the state it names."""
         members = plan.members
         for rank, m in enumerate(members):
-            m.rank, m.run_result, m.silent_s = rank, None, 0.0
+            m.rank, m.run_result, m.silent_s, m.launched = rank, None, 0.0, False
         # From here on these are the members: a loss below is a failure of this layout,
         # and the next recovery evicts it by its new rank (newcomers are not leaked).
         self.members = list(members)
@@ -262,7 +263,7 @@ class WorkerGroup(GroupNews):
         nodes = wids_by_node([m for m in self.members if not m.dead])
         cid = self.tree.send(dict.fromkeys(nodes, Launch(last_step)))
         for m in self.members:
-            m.run_result, m.since = None, cid
+            m.run_result, m.since, m.launched = None, cid, True
 
     def observe(self, timeout: float = POLL_INTERVAL_S) -> Observation:
         now = self._look(timeout)
@@ -311,7 +312,7 @@ class WorkerGroup(GroupNews):
         """Wait for ``members``' run() calls to return; returns those that did not."""
         deadline = time.monotonic() + timeout
         while True:
-            running = [m for m in members if m.run_result is None and not m.dead]
+            running = [m for m in members if m.launched and m.run_result is None and not m.dead]
             left = deadline - time.monotonic()
             if not running or left <= 0:
                 return running
