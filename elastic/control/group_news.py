@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from elastic.control.agent_link import AgentTree, Taken
 from elastic.control.diagnosis import PEER_GRACE_S, RayletProbe
-from elastic.messages import Attach, CommandDone, NodeCommand, NodeConfigure, NodeState, StepReport, StepRows
+from elastic.messages import Attach, CommandDone, NodeCommand, NodeConfigure, NodeState
 
 if TYPE_CHECKING:
     from elastic.control.worker_group import Member
@@ -233,12 +233,6 @@ class GroupNews:
 
     def _done(self, g: Gather) -> None:
         self._gathers.pop(g.cid, None)
-
-    def _take_steps(self) -> list[tuple[int, Any]]:
-        """The step results in the inbox (the other reports stay for the next look)."""
-        steps = [(r, rep) for r, rep in self._inbox if isinstance(rep, StepRows | StepReport)]
-        self._inbox = [(r, rep) for r, rep in self._inbox if not isinstance(rep, StepRows | StepReport)]
-        return steps
 
 
 def by_node(members: Iterable[Member]) -> dict[str, list[Member]]:

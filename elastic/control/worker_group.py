@@ -286,9 +286,8 @@ class WorkerGroup(GroupNews):
         return all(m.run_result is not None for m in self.members)
 
     def drain_results(self, members: Sequence[Member], timeout: float = 10.0) -> list[tuple[int, Any]]:
-        """The step results ``members`` reported but the controller has not seen yet: every
-        agent sends up all its ranks reported before it answers (other reports stay for the
-        next look)."""
+        """The results ``members`` reported that the controller has not seen yet: every
+        agent sends up all its ranks reported before it answers."""
         expect = wids_by_node([m for m in members if not m.dead])
         g = self._command({n: Query("flush", tuple(ws)) for n, ws in expect.items()}, expect)
         self._wait_for(g, timeout)
@@ -296,7 +295,8 @@ class WorkerGroup(GroupNews):
         for node, state in g.states.items():
             for m in self._members_on(node) if state.step > 0 else ():
                 m.step = max(m.step, state.step)
-        return self._take_steps()
+        taken, self._inbox = self._inbox, []
+        return taken
 
     def request_stop(self) -> None:
         self.tree.send(dict.fromkeys(wids_by_node([m for m in self.members if not m.dead]), Signal("request_stop")))
