@@ -256,6 +256,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def cues() -> None:
         """Lose a node after ``--steps`` steps; bring one back 5 steps after the recovery."""
+        if not probe.wait(lambda: 3 in probe.steps, timeout_s=1800):
+            return
+        result["tree"] = tree_processes()
         if not probe.wait(lambda: args.steps in probe.steps, timeout_s=args.steps * args.step_s * 4 + 600):
             return
         result["lost_at"] = time.monotonic()
@@ -275,6 +278,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ray.shutdown()
     wall = time.monotonic() - t0
     return summarize(args, ctl, probe, result, stall, stall_at, nodes, wall, load_start, len(real))
+
+
+def tree_processes() -> dict[str, Any]:
+    """The agent tree's actor processes on this machine (Ray names them ``ray::Class``): how
+    many, and their resident memory."""
+    count, rss_kb = {"Aggregator": 0, "NodeAgent": 0}, 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
+            kind = next((k for k in count if cmd.startswith(f"ray::{k}")), None)
+            if kind is None:
+                continue
+            status = open(f"/proc/{pid}/status").read()
+        except OSError:
+            continue
+        count[kind] += 1
+        rss_kb += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
+    return {"processes": count, "rss_gib": round(rss_kb / 2**20, 2)}
 
 
 def summarize(args, ctl, probe, cues, stall, stall_at, nodes, wall, load_start, real) -> dict[str, Any]:
@@ -301,6 +324,7 @@ def summarize(args, ctl, probe, cues, stall, stall_at, nodes, wall, load_start, 
         "stall_s": 2 * args.heartbeat_timeout_s,
         "stall_at_step": stall_at,
         "wall_s": wall,
+        "tree_actors": cues.get("tree"),
     }
     if injected:
         _, t_fail, c_fail, _ = injected[0]

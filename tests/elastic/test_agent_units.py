@@ -283,3 +283,55 @@ def test_a_new_agent_gets_every_report_not_acked_from_the_worker():
     assert q.take(ack=None, have=-1, keep=True) == (3, ["r3", "r4", "r5"])  # a new agent
     assert q.has_after(4) and not q.has_after(5)
     assert q.take(ack=None, have=-1, keep=False) == (3, ["r3", "r4", "r5"]) and not q.has_after(-1)
+
+
+class _Method:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def remote(self, *args):
+        self.log.append((self.name, args))
+
+
+class _Handle:
+    """Records the calls made to it, like an actor handle's ``.remote``."""
+
+    def __init__(self, name):
+        self.name, self.log = name, []
+
+    def __getattr__(self, method):
+        return _Method(self.log, method)
+
+
+def test_tree_depth_keeps_the_driver_fan_in_bounded():
+    from elastic.control.agent_link import tree_depth
+
+    assert tree_depth(4, fan_in=32) == 0  # a few nodes: the driver talks to the agents
+    assert tree_depth(32, fan_in=32) == 0
+    assert tree_depth(128, fan_in=32) == 1  # 4 aggregators
+    assert tree_depth(2048, fan_in=32) == 2  # 64 leaves under 2 top aggregators
+    assert tree_depth(100_000 // 8, fan_in=32) == 3  # 391 leaves, 13 above them, 1 top
+
+
+def test_agent_tree_routes_every_node_through_its_ancestors():
+    from elastic.control.agent_link import AgentTree
+
+    made = []
+
+    def agg():
+        made.append(_Handle(f"agg{len(made)}"))
+        return made[-1]
+
+    tree = AgentTree(lambda node: _Handle(node), agg, fan_in=2)
+    tree.add_nodes([f"n{i}" for i in range(5)], expected_nodes=20)  # depth 2: 2 per leaf, 2 leaves per top
+    assert tree.depth == 2 and len(tree.channels) == 2  # 3 leaves -> 2 top aggregators
+    for i in range(5):
+        chain = tree._chain(f"n{i}")
+        assert len(chain) == 3 and tree.channel_of(f"n{i}") == chain[-1]
+        leaf, top = tree.handles[chain[1]], tree.handles[chain[2]]
+        assert ("adopt", (f"n{i}", tree.handles[f"n{i}"], [f"n{i}"])) in leaf.log
+        assert ("route", (chain[1], [f"n{i}"])) in top.log  # the top routes the node to its leaf
+    tree.remove_node("n0")
+    leaf, top = (tree.handles[k] for k in tree._chain("n1")[1:])  # n0's leaf (shared with n1), then its top
+    assert ("disown", (["n0"],)) in leaf.log and ("disown", (["n0"],)) in top.log
+    assert "n0" not in tree.nodes_under[tree._chain("n1")[1]] and "n1" in tree.nodes_under[tree._chain("n1")[2]]
