@@ -20,6 +20,7 @@ import ray
 from elastic.agent.aggregator import CHILD_WAIT_S, AggregatorCore
 from elastic.agent.bell import Doorbell
 from elastic.agent.node import POLL_WAIT_S, AgentGone, NodeCore
+from elastic.agent.ordered import InOrder
 from elastic.agent.ranks import ActorRanks
 from elastic.messages import Digest, NodeCommand
 
@@ -50,6 +51,7 @@ class NodeAgent:
         self._doorbell = Doorbell(ray.get_runtime_context().current_actor)
         backend = ActorRanks(self._doorbell) if virtual is None else virtual.backend(node, self._doorbell)
         self.core = NodeCore(node, backend, poll_wait_s=poll_wait_s)
+        self._order = InOrder()
         threading.Thread(target=_loop, args=(self.core.pump, poll_wait_s, f"agent {node[:8]}"), daemon=True).start()
 
     @ray.method(concurrency_group="bell", enable_task_events=False)
@@ -61,7 +63,10 @@ class NodeAgent:
         return self.core.digest(acks, wait_s, resend)
 
     @ray.method(concurrency_group="command")
-    def command(self, cid: int, parts: dict[str, NodeCommand]) -> None:
+    def command(self, sender: str, seq: int, cid: int, parts: dict[str, NodeCommand]) -> None:
+        self._order.run(sender, seq, self._command, cid, parts)
+
+    def _command(self, cid: int, parts: dict[str, NodeCommand]) -> None:
         for part in parts.values():
             self.core.command(cid, part)
 
@@ -79,6 +84,7 @@ class Aggregator:
         self._doorbell = Doorbell(ray.get_runtime_context().current_actor)
         self.core = AggregatorCore(self._doorbell, child_wait_s=child_wait_s)
         self._local: dict[str, Any] = {}  # what local children (virtual nodes) share in this process
+        self._order = InOrder()
         threading.Thread(target=_loop, args=(self.core.pump, child_wait_s, "aggregator"), daemon=True).start()
 
     @ray.method(concurrency_group="bell", enable_task_events=False)
@@ -89,23 +95,27 @@ class Aggregator:
     def digest(self, acks: dict[str, int] | None, wait_s: float, resend: bool = False) -> Digest:
         return self.core.digest(acks, wait_s, resend)
 
+    # Commands and changes of shape, each applied in the order its sender sent it (``ordered.py``).
     @ray.method(concurrency_group="command")
-    def command(self, cid: int, parts: dict[str, NodeCommand]) -> None:
-        self.core.command(cid, parts)
+    def command(self, sender: str, seq: int, cid: int, parts: dict[str, NodeCommand]) -> None:
+        self._order.run(sender, seq, self.core.command, cid, parts)
 
     @ray.method(concurrency_group="command")
-    def adopt(self, key: str, handle: Any, nodes: list[str]) -> None:
+    def adopt(self, sender: str, seq: int, key: str, handle: Any, nodes: list[str]) -> None:
         """Add or replace the child ``key`` (an actor, or a local node's factory), over ``nodes``."""
+        self._order.run(sender, seq, self._adopt, key, handle, nodes)
+
+    def _adopt(self, key: str, handle: Any, nodes: list[str]) -> None:
         local = not isinstance(handle, ray.actor.ActorHandle)
         self.core.adopt(key, handle.start(self._local) if local else handle, nodes, local=local)
 
     @ray.method(concurrency_group="command")
-    def route(self, key: str, nodes: list[str]) -> None:
-        self.core.route(key, nodes)
+    def route(self, sender: str, seq: int, key: str, nodes: list[str]) -> None:
+        self._order.run(sender, seq, self.core.route, key, nodes)
 
     @ray.method(concurrency_group="command")
-    def disown(self, nodes: list[str]) -> None:
-        self.core.disown(nodes)
+    def disown(self, sender: str, seq: int, nodes: list[str]) -> None:
+        self._order.run(sender, seq, self.core.disown, nodes)
 
     @ray.method(concurrency_group="command")
     def where(self) -> tuple[str, int]:

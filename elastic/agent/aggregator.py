@@ -17,6 +17,7 @@ import logging
 import math
 import threading
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from elastic.agent.bell import Doorbell
 from elastic.agent.liveness import STARTUP_GRACE_S, Outstanding
 from elastic.agent.node import LINGER_S, REPORT_SILENCE_S, AgentGone
+from elastic.agent.ordered import Numbered
 from elastic.agent.rows import merge_rows
 from elastic.messages import Digest, NodeCommand, NodeState, StepRows
 
@@ -65,12 +67,14 @@ class AggregatorCore:
         self.version = self.sent_version = 0
         self.cond = threading.Condition()
         self.pool: ThreadPoolExecutor | None = None  # for local children's long polls
+        self.out = Numbered(f"agg-{uuid.uuid4().hex[:12]}")  # this aggregator's calls to its children
 
     # ------------------------------------------------------------------ membership
     def adopt(self, key: str, handle: Any, nodes: list[str], local: bool = False) -> None:
         """Add (or replace) the child ``key``, and route ``nodes`` to it."""
         with self.cond:
             self.children[key] = _Child(key, handle, set(nodes), local)
+            self.out.forget(key)
             for n in nodes:
                 old = self.routes.get(n)
                 if old is not None and old != key and old in self.children:
@@ -240,4 +244,4 @@ class AggregatorCore:
                 for part in sub.values():
                     child.handle.command(cid, part)
             else:
-                child.handle.command.remote(cid, sub)
+                child.handle.command.remote(self.out.name, self.out.next(child.key), cid, sub)

@@ -31,6 +31,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from elastic.agent.aggregator import CHILD_WAIT_S
 from elastic.agent.liveness import STARTUP_GRACE_S, Outstanding
+from elastic.agent.ordered import Numbered
 from elastic.messages import CommandDone, Digest, NodeCommand, NodeState, RankReport, StepRows
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class AgentTree:
         self.seen: dict[str, int] = {}  # node -> the last item seq taken in
         self.reports_seen: dict[int, int] = {}  # wid -> the worker's number of its last report taken in
         self.calls = 0  # Ray calls the driver made into the tree (for the control-plane benchmark)
+        self.out = Numbered("driver")
         self._cids = itertools.count(1)
         self._agg_ids = itertools.count()
 
@@ -114,13 +116,17 @@ class AgentTree:
         self.parent[key] = parent
         self.children[parent].add(key)
         nodes = sorted(self.nodes_under[key])
-        self.handles[parent].adopt.remote(key, self.handles[key], nodes)
+        self._call(parent, "adopt", key, self.handles[key], nodes)
         chain = self._chain(parent)
         for below, above in zip(chain, chain[1:]):  # every aggregator above routes these nodes down
-            self.handles[above].route.remote(below, nodes)
+            self._call(above, "route", below, nodes)
         for k in chain:
             self.nodes_under[k] |= self.nodes_under[key]
-        self.calls += len(chain)
+
+    def _call(self, key: str, method: str, *args: Any) -> None:
+        """A control call to ``key``'s actor, numbered so that it applies in order (``ordered.py``)."""
+        getattr(self.handles[key], method).remote(self.out.name, self.out.next(key), *args)
+        self.calls += 1
 
     def _chain(self, key: str | None) -> list[str]:
         """``key`` and its ancestors."""
@@ -144,14 +150,15 @@ class AgentTree:
             logger.debug("kill of %s failed: %s", key, exc)
         new = self.make_agent(key) if key in self.nodes_under and key not in self.children else self.make_aggregator()
         self.handles[key] = new
+        self.out.forget(key)
         for child in self.children.get(key, ()):
-            new.adopt.remote(child, self.handles[child], sorted(self.nodes_under[child]))
+            self._call(key, "adopt", child, self.handles[child], sorted(self.nodes_under[child]))
         parent = self.parent.get(key)
         if parent is None:
             self.channels[key] = _Channel(key, new)
             self.outstanding.forget(key)
         else:
-            self.handles[parent].adopt.remote(key, new, sorted(self.nodes_under[key]))
+            self._call(parent, "adopt", key, new, sorted(self.nodes_under[key]))
         return new
 
     def remove_node(self, node: str) -> None:
@@ -173,7 +180,7 @@ class AgentTree:
         self.children[parent].discard(node)
         for k in self._chain(parent):
             self.nodes_under[k].discard(node)
-            self.handles[k].disown.remote([node])
+            self._call(k, "disown", [node])
 
     def agent_count(self) -> int:
         return sum(1 for k in self.handles if k not in self.children)
@@ -197,8 +204,7 @@ class AgentTree:
             if ch is not None:
                 by_channel.setdefault(ch, {})[node] = part
         for ch, sub in by_channel.items():
-            self.channels[ch].handle.command.remote(cid, sub)
-        self.calls += len(by_channel)
+            self._call(ch, "command", cid, sub)
         return cid
 
     def resend(self, cid: int, parts: dict[str, NodeCommand]) -> None:
@@ -206,7 +212,7 @@ class AgentTree:
         for node, part in parts.items():
             ch = self.channel_of(node)
             if ch is not None:
-                self.channels[ch].handle.command.remote(cid, {node: part})
+                self._call(ch, "command", cid, {node: part})
 
     # ------------------------------------------------------------------ a look
     def look(self, timeout_s: float) -> Taken:

@@ -289,8 +289,9 @@ class _Method:
     def __init__(self, log, name):
         self.log, self.name = log, name
 
-    def remote(self, *args):
+    def remote(self, sender, seq, *args):  # control calls are numbered per receiver
         self.log.append((self.name, args))
+        self.log.append(("#", seq))
 
 
 class _Handle:
@@ -335,3 +336,21 @@ def test_agent_tree_routes_every_node_through_its_ancestors():
     leaf, top = (tree.handles[k] for k in tree._chain("n1")[1:])  # n0's leaf (shared with n1), then its top
     assert ("disown", (["n0"],)) in leaf.log and ("disown", (["n0"],)) in top.log
     assert "n0" not in tree.nodes_under[tree._chain("n1")[1]] and "n1" in tree.nodes_under[tree._chain("n1")[2]]
+    for handle in made:  # each receiver's calls are numbered 1, 2, 3, ...
+        numbers = [n for what, n in handle.log if what == "#"]
+        assert numbers == list(range(1, len(numbers) + 1))
+
+
+def test_calls_apply_in_the_order_they_were_sent():
+    from elastic.agent.ordered import InOrder
+
+    done = []
+    order = InOrder()
+    order.run("driver", 2, done.append, "b")  # came early: held
+    order.run("driver", 3, done.append, "c")
+    assert done == []
+    order.run("driver", 1, done.append, "a")
+    assert done == ["a", "b", "c"]
+    order.run("agg-new", 2, done.append, "y")  # a new sender: its numbering starts over
+    order.run("agg-new", 1, done.append, "x")
+    assert done == ["a", "b", "c", "x", "y"]
