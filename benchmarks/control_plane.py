@@ -115,13 +115,15 @@ class VirtualSlots:
         self.groups[node] = VirtualGroup(node)
 
 
-def virtual_group_class(world: Any, nodes: list[str], raylets: Raylets, real_agents: set[str]):
+def virtual_group_class(world: Any, nodes: list[str], raylets: Raylets, real_agents: set[str], fan_in: int):
     """The project's ``WorkerGroup`` with the virtual cluster's capacity, ranks and agents."""
     from elastic.agent.actors import NodeAgent
     from elastic.control.worker_group import Member, WorkerGroup
     from elastic.testing.virtual_nodes import LocalVirtualAgent, VirtualRankRef
 
     class Group(WorkerGroup):
+        agent_fan_in = fan_in
+
         def _make_slots(self):
             self.virtual = VirtualSlots(nodes)
             return self.virtual
@@ -245,7 +247,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     stall = make_stall(stall_at, 2 * hb)
 
     class VirtualController(Controller):
-        worker_group_cls = virtual_group_class(world, names, raylets, real)
+        worker_group_cls = virtual_group_class(world, names, raylets, real, args.fan_in)
 
     load_start = os.getloadavg()
     t0 = time.monotonic()
@@ -492,10 +494,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--real-agents", type=int, default=16, help="nodes whose agent is an actor of its own")
     ap.add_argument("--heartbeat-timeout-s", type=float, default=10.0)
+    ap.add_argument(
+        "--fan-in", type=int, default=32, help="children per aggregator (elastic.control.agent_link.FAN_IN)"
+    )
     ap.add_argument("--no-store-ops", dest="store_ops", action="store_false", help="skip the gloo store count")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-save", action="store_true", help="do not merge into benchmarks/results/control_plane.json")
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     out = run(args)
     if not args.no_save:
         save(out)

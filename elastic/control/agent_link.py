@@ -94,39 +94,52 @@ class AgentTree:
         if self.depth is None and new:
             self.depth = tree_depth(max(expected_nodes, len(new)), self.fan_in)
             self.levels = [[] for _ in range(self.depth)]
+        refs: list[Any] = []
         for node in new:
             self.handles[node] = self.make_agent(node)
             self.nodes_under[node] = {node}
-            self._hang(node, level=0)
+            refs += self._hang(node, level=0)
+        self._applied(refs)
         return new
 
-    def _hang(self, key: str, level: int) -> None:
-        """Put ``key`` (an agent at level 0, an aggregator at level k + 1) under a parent."""
+    def _hang(self, key: str, level: int) -> list[Any]:
+        """Put ``key`` (an agent at level 0, an aggregator at level k + 1) under a parent;
+        returns the calls that do it."""
         if level >= (self.depth or 0):
             self.parent[key] = None
             self.channels[key] = _Channel(key, self.handles[key])
-            return
+            return []
+        refs: list[Any] = []
         parent = next((k for k in self.levels[level] if len(self.children[k]) < self.fan_in), None)
         if parent is None:
             parent = f"agg:{next(self._agg_ids)}"
             self.handles[parent] = self.make_aggregator()
             self.children[parent], self.nodes_under[parent] = set(), set()
             self.levels[level].append(parent)
-            self._hang(parent, level + 1)
+            refs += self._hang(parent, level + 1)
         self.parent[key] = parent
         self.children[parent].add(key)
         nodes = sorted(self.nodes_under[key])
-        self._call(parent, "adopt", key, self.handles[key], nodes)
+        refs.append(self._call(parent, "adopt", key, self.handles[key], nodes))
         chain = self._chain(parent)
         for below, above in zip(chain, chain[1:]):  # every aggregator above routes these nodes down
-            self._call(above, "route", below, nodes)
+            refs.append(self._call(above, "route", below, nodes))
         for k in chain:
             self.nodes_under[k] |= self.nodes_under[key]
+        return refs
 
-    def _call(self, key: str, method: str, *args: Any) -> None:
+    def _call(self, key: str, method: str, *args: Any) -> Any:
         """A control call to ``key``'s actor, numbered so that it applies in order (``ordered.py``)."""
-        getattr(self.handles[key], method).remote(self.out.name, self.out.next(key), *args)
         self.calls += 1
+        return getattr(self.handles[key], method).remote(self.out.name, self.out.next(key), *args)
+
+    def _applied(self, refs: list[Any]) -> None:
+        """Wait until changes of the tree's shape are applied (a command sent later could
+        otherwise reach an aggregator before the route it needs). A new actor may first have
+        to start."""
+        refs = [r for r in refs if r is not None]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=STARTUP_GRACE_S)
 
     def _chain(self, key: str | None) -> list[str]:
         """``key`` and its ancestors."""
@@ -151,14 +164,17 @@ class AgentTree:
         new = self.make_agent(key) if key in self.nodes_under and key not in self.children else self.make_aggregator()
         self.handles[key] = new
         self.out.forget(key)
-        for child in self.children.get(key, ()):
-            self._call(key, "adopt", child, self.handles[child], sorted(self.nodes_under[child]))
+        refs = [
+            self._call(key, "adopt", c, self.handles[c], sorted(self.nodes_under[c]))
+            for c in self.children.get(key, ())
+        ]
         parent = self.parent.get(key)
         if parent is None:
             self.channels[key] = _Channel(key, new)
             self.outstanding.forget(key)
         else:
-            self._call(parent, "adopt", key, new, sorted(self.nodes_under[key]))
+            refs.append(self._call(parent, "adopt", key, new, sorted(self.nodes_under[key])))
+        self._applied(refs)
         return new
 
     def remove_node(self, node: str) -> None:

@@ -27,7 +27,7 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 from elastic.agent.actors import Aggregator, NodeAgent
 from elastic.control import drain
-from elastic.control.agent_link import AgentTree
+from elastic.control.agent_link import FAN_IN, AgentTree
 from elastic.control.diagnosis import NODE_PROBE_S, RayletProbe, diagnose
 from elastic.control.group_configure import RPC_TIMEOUT_S, build_requests, configure_through, lost_failure_of
 from elastic.control.group_news import Gather, GroupNews, by_node, wids_by_node
@@ -73,6 +73,7 @@ class Member:
 
 class WorkerGroup(GroupNews):
     planned_placement = True  # docs/placement.md; False: the old one PACK group per replica, in Ray's order
+    agent_fan_in = FAN_IN  # children per aggregator of the agent tree (agent_link.py)
 
     def __init__(self, spec: JobSpec, corpus_uri: str, step_hook: StepHook | None = None, storage_uri: str = ""):
         self.spec = spec
@@ -85,7 +86,7 @@ class WorkerGroup(GroupNews):
         self.slots = self._make_slots()
         self.members: list[Member] = []  # ordered by rank
         self.dp = 0
-        self.tree = AgentTree(self._make_agent, self._make_aggregator)
+        self.tree = AgentTree(self._make_agent, self._make_aggregator, self.agent_fan_in)
         self._store: RendezvousStore | None = None  # the job's rendezvous, made at the first configure
         self._generation = 0  # of the process group: the rendezvous key prefix
         self._node_labels: dict[str, dict[str, str]] = {}  # node id -> Ray node labels (rack, nvlink_domain)

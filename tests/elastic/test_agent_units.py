@@ -351,6 +351,7 @@ def test_calls_apply_in_the_order_they_were_sent():
     assert done == []
     order.run("driver", 1, done.append, "a")
     assert done == ["a", "b", "c"]
-    order.run("agg-new", 2, done.append, "y")  # a new sender: its numbering starts over
+    order.run("agg-new", 2, done.append, "y")  # another sender: numbered on its own
+    order.run("driver", 4, done.append, "d")  # ... and the first one's go on
     order.run("agg-new", 1, done.append, "x")
-    assert done == ["a", "b", "c", "x", "y"]
+    assert done == ["a", "b", "c", "d", "x", "y"]
