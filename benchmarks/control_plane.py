@@ -157,6 +157,8 @@ class Probe:
         self.calls: dict[int, int] = {}  # step -> the driver's calls into the agent tree so far
         self.counter = lambda: 0
         self.channels = 0  # the driver's channels into the tree, as of the first step
+        self.profiler: Any = None  # --profile: the steady steps' profile
+        self.profile_steps: tuple[int, int] = (0, 0)
         self.events: list[tuple[str, float, float, dict]] = []
         self.lock = threading.Condition()
 
@@ -165,6 +167,9 @@ class Probe:
         with self.lock:
             if event["kind"] == "step":
                 self.steps.setdefault(event["step"], (now, cpu))
+                if self.profiler is not None and event["step"] in self.profile_steps:
+                    start = event["step"] == self.profile_steps[0]
+                    self.profiler.enable() if start else self.profiler.disable()
                 self.calls.setdefault(event["step"], self.counter())
                 self.channels = self.channels or self.width()
             self.events.append((event["kind"], now, cpu, event))
@@ -273,13 +278,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["back_at"] = time.monotonic()
         ctl.group.virtual.add(back)
 
+    if args.profile:
+        import cProfile
+
+        profile_recovery(ctl)
+        probe.profiler, probe.profile_steps = cProfile.Profile(time.process_time), (5, min(args.steps, 15))
     threading.Thread(target=cues, daemon=True).start()
     try:
         ctl.run()
     finally:
         ray.shutdown()
     wall = time.monotonic() - t0
+    if probe.profiler is not None:
+        import pstats
+
+        print(f"steps {probe.profile_steps}:", file=sys.stderr)
+        pstats.Stats(probe.profiler, stream=sys.stderr).sort_stats("tottime").print_stats(30)
     return summarize(args, ctl, probe, result, stall, stall_at, nodes, wall, load_start, len(real))
+
+
+def profile_recovery(ctl: Any) -> None:
+    """Print where the driver's CPU went in each recovery (``--profile``)."""
+    import cProfile
+    import pstats
+
+    inner = ctl._on_recovering
+
+    def profiled(state):
+        prof = cProfile.Profile(time.process_time)
+        try:
+            return prof.runcall(inner, state)
+        finally:
+            pstats.Stats(prof, stream=sys.stderr).sort_stats("cumulative").print_stats(35)
+
+    ctl._on_recovering = profiled
 
 
 def tree_processes() -> dict[str, Any]:
@@ -498,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         "--fan-in", type=int, default=32, help="children per aggregator (elastic.control.agent_link.FAN_IN)"
     )
     ap.add_argument("--no-store-ops", dest="store_ops", action="store_false", help="skip the gloo store count")
+    ap.add_argument("--profile", action="store_true", help="print the driver's CPU profile of each recovery")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-save", action="store_true", help="do not merge into benchmarks/results/control_plane.json")
     args = ap.parse_args(argv)

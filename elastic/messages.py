@@ -234,7 +234,8 @@ class NodeState:
 class CommandDone:
     """One node's answer to a command (``cid``): a reply per rank (a ``ConfigureReply``,
     snapshot holdings, a checkpoint's success), the ranks whose call raised (the root
-    cause) and those whose actor died meanwhile. ``state``: the node as of the answer."""
+    cause) and those whose actor died meanwhile. ``state``: the node's rank count and newest
+    step as of the answer (its news come in ``Digest.states``)."""
 
     cid: int
     replies: dict[int, Any] = field(default_factory=dict)  # wid -> reply
@@ -261,9 +262,11 @@ class Digest:
     ``seqs``: per node, the last of its items included (the driver acks them, and drops an
     item it has seen, by node and seq). ``rows``: step reports, one block per step, every
     node's ranks merged. ``items``: ``(node, seq, RankReport | CommandDone)`` in each node's
-    order. ``states``: the nodes with news; a node not named has none. ``lost``: nodes whose
-    agent cannot be reached, and for how long (``inf``: it died). ``step``: the newest step
-    any rank of the subtree reported."""
+    order. ``states``: the nodes whose news changed since the last answer (a state without
+    news: its news cleared); every node of the subtree after a ``resend``. ``lost``: the
+    tree keys (node ids of agents, ``agg:...`` of aggregators) that cannot be reached, and
+    for how long (``inf``: it died). ``step``: the newest step any rank of the subtree
+    reported."""
 
     seqs: dict[str, int] = field(default_factory=dict)
     rows: list[StepRows] = field(default_factory=list)

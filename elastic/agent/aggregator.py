@@ -62,7 +62,8 @@ class AggregatorCore:
         self.first_row_at: float | None = None
         self.items: list[tuple[str, int, Any]] = []
         self.seqs: dict[str, int] = {}
-        self.states: dict[str, NodeState] = {}
+        self.states: dict[str, NodeState] = {}  # the last state of every node below
+        self.dirty: set[str] = set()  # nodes whose state the parent has not had yet
         self.step = 0
         self.version = self.sent_version = 0
         self.cond = threading.Condition()
@@ -171,11 +172,12 @@ class AggregatorCore:
         self.items.extend(d.items)
         for n, s in d.seqs.items():
             self.seqs[n] = max(s, self.seqs.get(n, 0))
-        before = {n: self.states[n] for n in c.nodes if n in self.states}
-        for n in before:
-            del self.states[n]
-        self.states.update(d.states)
-        changed = changed or before != d.states or c.lost != d.lost
+        for n, state in d.states.items():  # changes only: what the parent has not seen yet
+            if self.states.get(n) != state:
+                self.states[n] = state
+                self.dirty.add(n)
+                changed = True
+        changed = changed or c.lost != d.lost
         c.lost = dict(d.lost)
         self.step = max(self.step, d.step)
         if changed:
@@ -208,6 +210,7 @@ class AggregatorCore:
                 for c in self.children.values():
                     c.resend = True
                 self.sent_version = -1
+                self.dirty |= set(self.states)
             deadline = self.clock() + wait_s
             while True:
                 now = self.clock()
@@ -221,11 +224,12 @@ class AggregatorCore:
                 seqs=self.seqs,
                 rows=merge_rows(self.rows),
                 items=self.items,
-                states=dict(self.states),
+                states={n: self.states[n] for n in self.dirty if n in self.states},
                 lost=self.lost(now),
                 step=self.step,
             )
             self.rows, self.items, self.seqs, self.first_row_at = [], [], {}, None
+            self.dirty.clear()
             self.sent_version = self.version
             return out
 

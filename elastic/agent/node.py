@@ -239,10 +239,10 @@ class NodeCore:
             if not g.waiting and flush_ready:
                 if g.long_polls:
                     self._emit_rows(now, force=True)  # every step report so far goes before the answer
-                self._push(CommandDone(cid, g.replies, g.errors, tuple(g.lost), self.state(now)))
+                self._push(CommandDone(cid, g.replies, g.errors, tuple(g.lost), self.state(now, news=False)))
                 del self.gathers[cid]
             elif g.unsent:  # a rank failed: tell the driver now, the rest follows
-                self._push(CommandDone(cid, {}, dict(g.errors), tuple(g.lost), self.state(now)))
+                self._push(CommandDone(cid, {}, dict(g.errors), tuple(g.lost), self.state(now, news=False)))
                 g.errors, g.lost, g.unsent = {}, [], 0
 
     def _push(self, item: Any, marks: dict[int, int] | None = None) -> None:
@@ -354,23 +354,28 @@ class NodeCore:
     def _answer(self, now: float) -> Digest:
         fresh = [(s, i) for s, i in self.items if s > self.sent]
         self.sent = max(self.sent, self.seq)
+        news_changed = self.version != self.sent_version
         self.sent_version = self.version
         state = self.state(now)
         return Digest(
             seqs={self.node: self.sent},
             rows=[i for _, i in fresh if isinstance(i, StepRows)],
             items=[(self.node, s, i) for s, i in fresh if not isinstance(i, StepRows)],
-            states={self.node: state} if state.news else {},
+            states={self.node: state} if news_changed else {},  # a change only (no news: it cleared)
             step=state.step,
         )
 
-    def state(self, now: float) -> NodeState:
-        news = []
+    def state(self, now: float, news: bool = True) -> NodeState:
+        """The node as of ``now``: its live ranks, their newest step, and (``news``) the
+        ranks with news."""
+        if not news:
+            return NodeState(self.node, len(self._live()), max((r.step for r in self.ranks.values()), default=0))
+        with_news = []
         for r in self.ranks.values():
             if r.dead_at is None and r.outcome is None and not r.silence_mark:
                 continue
             at = r.dead_at if r.dead_at is not None else r.outcome_at
-            news.append(
+            with_news.append(
                 RankNews(
                     r.wid,
                     r.step,
@@ -382,4 +387,4 @@ class NodeCore:
                 )
             )
         step = max((r.step for r in self.ranks.values()), default=0)
-        return NodeState(self.node, len(self._live()), step, tuple(news))
+        return NodeState(self.node, len(self._live()), step, tuple(with_news))

@@ -50,7 +50,6 @@ class Taken:
     done: list[tuple[str, CommandDone]] = field(default_factory=list)  # (node, answer)
     states: dict[str, NodeState | None] = field(default_factory=dict)  # node -> news (None: none any more)
     lost: dict[str, float] = field(default_factory=dict)  # tree key -> seconds unreachable (inf: died)
-    covered: set[str] = field(default_factory=set)  # channels that answered: their other nodes have no news
     step: int = 0
 
 
@@ -79,6 +78,7 @@ class AgentTree:
         self.levels: list[list[str]] = []  # aggregators by level, leaves first
         self.depth: int | None = None  # aggregator levels, decided at the first nodes
         self.channels: dict[str, _Channel] = {}
+        self._channel: dict[str, str] = {}  # node -> the key of the channel it is under
         self.outstanding = Outstanding()
         self.seen: dict[str, int] = {}  # node -> the last item seq taken in
         self.reports_seen: dict[int, int] = {}  # wid -> the worker's number of its last report taken in
@@ -99,6 +99,7 @@ class AgentTree:
             self.handles[node] = self.make_agent(node)
             self.nodes_under[node] = {node}
             refs += self._hang(node, level=0)
+            self._channel[node] = self._chain(node)[-1]
         self._applied(refs)
         return new
 
@@ -150,8 +151,7 @@ class AgentTree:
         return out
 
     def channel_of(self, node: str) -> str | None:
-        chain = self._chain(node) if node in self.parent else []
-        return chain[-1] if chain else None
+        return self._channel.get(node)
 
     def replace(self, key: str) -> Any:
         """A new actor for ``key`` (its node lives, or it is an aggregator), linked where the old
@@ -188,6 +188,7 @@ class AgentTree:
             logger.debug("kill of the agent of %s failed: %s", node, exc)
         parent = self.parent.pop(node, None)
         self.nodes_under.pop(node, None)
+        self._channel.pop(node, None)
         self.seen.pop(node, None)
         if parent is None:
             self.channels.pop(node, None)
@@ -288,7 +289,6 @@ class AgentTree:
             self.seen[node] = max(seq, self.seen.get(node, 0))
         taken.states.update(d.states)
         taken.lost.update(d.lost)
-        taken.covered.add(ch.key)
         taken.step = max(taken.step, d.step)
 
 

@@ -108,7 +108,9 @@ def configure_through(
     for m in lost:
         m.dead = True
     failed = [(by_wid[w], err) for w, err in sorted(g.errors.items())]
-    failed += [(by_wid[w], "GetTimeoutError: no answer") for w in sorted(g.missing())]
+    silent = [by_wid[w] for w in sorted(g.missing())]
+    nodes = len({m.node_id for m in silent})
+    failed += [(m, f"GetTimeoutError: no answer from {len(silent)} rank(s) on {nodes} node(s)") for m in silent]
     if lost:
         raise group._lost_failure(lost, "lost while reconfiguring")
     if failed:

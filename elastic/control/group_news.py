@@ -79,6 +79,7 @@ class GroupNews:
     raylets: RayletProbe
     members: list[Member]
     _by_wid: dict[int, Member]
+    _on_node: dict[str, list[Member]]  # node -> every member spawned there
     _inbox: list[tuple[int, Any]]
     _notable: set[int]  # worker ids with news
     _news_nodes: set[str]
@@ -101,11 +102,11 @@ class GroupNews:
             g = self._gathers.get(done.cid)
             if g is not None:
                 g.add(node, done)
-        for node in list(self._news_nodes):  # a channel that answered without them: no news any more
-            if node not in taken.states and self.tree.channel_of(node) in taken.covered:
-                self._clear_news(node)
-        for state in taken.states.values():
-            self._apply_state(state, now)
+        for state in taken.states.values():  # changes only: a state without news clears the node's
+            if state.news:
+                self._apply_state(state, now)
+            elif state.node in self._news_nodes:
+                self._clear_news(state.node)
         self._unreachable = dict(taken.lost)
         if taken.lost:
             self._supervise(taken.lost)
@@ -123,6 +124,7 @@ class GroupNews:
                 m.returned_at = now - news.age_s
             if news.outcome is not None and m.run_result is None and news.since >= m.since:
                 m.run_result, m.returned_at = news.outcome, now - news.age_s
+                m.quiet = True  # its reports came up with (or before) this news
             self._notable.add(m.wid)
 
     def _clear_news(self, node: str) -> None:
@@ -131,7 +133,8 @@ class GroupNews:
             m.silent_s = 0.0
 
     def _members_on(self, node: str) -> list[Member]:
-        return [m for m in self.members if m.node_id == node]
+        """Its members, live or not (newcomers not configured yet included)."""
+        return self._on_node.get(node, [])
 
     # ------------------------------------------------------------------ liveness as the diagnosis reads it
     def _evidence(self) -> bool:

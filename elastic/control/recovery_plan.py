@@ -23,7 +23,6 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from elastic.control import policies
 from elastic.control.peer_ring import LeastLoaded, ring_shift
-from elastic.parallel.dims import rank_coords
 
 
 class Ranked(Protocol):
@@ -39,8 +38,14 @@ Source = Literal["memory", "storage", "none"]
 def shard_of(rank: int, tp: int, pp: int, zero: int) -> Any:
     """What a rank's training state is: its (pp, tp) coordinate under DDP (every DP replica
     holds the same), the rank itself under FSDP (every shard is unique)."""
-    c = rank_coords(rank, tp, pp)
-    return (c.pp_rank, c.tp_rank) if zero == 0 else rank
+    return pp_tp(rank, tp, pp) if zero == 0 else rank
+
+
+def pp_tp(rank: int, tp: int, pp: int) -> tuple[int, int]:
+    """``rank_coords(rank, tp, pp)``'s (pp_rank, tp_rank), without building the tuple: the
+    planning asks it for every rank (``tests/elastic/test_scale_decisions.py`` checks that
+    the two agree)."""
+    return (rank // tp) % pp, rank % tp
 
 
 def complete_replicas(members: Iterable[M], replica_size: int) -> list[list[M]]:
@@ -121,12 +126,12 @@ class OwnerIndex:
         self.by_coord: dict[tuple[int, int], list[tuple[int, M]]] = {}  # in ``holders`` order
         self.first_of: dict[tuple[tuple[int, int], int], int] = {}  # (coord, id(holder)) -> first owner
         for owner, holder in holders.items():
-            coord = tuple(rank_coords(owner, tp, pp)[1:])
+            coord = pp_tp(owner, tp, pp)
             self.by_coord.setdefault(coord, []).append((owner, holder))
             self.first_of.setdefault((coord, id(holder)), owner)
 
     def owners(self, new_rank: int, me: M) -> dict[int, M | None]:
-        coord = tuple(rank_coords(new_rank, self.tp, self.pp)[1:])
+        coord = pp_tp(new_rank, self.tp, self.pp)
         mine = self.by_coord.get(coord, [])
         if self.zero == 0 and mine:
             owner = self.first_of.get((coord, id(me)))

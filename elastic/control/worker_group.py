@@ -69,6 +69,7 @@ class Member:
     silent_s: float = 0.0  # how long its poll is past due, as its agent last said
     since: int = 0  # the command (configure or launch) its current run belongs to
     launched: bool = False  # its run() was started (since its last configure)
+    quiet: bool = False  # its run ended and nothing was asked of it since: all it reported is in
 
 
 class WorkerGroup(GroupNews):
@@ -94,6 +95,7 @@ class WorkerGroup(GroupNews):
         self._lost_failure = lost_failure_of(self.raylets, NODE_PROBE_S)
         self._wids = itertools.count()
         self._by_wid: dict[int, Member] = {}
+        self._on_node: dict[str, list[Member]] = {}
         self._inbox: list[tuple[int, Any]] = []  # (rank, report) taken in, not yet handed to the controller
         self._notable: set[int] = set()
         self._news_nodes: set[str] = set()
@@ -197,6 +199,7 @@ class WorkerGroup(GroupNews):
         for m in members:
             m.wid = next(self._wids)
             self._by_wid[m.wid] = m
+            self._on_node.setdefault(m.node_id, []).append(m)
 
     def _attach(self, members: list[Member]) -> None:
         grouped = by_node(members)
@@ -211,7 +214,7 @@ class WorkerGroup(GroupNews):
         group and restore the state it names."""
         members = plan.members
         for rank, m in enumerate(members):
-            m.rank, m.run_result, m.silent_s, m.launched = rank, None, 0.0, False
+            m.rank, m.run_result, m.silent_s, m.launched, m.quiet = rank, None, 0.0, False, False
         # From here on these are the members: a loss below is a failure of this layout,
         # and the next recovery evicts it by its new rank (newcomers are not leaked).
         self.members = list(members)
@@ -264,7 +267,7 @@ class WorkerGroup(GroupNews):
         nodes = wids_by_node([m for m in self.members if not m.dead])
         cid = self.tree.send(dict.fromkeys(nodes, Launch(last_step)))
         for m in self.members:
-            m.run_result, m.since, m.launched = None, cid, True
+            m.run_result, m.since, m.launched, m.quiet = None, cid, True, False
 
     def observe(self, timeout: float = POLL_INTERVAL_S) -> Observation:
         now = self._look(timeout)
@@ -288,8 +291,9 @@ class WorkerGroup(GroupNews):
 
     def drain_results(self, members: Sequence[Member], timeout: float = 10.0) -> list[tuple[int, Any]]:
         """The results ``members`` reported that the controller has not seen yet: every
-        agent sends up all its ranks reported before it answers."""
-        expect = wids_by_node([m for m in members if not m.dead])
+        agent sends up all its ranks reported before it answers. A member whose run ended
+        with nothing asked of it since is not asked: all it reported came with its end."""
+        expect = wids_by_node([m for m in members if not m.dead and not m.quiet])
         g = self._command({n: Query("flush", tuple(ws)) for n, ws in expect.items()}, expect)
         self._wait_for(g, timeout)
         self._done(g)
@@ -304,7 +308,10 @@ class WorkerGroup(GroupNews):
 
     def save_checkpoints(self, timeout: float) -> None:
         """After a stop at a step boundary: every rank writes the live step to storage."""
-        expect = wids_by_node([m for m in self.members if not m.dead])
+        live = [m for m in self.members if not m.dead]
+        for m in live:
+            m.quiet = False  # its checkpoint's upload reports come after its run's end
+        expect = wids_by_node(live)
         g = self._command({n: Query("save_checkpoint", tuple(ws), timeout) for n, ws in expect.items()}, expect)
         self._wait_for(g, timeout)
         self._done(g)

@@ -122,13 +122,16 @@ class TrainWorker:
         elif wait_s <= 0:  # a flush: a long poll in flight answers now too, with what it has
             self._reports.ready.set()
         self._reports.ready.clear()
+        # The outcome is read before the reports are taken: every report a run made is in
+        # the queue by the time its outcome is set, so a reply with the outcome has them all.
+        outcome, runs = self._outcome, self._runs
         first, reports = self._reports.take(ack, after, keep=have is not None)
         trainer = self.trainer
         if trainer is not None:
             self._step = trainer.step
         beat = max(self._beat, trainer.last_progress if trainer is not None else 0.0)
         idle = time.monotonic() - beat
-        return PollReply(self.rank, self._step, self._phase, idle, reports, self._outcome, self._runs, first)
+        return PollReply(self.rank, self._step, self._phase, idle, reports, outcome, runs, first)
 
     def _touch_beat(self) -> None:
         self._beat = time.monotonic()

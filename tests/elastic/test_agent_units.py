@@ -72,6 +72,12 @@ class ScriptedRanks:
         return [f for f in self.calls if f.handle == handle and f.method == method and f.status is None]
 
 
+def _news(digest) -> tuple:
+    """The node's news in a digest (a state without news clears it; no state: unchanged)."""
+    state = digest.states.get("n0")
+    return () if state is None else state.news
+
+
 def _report(step: int, compute: float = 1.0) -> StepReport:
     return StepReport(step, 2.5, 1.0, 0.1, step, 0, 1000.0 + step, compute_s=compute)
 
@@ -140,7 +146,7 @@ def test_an_outcome_of_an_earlier_run_is_stale():
     core.command(3, Launch(9))  # a new run: the rank still shows the old outcome until it starts
     core.pump(0)
     _answer_polls(core, backend, {0: PollReply(0, 4, "idle", 0.0, [], stopped, runs=1)})
-    assert core.digest(None, 0.0).states == {}
+    assert _news(core.digest(None, 0.0)) == ()
     _answer_polls(core, backend, {0: PollReply(0, 5, "idle", 0.0, [], RunOutcome("done", 9), runs=2)})
     assert core.digest(None, 0.0).states["n0"].news[0].outcome.status == "done"
 
@@ -158,7 +164,7 @@ def test_a_silent_rank_is_news_past_due_and_not_before():
     core, backend, clock = _node(1)
     clock.t += POLL_WAIT_S + REPORT_SILENCE_S * 0.5
     core.pump(0)
-    assert core.digest(None, 0.0).states == {}  # a long poll is not silence
+    assert _news(core.digest(None, 0.0)) == ()  # a long poll is not silence
     clock.t += REPORT_SILENCE_S
     core.pump(0)
     (news,) = core.digest(None, 0.0).states["n0"].news
@@ -168,7 +174,9 @@ def test_a_silent_rank_is_news_past_due_and_not_before():
     core.pump(0)
     assert core.digest(None, 0.0).states["n0"].news[0].silent_s == pytest.approx(REPORT_SILENCE_S * 2.5)
     _answer_polls(core, backend, {0: PollReply(0, 0, "idle", 0.0)})
-    assert core.digest(None, 0.0).states == {}
+    cleared = core.digest(None, 0.0)
+    assert "n0" in cleared.states and _news(cleared) == ()  # said once: no news any more
+    assert core.digest(None, 0.0).states == {}  # and not again
 
 
 def test_configure_is_answered_per_node_and_a_failure_first():

@@ -151,6 +151,12 @@ def test_owner_index_matches_owners_for():
             assert index.owners(new_rank, me) == old_owners_for(new_rank, holders, me, tp, pp, zero)
 
 
+def test_pp_tp_is_rank_coords():
+    for tp, pp in [(1, 1), (2, 1), (1, 3), (4, 2), (8, 4)]:
+        for rank in range(tp * pp * 5):
+            assert plan.pp_tp(rank, tp, pp) == tuple(rank_coords(rank, tp, pp)[1:])
+
+
 def test_covers_matches_the_old_check():
     rng = random.Random(11)
     for _ in range(500):
