@@ -25,14 +25,13 @@ Printed figures are ratios measured side by side::
     storage: phase wall time vs memory-only: async +X.X%, sync +X.X%
     memory:  snapshot blocking / step time = X.XX% (goal <= 3%)
 
-Usage: ``.venv/bin/python benchmarks/checkpoint_stall.py [--d-model 512] [--layers 8] [--checkpoints 10] [--every 5]``
+Usage: ``.venv/bin/python -m benchmarks.checkpoint_stall [--d-model 512] [--layers 8] [--checkpoints 10] [--every 5]``
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import shutil
 import socket
@@ -41,18 +40,19 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from elastic.checkpoint.memory_tier import MemoryTier  # noqa: E402
-from elastic.checkpoint.storage_tier import StorageUploader  # noqa: E402
-from elastic.messages import UploadReport  # noqa: E402
-from elastic.parallel.dims import ParallelDims  # noqa: E402
-from elastic.parallel.engine import TrainEngine  # noqa: E402
-from jobs import JobSpec  # noqa: E402
-from storage import RankWriteResult, commit_checkpoint  # noqa: E402
+from benchmarks.harness.results import utc_stamp, write_json
+from benchmarks.harness.stats import summary
+from elastic.checkpoint.memory_tier import MemoryTier
+from elastic.checkpoint.storage_tier import StorageUploader
+from elastic.messages import UploadReport
+from elastic.parallel.dims import ParallelDims
+from elastic.parallel.engine import TrainEngine
+from elastic.testing.ports import free_port
+from jobs import JobSpec
+from storage import RankWriteResult, commit_checkpoint
 
 
 def make_spec(args: argparse.Namespace, uri: str, async_: bool) -> JobSpec:
@@ -140,7 +140,7 @@ def storage_phase(loop: Loop, args: argparse.Namespace, root: str, async_: bool 
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
@@ -153,13 +153,10 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=3, help="rounds of the three phases, alternating (default 3)")
     p.add_argument("--dir", default=None, help="local checkpoint directory (default: a temporary one)")
     p.add_argument("--json", default=None, help="also write the per-round figures and their medians to this file")
-    args = p.parse_args()
-    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    args = p.parse_args(argv)
+    started = utc_stamp()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     root = args.dir or tempfile.mkdtemp(prefix="ckpt-stall-")
     try:
         spec = make_spec(args, root, True)
@@ -230,11 +227,11 @@ def main() -> int:
         f"{figure(lambda r: ms(r['memory']['blocking']) / ms(r['memory']['compute']))} (goal <= 3%)"
     )
     if args.json:
-        write_json(args, started, params, rounds)
+        write_results(args, started, params, rounds)
     return 0
 
 
-def write_json(args: argparse.Namespace, started: str, params: int, rounds: list[dict]) -> None:
+def write_results(args: argparse.Namespace, started: str, params: int, rounds: list[dict]) -> None:
     """The figures above as a results file (read by ``elastic simulate``, see docs/simulate.md)."""
     ms = lambda xs: 1e3 * statistics.mean(xs)  # noqa: E731
     per_round = [
@@ -252,14 +249,10 @@ def write_json(args: argparse.Namespace, started: str, params: int, rounds: list
         for r in rounds
     ]
 
-    def stats(key: str) -> dict:
-        vals = [x[key] for x in per_round]
-        return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
-
     doc = {
         "benchmark": "benchmarks/checkpoint_stall.py",
         "date_utc": started,
-        "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "finished_utc": utc_stamp(),
         "host": {"hostname": socket.gethostname(), "cpus": os.cpu_count(), "loadavg_1m_after": os.getloadavg()[0]},
         "versions": {"torch": torch.__version__},
         "scenario": {
@@ -273,12 +266,10 @@ def write_json(args: argparse.Namespace, started: str, params: int, rounds: list
             "reps": args.reps,
             "torch_threads": torch.get_num_threads(),
         },
-        "summary": {key: stats(key) for key in per_round[0]},
+        "summary": {key: summary(x[key] for x in per_round) for key in per_round[0]},
         "rounds": per_round,
     }
-    with open(args.json, "w") as f:
-        json.dump(doc, f, indent=2)
-        f.write("\n")
+    write_json(args.json, doc)
 
 
 if __name__ == "__main__":

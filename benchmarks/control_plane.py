@@ -6,9 +6,9 @@ Ray actors on this machine: the aggregators, and a ``NodeAgent`` actor for ``--r
 nodes; the other nodes' agents are the same ``NodeCore`` hosted inside their aggregator. The
 ranks are virtual (``elastic/testing/virtual_nodes.py``): they answer like real ones (step
 reports with snapshots, anomalies none, snapshot holdings, configure replies) from the
-clock, without torch. Only the ranks' process creation is replaced (``VirtualGroup.spawn``)
-and the cluster's capacity (``VirtualSlots``); raylets are stand-in listening sockets, and a
-lost node's socket is closed, so the driver's probes are real.
+clock, without torch. Only the ranks' process creation and the cluster's capacity are
+replaced (``benchmarks/harness/virtual_cluster.py``); raylets are stand-in listening
+sockets, and a lost node's socket is closed, so the driver's probes are real.
 
 The run: ``--steps`` steps (with a driver stall of 2 x ``elastic.heartbeat_timeout_s`` in
 the middle, on purpose: no failure may follow), then one node is lost (its agent dies, its
@@ -17,132 +17,41 @@ grow-back, a few steps. With ``--json`` the last line is one object (DESIGN sect
 ``ranks``, ``nodes``, ``driver_cpu_per_step_s``, ``driver_cpu_per_recovery_s``,
 ``recovery_decision_s`` (failure seen -> every configure request sent),
 ``false_failures``, ``driver_rpcs_per_s`` and ``store_ops_per_rank_per_reform`` (from the
-project's own process group on gloo at small world sizes, ``store_ops_model``), and more.
-Results are merged into ``benchmarks/results/control_plane.json`` by rank count.
+project's own process group on gloo at small world sizes, ``benchmarks/harness/store_ops.py``),
+and more. Results are merged into ``--results`` (``benchmarks/results/control_plane.json``)
+by rank count, next to the issue's goals; ``--no-save`` writes nothing.
 
 Driver CPU is the driver process's CPU time (every thread of it: Ray's own included).
+Runs in the process that was started (the driver), on one machine.
 
-    .venv/bin/python benchmarks/control_plane.py --ranks 1024 --json
-    .venv/bin/python benchmarks/control_plane.py --ranks 16384 --json
+    python -m benchmarks.control_plane --ranks 1024 --json
+    python -m benchmarks.control_plane --ranks 16384 --json
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import logging
 import os
-import platform
-import socket
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "control_plane.json"
+from benchmarks.harness.results import machine, results_path, utc_stamp, write_json
+from benchmarks.harness.store_ops import store_ops_model
+from benchmarks.harness.virtual_cluster import Raylets, tree_processes, virtual_group_class
 
-
-# --------------------------------------------------------------------------- the virtual cluster
-
-
-@dataclass(eq=False)
-class VirtualGroup:
-    """A placement group of the virtual cluster: one whole replica on one node."""
-
-    node: str
-
-
-class Raylets:
-    """Stand-in raylets: one listening socket for every live node, and one of its own for a
-    node to be lost (closed when it is: its probes are then refused)."""
-
-    def __init__(self) -> None:
-        self.live = self._listener()
-        self.own: dict[str, socket.socket] = {}
-
-    def _listener(self) -> socket.socket:
-        s = socket.create_server(("127.0.0.1", 0), backlog=4096)
-        threading.Thread(target=self._accept, args=(s,), daemon=True).start()
-        return s
-
-    @staticmethod
-    def _accept(s: socket.socket) -> None:
-        while True:
-            try:
-                conn, _ = s.accept()
-                conn.close()
-            except OSError:
-                return
-
-    def address(self, node: str) -> tuple[str, int]:
-        return (self.own[node] if node in self.own else self.live).getsockname()
-
-    def set_apart(self, node: str) -> None:
-        self.own[node] = self._listener()
-
-    def lose(self, node: str) -> None:
-        self.own[node].close()
-
-
-class VirtualSlots:
-    """``ReplicaSlots`` over the virtual cluster: one group per live node."""
-
-    def __init__(self, nodes: list[str]):
-        self.groups = {n: VirtualGroup(n) for n in nodes}
-
-    def request(self, total: int) -> None:
-        pass
-
-    def ready(self, timeout: float = 0.0) -> list[VirtualGroup]:
-        return list(self.groups.values())
-
-    def exclude(self, nodes: set[str], keep: set[int]) -> None:
-        for n in nodes:
-            self.groups.pop(n, None)
-
-    def release(self, group: VirtualGroup) -> None:
-        self.groups.pop(group.node, None)
-
-    def release_all(self) -> None:
-        self.groups.clear()
-
-    def add(self, node: str) -> None:
-        self.groups[node] = VirtualGroup(node)
-
-
-def virtual_group_class(world: Any, nodes: list[str], raylets: Raylets, real_agents: set[str], fan_in: int):
-    """The project's ``WorkerGroup`` with the virtual cluster's capacity, ranks and agents."""
-    from elastic.agent.actors import NodeAgent
-    from elastic.control.worker_group import Member, WorkerGroup
-    from elastic.testing.virtual_nodes import LocalVirtualAgent, VirtualRankRef
-
-    class Group(WorkerGroup):
-        agent_fan_in = fan_in
-
-        def _make_slots(self):
-            self.virtual = VirtualSlots(nodes)
-            return self.virtual
-
-        def _make_agent(self, node: str):
-            if node in real_agents:
-                return NodeAgent.options(name=None).remote(node, world.poll_wait_s, virtual=world)
-            return LocalVirtualAgent(node, world)
-
-        def spawn(self, groups):
-            members = [Member(None, g, b, g.node, "10.0.0.1", 0) for g in groups for b in range(self.replica_size)]
-            self._number(members)
-            for m in members:
-                m.actor = VirtualRankRef(m.wid)
-            self.raylets.update({g.node: raylets.address(g.node) for g in groups})
-            self._attach(members)
-            return members
-
-    return Group
+# Issue 24's goals at 16,384 ranks / 2,048 nodes / 2 s steps on one 2-core machine.
+GOALS = {
+    "driver_cpu_per_step_s": "<= 0.05",
+    "driver_cpu_per_recovery_s": "<= 2.0",
+    "recovery_decision_s": "<= 1.0",
+    "false_failures": "== 0 over 200 steps, with a driver stall of 2 x heartbeat_timeout_s",
+    "driver_cpu_per_step_growth_1k_to_16k": "<= 20x",
+}
 
 
 # --------------------------------------------------------------------------- what the run measures
@@ -314,26 +223,6 @@ def profile_recovery(ctl: Any) -> None:
     ctl._on_recovering = profiled
 
 
-def tree_processes() -> dict[str, Any]:
-    """The agent tree's actor processes on this machine (Ray names them ``ray::Class``): how
-    many, and their resident memory."""
-    count, rss_kb = {"Aggregator": 0, "NodeAgent": 0}, 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace")
-            kind = next((k for k in count if cmd.startswith(f"ray::{k}")), None)
-            if kind is None:
-                continue
-            status = open(f"/proc/{pid}/status").read()
-        except OSError:
-            continue
-        count[kind] += 1
-        rss_kb += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
-    return {"processes": count, "rss_gib": round(rss_kb / 2**20, 2)}
-
-
 def summarize(args, ctl, probe, cues, stall, stall_at, nodes, wall, load_start, real) -> dict[str, Any]:
     steps = probe.steps
     warm = min(10, args.steps // 4)
@@ -343,8 +232,8 @@ def summarize(args, ctl, probe, cues, stall, stall_at, nodes, wall, load_start, 
     false_failures = len(failures) - len(injected[:1])
     out: dict[str, Any] = {
         "benchmark": "benchmarks/control_plane.py",
-        "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "host": {"hostname": platform.node(), "cpus": os.cpu_count(), "loadavg_start": load_start},
+        "date_utc": utc_stamp(),
+        "host": {**machine(), "loadavg_start": load_start},
         "ranks": args.ranks,
         "nodes": nodes,
         "ranks_per_node": args.ranks_per_node,
@@ -385,139 +274,6 @@ def summarize(args, ctl, probe, cues, stall, stall_at, nodes, wall, load_start, 
     return out
 
 
-# --------------------------------------------------------------------------- store operations per re-formation
-
-STORE_OPS_LAYOUTS = ((2, 2), (2, 4))  # (tp, dp) re-formed for real on gloo: world 4 and 8 (2 cores)
-
-
-def store_ops_model(ranks: int, per_node: int) -> tuple[float | None, dict[str, Any]]:
-    """Store operations per rank per re-formation at ``ranks``, from the project's own process
-    group and mesh re-formed for real on gloo at small world sizes (``STORE_OPS_LAYOUTS``),
-    extrapolated along the fitted power of the world size. Counted by the process group's
-    own counter (``ReconfigurableProcessGroup.store_ops``) where it has one, else by a
-    counting wrapper around its store client."""
-    import torch.multiprocessing as mp
-
-    measured = {}
-    for tp, dp in STORE_OPS_LAYOUTS:
-        world = tp * dp
-        ctx = mp.get_context("spawn")
-        out = ctx.Queue()
-        from torch.distributed import TCPStore
-
-        server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        procs = [ctx.Process(target=_reform_twice, args=(r, tp, dp, server.port, out)) for r in range(world)]
-        for p in procs:
-            p.start()
-        counts = [out.get(timeout=300) for _ in procs]
-        for p in procs:
-            p.join(timeout=60)
-        measured[world] = max(c for c, _ in counts)
-        source = counts[0][1]
-    (w1, o1), (w2, o2) = sorted(measured.items())
-    import math
-
-    power = math.log(o2 / o1) / math.log(w2 / w1) if o1 and o2 else 0.0
-    at = o2 * (ranks / w2) ** power if o2 else None
-    return at, {"measured": measured, "power": round(power, 3), "counter": source, "layouts": STORE_OPS_LAYOUTS}
-
-
-def _reform_twice(rank: int, tp: int, dp: int, port: int, out: Any) -> None:
-    """One rank: join generation 1 (group and mesh), then re-form as generation 2 (the
-    re-formation counted)."""
-    import torch
-
-    from elastic.parallel.dims import MESH_DIM_NAMES, ParallelDims
-    from elastic.worker.process_group import ReconfigurableProcessGroup
-
-    torch.set_num_threads(1)
-    pg = _counting(ReconfigurableProcessGroup)("cpu", 60.0)
-    world = tp * dp
-    count = 0
-    for generation in (1, 2):
-        before = pg.ops()
-        pg.configure(generation, rank, world, ("127.0.0.1", port))
-        dims = ParallelDims(dp=dp, tp=tp, pp=1, world_size=world, timeout=pg.rendezvous_timeout)
-        dims.build_mesh("cpu")
-        pg.mesh_built([dims.world_mesh[name].get_group() for name in MESH_DIM_NAMES])
-        pg.built()
-        pg.settled()
-        count = pg.ops() - before
-    pg.leave()
-    out.put((count, pg.source))
-
-
-def _counting(cls):
-    """``cls`` with an ``ops()`` count of its store operations: its own counter if it has one."""
-    if hasattr(cls, "store_ops"):
-
-        class Own(cls):
-            source = "ReconfigurableProcessGroup.store_ops"
-
-            def ops(self) -> int:
-                return self._client.ops if self._client is not None else 0
-
-        return Own
-    import torch.distributed as dist
-
-    class CountingStore(dist.Store):
-        """Counts every call made on the store client (each is one round trip to the store)."""
-
-        def __init__(self, inner: Any):
-            super().__init__()
-            self.inner, self.ops = inner, 0
-
-        def _call(self, name: str, *args: Any) -> Any:
-            self.ops += 1
-            return getattr(self.inner, name)(*args)
-
-        def set(self, key, value):
-            return self._call("set", key, value)
-
-        def get(self, key):
-            return self._call("get", key)
-
-        def add(self, key, value):
-            return self._call("add", key, value)
-
-        def compare_set(self, key, expected, desired):
-            return self._call("compare_set", key, expected, desired)
-
-        def wait(self, keys, *timeout):
-            return self._call("wait", keys, *timeout)
-
-        def check(self, keys):
-            return self._call("check", keys)
-
-        def delete_key(self, key):
-            return self._call("delete_key", key)
-
-        def num_keys(self):
-            return self._call("num_keys")
-
-        def set_timeout(self, timeout):
-            return self.inner.set_timeout(timeout)
-
-        @property
-        def timeout(self):
-            return self.inner.timeout
-
-    class Counted(cls):
-        source = "a counting wrapper around the store client (benchmarks/control_plane.py)"
-
-        def _store_client(self, address):
-            fresh = self._client is None or self._client_address != tuple(address)
-            client = super()._store_client(address)
-            if fresh:
-                self._client = CountingStore(client)
-            return self._client
-
-        def ops(self) -> int:
-            return self._client.ops if self._client is not None else 0
-
-    return Counted
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=1024)
@@ -531,22 +287,39 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-store-ops", dest="store_ops", action="store_false", help="skip the gloo store count")
     ap.add_argument("--profile", action="store_true", help="print the driver's CPU profile of each recovery")
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--no-save", action="store_true", help="do not merge into benchmarks/results/control_plane.json")
+    ap.add_argument("--json", action="store_true", help="print the figures as one JSON object on the last line")
+    ap.add_argument(
+        "--results", default=results_path("control_plane.json"), help="the results file this run is merged into"
+    )
+    ap.add_argument("--no-save", action="store_true", help="write no results file")
     args = ap.parse_args(argv)
+    if args.ranks < 2 * args.ranks_per_node or args.ranks % args.ranks_per_node:
+        ap.error("--ranks: a multiple of --ranks-per-node, at least two nodes")
+    if args.steps < 8:
+        ap.error("--steps: at least 8 (warm-up, the stall, then the steady steps)")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     out = run(args)
     if not args.no_save:
-        save(out)
+        save(args.results, out)
     print(json.dumps(out) if args.json else json.dumps(out, indent=1))
     return 0
 
 
-def save(out: dict[str, Any]) -> None:
-    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"benchmark": out["benchmark"], "runs": {}}
+def save(path: str, out: dict[str, Any]) -> None:
+    """Merge this run into the results file by rank count, the goals and the growth of the
+    driver's CPU per step from the smallest to the largest run next to it."""
+    data = {"benchmark": out["benchmark"], "runs": {}}
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
     data["runs"][str(out["ranks"])] = out
     data["date_utc"] = out["date_utc"]
-    RESULTS.write_text(json.dumps(data, indent=1) + "\n")
+    data["goals"] = GOALS
+    runs = sorted(data["runs"].values(), key=lambda r: r["ranks"])
+    if len(runs) > 1 and runs[0].get("driver_cpu_per_step_s"):
+        growth = runs[-1]["driver_cpu_per_step_s"] / runs[0]["driver_cpu_per_step_s"]
+        data["driver_cpu_per_step_growth"] = {"from": runs[0]["ranks"], "to": runs[-1]["ranks"], "x": round(growth, 2)}
+    write_json(path, data, indent=1)
 
 
 if __name__ == "__main__":

@@ -15,63 +15,33 @@
 4. **Duplicate reads**: bytes GET from storage per step with tp=2 against tp=1 (dp 2 both),
    for the default loader (``ray_data``) and ``feeder``, and the native reader at tp=2 for contrast.
 
-Usage: ``python benchmarks/data_ingest.py [--out benchmarks/results/data_ingest.json] [--only 1,2,3,4]``
+Usage: ``python -m benchmarks.data_ingest [--out benchmarks/results/data_ingest.json] [--only 1,2,3,4]``
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import math
 import os
-import platform
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "data"))
+from benchmarks.harness.cluster import local_cluster
+from benchmarks.harness.plain_prepare import plain_loop
+from benchmarks.harness.results import measured_now, results_path, write_json
+from benchmarks.harness.s3 import MotoS3
+from benchmarks.harness.stats import summary_with_runs
 
-import numpy as np  # noqa: E402
-
-KEY, SECRET = "testing", "testing"
 GET_LATENCY_S = 0.05  # the proxy holds each data GET this long: an object store's time to first byte
 
 
-class Moto:
-    def __init__(self):
-        from moto.server import ThreadedMotoServer
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
-        self.server.start()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        import boto3
-
-        self.client = boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            aws_access_key_id=KEY,
-            aws_secret_access_key=SECRET,
-            region_name="us-east-1",
-        )
-        self.client.create_bucket(Bucket="bench")
-
-    def options(self, endpoint=None):
-        """s3fs arguments: the native reader hands them to fsspec as they are."""
-        client = {"endpoint_url": endpoint or self.endpoint, "region_name": "us-east-1"}
-        return {"key": KEY, "secret": SECRET, "client_kwargs": client}
-
-
 def make_text(tmp: str, packages) -> str:
-    from ingest_testlib import stdlib_texts, write_jsonl
+    from elastic.testing.texts import stdlib_texts, write_jsonl
 
     path = os.path.join(tmp, "text")
     write_jsonl(path, stdlib_texts(packages), per_file=16)
@@ -79,22 +49,8 @@ def make_text(tmp: str, packages) -> str:
 
 
 def cluster(nodes: int = 4):
-    import ray
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    for _ in range(nodes):
-        c.add_node(num_cpus=1)
-    c.wait_for_nodes()
-    ray.init(address=c.address, log_to_driver=False, logging_level=logging.ERROR)
-    return c
-
-
-def stop(c) -> None:
-    import ray
-
-    ray.shutdown()
-    c.shutdown()
+    """A CPU-less head and ``nodes`` one-CPU nodes, Ray's dashboard off."""
+    return local_cluster(nodes, dashboard=False, log_level=logging.ERROR)
 
 
 def spec(source, options, **over):
@@ -141,16 +97,15 @@ def storage_burst(moto, corpus, tmp):
     out = {}
     for waves in (4, 1):
         proxy = CountingProxy(moto.endpoint, prefix="/bench/corpus", get_latency_s=GET_LATENCY_S)
-        c = cluster(4)
         try:
-            t_start = time.time()
-            s = spec(corpus, moto.options(proxy.endpoint), data__waves=waves)
-            inj = FaultInjector([Fault("kill_node", at_step=8, node_index=2)], cluster=c)
-            slow = [worker_fault("slow", step=1, rank=r, seconds=0.1) for r in range(4)]
-            run_dir = os.path.join(tmp, f"burst-w{waves}")
-            ElasticTrainer(s, run_dir=run_dir, callbacks=[inj], step_hook=WorkerFaults(slow)).fit()
+            with cluster(4) as c:
+                t_start = time.time()
+                s = spec(corpus, moto.options(proxy.endpoint), data__waves=waves)
+                inj = FaultInjector([Fault("kill_node", at_step=8, node_index=2)], cluster=c)
+                slow = [worker_fault("slow", step=1, rank=r, seconds=0.1) for r in range(4)]
+                run_dir = os.path.join(tmp, f"burst-w{waves}")
+                ElasticTrainer(s, run_dir=run_dir, callbacks=[inj], step_hook=WorkerFaults(slow)).fit()
         finally:
-            stop(c)
             proxy.close()
         evs = events(run_dir)
         t_fail = next(e["ts"] for e in evs if e["kind"] == "failure")
@@ -174,8 +129,7 @@ def data_wait(moto, corpus, tmp):
     from elastic import ElasticTrainer
 
     out = {}
-    c = cluster(4)
-    try:
+    with cluster(4):
         # An untimed job first: the cluster's first job starts worker processes and Ray's
         # own actors for all that follow, and must not be charged to the first loader.
         ElasticTrainer(
@@ -214,48 +168,15 @@ def data_wait(moto, corpus, tmp):
                 "first_step_after_s": first - t_start,  # start-up: cluster join, build, first reads
             }
             print(f"[wait] {loader}: {out[loader]}", flush=True)
-    finally:
-        stop(c)
     return out
 
 
 # --------------------------------------------------------------------------- 3. prepare
-def plain_loop(text_dir, tokenizer_path, out_dir, seq_len, rows_per_shard):
-    """The baseline: one process reads, tokenizes (encode_batch), packs and writes."""
-    from elastic.ingest import tokenizer as toks
-    from elastic.ingest.prepare import _Packer, encode_shard, iter_texts
-
-    t0 = time.perf_counter()
-    tok = toks.byte_tokenizer() if tokenizer_path == "byte" else toks.load_file(tokenizer_path)
-    eot = toks.eot_id(tok)
-    os.makedirs(out_dir, exist_ok=True)
-    n = [0]
-
-    def write(rows):
-        with open(os.path.join(out_dir, f"part-{n[0]:05d}.parquet"), "wb") as f:
-            f.write(encode_shard(rows))
-        n[0] += 1
-
-    packer = _Packer(seq_len + 1, rows_per_shard, write)
-    batch = []
-    for text in iter_texts(text_dir):
-        batch.append(text)
-        if len(batch) == 64:
-            for e in tok.encode_batch(batch, add_special_tokens=False):
-                packer.add(np.append(np.asarray(e.ids, dtype=np.int32), np.int32(eot)))
-            batch = []
-    for e in tok.encode_batch(batch, add_special_tokens=False):
-        packer.add(np.append(np.asarray(e.ids, dtype=np.int32), np.int32(eot)))
-    packer.finish()
-    return packer.rows * (seq_len + 1) / (time.perf_counter() - t0)
-
-
 def prepare_throughput(text_dir, tmp, repeats=3):
     from elastic.ingest.prepare import PrepareConfig, prepare
 
     out = {}
-    c = cluster(4)
-    try:
+    with cluster(4):
         bpe_dir = os.path.join(tmp, "bpe-train")
         prepare(PrepareConfig(text_dir, bpe_dir, tokenizer="bpe:2048", seq_len=64, progress=False))
         for name, tok in (("byte", "byte"), ("bpe2048", os.path.join(bpe_dir, "tokenizer.json"))):
@@ -267,19 +188,13 @@ def prepare_throughput(text_dir, tmp, repeats=3):
                 base.append(plain_loop(text_dir, tok, os.path.join(tmp, f"loop-{name}-{i}"), 64, 2048))
                 shutil.rmtree(d, ignore_errors=True)
             out[name] = {
-                "prepare_tokens_per_s": _summary(ours),
-                "plain_loop_tokens_per_s": _summary(base),
+                "prepare_tokens_per_s": summary_with_runs(ours),
+                "plain_loop_tokens_per_s": summary_with_runs(base),
                 "ratio_median": statistics.median(ours) / statistics.median(base),
                 "tokens": r.tokens,
             }
             print(f"[prepare] {name}: {out[name]}", flush=True)
-    finally:
-        stop(c)
     return out
-
-
-def _summary(xs):
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
 
 
 # --------------------------------------------------------------------------- 4. duplicate reads
@@ -288,8 +203,7 @@ def duplicate_reads(moto, corpus, tmp):
     from elastic.testing.s3proxy import CountingProxy
 
     out = {}
-    c = cluster(4)
-    try:
+    with cluster(4):
         for name, tp, loader in (
             ("tp1_ray_data", 1, "ray_data"),
             ("tp2_ray_data", 2, "ray_data"),
@@ -313,72 +227,63 @@ def duplicate_reads(moto, corpus, tmp):
             gets, nbytes = proxy.counts()
             out[name] = {"bytes_per_step": nbytes / s.train.steps, "gets": gets, "bytes": nbytes}
             print(f"[dup] {name}: {out[name]}", flush=True)
-    finally:
-        stop(c)
     out["ratio_tp2_over_tp1"] = out["tp2_ray_data"]["bytes"] / out["tp1_ray_data"]["bytes"]  # the default loader
     out["ratio_tp2_over_tp1_feeder"] = out["tp2_feeder"]["bytes"] / out["tp1_feeder"]["bytes"]
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument(
-        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "data_ingest.json")
-    )
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=results_path("data_ingest.json"))
     ap.add_argument("--only", default="1,2,3,4")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     parts = set(args.only.split(","))
     logging.getLogger("ray").setLevel(logging.ERROR)
     from elastic.ingest.prepare import PrepareConfig, prepare
 
     tmp = tempfile.mkdtemp(prefix="data-ingest-")
     results = {
-        "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "cpus": os.cpu_count(),
+        **measured_now(),
         "load_before": os.getloadavg(),
     }
-    moto = Moto()
+    moto = MotoS3("bench")
     try:
         text = make_text(tmp, ("json", "email", "http", "logging", "asyncio", "xml/dom", "unittest"))
         for name in sorted(os.listdir(text)):
             moto.client.upload_file(os.path.join(text, name), "bench", f"text/{name}")
         corpus = "s3://bench/corpus"
-        os.environ.update(
-            AWS_ENDPOINT_URL=moto.endpoint,
-            AWS_ACCESS_KEY_ID=KEY,
-            AWS_SECRET_ACCESS_KEY=SECRET,
-            AWS_DEFAULT_REGION="us-east-1",
-        )
-        c = cluster(4)
-        try:
+        os.environ.update(MotoS3.environ(moto.endpoint))
+        with cluster(4):
             r = prepare(PrepareConfig("s3://bench/text", corpus, tokenizer="byte", seq_len=64, rows_per_shard=256))
             results["corpus"] = {"rows": r.rows, "shards": r.shards, "tokens": r.tokens}
-        finally:
-            stop(c)
-        if "1" in parts:
-            results["storage_burst"] = storage_burst(moto, corpus, tmp)
-        if "2" in parts:
-            results["data_wait"] = data_wait(moto, corpus, tmp)
-        if "3" in parts:
-            results["prepare_throughput"] = prepare_throughput(text, tmp)
-        if "4" in parts:
-            results["duplicate_reads"] = duplicate_reads(moto, corpus, tmp)
+        run_parts(parts, results, moto, corpus, text, tmp)
     finally:
-        moto.server.stop()
+        moto.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     results["load_after"] = os.getloadavg()
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
     if parts != {"1", "2", "3", "4"} and os.path.exists(args.out):  # a partial run updates its parts only
         with open(args.out) as f:
             previous = json.load(f)
-        for key in ("storage_burst", "data_wait", "prepare_throughput", "duplicate_reads"):
+        for key in PARTS.values():
             if key in previous and key not in results:
                 results[key] = previous[key]
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+    write_json(args.out, results, newline=False)
     print(json.dumps(results, indent=2))
     return 0
+
+
+PARTS = {"1": "storage_burst", "2": "data_wait", "3": "prepare_throughput", "4": "duplicate_reads"}
+
+
+def run_parts(parts: set[str], results: dict, moto: MotoS3, corpus: str, text: str, tmp: str) -> None:
+    if "1" in parts:
+        results["storage_burst"] = storage_burst(moto, corpus, tmp)
+    if "2" in parts:
+        results["data_wait"] = data_wait(moto, corpus, tmp)
+    if "3" in parts:
+        results["prepare_throughput"] = prepare_throughput(text, tmp)
+    if "4" in parts:
+        results["duplicate_reads"] = duplicate_reads(moto, corpus, tmp)
 
 
 if __name__ == "__main__":

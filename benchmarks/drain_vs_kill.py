@@ -14,25 +14,24 @@ rank held ``--step-s`` before each step so that a step lasts about that long. Af
 The training gap is the time between the last step completed before the event and the next
 completed step (the step events' times), next to the ordinary gap between two steps.
 Repeated ``--repeats`` times each, interleaved; prints median and range and the ratio
-kill / drain, and writes ``benchmarks/results/drain_vs_kill.json``.
+kill / drain, and writes ``benchmarks/results/drain_vs_kill.json`` (``--out``).
 
-Usage: ``.venv/bin/python benchmarks/drain_vs_kill.py [--repeats 3] [--step-s 0.15] [--at 8]``
+Usage: ``.venv/bin/python -m benchmarks.drain_vs_kill [--repeats 3] [--step-s 0.15] [--at 8]``
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
 import statistics
 import sys
 import tempfile
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from benchmarks.harness.cluster import local_cluster
+from benchmarks.harness.results import results_path, utc_stamp, write_json
+from benchmarks.harness.stats import median_ratio
 
 
 def _spec(steps: int):
@@ -54,19 +53,11 @@ def _spec(steps: int):
 
 
 def one_run(mode: str, args: argparse.Namespace) -> dict:
-    import ray
-    from ray.cluster_utils import Cluster
-
     from elastic import ElasticTrainer
     from elastic.events import read_events
     from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    try:
-        for _ in range(4):
-            cluster.add_node(num_cpus=1)
-        cluster.wait_for_nodes()
-        ray.init(address=cluster.address, log_to_driver=False, logging_level=logging.ERROR)
+    with local_cluster(4, dashboard=False, log_level=logging.ERROR) as cluster:
         fault = Fault("drain", at_step=args.at, node_index=3, deadline_s=30.0)
         if mode == "kill":
             fault = Fault("kill_node", at_step=args.at, node_index=3, graceful_raylet=True)
@@ -75,9 +66,6 @@ def one_run(mode: str, args: argparse.Namespace) -> dict:
         run_dir = tempfile.mkdtemp(prefix=f"drain-vs-kill-{mode}-")
         result = ElasticTrainer(_spec(args.steps), run_dir=run_dir, callbacks=[injector], step_hook=hook).fit()
         events = read_events(run_dir)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
     steps = [e for e in events if e["kind"] == "step"]
     ts = [e["ts"] for e in steps]
     fired = fault.fired_at
@@ -117,13 +105,14 @@ def summarize(values: list[float]) -> str:
     return f"median {statistics.median(values):.2f}s (range {min(values):.2f}-{max(values):.2f})"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--step-s", type=float, default=0.15)
     p.add_argument("--at", type=int, default=8)
     p.add_argument("--steps", type=int, default=20)
-    args = p.parse_args()
+    p.add_argument("--out", default=results_path("drain_vs_kill.json"), help="results JSON (default %(default)s)")
+    args = p.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     runs = []
     for i in range(args.repeats):
@@ -142,23 +131,19 @@ def main() -> int:
     print(f"training gap, drain (30 s notice): {summarize(drain)}")
     print(f"training gap, kill (no notice):    {summarize(kill)}")
     print(f"ordinary step gap:                 {summarize(ordinary)}")
-    print(f"kill / drain gap ratio: {statistics.median(kill) / statistics.median(drain):.2f}x (medians)")
-    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    out = os.path.join(ROOT, "benchmarks", "results", "drain_vs_kill.json")
-    with open(out, "w") as f:
-        json.dump(
-            {
-                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "host": platform.node(),
-                "cpus": os.cpu_count(),
-                "load_avg_at_end": os.getloadavg(),
-                "args": vars(args),
-                "runs": runs,
-            },
-            f,
-            indent=2,
-        )
-    print(f"wrote {out}")
+    print(f"kill / drain gap ratio: {median_ratio(kill, drain):.2f}x (medians)")
+    # The published file's keys, as before ``--out`` existed (``args`` records the settings).
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    doc = {
+        "measured_at": utc_stamp(),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "load_avg_at_end": os.getloadavg(),
+        "args": settings,
+        "runs": runs,
+    }
+    write_json(args.out, doc, newline=False)
+    print(f"wrote {args.out}")
     return 0
 
 

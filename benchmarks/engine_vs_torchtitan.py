@@ -15,7 +15,7 @@ GPU, peak RSS on CPU) and MFU (``6N + 12·L·d·T`` FLOPs per token over the dev
 peak, ``--peak-tflops``, default H100 SXM dense 989), and the ratio ours / torchtitan.
 
     torchrun --nproc-per-node 8 benchmarks/engine_vs_torchtitan.py --flavor 8B --seq 8192 --batch 1
-    python benchmarks/engine_vs_torchtitan.py --flavor debugmodel --device cpu   # CPU path
+    python -m benchmarks.engine_vs_torchtitan --flavor debugmodel --device cpu   # CPU path
 
 Each side runs in its own spawned process group (``--nproc`` ranks) when not under torchrun.
 """
@@ -28,15 +28,12 @@ import json
 import os
 import resource
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # torchtitan flavor -> our LlamaConfig at the same shape (torchtitan's debugmodel: dim 256,
 # 6 layers, 16 heads, no GQA, vocab 2048, multiple_of 256).
@@ -216,7 +213,7 @@ def run_side(side: str, args) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--flavor", default="debugmodel", choices=sorted(SHAPES))
     ap.add_argument("--seq", type=int, default=2048)
@@ -231,7 +228,7 @@ def main() -> None:
     ap.add_argument(
         "--patch-torchtitan-cpu", action="store_true", help="make torchtitan build its mesh on CPU (it assumes CUDA)"
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     results: dict[str, list[dict]] = {"torchtitan": [], "ours": []}
     for _ in range(args.repeats):  # interleaved, so that drift hits both sides alike

@@ -5,7 +5,7 @@ batch through the project's ``TrainEngine``, in one run of ``--world`` spawned r
 127.0.0.1, one torch thread per rank; ``--device cuda`` uses NCCL, one GPU per rank).
 Default layouts for 4 ranks::
 
-    DP4 (zero 0)   DP2xTP2   DP2xPP2   TP2xPP2   ZeRO-3xDP4   ZeRO-2+AC xDP2xTP2   ZeRO-1xDP4
+    DP4 (zero 0)   DP2xTP2   DP2xPP2   TP2xPP2   ZeRO-3xDP4   ZeRO-2+AC xDP2xTP2   ZeRO-1xDP4   TP2xPP2+AC
 
 Phases (all in the same process group, all engines kept alive):
 
@@ -18,7 +18,7 @@ Phases (all in the same process group, all engines kept alive):
    ``global_batch * seq_len / median``, and the ratio to the first layout.
 
 Memory, per rank (the measuring code is ``elastic/testing/layout_memory.py``, shared with
-``tests/test_memory_model_measured.py``, which asserts the same ratio within +-15%):
+``tests/parallel/test_memory_model_measured.py``, which asserts the same ratio within +-15%):
 ``state`` (bytes of params, grads and optimizer state held at the end of the step),
 ``peak`` (the headline: peak live tensor bytes over one instrumented step, a CPU stand-in
 for ``torch.cuda.max_memory_allocated``; the real figure on ``--device cuda``) and
@@ -30,26 +30,22 @@ of the measured peak to the predicted total. The PP bubble is the engine's
 
 Usage::
 
-    .venv/bin/python benchmarks/parallel_layouts.py [--world 4] [--rounds 3] [--steps-per-round 2]
+    .venv/bin/python -m benchmarks.parallel_layouts [--world 4] [--rounds 3] [--steps-per-round 2]
         [--warmup 2] [--layouts DP4,DP2xTP2,...] [--device cpu|cuda] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
 import time
 from dataclasses import asdict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from elastic.models.gpt import ModelConfig  # noqa: E402
-from elastic.testing.layout_memory import (  # noqa: E402
+from benchmarks.harness.results import write_stamped
+from elastic.models.gpt import ModelConfig
+from elastic.testing.layout_memory import (
     DEFAULT_GLOBAL_BATCH,
     DEFAULT_MICRO_BATCH,
     DEFAULT_MODEL,
@@ -164,7 +160,7 @@ def print_table(rows: list[dict], args, model_cfg: ModelConfig, wall_s: float) -
     ratios = [r["measured"]["peak_bytes_max_rank"] / r["predicted"]["total"] for r in rows]
     print(
         f"peak/pred over all layouts: {min(ratios):.2f} to {max(ratios):.2f} "
-        f"(tests/test_memory_model_measured.py asserts 0.85 to 1.15 on the default model)."
+        f"(tests/parallel/test_memory_model_measured.py asserts 0.85 to 1.15 on the default model)."
     )
     method = rows[0]["measured"]["rss_method"]
     print(f"rssΔ = peak RSS after the build minus RSS before it ({method}); page-granular and polluted by the")
@@ -174,7 +170,7 @@ def print_table(rows: list[dict], args, model_cfg: ModelConfig, wall_s: float) -
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -195,7 +191,7 @@ def main() -> None:
     ap.add_argument("--steps-per-round", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", dest="json_out", default=None, help="write the results as JSON here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     by_name = {lay.name: lay for lay in LAYOUTS}
     names = [n.strip() for n in args.layouts.split(",") if n.strip()]
@@ -228,18 +224,13 @@ def main() -> None:
     rows = summarise(layouts, per_rank, model_cfg, args)
     print_table(rows, args, model_cfg, wall_s)
     if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(
-                {
-                    "config": {k: v for k, v in vars(args).items() if k != "json_out"},
-                    "model": model_cfg.model_dump(),
-                    "wall_s": wall_s,
-                    "layouts": rows,
-                },
-                f,
-                indent=2,
-            )
-        print(f"wrote {args.json_out}")
+        doc = {
+            "config": {k: v for k, v in vars(args).items() if k != "json_out"},
+            "model": model_cfg.model_dump(),
+            "wall_s": wall_s,
+            "layouts": rows,
+        }
+        write_stamped(args.json_out, doc)
 
 
 if __name__ == "__main__":

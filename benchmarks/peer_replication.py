@@ -15,7 +15,7 @@ memory; without the copy the same failure restarts from step 0 (no storage tier 
 
 Usage::
 
-    .venv/bin/python benchmarks/peer_replication.py [--steps 60] [--reps 2] [--set KEY=VALUE ...]
+    .venv/bin/python -m benchmarks.peer_replication [--steps 60] [--reps 2] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -25,32 +25,21 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from benchmarks.harness import QUICKSTART
+from benchmarks.harness.cluster import embedded_cpus, local_ray
+from benchmarks.harness.stats import least_squares_slope
+from elastic import ElasticTrainer
+from elastic.faults import Fault, FaultInjector
+from jobs.spec import JobSpec
 
-from elastic import ElasticTrainer  # noqa: E402
-from elastic.faults import Fault, FaultInjector  # noqa: E402
-from jobs.spec import JobSpec  # noqa: E402
-
-QUICKSTART = os.path.join(ROOT, "examples", "quickstart.yaml")
 WARMUP = 5
 
 
 def _events(run_dir: str, kind: str) -> list[dict]:
     with open(os.path.join(run_dir, "events.jsonl")) as f:
         return [e for e in map(json.loads, f) if e["kind"] == kind]
-
-
-def _slope(points: list[tuple[int, float]]) -> float:
-    """Seconds per step: least-squares slope of completion time over step."""
-    n = len(points)
-    mx = sum(s for s, _ in points) / n
-    my = sum(t for _, t in points) / n
-    return sum((s - mx) * (t - my) for s, t in points) / sum((s - mx) ** 2 for s, _ in points)
 
 
 def run(work: str, name: str, steps: int, replicate: bool, extra: list[str], callbacks=()) -> tuple[str, dict]:
@@ -66,7 +55,9 @@ def run(work: str, name: str, steps: int, replicate: bool, extra: list[str], cal
     ]
     spec = JobSpec.from_yaml(QUICKSTART, overrides=overrides)
     run_dir = os.path.join(work, name)
-    result = ElasticTrainer(spec, run_dir=run_dir, callbacks=list(callbacks)).fit()
+    # Its own Ray, sized as the trainer's embedded one: never a cluster another process recorded.
+    with local_ray(embedded_cpus(spec)):
+        result = ElasticTrainer(spec, run_dir=run_dir, callbacks=list(callbacks)).fit()
     return run_dir, result.model_dump()
 
 
@@ -74,15 +65,15 @@ def measure(run_dir: str) -> dict:
     steps = {e["step"]: e["ts"] for e in _events(run_dir, "step")}
     window = [(s, t) for s, t in sorted(steps.items()) if s > WARMUP]
     blocking = [e["blocking_s"] for e in _events(run_dir, "checkpoint") if e["tier"] == "memory" and e["step"] > WARMUP]
-    return {"s_per_step": _slope(window), "blocking_s": statistics.median(blocking)}
+    return {"s_per_step": least_squares_slope(window), "blocking_s": statistics.median(blocking)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     work = tempfile.mkdtemp(prefix="peer-replication-")
     try:
         figures: dict[bool, list[dict]] = {False: [], True: []}

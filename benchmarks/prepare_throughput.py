@@ -4,23 +4,22 @@ Input: JSON lines of the Python standard library's sources (text on every machin
 1 MB per file, at several sizes. Both sides use the same tokenizer (Hugging Face
 ``tokenizers``, byte-level, ``encode_batch``; it runs on all cores through its own thread
 pool in the plain loop too), the same packing code and write the same shards to local disk.
-The plain loop is ``benchmarks/data_ingest.py``'s baseline: read, tokenize 64 documents at a
-time, pack, write. ``prepare`` runs on a fresh local Ray (``--cpus``). Its first run in that
-Ray is reported apart: it pays the worker processes' start and imports. Then ``--repeats``
-runs of each side, alternating; median and range of tokens/s.
+The plain loop is the baseline of ``benchmarks/data_ingest.py`` too
+(``benchmarks/harness/plain_prepare.py``): read, tokenize 64 documents at a time, pack,
+write. ``prepare`` runs on a fresh local Ray (``--cpus``). Its first run in that Ray is
+reported apart: it pays the worker processes' start and imports. Then ``--repeats`` runs of
+each side, alternating; median and range of tokens/s.
 
-    python benchmarks/prepare_throughput.py [--sizes-mb 2,16] [--repeats 3] [--cpus 2]
+    python -m benchmarks.prepare_throughput [--sizes-mb 2,16] [--repeats 3] [--cpus 2]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import glob
 import json
 import logging
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -28,9 +27,9 @@ import sysconfig
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+from benchmarks.harness.plain_prepare import plain_loop
+from benchmarks.harness.results import measured_now, results_path, write_json
+from benchmarks.harness.stats import summary_with_runs
 
 
 def make_input(path: str, megabytes: float) -> int:
@@ -53,27 +52,20 @@ def make_input(path: str, megabytes: float) -> int:
     return total
 
 
-def _summary(xs):
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-mb", default="2,16")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cpus", type=int, default=os.cpu_count())
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "prepare_throughput.json"))
-    args = ap.parse_args()
+    ap.add_argument("--out", default=results_path("prepare_throughput.json"))
+    args = ap.parse_args(argv)
     import ray
-    from data_ingest import plain_loop
 
     from elastic.ingest.prepare import PrepareConfig, prepare
 
     tmp = tempfile.mkdtemp(prefix="prepare-bench-")
     results = {
-        "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "cpus": os.cpu_count(),
+        **measured_now(),
         "ray_cpus": args.cpus,
         "load_avg_at_start": os.getloadavg(),
         "note": "2-core machine shared with other jobs (load average above); timings are noisy",
@@ -103,8 +95,8 @@ def main() -> int:
                 "chars": chars,
                 "tokens": r.tokens,
                 "prepare_first_run_tokens_per_s": cold.tokens_per_s,
-                "prepare_tokens_per_s": _summary(ours),
-                "plain_loop_tokens_per_s": _summary(base),
+                "prepare_tokens_per_s": summary_with_runs(ours),
+                "plain_loop_tokens_per_s": summary_with_runs(base),
                 "ratio_median": statistics.median(ours) / statistics.median(base),
             }
             print(json.dumps({f"{mb:g}MB": results["sizes"][f"{mb:g}MB"]}, indent=1), flush=True)
@@ -112,9 +104,7 @@ def main() -> int:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
     results["load_avg_at_end"] = os.getloadavg()
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+    write_json(args.out, results, newline=False)
     return 0
 
 

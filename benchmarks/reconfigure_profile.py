@@ -1,8 +1,9 @@
 """Where a re-formation's time goes, inside the workers: leave, join, mesh, engine build, restore.
 
 The survivors of a 4 -> 3 shrink (3 gloo ranks, the model of
-``benchmarks/recovery_vs_raytrain.py``) re-form ``--generations`` times in a row, as after
-a failure: each generation leaves the old group, joins a new one, builds the device mesh
+``benchmarks/recovery_vs_raytrain.py``, from ``benchmarks/recovery/scenario.py``) re-form
+``--generations`` times in a row, as after a failure: each generation leaves the old group,
+joins a new one, builds the device mesh
 and the training engine (meta model, materialise and seed, DDP wrapper, optimizer),
 restores the previous generation's state from its memory snapshot and runs one step.
 Every phase is timed on every rank; the slowest rank's time is the one that holds the group
@@ -17,7 +18,7 @@ generation by generation, and prints the ratio of each to the first:
 
 Usage::
 
-    .venv/bin/python benchmarks/reconfigure_profile.py [--generations 8] [--world 3]
+    .venv/bin/python -m benchmarks.reconfigure_profile [--generations 8] [--world 3]
 """
 
 from __future__ import annotations
@@ -26,17 +27,12 @@ import argparse
 import gc
 import json
 import os
-import statistics
-import sys
 import tempfile
 import time
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from benchmarks.recovery_vs_raytrain import MODEL, spec_dict  # noqa: E402
+from benchmarks.harness.stats import median_range
+from benchmarks.recovery.scenario import MODEL, spec_dict
 
 PHASES = ("leave_s", "join_s", "mesh_s", "meta_s", "materialize_s", "wrap_s", "optimizer_s", "restore_s", "step_s")
 
@@ -95,13 +91,13 @@ def _rank(rank: int, world: int, out_dir: str, cfg: dict[str, Any]) -> list[dict
     return rows
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--generations", type=int, default=8, help="re-formations per variant (default 8)")
     ap.add_argument("--world", type=int, default=3, help="ranks in the re-formed group (default 3)")
     ap.add_argument("--variants", default="rebuild,reuse", help="comma-separated: rebuild, reuse")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     variants = args.variants.split(",")
     # Generation 0 is the job's first build (no restore); then the variants alternate.
     schedule = ["rebuild"] + [v for _ in range(args.generations) for v in variants]
@@ -116,13 +112,7 @@ def main() -> int:
     for v in variants:
         rows = [gens[g] for g in range(1, len(schedule)) if schedule[g] == v]
         out["variants"][v] = {
-            k: {
-                "median": statistics.median(r[k] for r in rows),
-                "min": min(r[k] for r in rows),
-                "max": max(r[k] for r in rows),
-            }
-            for k in (*PHASES, "engine_s")
-            if all(k in r for r in rows)
+            k: median_range(r[k] for r in rows) for k in (*PHASES, "engine_s") if all(k in r for r in rows)
         }
     out["load_after"] = os.getloadavg()[0]
     if args.json:

@@ -14,100 +14,77 @@ before it to the last rank's end). Side by side in one run:
 
 ``--repeats`` runs each, interleaved; median and range of the peak and of the restore time.
 
-    python benchmarks/restore_waves.py [--repeats 3] [--get-latency 0.05]
+    python -m benchmarks.restore_waves [--repeats 3] [--get-latency 0.05]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import math
 import os
-import platform
-import socket
-import statistics
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests", "checkpoint"))
+from benchmarks.harness.results import measured_now, results_path, write_json
+from benchmarks.harness.s3 import MotoS3
+from benchmarks.harness.stats import summary_with_runs
 
 WORLD, HOSTS = 4, 4
 CONFIGS = {"unstaggered": (1, 0), "waves_2": (2, 1), "waves_4": (4, 1)}
 
 
-def _summary(xs):
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "runs": xs}
+def measure(proxy, repeats: int) -> dict[str, dict[str, list]]:
+    """``repeats`` restores of each configuration, interleaved: peak GETs in flight, restore
+    time and GETs, counted at the proxy over the restore window."""
+    from elastic.testing import checkpoint_ranks
+    from elastic.testing.ranks import run_ranks
+
+    runs: dict[str, dict[str, list]] = {name: {"peak": [], "restore_s": [], "gets": []} for name in CONFIGS}
+    with tempfile.TemporaryDirectory(prefix="restore-waves-") as tmp:
+        for i in range(repeats):
+            for name, (waves, cap) in CONFIGS.items():
+                root = f"s3://bench/ckpt-{name}-{i}"
+                ranks = run_ranks(
+                    WORLD,
+                    checkpoint_ranks.staggered_restore,
+                    (root, 3, waves, cap, HOSTS),
+                    os.path.join(tmp, f"{name}-{i}"),
+                )
+                assert all(r["diff"] == [] for r in ranks), "restored state differs"
+                t0 = min(r["stats"]["window"][0] for r in ranks)
+                t1 = max(r["stats"]["window"][1] for r in ranks)
+                gets = sum(1 for t, _ in proxy.events if t0 <= t <= t1) // 2
+                runs[name]["peak"].append(proxy.peak(t0, t1))
+                runs[name]["restore_s"].append(t1 - t0)
+                runs[name]["gets"].append(gets)
+                print(f"[{name}] run {i}: peak {proxy.peak(t0, t1)} GETs in flight, {gets} GETs, "
+                      f"restore {t1 - t0:.2f}s", flush=True)  # fmt: skip
+    return runs
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--get-latency", type=float, default=0.05)
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "restore_waves.json"))
-    args = ap.parse_args()
-    import boto3
-    import ckpt_gloo_workers
-    from moto.server import ThreadedMotoServer
-
-    from elastic.testing.ranks import run_ranks
+    ap.add_argument("--out", default=results_path("restore_waves.json"))
+    args = ap.parse_args(argv)
     from elastic.testing.s3proxy import CountingProxy
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    upstream = f"http://127.0.0.1:{port}"
-    boto3.client(
-        "s3",
-        endpoint_url=upstream,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    ).create_bucket(Bucket="bench")
-    proxy = CountingProxy(upstream, prefix="/bench/", get_latency_s=args.get_latency)
-    os.environ.update(
-        AWS_ENDPOINT_URL=proxy.endpoint,
-        AWS_ACCESS_KEY_ID="testing",
-        AWS_SECRET_ACCESS_KEY="testing",
-        AWS_DEFAULT_REGION="us-east-1",
-    )
+    server = MotoS3("bench")
+    proxy = CountingProxy(server.endpoint, prefix="/bench/", get_latency_s=args.get_latency)
+    os.environ.update(MotoS3.environ(proxy.endpoint))
     results = {
-        "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "cpus": os.cpu_count(),
+        **measured_now(),
         "load_avg_at_start": os.getloadavg(),
         "note": "2-core machine shared with other jobs (load average above); timings are noisy",
         "setup": {"ranks": WORLD, "hosts": HOSTS, "zero": 3, "get_latency_s": args.get_latency},
         "configs": {},
     }
-    runs = {name: {"peak": [], "restore_s": [], "gets": []} for name in CONFIGS}
     try:
-        with tempfile.TemporaryDirectory(prefix="restore-waves-") as tmp:
-            for i in range(args.repeats):
-                for name, (waves, cap) in CONFIGS.items():
-                    root = f"s3://bench/ckpt-{name}-{i}"
-                    ranks = run_ranks(
-                        WORLD,
-                        ckpt_gloo_workers.staggered_restore,
-                        (root, 3, waves, cap, HOSTS),
-                        os.path.join(tmp, f"{name}-{i}"),
-                    )
-                    assert all(r["diff"] == [] for r in ranks), "restored state differs"
-                    t0 = min(r["stats"]["window"][0] for r in ranks)
-                    t1 = max(r["stats"]["window"][1] for r in ranks)
-                    gets = sum(1 for t, _ in proxy.events if t0 <= t <= t1) // 2
-                    runs[name]["peak"].append(proxy.peak(t0, t1))
-                    runs[name]["restore_s"].append(t1 - t0)
-                    runs[name]["gets"].append(gets)
-                    print(f"[{name}] run {i}: peak {proxy.peak(t0, t1)} GETs in flight, {gets} GETs, "
-                          f"restore {t1 - t0:.2f}s", flush=True)  # fmt: skip
+        runs = measure(proxy, args.repeats)
     finally:
         proxy.close()
         server.stop()
@@ -117,14 +94,12 @@ def main() -> int:
             "waves": waves,
             "max_reads_per_host": cap or None,
             "bound": bound,
-            "peak_gets_in_flight": _summary(runs[name]["peak"]),
-            "restore_s": _summary(runs[name]["restore_s"]),
-            "gets": _summary(runs[name]["gets"]),
+            "peak_gets_in_flight": summary_with_runs(runs[name]["peak"]),
+            "restore_s": summary_with_runs(runs[name]["restore_s"]),
+            "gets": summary_with_runs(runs[name]["gets"]),
         }
     results["load_avg_at_end"] = os.getloadavg()
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+    write_json(args.out, results, newline=False)
     print(json.dumps(results["configs"], indent=1))
     return 0
 

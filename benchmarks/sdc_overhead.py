@@ -18,13 +18,12 @@ Two figures, both side by side:
 
 Usage::
 
-    .venv/bin/python benchmarks/sdc_overhead.py [--workers 2] [--steps 80] [--reps 3] [--json OUT]
+    .venv/bin/python -m benchmarks.sdc_overhead [--workers 2] [--steps 80] [--reps 3] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -32,19 +31,11 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from benchmarks.harness import QUICKSTART
+from benchmarks.harness.results import machine, write_json
+from benchmarks.harness.stats import least_squares_slope
 
-QUICKSTART = os.path.join(ROOT, "examples", "quickstart.yaml")
 EVERY = 10
-
-
-def _slope(points: list[tuple[int, float]]) -> float:
-    n = len(points)
-    mx = sum(s for s, _ in points) / n
-    my = sum(t for _, t in points) / n
-    return sum((s - mx) * (t - my) for s, t in points) / sum((s - mx) ** 2 for s, _ in points)
 
 
 def _run(workers: int, steps: int, every: int, warmup: int) -> tuple[float, dict[int, float]]:
@@ -70,7 +61,7 @@ def _run(workers: int, steps: int, every: int, warmup: int) -> tuple[float, dict
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     losses = {e["step"]: e["loss"] for e in steps_ev}
-    return _slope([(e["step"], e["ts"]) for e in steps_ev if e["step"] > warmup]), losses
+    return least_squares_slope([(e["step"], e["ts"]) for e in steps_ev if e["step"] > warmup]), losses
 
 
 def _fingerprint_s(reps: int = 50) -> float:
@@ -129,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_median": statistics.median(ratios),
         "fingerprint_s": fp_s,
         "direct_overhead": direct,
+        "machine": machine(),
     }
     print(
         f"ratio on/off (sdc_check_every={EVERY}) = {statistics.median(ratios):.4f} "
@@ -139,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({statistics.median(off) * 1e3:.1f} ms) at one check every {EVERY} steps"
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(args.json, result, newline=False)
     return 0
 
 

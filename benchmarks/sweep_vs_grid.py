@@ -25,13 +25,12 @@ for TP, a pipeline bubble for PP).
 
 Usage::
 
-    .venv/bin/python benchmarks/sweep_vs_grid.py [--trial-steps 10] [--sweeps 2] [--json OUT]
+    .venv/bin/python -m benchmarks.sweep_vs_grid [--trial-steps 10] [--sweeps 2] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -39,8 +38,7 @@ import statistics
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from benchmarks.harness.results import results_path, utc_stamp, write_json
 
 SPEC = {
     "name": "sweepbench",
@@ -74,7 +72,8 @@ def read_side(out: str, exhaustive: bool) -> dict:
     from elastic.tune.report import best_entry
     from elastic.tune.space import config_key
 
-    entries = json.load(open(os.path.join(out, "results.json")))
+    with open(os.path.join(out, "results.json")) as f:
+        entries = json.load(f)
     best = best_entry(entries)
     ran = [e for e in entries if e.get("trial_s")]
     wall = os.path.getmtime(os.path.join(out, "results.json")) - os.path.getmtime(os.path.join(out, "sweep.json"))
@@ -96,13 +95,13 @@ def med(xs: list[float]) -> str:
     return f"{statistics.median(xs):.3f} [{min(xs):.3f}, {max(xs):.3f}]"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trial-steps", type=int, default=10)
     ap.add_argument("--sweeps", type=int, default=2, help="sweep runs (the grid runs once, after the first)")
-    ap.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "sweep_vs_grid.json"))
+    ap.add_argument("--json", default=results_path("sweep_vs_grid.json"))
     ap.add_argument("--summarize", default=None, metavar="ROOT", help="only report the finished runs under ROOT")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from elastic.tune.space import config_key
 
     if args.summarize:
@@ -155,7 +154,7 @@ def main() -> int:
         f"median |error| {statistics.median([abs(x) for x in mem]) * 100:.1f}%"
     )
     record = {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date_utc": utc_stamp(),
         "host": platform.node(),
         "machine": f"{platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
         "cores": os.cpu_count(),
@@ -172,9 +171,7 @@ def main() -> int:
         "memory_within_15pct": f"{inside}/{len(mem)}",
         "entries": {f"{i}-{'grid' if r['exhaustive'] else 'sweep'}": r["entries"] for i, r in enumerate(runs)},
     }
-    os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(record, f, indent=1)
+    write_json(args.json, record, indent=1, newline=False)
     print(f"wrote {args.json}")
     return 0
 

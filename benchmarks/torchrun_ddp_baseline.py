@@ -6,8 +6,9 @@ Launched as::
         benchmarks/torchrun_ddp_baseline.py --spec SPEC.json --corpus URI --out DIR
 
 It trains the project's GPT with the project's optimizer on gloo, the way a hand-written
-script would: ``DistributedDataParallel`` on the default process group, ``no_sync`` for
-every micro-batch but the last, global-norm clipping, AdamW + schedule. It reads the same
+script would: ``DistributedDataParallel`` on the default process group, and the step of
+``benchmarks/harness/ddp_step.py`` (``no_sync`` for every micro-batch but the last,
+global-norm clipping, AdamW + schedule). It reads the same
 parquet rows in the same order as the elastic runtime (``BatchLayout``: batch ``b`` is
 global samples ``[b*G, (b+1)*G)``, rank ``r`` takes its contiguous slice), so the math of
 every step is the same as the elastic run's. Like the runtime, it reads ahead: a
@@ -25,7 +26,6 @@ the driver takes the slowest rank per step.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import queue
@@ -36,18 +36,19 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from benchmarks.harness.ddp_step import ddp_step
 from elastic.ingest.corpus import BatchLayout, ParquetCorpus
-from elastic.models.gpt import build_model, lm_loss
+from elastic.models.gpt import build_model
 from elastic.optim import build_optimizer
 from jobs.spec import JobSpec
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--spec", required=True, help="a JobSpec as JSON (the resolved spec of the elastic run)")
     ap.add_argument("--corpus", required=True, help="parquet corpus URI (the same rows the elastic run reads)")
     ap.add_argument("--out", required=True, help="directory for rank<r>.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     with open(args.spec) as f:
         spec = JobSpec.from_dict(json.load(f))
@@ -90,25 +91,14 @@ def main() -> None:
     for step in range(1, spec.train.steps + 1):
         t0 = time.perf_counter()
         micro_batches = ahead.get(timeout=300)
-        local = 0.0
-        for i, (inputs, targets) in enumerate(micro_batches):
-            sync = i == grad_accum - 1
-            with contextlib.nullcontext() if sync else model.no_sync():
-                loss = lm_loss(model(inputs), targets)
-                (loss / grad_accum).backward()
-            local += float(loss.detach())
-        if spec.train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, spec.train.grad_clip, foreach=False)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        local_loss = ddp_step(model, params, micro_batches, optimizer, scheduler, spec.train.grad_clip)
         records.append(
             {
                 "step": step,
                 "ts": time.time(),
                 "cpu_s": time.process_time(),
                 "step_time_s": time.perf_counter() - t0,
-                "local_loss": local / grad_accum,
+                "local_loss": local_loss,
             }
         )
 

@@ -39,7 +39,7 @@ dp 2). Synthetic corpora are written once to a temporary directory with
 
 Usage::
 
-    .venv/bin/python benchmarks/tp_data_sharing.py [--steps N] [--shapes quickstart,long]
+    .venv/bin/python -m benchmarks.tp_data_sharing [--steps N] [--shapes quickstart,long]
         [--corpus file:///data/corpus --seq N --micro-batch N --global-batch N --dp N] [--json OUT]
 """
 
@@ -50,19 +50,17 @@ import datetime
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-from elastic.ingest.corpus import BatchLayout, ParquetCorpus, synthetic_corpus  # noqa: E402
-from elastic.parallel.dims import ParallelDims  # noqa: E402
+from benchmarks.harness.results import write_stamped
+from elastic.ingest.corpus import BatchLayout, ParquetCorpus, synthetic_corpus
+from elastic.parallel.dims import ParallelDims
 from elastic.testing.ports import free_port as _free_port
 
 METHODS = ("read", "bcast", "bcast-i32")
@@ -195,7 +193,7 @@ def _stats(wall: list[float], cpu: list[float], fetched: list[float]) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--steps",
@@ -212,7 +210,7 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--start-batch", type=int, default=0)
     ap.add_argument("--json", dest="json_out", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tp_data_sharing-") as tmp:
@@ -338,9 +336,12 @@ def main() -> None:
     print("In the worker, reads run in RankStream's prefetch thread, off the step's critical path; a broadcast is a")
     print("collective that must be issued in the same order on both ranks.")
     if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump({"config": vars(args), "wall_s": wall_total, "shapes": summary}, f, indent=2)
-        print(f"wrote {args.json_out}")
+        doc = {
+            "config": vars(args),
+            "wall_s": wall_total,
+            "shapes": summary,
+        }
+        write_stamped(args.json_out, doc)
 
 
 if __name__ == "__main__":

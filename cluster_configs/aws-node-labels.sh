@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Print the Ray node labels that elastic/topology.py reads, as `ray start --labels` wants
+# Print the Ray node labels that elastic/placement/topology.py reads, as `ray start --labels` wants
 # them: "rack=<network node>,nvlink_domain=<instance id>".
 #
 # rack: the EC2 network node the instance attaches to (the last of the three layers that

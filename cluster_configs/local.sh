@@ -3,7 +3,7 @@
 #
 #   cluster_configs/local.sh up [NODES] [RACKS]   head (0 CPUs) + NODES one-CPU worker nodes,
 #                                                 named w0.., split into RACKS racks (r0..)
-#   cluster_configs/local.sh topology             the topology as elastic/topology.py reads it
+#   cluster_configs/local.sh topology             the topology as elastic/placement/topology.py reads it
 #   elastic run examples/<job>.yaml --address 127.0.0.1:6379 --set parallel.tp=2
 #   ray job submit --address http://127.0.0.1:8265 --working-dir . -- python -m jobs.train examples/<job>.yaml
 #                                                 the head serves the Ray Jobs API (dashboard on 127.0.0.1)
@@ -57,7 +57,7 @@ up() {
 topology() {
   RAY_ADDRESS="${ADDRESS}" "${PYTHON}" - <<'EOF'
 import ray, yaml
-from elastic.topology import read_ray_topology
+from elastic.placement.topology import read_ray_topology
 
 ray.init(logging_level="ERROR")
 print(yaml.safe_dump(read_ray_topology().to_dict(), sort_keys=False))

@@ -10,15 +10,19 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from elastic import ray_join
 from elastic.control.callbacks import Callback, checked
 from elastic.control.controller import Controller
 from elastic.control.stop import StopSignals
 from elastic.errors import JobFailed
 from elastic.events import EventLog, RunResult, write_summary
 from elastic.ingest.corpus import synthetic_corpus
+from elastic.ingest.preflight import check_corpus
 from elastic.progress import ProgressDisplay, format_summary
 from elastic.report.metrics import start_metrics
 from elastic.report.print_report import print_report
+from elastic.report.tracking import start_tensorboard
+from elastic.run_dirs import claim_locations
 from elastic.worker.hooks import StepHook
 
 if TYPE_CHECKING:
@@ -47,6 +51,8 @@ class ElasticTrainer:
         report: bool = False,
     ):
         self.spec = spec
+        # Named in errors about the run directory: the flag or the spec key it came from.
+        self.run_dir_field = "--run-dir" if run_dir else "run_dir"
         self.run_dir = os.path.abspath(run_dir or spec.run_dir or _default_run_dir(spec.name))
         self.address = address
         self.resume = resume
@@ -61,14 +67,19 @@ class ElasticTrainer:
         return self.spec.checkpoint.uri or os.path.join(self.run_dir, "checkpoints")
 
     def fit(self) -> RunResult:
-        os.makedirs(self.run_dir, exist_ok=True)
-        started_ray = ensure_ray(self.address, self.spec)
+        target = self._check_before_start()
+        started_ray = ray_join.connect(target, _embedded(self.spec)) if target is not None else False
         events = EventLog(self.run_dir)
         if self.progress:
             events.subscribe(ProgressDisplay(self.spec.train.steps))
         metrics = start_metrics(os.path.basename(self.run_dir))  # live Ray metrics (docs/observability.md)
         if metrics is not None:
             events.subscribe(metrics)
+        tensorboard = start_tensorboard(self.spec.train.tensorboard, self.run_dir)  # train.tensorboard
+        if tensorboard is not None:
+            events.subscribe(tensorboard)
+        for cb in self.callbacks:
+            events.subscribe(cb.after_event)
         signals = StopSignals(self.spec.elastic.stop_grace_s)  # after ray.init, which installs its own
         signals.install()
         try:
@@ -100,6 +111,8 @@ class ElasticTrainer:
         finally:
             signals.uninstall()
             events.close()
+            if tensorboard is not None:
+                tensorboard.close()
             for cb in self.callbacks:
                 cb.close()
             if started_ray:
@@ -107,6 +120,26 @@ class ElasticTrainer:
             if self.report:
                 print_report(self.run_dir)
         return self.result
+
+    def _check_before_start(self) -> ray_join.Target | None:
+        """Everything a run needs that can be checked before anything starts, as a ``SpecError``
+        naming the field (exit 2): the corpus, the cluster address, the run directory and the
+        checkpoint location (reused locations: ``elastic/run_dirs.py``). Returns the cluster
+        to join (None: already connected)."""
+        m = self.spec.model
+        check_corpus(self.spec.data, m.seq_len, m.vocab_size)
+        target = None if ray.is_initialized() else ray_join.resolve(self.address)
+        ck = self.spec.checkpoint
+        uses_storage = bool(ck.every_steps) or self.resume
+        claim_locations(
+            self.run_dir,
+            self.run_dir_field,
+            self.checkpoint_uri if uses_storage else None,
+            ck.storage_options,
+            self.resume,
+            self.spec,
+        )
+        return target
 
     def _prepare_data(self) -> str:
         d = self.spec.data
@@ -128,53 +161,27 @@ class ElasticTrainer:
 def ensure_ray(address: str | None, spec: Any) -> bool:
     """Connect to Ray; returns True when this call started an embedded local instance.
 
-    With ``address`` it joins that cluster. Without, it joins a running cluster if one is
-    reachable (``RAY_ADDRESS`` or a local head), and otherwise starts an embedded Ray
-    sized to the job: enough logical CPUs for ``max_dp`` replicas even on a 2-core laptop.
+    The convention of ``elastic/ray_join.py`` (DESIGN §10): ``address`` (or ``RAY_ADDRESS``)
+    joins that cluster, ``auto`` the running local one; otherwise an embedded Ray sized to
+    the job: enough logical CPUs for ``max_dp`` replicas even on a 2-core laptop.
     """
     if ray.is_initialized():
         return False
-    quiet = {"log_to_driver": False, "logging_level": logging.WARNING}
-    if address:
-        ray.init(address=address, **quiet)
-        return False
-    running = running_cluster_address()
-    if running:
-        ray.init(address=running, **quiet)
-        return False
+    return ray_join.connect(ray_join.resolve(address), _embedded(spec))
+
+
+def _embedded(spec: Any):
     workers = spec.elastic.max_dp * spec.parallel.replica_size
     cpus = max(os.cpu_count() or 1, workers * max(spec.resources.cpus_per_worker, 1) + 1)
     resources = {k: v * workers for k, v in spec.resources.custom.items()}
-    ray.init(address="local", num_cpus=int(cpus), resources=resources or None, include_dashboard=False, **quiet)
-    return True
+    return ray_join.embedded(int(cpus), resources=resources or None)
 
 
 def _default_run_dir(name: str) -> str:
+    """``runs/<name>-<UTC timestamp>``, with a suffix when a run started in the same second."""
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    return os.path.join("runs", f"{name}-{stamp}")
-
-
-def running_cluster_address(probe_timeout_s: float = 0.5) -> str | None:
-    """The address of a reachable running Ray cluster, or None.
-
-    ``RAY_ADDRESS`` wins; otherwise the head recorded by the last ``ray start`` on this
-    machine, but only if its GCS accepts a connection: a stale record of a dead cluster
-    would make ``ray.init(address="auto")`` wait for minutes.
-    """
-    import socket
-    import tempfile
-
-    address = os.environ.get("RAY_ADDRESS")
-    if address:
-        return address
-    path = os.path.join(tempfile.gettempdir(), "ray", "ray_current_cluster")
-    try:
-        recorded = open(path).read().strip()
-    except OSError:
-        return None
-    host, _, port = recorded.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=probe_timeout_s):
-            return recorded
-    except (OSError, ValueError):
-        return None
+    path = os.path.join("runs", f"{name}-{stamp}")
+    n = 1
+    while os.path.exists(path if n == 1 else f"{path}-{n}"):
+        n += 1
+    return path if n == 1 else f"{path}-{n}"

@@ -27,6 +27,12 @@ class JobFailed(ElasticError):
     """The job ended without finishing its steps (exit code 1)."""
 
 
+class CorpusError(ElasticError):
+    """Training data that every read returns the same way (rows of the wrong length, token
+    ids outside the vocabulary): raised by a rank as it reads, it ends the job at once,
+    since a retry would only repeat it (``NotRetryable``)."""
+
+
 # ----- failures seen while training: each maps to one `failure.cause` (docs/outputs.md) -----
 # A NaN or spiking loss is not an exception: the workers roll back in place and report an
 # ``AnomalyReport`` (elastic/messages.py) whose cause is ``nan_loss`` or ``loss_spike``.
@@ -36,6 +42,7 @@ class WorkerFailure(ElasticError):
     """A failure of one or more ranks observed while training."""
 
     cause: str = "worker_error"
+    retryable: bool = True  # False: a re-formation would meet the same error (NotRetryable)
 
     def __init__(self, detail: str, ranks: list[int] | None = None, nodes: list[str] | None = None):
         self.detail = detail
@@ -62,6 +69,13 @@ class CollectiveTimeout(WorkerFailure):
 
 class WorkerError(WorkerFailure):
     cause = "worker_error"
+
+
+class NotRetryable(WorkerError):
+    """A rank's own error that a retry would repeat (a ``CorpusError``): the job fails at once,
+    without spending its failure budget on retries."""
+
+    retryable = False
 
 
 class Straggler(WorkerFailure):

@@ -75,6 +75,10 @@ class RunResult(BaseModel):
     excluded_nodes: list[dict] = Field(
         default_factory=list, description="lemon nodes not used again: {node_id, reason} (docs/health.md)"
     )
+    checkpoint_failures: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="storage checkpoints that could not be committed: {step, cause} (docs/outputs.md)",
+    )
     stop: dict[str, Any] | None = Field(
         None, description="a stopped job only: signal, checkpoint_step (null: none written), stop_reason"
     )

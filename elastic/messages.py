@@ -166,13 +166,15 @@ class RunOutcome:
     ``status``: ``done`` (reached the last step), ``stopped`` (an agreed stop at a step
     boundary), ``error``. For an error, ``kind`` says whose: ``worker_error`` (this rank's
     own), ``peer`` (a collective failed under it), ``timeout`` (a collective ran into
-    ``elastic.collective_timeout_s``).
+    ``elastic.collective_timeout_s``). ``retryable`` is False for an error that a retry would
+    repeat (a ``CorpusError``): the job then fails at once.
     """
 
     status: Literal["done", "stopped", "error", "dead"]
     step: int = 0
     kind: Literal["worker_error", "peer", "timeout"] | None = None
     detail: str = ""
+    retryable: bool = True
 
 
 DEAD = RunOutcome("dead")  # the controller's own record of a run whose actor died

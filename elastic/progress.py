@@ -33,13 +33,16 @@ class ProgressDisplay:
             )
         elif kind == "restore":
             self._line(f"restored step {event['step']} from {event['source']} in {event['duration_s']:.2f}s")
+        elif kind == "checkpoint" and event["tier"] == "storage" and event.get("committed") is False:
+            self._line(f"checkpoint step {event['step']} -> storage NOT COMMITTED: {event.get('error')}")
         elif kind == "checkpoint" and event["tier"] == "storage":
             self._line(
                 f"checkpoint step {event['step']} -> storage ({event['bytes'] / 1e6:.1f} MB, "
                 f"blocked {event['blocking_s'] * 1e3:.1f} ms)"
             )
         elif kind == "job_end":
-            self._line(f"job {event['status']} after {event['steps']} steps")
+            reason = f": {event['reason']}" if event.get("reason") and event["status"] == "failed" else ""
+            self._line(f"job {event['status']} after {event['steps']} steps{reason}")
 
     def _step(self, e: dict[str, Any]) -> None:
         now = time.monotonic()
@@ -92,6 +95,8 @@ def format_summary(result: Any, run_dir: str) -> str:
             lines.append(
                 "                    where it went: " + ", ".join(f"{k} {v:.3f}" for k, v in r.breakdown.items())
             )
+    for f in getattr(result, "checkpoint_failures", None) or []:
+        lines.append(f"  checkpoint failed step {f['step']}: {f['cause']}")
     stop = getattr(result, "stop", None)
     if stop:
         ckpt = stop.get("checkpoint_step")

@@ -25,14 +25,17 @@ from elastic.parallel import batch
 from elastic.parallel.config import ParallelConfig
 from elastic.parallel.dims import validate_layout
 from elastic.placement.slots import ResourcesConfig
-from elastic.yaml_io import read_yaml
+from elastic.spec_limits import check_finite, check_sizes
+from elastic.yaml_io import DuplicateKey, load_yaml, read_yaml
+
+MAX_NAME_LEN = 128  # the name is part of the default run directory's name (255 bytes at most)
 
 
 class JobSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field("job", min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
-    seed: int = 0
+    name: str = Field("job", min_length=1, max_length=MAX_NAME_LEN, pattern=r"^[A-Za-z0-9._-]+$")
+    seed: int = Field(0, ge=0, le=2**63 - 1)
     run_dir: str | None = None
     model: AnyModelConfig = Field(default_factory=GPTConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -45,10 +48,12 @@ class JobSpec(BaseModel):
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> JobSpec:
+        check_finite(raw)  # before pydantic, whose range checks would word a NaN as out of range
         try:
             spec = cls.model_validate(raw)
         except ValidationError as exc:
             raise _first_error(exc) from None
+        check_finite(spec)  # strings such as "inf" become floats in validation
         spec.check()
         return spec
 
@@ -70,8 +75,9 @@ class JobSpec(BaseModel):
     def check(self) -> None:
         m, p, e, t = self.model, self.parallel, self.elastic, self.train
         m.check()  # per kind; a custom model's factory is imported and called here
-        validate_layout(m, p.tp, p.pp)
+        validate_layout(m, p.tp, p.pp, p.ep, p.cp)
         self.data.check_source_exists()
+        check_sizes(self)
         if e.min_dp > e.max_dp:
             raise SpecError("elastic.min_dp", f"{e.min_dp} is larger than elastic.max_dp ({e.max_dp})")
         if e.sdc_check_every and p.zero:
@@ -85,17 +91,17 @@ class JobSpec(BaseModel):
             raise SpecError(
                 "train.global_batch",
                 f"{t.global_batch} is not reachable: no DP degree in [{e.min_dp}, {e.max_dp}] divides "
-                f"global_batch / parallel.micro_batch ({t.global_batch} / {p.micro_batch})",
+                f"global_batch / parallel.micro_batch ({t.global_batch} / {p.micro_batch})"
+                + (f" in dp x parallel.ep ({p.ep}) data shards" if p.ep > 1 else ""),
             )
 
     def allowed_dps(self) -> list[int]:
         """DP degrees that keep ``global_batch`` exact (``elastic.parallel.batch.allowed_dps``)."""
-        return batch.allowed_dps(
-            self.train.global_batch, self.parallel.micro_batch, self.elastic.min_dp, self.elastic.max_dp
-        )
+        p = self.parallel
+        return batch.allowed_dps(self.train.global_batch, p.micro_batch, self.elastic.min_dp, self.elastic.max_dp, p.ep)
 
     def grad_accum(self, dp: int) -> int:
-        return batch.grad_accum(self.train.global_batch, self.parallel.micro_batch, dp)
+        return batch.grad_accum(self.train.global_batch, self.parallel.micro_batch, dp, self.parallel.ep)
 
     # ------------------------------------------------------------------ schema
     @classmethod
@@ -111,7 +117,9 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> None:
         if not sep or not key:
             raise SpecError("--set", f"expected KEY=VALUE, got {item!r}")
         try:
-            value = yaml.safe_load(text)
+            value = load_yaml(text)
+        except DuplicateKey as exc:
+            raise SpecError(f"{key}.{exc.path}", "given twice in the --set value; keep one") from None
         except yaml.YAMLError as exc:
             raise SpecError(key, f"value {text!r} is not valid YAML: {_one_line(exc)}") from None
         node = raw
@@ -138,7 +146,8 @@ def _first_error(exc: ValidationError) -> SpecError:
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, ") :]
     if "input" in err and err["type"] not in ("missing",) and not isinstance(err["input"], (dict, list)):
-        msg = f"{msg} (got {err['input']!r})"
+        got = repr(err["input"])
+        msg = f"{msg} (got {got if len(got) <= 60 else got[:57] + '...'})"
     return SpecError(field, msg)
 
 

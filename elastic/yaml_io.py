@@ -1,4 +1,10 @@
-"""Reading YAML input files with errors that name the field (exit code 2, no traceback)."""
+"""Reading YAML input files with errors that name the field (exit code 2, no traceback).
+
+Runs in the driver (``elastic`` CLI, the Python API), before anything starts. Two things
+plain ``yaml.safe_load`` lets through are refused here: a key written twice in one mapping
+(YAML keeps the last one silently, so a spec would run with a value its author did not
+see), and a file that is not text.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +16,74 @@ import yaml
 from elastic.errors import SpecError
 
 
+class DuplicateKey(yaml.constructor.ConstructorError):
+    """A mapping names the same key twice; ``path`` is the dotted key."""
+
+    def __init__(self, path: str, line: int):
+        self.path, self.line = path, line
+        super().__init__(None, None, f"key {path!r} is given twice (line {line})")
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """``SafeLoader`` that refuses a key written twice in one mapping."""
+
+    _root: yaml.Node | None = None  # the document, kept to name a duplicate's dotted path
+
+    def get_single_data(self) -> Any:
+        self._root = self.get_single_node()
+        return None if self._root is None else self.construct_document(self._root)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` overrides by design
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise DuplicateKey(_dotted(self, node, key), key_node.start_mark.line + 1)
+            if isinstance(key, (str, int, float, bool)):
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _dotted(loader: _StrictLoader, node: yaml.MappingNode, key: Any) -> str:
+    """The dotted path of ``key`` inside ``node`` (found from the document's root)."""
+    path = _path_to(loader._root, node) if loader._root is not None else None
+    return ".".join([*(path or []), str(key)])
+
+
+def _path_to(current: yaml.Node, target: yaml.Node) -> list[str] | None:
+    if current is target:
+        return []
+    if isinstance(current, yaml.MappingNode):
+        for k, v in current.value:
+            found = _path_to(v, target)
+            if found is not None:
+                return [str(k.value), *found]
+    return None
+
+
+def load_yaml(text: str) -> Any:
+    """Parse one YAML document; a duplicated key raises ``DuplicateKey``."""
+    loader = _StrictLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def read_yaml(path: str | Path, field: str) -> Any:
-    """Parse a YAML file; a missing file or bad YAML is a ``SpecError`` on ``field``."""
+    """Parse a YAML file; a missing, binary or malformed file, or a key given twice, is a
+    ``SpecError`` on ``field`` (a duplicated key names its own dotted path)."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise SpecError(field, f"{path} is not a text file (not UTF-8)") from None
     except OSError as exc:
-        raise SpecError(field, f"cannot read {path}: {exc.strerror}") from None
+        raise SpecError(field, f"cannot read {path}: {exc.strerror or type(exc).__name__}") from None
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
+    except DuplicateKey as exc:
+        raise SpecError(exc.path, f"given twice in {path} (line {exc.line}); keep one") from None
     except yaml.YAMLError as exc:
         raise SpecError(field, f"{path} is not valid YAML: {' '.join(str(exc).split())}") from None

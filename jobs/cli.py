@@ -13,6 +13,10 @@ import sys
 from collections.abc import Sequence
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+ADDRESS_HELP = (
+    "Ray cluster to join: HOST:PORT, or auto for the one running on this machine "
+    "(default: RAY_ADDRESS, else an embedded cluster for this command alone)"
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -27,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a training job from a YAML spec")
     run.add_argument("config")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    run.add_argument("--address", default=None, help="Ray cluster address (default: join a running one, else embedded)")
+    run.add_argument("--address", default=None, help=ADDRESS_HELP)
     run.add_argument("--run-dir", default=None)
     run.add_argument("--resume", action="store_true", help="start from the newest valid checkpoint in checkpoint.uri")
     run.add_argument(
@@ -48,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("config")
     plan_src = plan.add_mutually_exclusive_group()
     plan_src.add_argument("--topology", default=None)
-    plan_src.add_argument("--address", default=None, help="plan for this live Ray cluster (default: RAY_ADDRESS, auto)")
+    plan_src.add_argument("--address", default=None, help="plan for this live Ray cluster; " + ADDRESS_HELP)
     plan.add_argument("--json", action="store_true")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
@@ -60,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     cv = csub.add_parser("verify")
     cv.add_argument("uri")
     cv.add_argument("--step", type=int, default=None)
+    ce = csub.add_parser("export", help="write a checkpoint as a Hugging Face model (docs/checkpoints.md)")
+    ce.add_argument("uri")
+    ce.add_argument("--step", type=int, default=None, help="default: the newest committed")
+    ce.add_argument("--format", dest="fmt", required=True, choices=["hf"])
+    ce.add_argument("--out", required=True, help="a directory (local path or fsspec URI)")
+    ce.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ce.add_argument("--max-shard-size", default="5GB", help="larger models are split into files of this size")
 
     sub.add_parser("schema", help="print the JSON Schema of job specs")
 
@@ -178,15 +189,15 @@ def cmd_run(
 def _run_on_embedded_cluster(spec, run_dir, address, resume, driver_faults, step_hook) -> int:
     """``--fault kill_node``: the job runs on an embedded multi-node Ray (a CPU-less head plus
     one node per worker, ``ray.cluster_utils.Cluster``), whose nodes can be killed for real."""
-    from elastic.api import ElasticTrainer, running_cluster_address
+    from elastic.api import ElasticTrainer
     from elastic.errors import SpecError
 
-    joined = address or running_cluster_address()
-    if joined:
+    joined = address or os.environ.get("RAY_ADDRESS")
+    if joined and joined != "local":
         raise SpecError(
             "--fault",
             f"kill_node and drain need the embedded multi-node cluster that elastic run starts itself; "
-            f"it cannot kill nodes of the cluster at {joined} (--address, RAY_ADDRESS or a running head)",
+            f"it cannot kill nodes of the cluster at {joined} (--address or RAY_ADDRESS)",
         )
     import ray
     from ray.cluster_utils import Cluster
@@ -241,15 +252,12 @@ def cmd_plan(config: str, topology: str | None, as_json: bool, overrides: list[s
 
     if topology:
         topo = load_topology_file(topology)
-    else:
+    else:  # the cluster `elastic run` would use: --address, RAY_ADDRESS, else an embedded one
         import ray
 
-        address = address or os.environ.get("RAY_ADDRESS", "auto")
-        try:
-            ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
-        except (ConnectionError, RuntimeError, ValueError) as exc:
-            print(f"error: --address: no Ray cluster answers at {address!r} ({type(exc).__name__})", file=sys.stderr)
-            return EXIT_BAD_INPUT
+        from elastic.api import ensure_ray
+
+        ensure_ray(address, spec)
         try:
             topo = topology_from_ray(ray.nodes())
         finally:
@@ -264,6 +272,10 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
 
     if args.ckpt_command == "list":
         return ckpt_list(args.uri, args.json)
+    if args.ckpt_command == "export":
+        from elastic.checkpoint.export import ckpt_export
+
+        return ckpt_export(args.uri, args.step, args.fmt, args.out, args.dtype, args.max_shard_size)
     return ckpt_verify(args.uri, args.step)
 
 

@@ -25,7 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--space", default=None, help="YAML: candidate values per key (tp, pp, zero, ...)")
     parser.add_argument(
-        "--address", default=None, help="Ray cluster address (default: join a running one, else embedded)"
+        "--address",
+        default=None,
+        help="Ray cluster to join: HOST:PORT, or auto for the one running on this machine "
+        "(default: RAY_ADDRESS, else an embedded cluster for this command alone)",
     )
     parser.add_argument("--trial-steps", type=int, default=10, help="training steps per trial (default 10)")
     parser.add_argument("--max-trials", type=int, default=None, help="launch at most N trials")

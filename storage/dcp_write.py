@@ -46,17 +46,26 @@ def objects_file(rank: int) -> str:
 
 
 class _CrcWriter:
-    """File-like sink that forwards to a stream and keeps running crc32s and a position."""
+    """File-like sink that forwards to a stream and keeps running crc32s and a position.
+
+    ``error`` keeps what the stream raised: ``torch.save`` turns a failed write into its own
+    RuntimeError ("unexpected pos"), which hides the cause (a full disk, a read-only mount).
+    """
 
     def __init__(self, stream: Any):
         self.stream = stream
         self.pos = 0
         self.file_crc = 0
         self.item_crc = 0
+        self.error: BaseException | None = None
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self.stream.write(view)
+        try:
+            self.stream.write(view)
+        except BaseException as exc:
+            self.error = exc
+            raise
         self.file_crc = crc32(view, self.file_crc)
         self.item_crc = crc32(view, self.item_crc)
         self.pos += view.nbytes
@@ -130,7 +139,12 @@ def _write_data_file(
         for fqn, tensor, global_shape, offsets in tensors:
             t = _compact(tensor)
             begin, sink.item_crc = sink.pos, 0
-            torch.save(t, sink)
+            try:
+                torch.save(t, sink)
+            except RuntimeError:
+                if sink.error is not None:  # the stream's own error, not torch's account of it
+                    raise sink.error from None
+                raise
             chunks.append(
                 ChunkRecord(
                     fqn,

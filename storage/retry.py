@@ -3,7 +3,7 @@
 Background uploads must survive short object-store outages (connection refused, timeouts,
 throttling) without failing a training run, yet must give up at a deadline so that a stuck
 upload does not hold a snapshot in memory forever. Errors that retrying cannot fix (missing
-file, permission denied, bad argument) are raised at once.
+file, permission denied, no space left, read-only filesystem, bad argument) are raised at once.
 """
 
 from __future__ import annotations
@@ -21,7 +21,22 @@ from storage.errors import StorageUnavailable
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_PERMANENT_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.EINVAL}
+# A full disk, a read-only filesystem, an exhausted quota or a missing permission do not go
+# away within a retry deadline, and retrying them holds the snapshot and delays the report.
+_PERMANENT_ERRNOS = {
+    errno.ENOENT,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EISDIR,
+    errno.ENOTDIR,
+    errno.EEXIST,
+    errno.EINVAL,
+    errno.ENOSPC,
+    errno.EROFS,
+    errno.EDQUOT,
+    errno.EFBIG,
+    errno.ENAMETOOLONG,
+}
 _PERMANENT_OS_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
 # botocore/aiohttp raise their own (non-OSError) types for network failures; match them by name
 # so that ``storage`` does not have to import botocore for local-only use.

@@ -1,9 +1,14 @@
-"""Shared fixtures: one Ray runtime at a time, reused across tests.
+"""Shared fixtures: one Ray runtime at a time, reused across tests, and the fault-free
+reference trajectory of the elastic tests, computed once.
 
 A process can be connected to one Ray cluster at a time, so the fixtures below switch
 between a single-node local Ray (most tests) and a multi-node ``ray.cluster_utils.Cluster``
-(elastic tests) only when a test needs the other kind. Test files are ordered so that each
-kind is started once.
+(elastic tests) only when a test needs the other kind.
+
+The tree mirrors the runtime packages (``tests/control`` tests ``elastic/control`` ...);
+``tests/integration`` holds the multi-node scenarios that cross packages. Helpers shared
+across folders sit here (``elastic_testlib.py``, ``waiting.py``, ``cluster_guard.py``); a folder's own helpers sit
+in it.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import logging
 import os
 import sys
 
+import cluster_guard
 import pytest
 
 # Test folders are not packages: each imports its helpers by module name.
@@ -21,14 +27,43 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 
 
+# --------------------------------------------------------------------------- the cluster marker
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """An unmarked test runs (setup to teardown) with the cluster entry points guarded."""
+    if item.get_closest_marker("cluster") is not None:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        cluster_guard.install(item, patch)
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that caught the guard's failure (``except BaseException``) still fails."""
+    outcome = yield
+    report = outcome.get_result()
+    failures = cluster_guard.failures(item)
+    if failures and report.passed and call.when in ("setup", "call"):
+        report.outcome = "failed"
+        report.longrepr = failures[0]
+
+
+# --------------------------------------------------------------------------- Ray runtimes
+
+
 class _RayState:
     kind: str | None = None
     cluster = None
 
 
 def _shutdown() -> None:
-    import ray
-
+    ray = sys.modules.get("ray")
+    if ray is None:  # never started (and maybe not installed: the gpu tests run where Ray is not)
+        return
     if ray.is_initialized():
         ray.shutdown()
     if _RayState.cluster is not None:
@@ -89,6 +124,37 @@ def rack_cluster():
 
 def pytest_sessionfinish(session, exitstatus):
     _shutdown()
+
+
+class _Reference:
+    """The fault-free trajectory of ``elastic_spec()`` at dp 2, once per session."""
+
+    losses: dict[int, tuple[float, float]] | None = None
+
+
+def _reference(tmp_path_factory) -> dict[int, tuple[float, float]]:
+    """Computed on whichever Ray is up."""
+    if _Reference.losses is None:
+        from elastic_testlib import elastic_spec, step_metrics
+
+        from elastic import ElasticTrainer
+
+        run_dir = str(tmp_path_factory.mktemp("reference"))
+        result = ElasticTrainer(elastic_spec(min_dp=2, max_dp=2), run_dir=run_dir).fit()
+        assert result.status == "succeeded"
+        _Reference.losses = step_metrics(run_dir)
+    return _Reference.losses
+
+
+@pytest.fixture
+def reference_losses(ray_local, tmp_path_factory):
+    return _reference(tmp_path_factory)
+
+
+@pytest.fixture
+def reference_losses_cluster(tmp_path_factory):
+    """For tests that own a Ray cluster: computed on it if no earlier test did."""
+    return _reference(tmp_path_factory)
 
 
 @pytest.fixture

@@ -37,6 +37,8 @@ class CheckpointCommitter:
         self.uri, self.events = uri, events
         self.options = spec.checkpoint.storage_options
         self.keep = spec.checkpoint.keep
+        # Recorded in every manifest: `elastic ckpt export` rebuilds the model from it, without the spec.
+        self.model = spec.model.model_dump(mode="json")
         self._store = None
         self._groups: dict[tuple[int, int, int], dict[int, UploadReport]] = {}  # (base, world, step) -> rank -> report
         self._finished: set[tuple[int, int, int]] = set()  # groups already submitted
@@ -44,6 +46,7 @@ class CheckpointCommitter:
         self._cond = threading.Condition()
         self._inflight = 0
         self._thread: threading.Thread | None = None
+        self.failures: list[dict[str, Any]] = []  # {step, cause} of every storage checkpoint not committed
 
     @property
     def store(self):
@@ -109,13 +112,7 @@ class CheckpointCommitter:
             return
         errors = [f"rank {r.rank}: {r.error}" for r in results if r.error]
         if errors:
-            self._emit(
-                **fields,
-                duration_s=time.time() - first,
-                bytes=0,
-                committed=False,
-                error=scrub("; ".join(errors), self.options)[:1000],
-            )
+            self._not_committed(step, _distinct(errors), fields, time.time() - first)
             return
         try:
             if self.store.read_marker(step) is not None:  # never rewrite a committed step's metadata
@@ -125,12 +122,10 @@ class CheckpointCommitter:
                 self.store,
                 step,
                 [RankWriteResult.from_dict(r.result) for r in results],
-                extra={"world": world, "layout": results[0].layout},
+                extra={"world": world, "layout": results[0].layout, "model": self.model},
             )
         except Exception as exc:  # noqa: BLE001 - storage down or parts missing: not committed
-            error = scrub(f"commit failed: {type(exc).__name__}: {exc}", self.options)[:1000]
-            log.error("checkpoint step %d not committed: %s", step, error)
-            self._emit(**fields, duration_s=time.time() - first, bytes=0, committed=False, error=error)
+            self._not_committed(step, f"commit failed: {type(exc).__name__}: {exc}", fields, time.time() - first)
             return
         self._emit(**fields, duration_s=time.time() - first, bytes=info.bytes, committed=True, uri=redact_uri(info.uri))
         try:
@@ -140,8 +135,39 @@ class CheckpointCommitter:
         except Exception as exc:  # noqa: BLE001 - retention is best effort
             log.warning("pruning checkpoints failed: %s", scrub(exc, self.options))
 
+    def _not_committed(self, step: int, cause: str, fields: dict[str, Any], duration_s: float) -> None:
+        """A storage checkpoint that failed: a warning on the console now, its event, and an
+        entry of ``summary.json``'s ``checkpoint_failures``."""
+        cause = " ".join(scrub(cause, self.options).split())[:1000]
+        log.warning("checkpoint of step %d NOT committed to storage: %s", step, cause)
+        with self._cond:
+            self.failures.append({"step": step, "cause": cause})
+        self._emit(**fields, duration_s=duration_s, bytes=0, committed=False, error=cause)
+
+    def final_failure(self, step: int) -> str | None:
+        """Why the checkpoint of ``step`` is not committed in storage, or None when it is
+        (waits for the commits in flight first). Read back from storage, not from memory."""
+        self.join()
+        try:
+            if self.store.read_marker(step) is not None:
+                return None
+        except Exception as exc:  # noqa: BLE001 - storage unreadable: the checkpoint cannot be trusted
+            return f"its commit marker cannot be read: {scrub(f'{type(exc).__name__}: {exc}', self.options)}"
+        with self._cond:
+            causes = [f["cause"] for f in self.failures if f["step"] == step]
+        return causes[-1] if causes else "not every rank's upload of it arrived"
+
     def _emit(self, **fields: Any) -> None:
         try:
             self.events.emit("checkpoint", **fields)
         except Exception as exc:  # noqa: BLE001 - the event log may be closed when a failed job ends
             log.warning("could not record checkpoint event %s: %s", fields, exc)
+
+
+def _distinct(errors: list[str]) -> str:
+    """Ranks' errors as one cause: each distinct message once, with the ranks that hit it."""
+    by_message: dict[str, list[str]] = {}
+    for e in errors:
+        rank, _, message = e.partition(": ")
+        by_message.setdefault(message, []).append(rank.removeprefix("rank "))
+    return "; ".join(f"rank{'s' if len(r) > 1 else ''} {','.join(r)}: {m}" for m, r in by_message.items())

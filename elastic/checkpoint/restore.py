@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -130,8 +131,10 @@ def _replicated_over_dp(value: Any) -> bool:
 
     if not isinstance(value, DTensor):
         return True  # plain tensors are never sharded over DP
+    from elastic.parallel.dims import spans_dp
+
     names = value.device_mesh.mesh_dim_names or ()
-    return "dp" not in names or isinstance(value.placements[names.index("dp")], Replicate)
+    return all(isinstance(p, Replicate) for n, p in zip(names, value.placements) if spans_dp(n))
 
 
 def _local(value: Any) -> torch.Tensor:
@@ -191,35 +194,79 @@ def load_from_storage(
     node, or the machine's name). Returns the checkpoint's plain objects and what this rank
     moved: ``bytes_read`` from storage, ``broadcast_bytes`` received from its DP leader.
     """
-    t0 = time.perf_counter()
     store = open_store(uri, storage_options)
     tensors, target_objects = flat_target(engine, scalars_are_tensors=True)
+    objects, stats = read_staggered(
+        engine,
+        tensors,
+        lambda: _TensorReader(store, step),
+        waves,
+        max_reads_per_host,
+        host,
+        read_objects=CheckpointReader.read_objects,
+    )
+    finish_load(engine, tensors, target_objects, objects)
+    stats["step"] = step
+    log.info(
+        "restored step %d from %s: read %d bytes from storage (%d tensor data), %d bytes by DP broadcast, %.2fs",
+        step,
+        redact_uri(uri),
+        stats["bytes_read"],
+        stats["data_bytes_read"],
+        stats["broadcast_bytes"],
+        stats["duration_s"],
+    )
+    return objects, stats
+
+
+def read_staggered(
+    engine: Any,
+    tensors: dict[str, Any],
+    open_reader: Callable[[], Any],
+    waves: int = 1,
+    max_reads_per_host: int = 0,
+    host: str | None = None,
+    read_objects: Callable[[Any], Any] | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    """Fill ``tensors`` (the engine's targets by path) from ``open_reader()``, once per DP group.
+
+    Replicated state is read by DP rank 0 and broadcast, DP-sharded state by its owner, in
+    host rounds when ``waves``/``max_reads_per_host`` ask for them (see ``load_from_storage``,
+    which reads checkpoints through it; ``model.init_from`` reads Hugging Face weights the
+    same way). ``read_objects(reader)`` gives the plain objects, read once by the DP leader
+    and broadcast. Returns those objects and the read's statistics.
+    """
+    t0 = time.perf_counter()
     group = engine.dims.dp_mesh.get_group() if engine.dims.dp > 1 else None
     lead = engine.coords.dp_rank == 0
     shared = {k: v for k, v in tensors.items() if group is not None and _replicated_over_dp(v)}
     own = {k: v for k, v in tensors.items() if k not in shared}
     my_round, rounds = _my_round(lead or bool(own), waves, max_reads_per_host, host)
-    stats: dict[str, Any] = {"step": step, "read_round": my_round, "read_rounds": rounds}
+    stats: dict[str, Any] = {"read_round": my_round, "read_rounds": rounds}
     reader, objects, received = None, None, 0
+
+    def lead_objects() -> Any:
+        return read_objects(reader) if lead and read_objects is not None else None
+
     if rounds > 1:  # staggered: read everything in this rank's round, then broadcast
         for r in range(rounds):
             if r == my_round:
                 stats["read_started_at"] = time.time()
-                reader = _TensorReader(store, step)
-                objects = CheckpointReader.read_objects(reader) if lead else None
+                reader = open_reader()
+                objects = lead_objects()
                 if lead and shared:
                     load_into(reader, shared)
                 if own:
                     load_into(reader, own)
                 stats["read_ended_at"] = time.time()
             dist.barrier()
-        objects = _broadcast_objects(objects, group)
+        objects = _broadcast_objects(objects, group) if read_objects is not None else None
         for batch in _batches(shared):
             moved = _broadcast(batch, group, lead)
             received += 0 if lead else moved
     else:
-        reader = _TensorReader(store, step) if lead or own else None
-        objects = _broadcast_objects(CheckpointReader.read_objects(reader) if lead else None, group)
+        reader = open_reader() if lead or own else None
+        objects = _broadcast_objects(lead_objects(), group) if read_objects is not None else None
         for batch in _batches(shared):  # the leader reads a batch while the others wait for it
             if lead:
                 load_into(reader, batch)
@@ -227,21 +274,11 @@ def load_from_storage(
             received += 0 if lead else moved
         if own:
             load_into(reader, own)
-    finish_load(engine, tensors, target_objects, objects)
     stats.update(
         bytes_read=reader.bytes_read if reader else 0,
         data_bytes_read=reader.data_bytes_read if reader else 0,
         broadcast_bytes=received,
         duration_s=time.perf_counter() - t0,
-    )
-    log.info(
-        "restored step %d from %s: read %d bytes from storage (%d tensor data), %d bytes by DP broadcast, %.2fs",
-        step,
-        redact_uri(uri),
-        stats["bytes_read"],
-        stats["data_bytes_read"],
-        received,
-        stats["duration_s"],
     )
     return objects, stats
 

@@ -8,7 +8,10 @@ tier's snapshot of that step with the collective-free :func:`storage.write_rank_
   pays for *starting* the CPU copy (which the memory tier makes anyway); the copy itself
   overlaps the next forward/backward. The snapshot buffer is leased from the memory tier
   so its double buffer cannot reuse it mid-upload. Training never waits for storage, and a
-  storage outage past the retry deadline only costs that checkpoint.
+  storage outage past the retry deadline only costs that checkpoint (reported at once:
+  a warning, its event and ``summary.json``'s ``checkpoint_failures``). The final
+  checkpoint is never skipped and always waited for: a job whose final checkpoint is not
+  committed ends failed (DESIGN §10).
 - ``checkpoint.async: false``: copy and write inline, the baseline the benchmark measures.
 
 Each rank writes only what it owns (see :func:`owned_paths`), so a checkpoint holds every
@@ -102,8 +105,9 @@ def walk_state(state: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, A
 def owned_paths(state: dict[str, Any], coords: Any, rank: int) -> frozenset[str]:
     """The snapshot paths this rank writes, so that every byte is written exactly once.
 
-    - DTensor shards: the primary replica of the box; a DTensor whose mesh has no ``dp``
-      dimension (TP under DDP) is replicated over DP, so DP rank 0 as well.
+    - DTensor shards: the primary replica of the box; a DTensor whose mesh has no
+      dimension across DP (``dp``, or the flattened ``dp_ep_cp`` / ``dp_cp`` of EP and CP
+      layouts; TP under DDP) is replicated over DP, so DP rank 0 as well.
     - plain tensors and per-parameter optimizer objects (replicated over DP and TP, distinct
       per pipeline stage): the (dp 0, tp 0) rank of each stage.
     - ``train/*`` and the LR scheduler (the same on every rank): global rank 0.
@@ -112,17 +116,19 @@ def owned_paths(state: dict[str, Any], coords: Any, rank: int) -> frozenset[str]
     """
     from torch.distributed.tensor import DTensor
 
+    from elastic.parallel.dims import spans_dp
+
     owned = set()
     for path, value in walk_state(state):
         if path in EXCLUDED:
             continue
         if isinstance(value, DTensor):
             names = value.device_mesh.mesh_dim_names or ()
-            mine = primary_replica(value) and ("dp" in names or coords.dp_rank == 0)
+            mine = primary_replica(value) and (any(spans_dp(n) for n in names) or coords.dp_rank == 0)
         elif path.startswith(GLOBAL_PREFIXES):
             mine = rank == 0
-        else:
-            mine = coords.dp_rank == 0 and coords.tp_rank == 0
+        else:  # the same on every EP and CP rank of a stage too
+            mine = coords.dp_rank == coords.tp_rank == coords.ep_rank == coords.cp_rank == 0
         if mine:
             owned.add(path)
     return frozenset(owned)
@@ -194,8 +200,9 @@ class StorageUploader:
             self._write(job, blocking_from=t0)
             return
         job.blocking_s += time.perf_counter() - t0
+        final = step == self.last_step
         with self._cond:
-            if len(self._jobs) > MAX_QUEUED:
+            if len(self._jobs) > MAX_QUEUED and not final:  # the final checkpoint is never skipped
                 self._report(job, None, f"skipped: {len(self._jobs)} earlier uploads still pending", 0.0, time.time())
                 return
             self._jobs.append(job)
@@ -203,7 +210,7 @@ class StorageUploader:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=f"ckpt-upload-r{self.rank}", daemon=True)
             self._thread.start()
-        if step == self.last_step:  # the job is over: no training left to overlap with
+        if final:  # the job is over: no training left to overlap with
             waited = self.flush(self.store.retry.deadline_s + 60)
             log.info("final checkpoint step %d: waited %.3fs for the upload", step, waited)
 

@@ -3,13 +3,14 @@
 Subclass :class:`Callback` and override what you need; the controller calls every callback
 at each point, in the order given (``ElasticTrainer(callbacks=[...])``), and refuses an
 object that is not a ``Callback`` when the job is built, so a misspelt hook cannot be
-silently ignored. The fault tool (``elastic/faults/``) is one; metrics are another.
+silently ignored. The fault tool (``elastic/faults/``) is one; the W&B and MLflow trackers
+(``elastic/report/trackers.py``) are others.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from elastic.control.worker_group_api import Member, WorkerGroupAPI
@@ -20,6 +21,11 @@ class Callback:
 
     def after_step(self, step: int, group: WorkerGroupAPI) -> None:
         """Step ``step`` was committed: every rank reported it."""
+
+    def after_event(self, event: dict[str, Any]) -> None:
+        """An event was written to ``events.jsonl`` (docs/outputs.md): every kind, in order,
+        from the driver's threads. The experiment trackers (``elastic/report/trackers.py``)
+        log from here; keep it quick, it runs where the event is emitted."""
 
     def before_reconfigure(self, recovery: int, group: WorkerGroupAPI, members: Sequence[Member]) -> None:
         """Recovery number ``recovery`` chose ``members`` (in new rank order) and is about to

@@ -15,7 +15,15 @@ import socket
 import time
 from typing import Any
 
-from elastic.errors import ActorDied, CollectiveTimeout, HeartbeatTimeout, NodeLost, WorkerError, WorkerFailure
+from elastic.errors import (
+    ActorDied,
+    CollectiveTimeout,
+    HeartbeatTimeout,
+    NodeLost,
+    NotRetryable,
+    WorkerError,
+    WorkerFailure,
+)
 
 PEER_GRACE_S = 0.5  # after a peer error, how long a silent rank has to answer before it counts as dead
 NODE_PROBE_S = 1.0  # how long a dead rank's raylet is probed before the loss counts as one process
@@ -65,7 +73,8 @@ def diagnose(members: list[Any], elastic: Any, now: float, raylets: RayletProbe)
     errors = {m.rank: m.run_result for m in members if m.run_result and m.run_result.status == "error"}
     own = [r for r, res in errors.items() if res.kind == "worker_error"]
     if own:
-        return WorkerError(errors[own[0]].detail, ranks=own, nodes=_nodes_of(members, own))
+        cls = WorkerError if all(errors[r].retryable for r in own) else NotRetryable
+        return cls(errors[own[0]].detail, ranks=own, nodes=_nodes_of(members, own))
     timeouts = [r for r, res in errors.items() if res.kind == "timeout"]
     if timeouts:
         hung = [m.rank for m in members if m.run_result is None]

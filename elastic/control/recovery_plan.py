@@ -35,17 +35,22 @@ Holdings = dict[int, list[int]]  # one worker's memory tier: owner rank -> the s
 Source = Literal["memory", "storage", "none"]
 
 
-def shard_of(rank: int, tp: int, pp: int, zero: int) -> Any:
-    """What a rank's training state is: its (pp, tp) coordinate under DDP (every DP replica
-    holds the same), the rank itself under FSDP (every shard is unique)."""
-    return pp_tp(rank, tp, pp) if zero == 0 else rank
+def shard_of(rank: int, tp: int, pp: int, zero: int, ep: int = 1, cp: int = 1) -> Any:
+    """What a rank's training state is: its (pp, tp, ep) coordinate under DDP (every DP
+    replica holds the same, and so do the CP ranks of a replica: CP splits activations,
+    not parameters; EP ranks hold different experts), the rank itself under FSDP (every
+    shard is unique: dense parameters are sharded over dp x ep x cp)."""
+    return coord_of(rank, tp, pp, 0, ep, cp) if zero == 0 else rank
 
 
-def pp_tp(rank: int, tp: int, pp: int) -> tuple[int, int]:
-    """``rank_coords(rank, tp, pp)``'s (pp_rank, tp_rank), without building the tuple: the
-    planning asks it for every rank (``tests/elastic/test_scale_decisions.py`` checks that
-    the two agree)."""
-    return (rank // tp) % pp, rank % tp
+def coord_of(rank: int, tp: int, pp: int, zero: int, ep: int = 1, cp: int = 1) -> tuple[int, ...]:
+    """The coordinate whose snapshots a rank reads: ``rank_coords``' (pp, tp, ep) under DDP,
+    (pp, tp) under FSDP, computed without building the coordinate object: the planning asks
+    it for every rank (``tests/control/test_scale_decisions.py`` checks that the two agree)."""
+    rest, tp_rank = divmod(rank, tp)
+    ep_rank = (rest // cp) % ep
+    pp_rank = (rest // (cp * ep)) % pp
+    return (pp_rank, tp_rank, ep_rank) if zero == 0 else (pp_rank, tp_rank)
 
 
 def complete_replicas(members: Iterable[M], replica_size: int) -> list[list[M]]:
@@ -68,20 +73,27 @@ def rank_order(members: Sequence[M], replica_size: int, rack_of: Callable[[str],
     return [m for r in replicas for m in r]
 
 
-def covers(owners: Iterable[int], world: int, tp: int, pp: int, zero: int) -> bool:
+def covers(owners: Iterable[int], world: int, tp: int, pp: int, zero: int, ep: int = 1, cp: int = 1) -> bool:
     """Do snapshots of these old ranks hold the whole training state of a ``world``-rank layout?
 
-    O(len(owners) + tp * pp): under DDP the shards repeat every ``tp * pp`` ranks, under FSDP
-    every rank below ``world`` is its own shard.
+    O(len(owners) + tp * pp * ep * cp): under DDP the shards repeat every replica (``tp * pp
+    * ep * cp`` ranks), under FSDP every rank below ``world`` is its own shard.
     """
     if zero == 0:
-        have = {shard_of(r, tp, pp, zero) for r in owners}
-        return all(shard_of(r, tp, pp, zero) in have for r in range(min(world, tp * pp)))
+        have = {shard_of(r, tp, pp, zero, ep, cp) for r in owners}
+        size = tp * pp * ep * cp
+        return all(shard_of(r, tp, pp, zero, ep, cp) in have for r in range(min(world, size)))
     return len({r for r in owners if 0 <= r < world}) == world
 
 
 def covering_step(
-    holdings: Iterable[dict[int, list[int]] | None], world: int, tp: int, pp: int, zero: int
+    holdings: Iterable[dict[int, list[int]] | None],
+    world: int,
+    tp: int,
+    pp: int,
+    zero: int,
+    ep: int = 1,
+    cp: int = 1,
 ) -> int | None:
     """The newest step whose snapshots, over all ``holdings`` (owner rank -> steps, one
     dict per live member; None for a member that did not answer), cover the old layout.
@@ -91,7 +103,7 @@ def covering_step(
         for owner, steps in (held or {}).items():
             for s in steps:
                 owners_at.setdefault(s, set()).add(int(owner))
-    good = [s for s, owners in owners_at.items() if covers(owners, world, tp, pp, zero)]
+    good = [s for s, owners in owners_at.items() if covers(owners, world, tp, pp, zero, ep, cp)]
     return max(good) if good else None
 
 
@@ -106,32 +118,37 @@ def holders_at(holdings: Sequence[tuple[M, dict[int, list[int]] | None]], step: 
     return held
 
 
-def owners_for(new_rank: int, holders: dict[int, M], me: M, tp: int, pp: int, zero: int) -> dict[int, M | None]:
+def owners_for(
+    new_rank: int, holders: dict[int, M], me: M, tp: int, pp: int, zero: int, ep: int = 1, cp: int = 1
+) -> dict[int, M | None]:
     """The old ranks whose snapshots the member ``me`` (new rank ``new_rank``) reads, and
     who serves each: None where ``me`` holds it itself.
 
-    It needs the shards of its own (pp, tp) coordinate: one DP replica's copy under DDP (its
-    own if it has one), every DP shard under FSDP (to reshard them). For many ranks, build
-    one ``OwnerIndex`` and ask it (``plan_reform`` does).
+    It needs the shards of its own coordinate: under DDP one copy of its (pp, tp, ep)
+    state (its own if it has one: any DP replica or CP rank holds the same), under FSDP
+    every shard of its (pp, tp) coordinate (dense parameters are sharded over dp x ep x
+    cp, experts over dp x cp: resharding reads them all). For many ranks, build one
+    ``OwnerIndex`` and ask it (``plan_reform`` does).
     """
-    return OwnerIndex(holders, tp, pp, zero).owners(new_rank, me)
+    return OwnerIndex(holders, tp, pp, zero, ep, cp).owners(new_rank, me)
 
 
 class OwnerIndex:
     """``owners_for`` for every rank of a layout in O(1) each under DDP (O(dp) under FSDP,
-    the size of the answer): the holders indexed once by (pp, tp) coordinate and holder."""
+    the size of the answer): the holders indexed once by coordinate and holder."""
 
-    def __init__(self, holders: dict[int, M], tp: int, pp: int, zero: int):
-        self.tp, self.pp, self.zero = tp, pp, zero
-        self.by_coord: dict[tuple[int, int], list[tuple[int, M]]] = {}  # in ``holders`` order
-        self.first_of: dict[tuple[tuple[int, int], int], int] = {}  # (coord, id(holder)) -> first owner
+    def __init__(self, holders: dict[int, M], tp: int, pp: int, zero: int, ep: int = 1, cp: int = 1):
+        self.dims = (tp, pp, zero, ep, cp)
+        self.zero = zero
+        self.by_coord: dict[tuple[int, ...], list[tuple[int, M]]] = {}  # in ``holders`` order
+        self.first_of: dict[tuple[tuple[int, ...], int], int] = {}  # (coord, id(holder)) -> first owner
         for owner, holder in holders.items():
-            coord = pp_tp(owner, tp, pp)
+            coord = coord_of(owner, *self.dims)
             self.by_coord.setdefault(coord, []).append((owner, holder))
             self.first_of.setdefault((coord, id(holder)), owner)
 
     def owners(self, new_rank: int, me: M) -> dict[int, M | None]:
-        coord = pp_tp(new_rank, self.tp, self.pp)
+        coord = coord_of(new_rank, *self.dims)
         mine = self.by_coord.get(coord, [])
         if self.zero == 0 and mine:
             owner = self.first_of.get((coord, id(me)))
@@ -160,30 +177,33 @@ def plan_recovery(whole_replicas: int, spare: int, allowed: list[int]) -> Recove
     return RecoveryPlan(dp=dp, keep=keep, grow=dp - keep)
 
 
-def replica_peers(nodes: list[str], tp: int, pp: int, zero: int) -> list[int | None]:
+def replica_peers(nodes: list[str], tp: int, pp: int, zero: int, ep: int = 1, cp: int = 1) -> list[int | None]:
     """For each rank (``nodes[r]`` is rank r's node), the rank that keeps a copy of its
     memory snapshots, or None where no copy is needed.
 
     A rank needs a copy unless a rank on another node already holds the same state: under
-    DDP (``zero`` 0) the DP replicas of a (pp, tp) coordinate are identical, under FSDP every
-    shard is unique. Copies go to another node, so a node loss never takes a shard and its
-    copy together. The same ring shift is used for every rank where one exists that moves
-    each rank off its node, so every rank holds at most one peer's copies; otherwise each
-    rank picks the least-loaded rank on another node, the nearest in ring order first. On a
-    single node the copy goes to the next rank (another process), unless an identical
-    replica already lives in another process.
+    DDP (``zero`` 0) the DP replicas and CP ranks of a (pp, tp, ep) coordinate are
+    identical, under FSDP every shard is unique. Copies go to another node, so a node loss
+    never takes a shard and its copy together, and to another replica where one exists on
+    another node, because a node loss ends its whole replica (the re-formation keeps whole
+    replicas only). The same ring shift is used for every rank where one exists that moves
+    each rank off its node (shifts by whole replicas first), so every rank holds at most one
+    peer's copies; otherwise each rank picks the least-loaded rank on another node (in
+    another replica first), the nearest in ring order first. On a single node the copy goes
+    to the next rank (another process), unless an identical replica already lives in
+    another process.
 
     O(N * ranks per node) with a ring shift, O(N log N) more without (``peer_ring.py``).
     """
-    n = len(nodes)
-    content = [shard_of(r, tp, pp, zero) for r in range(n)]
+    n, size = len(nodes), tp * pp * ep * cp
+    content = [shard_of(r, tp, pp, zero, ep, cp) for r in range(n)]
     twin_nodes: dict[Any, set[str]] = {}
     for r, c in enumerate(content):
         twin_nodes.setdefault(c, set()).add(nodes[r])
     twins_count = Counter(content)
     on_node = Counter(nodes)
-    shift = ring_shift(nodes)
-    nearest = None if shift is not None or len(on_node) < 2 else LeastLoaded(nodes)
+    shift = ring_shift(nodes, prefer_multiples_of=size)
+    nearest = None if shift is not None or len(on_node) < 2 else LeastLoaded(nodes, replica_size=size)
     out: list[int | None] = []
     for r in range(n):
         if len(twin_nodes[content[r]]) > 1:  # an identical replica lives on another node
@@ -234,19 +254,21 @@ def plan_reform(
     zero: int,
     replicate: bool,
     rack_of: Callable[[str], str],
+    ep: int = 1,
+    cp: int = 1,
 ) -> ReformPlan[M]:
     """The whole re-formation of ``members`` (whole replicas, any order) at ``dp``.
 
     ``holdings`` is the one snapshot query of the old layout's live members (kept or not:
     a worker that is about to leave can still serve its snapshots).
     """
-    order = rank_order(members, tp * pp, rack_of)
+    order = rank_order(members, tp * pp * ep * cp, rack_of)
     owners: list[dict[int, M | None]] = [{} for _ in order]
     if restore.source == "memory" and restore.step is not None:
-        index = OwnerIndex(holders_at(holdings, restore.step), tp, pp, zero)
+        index = OwnerIndex(holders_at(holdings, restore.step), tp, pp, zero, ep, cp)
         owners = [index.owners(rank, m) for rank, m in enumerate(order)]
     peers: list[int | None] = [None] * len(order)
     if replicate:
-        peers = replica_peers([m.node_id for m in order], tp, pp, zero)
+        peers = replica_peers([m.node_id for m in order], tp, pp, zero, ep, cp)
     resume = restore.step if restore.step is not None else step
     return ReformPlan(list(order), dp, resume, restore, owners, peers)

@@ -105,7 +105,7 @@ def choose_restore(
     holdings = group.snapshot_holdings(holders)
     pairs = list(zip(holders, holdings))
     p = spec.parallel
-    step = plan.covering_step(holdings, group.dp * p.tp * p.pp, p.tp, p.pp, p.zero)
+    step = plan.covering_step(holdings, group.dp * p.replica_size, p.tp, p.pp, p.zero, p.ep, p.cp)
     if step is not None:
         return RestoreChoice(step, "memory"), pairs
     if committer is not None:
@@ -144,6 +144,8 @@ def reform(
         zero=p.zero,
         replicate=spec.checkpoint.replicate,
         rack_of=group.rack_of,
+        ep=p.ep,
+        cp=p.cp,
     )
     if before is not None:
         before(reform_plan.members)

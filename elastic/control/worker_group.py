@@ -343,7 +343,7 @@ class WorkerGroup(GroupNews):
     def placement(self) -> dict[str, object]:
         """The ``placement`` event's fields for the current members (docs/outputs.md)."""
         p = self.spec.parallel
-        return placement_fields(self.dp, p.tp, p.pp, self.members, self._node_labels)
+        return placement_fields(self.dp, p.tp, p.pp, self.members, self._node_labels, ep=p.ep, cp=p.cp)
 
     def pid_of(self, rank: int) -> int:
         return next(m.pid for m in self.members if m.rank == rank)

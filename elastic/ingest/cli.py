@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from elastic.ingest.prepare import FORMATS
@@ -18,13 +17,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sample; rows hold seq_len + 1 ids")
     parser.add_argument("--rows-per-shard", type=int, default=2048, help="rows per parquet shard")
     parser.add_argument(
-        "--address", default=None, help="Ray cluster address (default: join a running one, else embedded)"
+        "--address",
+        default=None,
+        help="Ray cluster to join: HOST:PORT, or auto for the one running on this machine "
+        "(default: RAY_ADDRESS, else an embedded cluster for this command alone)",
     )
 
 
 def main(args: argparse.Namespace) -> int:
     from elastic.errors import SpecError
-    from elastic.ingest.prepare import PrepareConfig, prepare
+    from elastic.ingest.prepare import PrepareConfig, check_input, prepare
 
     cfg = PrepareConfig(
         input=args.input,
@@ -36,11 +38,7 @@ def main(args: argparse.Namespace) -> int:
         rows_per_shard=args.rows_per_shard,
     )
     try:
-        from elastic.ingest import tokenizer as toks
-
-        toks.parse_tokenizer(cfg.tokenizer)  # bad input is reported before Ray starts
-        if cfg.seq_len < 1:
-            raise SpecError("--seq-len", f"must be >= 1, got {cfg.seq_len}")
+        check_input(cfg)  # bad input is reported before Ray starts
         started = _connect(args.address)
         try:
             result = prepare(cfg)
@@ -66,18 +64,14 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _connect(address: str | None) -> bool:
+    """Join ``--address`` (or ``RAY_ADDRESS``; ``auto``: the cluster running here), else start an
+    embedded Ray on this machine's CPUs (``elastic/ray_join.py``). True when started here."""
     import os
 
     import ray
 
-    from elastic.api import running_cluster_address
+    from elastic import ray_join
 
     if ray.is_initialized():
         return False
-    quiet = {"log_to_driver": False, "logging_level": logging.WARNING}
-    target = address or running_cluster_address()
-    if target:
-        ray.init(address=target, **quiet)
-        return False
-    ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False, **quiet)
-    return True
+    return ray_join.connect(ray_join.resolve(address), ray_join.embedded(os.cpu_count() or 1))

@@ -26,7 +26,7 @@ import json
 import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -211,7 +211,12 @@ class ParquetCorpus:
             self.bytes_read += pf.metadata.row_group(g).total_byte_size
         width = col.type.list_size if pa.types.is_fixed_size_list(col.type) else None
         if width is None:
-            arr = np.stack([np.asarray(x, dtype=np.int64) for x in col.to_pylist()])
+            lists = [np.asarray(x, dtype=np.int64) for x in col.to_pylist()]
+            if len({len(x) for x in lists}) > 1:
+                from elastic.errors import CorpusError
+
+                raise CorpusError(f"{path} row group {g}: rows of {sorted({len(x) for x in lists})} ids")
+            arr = np.stack(lists)
         else:
             arr = col.flatten().to_numpy().astype(np.int64).reshape(-1, width)
         self._cache[gi] = arr
@@ -243,7 +248,10 @@ class RankStream:
     """Yields ``(batch_index, [(inputs, targets), ...])`` for one DP rank, prefetched.
 
     A background thread reads up to ``prefetch`` batches ahead; the first read waits
-    ``start_delay_s`` (the host's stagger slot).
+    ``start_delay_s`` (the host's stagger slot). ``dp_rank`` is the rank's data shard (with
+    expert parallelism each EP rank of a replica has its own, ``ParallelDims.data_shard``);
+    ``seq_chunk = (cp, cp_rank)``: under context parallelism the rank gets its chunk of
+    every sequence (``elastic.parallel.cp.sequence_slice``).
     """
 
     def __init__(
@@ -255,12 +263,16 @@ class RankStream:
         prefetch: int = 2,
         start_delay_s: float = 0.0,
         source: Iterator[tuple[int, np.ndarray]] | None = None,
+        seq_chunk: tuple[int, int] = (1, 0),
+        row_check: Callable[[np.ndarray, int], None] | None = None,
     ):
         import torch  # local: keeps `elastic.ingest.corpus` importable for pure planning code
 
         self._torch = torch
         self.corpus, self.layout, self.dp_rank = corpus, layout, dp_rank
         self._source = source  # (batch_index, rank rows) from a Ray Data pipeline, or None
+        self.seq_chunk = seq_chunk
+        self._row_check = row_check  # (rows, batch_index): raises CorpusError on rows that cannot train
         self.next_batch = self._first_batch = start_batch
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
         self._stop = threading.Event()
@@ -276,6 +288,11 @@ class RankStream:
             rows = np.concatenate(
                 [self.corpus.rows(idx) for idx in self.layout.micro_batches(batch_index, self.dp_rank)]
             )
+        if self._row_check is not None:
+            self._row_check(rows, batch_index)
+        from elastic.parallel.cp import sequence_slice
+
+        rows = sequence_slice(rows, *self.seq_chunk)
         rows = self._torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
         return [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in rows.split(self.layout.micro_batch)]
 

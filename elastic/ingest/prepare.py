@@ -239,32 +239,68 @@ def encode_shard(rows: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def prepare(cfg: PrepareConfig) -> PrepareResult:
-    """Run the pipeline on the connected Ray cluster (``ray.init`` first)."""
-    import ray.data
-
+def check_input(cfg: PrepareConfig) -> tuple[Any, list[str], str]:
+    """Everything about the input and the options that can be checked without Ray (``SpecError``
+    naming ``INPUT`` or the flag): returns the input's filesystem, files and format."""
     if cfg.seq_len < 1:
         raise SpecError("--seq-len", f"must be >= 1, got {cfg.seq_len}")
     if cfg.rows_per_shard < 1:
         raise SpecError("--rows-per-shard", f"must be >= 1, got {cfg.rows_per_shard}")
     tspec = toks.parse_tokenizer(cfg.tokenizer)
-    t0 = time.perf_counter()
+    if tspec.kind == "file":
+        toks.eot_id(toks.load_file(tspec.path))
     fs, files = list_inputs(cfg.input, cfg.storage_options)
     fmt = infer_format(files, cfg.format)
+    try:
+        empty = sum(int(fs.size(f) or 0) for f in files) == 0
+    except (OSError, TypeError):
+        empty = False
+    names = None if empty or fmt == "text" else _field_names(fmt, fs, files)
+    if empty or (fmt != "text" and names is None):
+        raise SpecError("INPUT", f"{redact_uri(cfg.input)} holds no documents (its files are empty)")
+    if names is not None and cfg.text_field not in names:
+        raise SpecError(
+            "--text-field", f"no field {cfg.text_field!r} in the input (fields: {', '.join(names) or 'none'})"
+        )
+    return fs, files, fmt
+
+
+def prepare(cfg: PrepareConfig) -> PrepareResult:
+    """Run the pipeline on the connected Ray cluster (``ray.init`` first). Nothing is left in
+    ``cfg.output`` when it fails: what it wrote is removed; ``index.json`` comes last."""
+    out = open_storage(cfg.output, cfg.storage_options)
+    written: list[str] = []
+    try:
+        return _prepare(cfg, out, written)
+    except BaseException:
+        for uri in written:
+            out.rm(uri)
+        raise
+
+
+def _prepare(cfg: PrepareConfig, out: Any, written: list[str]) -> PrepareResult:
+    import ray.data
+
+    t0 = time.perf_counter()
+    fs, files, fmt = check_input(cfg)
+    tspec = toks.parse_tokenizer(cfg.tokenizer)
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
     ds = _dataset(fmt, fs, files, cfg.text_field, cfg.blocks or _blocks(fs, files))
     tok = _tokenizer(cfg, tspec, ds)
     described = toks.describe(tok, tspec.kind)
-    out = open_storage(cfg.output, cfg.storage_options)
-    out.put_bytes(out.join(cfg.output, "tokenizer.json"), tok.to_str().encode())
     shards: list[Shard] = []
+
+    def put(name: str, data: bytes) -> None:
+        uri = out.join(cfg.output, name)
+        written.append(uri)
+        out.put_bytes(uri, data)
 
     def write(rows: np.ndarray) -> None:
         data = encode_shard(rows)
         name = f"part-{len(shards):05d}.parquet"
-        out.put_bytes(out.join(cfg.output, name), data)
+        put(name, data)
         shards.append(Shard(path=name, rows=len(rows), bytes=len(data), sha256=sha256(data)))
 
     packer = _Packer(cfg.seq_len + 1, cfg.rows_per_shard, write)
@@ -285,6 +321,7 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
         raise SpecError("INPUT", f"{redact_uri(cfg.input)} holds no documents (field {cfg.text_field!r} is empty)")
     if packer.rows == 0:
         raise SpecError("--seq-len", f"the input has fewer than seq_len + 1 = {cfg.seq_len + 1} tokens")
+    put("tokenizer.json", tok.to_str().encode())
     index = CorpusIndex(root=cfg.output, seq_len=cfg.seq_len, tokenizer=described, shards=tuple(shards))
     write_index(cfg.output, index, cfg.storage_options)  # last: the corpus is complete from here on
     wall = time.perf_counter() - t0

@@ -14,11 +14,13 @@ import importlib
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic.errors import SpecError
-from elastic.models.config import CustomConfig
 from elastic.models.spec import ModelSpec, register_model
+
+if TYPE_CHECKING:  # config.py imports this module (lazily) to check a custom model
+    from elastic.models.config import CustomConfig
 
 _CACHE: dict[tuple[str, str], tuple[ModelSpec, str | None]] = {}  # -> (spec, import root)
 

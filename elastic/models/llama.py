@@ -3,7 +3,10 @@
 RMSNorm (in fp32), rotary position embeddings (RoPE, Su et al. 2021), a SwiGLU MLP
 (``w2(silu(w1 x) * w3 x)``, Shazeer 2020) and grouped-query attention (``n_kv_heads``
 key/value heads shared by ``n_heads / n_kv_heads`` query heads each, Ainslie et al. 2023).
-Shapes follow Meta's reference code, so ``size: llama3-8b`` has 8.03e9 parameters.
+Shapes follow Meta's reference code, so ``size: llama3-8b`` has 8.03e9 parameters. Llama 3.1
+and later add a RoPE frequency scaling (``model.rope_scaling``, ``llama3_scaled``); Llama 3.2
+1B/3B tie the head to the embedding (``tie_embeddings``). ``elastic.models.hf`` maps the
+model to and from Hugging Face's ``LlamaForCausalLM`` (the ``ModelSpec.hf`` adapter).
 
 The layout rules of the reference GPT hold: blocks in a ``ModuleDict`` keyed by layer
 index (a pipeline stage keeps its FQNs), separate ``wq/wk/wv/wo`` and ``w1/w2/w3``
@@ -14,7 +17,8 @@ the forward from positions (no buffers: the engine's state is parameters only).
 TP plan: ``wq``, ``wk``, ``wv`` column-wise (each TP rank owns ``n_heads / tp`` query and
 ``n_kv_heads / tp`` key/value heads, so ``tp`` must divide ``n_kv_heads``), ``wo``
 row-wise; ``w1`` and ``w3`` column-wise, ``w2`` row-wise; the embedding vocab-parallel
-and the head's logits sharded for ``loss_parallel`` when ``tp`` divides the vocabulary.
+and the head's logits sharded for ``loss_parallel`` when ``tp`` divides the vocabulary and
+the two are not tied.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from elastic.models.config import LlamaConfig
+from elastic.models.config import LlamaConfig, RopeScaling
+from elastic.models.hf import llama_adapter
 from elastic.models.spec import ModelSpec, lm_loss, normal_or_ones, register_model, seeded_init
 
 
@@ -41,11 +46,34 @@ class RMSNorm(nn.Module):
         return (y * self.weight.float()).to(x.dtype)
 
 
-def rope_tables(seq: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of ``pos * theta^(-2i/head_dim)``, shape ``[seq, head_dim / 2]`` (fp32)."""
+def rope_tables(
+    seq: int,
+    head_dim: int,
+    theta: float,
+    device: torch.device,
+    scaling: RopeScaling | None = None,
+    start: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of ``pos * theta^(-2i/head_dim)`` for positions ``start .. start + seq - 1``,
+    shape ``[seq, head_dim / 2]`` (fp32). ``start`` > 0: a context-parallel chunk."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv_freq)
+    if scaling is not None:
+        inv_freq = llama3_scaled(inv_freq, scaling)
+    positions = torch.arange(start, start + seq, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
     return angles.cos(), angles.sin()
+
+
+def llama3_scaled(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's frequency scaling (Meta's ``apply_scaling``): wavelengths longer than the
+    pre-training context / ``low_freq_factor`` are stretched by ``factor``, those shorter than
+    context / ``high_freq_factor`` kept, and the band between interpolated smoothly."""
+    context = s.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    scaled = torch.where(wavelen > context / s.low_freq_factor, inv_freq / s.factor, inv_freq)
+    between = (wavelen >= context / s.high_freq_factor) & (wavelen <= context / s.low_freq_factor)
+    return torch.where(between, (1 - smooth) * inv_freq / s.factor + smooth * inv_freq, scaled)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -59,13 +87,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.head_dim, self.theta = cfg.head_dim, cfg.rope_theta
+        self.head_dim, self.theta, self.rope_scaling = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
         self.n_rep = cfg.n_heads // cfg.kv_heads
         kv_dim = cfg.kv_heads * cfg.head_dim
         self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.wk = nn.Linear(cfg.d_model, kv_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, kv_dim, bias=False)
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.cp = None  # an elastic.parallel.cp.ContextParallel when the sequence is split over ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
@@ -73,8 +102,12 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        cos, sin = rope_tables(seq, self.head_dim, self.theta, x.device)
+        start = self.cp.rope_offset(seq) if self.cp is not None else 0
+        cos, sin = rope_tables(seq, self.head_dim, self.theta, x.device, self.rope_scaling, start)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.cp is not None:  # this rank's chunk of the sequence attends to all earlier chunks
+            y = self.cp.attention(q, k, v, self.n_rep)
+            return self.wo(y.transpose(1, 2).reshape(bsz, seq, -1))
         if self.n_rep > 1:  # each key/value head serves n_rep consecutive query heads
             k = k.repeat_interleave(self.n_rep, dim=1)
             v = v.repeat_interleave(self.n_rep, dim=1)
@@ -107,13 +140,15 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, block: type[nn.Module] = Block):
         super().__init__()
         self.cfg = cfg
         self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.blocks = nn.ModuleDict({str(i): block(cfg) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:  # Llama 3.2 1B/3B; tied again in ``init_weights`` after ``to_empty``
+            self.head.weight = self.tok_emb.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Token ids -> logits on a full model; hidden states in or out on a pipeline stage."""
@@ -128,6 +163,8 @@ class Llama(nn.Module):
         return x
 
     def init_weights(self, seed: int) -> None:
+        if self.cfg.tie_embeddings and self.head is not None and self.tok_emb is not None:
+            self.head.weight = self.tok_emb.weight  # ``to_empty`` after a meta build unties them
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         norms = ("attn_norm.weight", "mlp_norm.weight", "norm.weight")
         seeded_init(self, seed, normal_or_ones(0.02, residual_std, norms, ("wo.weight", "w2.weight")))
@@ -154,12 +191,25 @@ def _block_plan() -> dict:
     return {"attn.wq": col, "attn.wk": col, "attn.wv": col, "attn.wo": row, "mlp.w1": col, "mlp.w3": col, "mlp.w2": row}
 
 
+def shards_vocab(cfg: LlamaConfig, tp: int) -> bool:
+    """Vocab-parallel embedding and loss-parallel head: only on an even split, untied."""
+    return tp > 1 and cfg.vocab_size % tp == 0 and not cfg.tie_embeddings
+
+
 def apply_tp(model: Llama, tp_mesh) -> Llama:
     from elastic.parallel.tp import apply_block_plan, apply_vocab_parallel
 
     apply_block_plan(list(model.blocks.values()), tp_mesh, _block_plan())
-    if model.cfg.vocab_size % tp_mesh.size() == 0:
+    if shards_vocab(model.cfg, tp_mesh.size()):
         apply_vocab_parallel(model.tok_emb, model.head, tp_mesh)
+    return model
+
+
+def apply_cp(model: Llama, cp_mesh) -> Llama:
+    """Context-parallel attention in every block (``elastic/parallel/cp.py``)."""
+    from elastic.parallel.cp import apply_cp as cp_attention
+
+    cp_attention([block.attn for block in model.blocks.values()], cp_mesh)
     return model
 
 
@@ -176,9 +226,11 @@ def llama_spec(cfg: LlamaConfig) -> ModelSpec:
         tp_plan=apply_tp,
         split_stage=build_stage,
         loss_fn=lm_loss,
-        loss_context=lambda tp: loss_context(tp > 1 and cfg.vocab_size % tp == 0),
+        loss_context=lambda tp: loss_context(shards_vocab(cfg, tp)),
         validate_layout=cfg.validate_layout,
         memory=cfg.memory_inputs(),
+        hf=llama_adapter(cfg),
+        cp_plan=apply_cp,
     )
 
 

@@ -33,7 +33,7 @@ def global_grad_norm(
         groups.setdefault(key, []).append(g)
     squares = torch.zeros((), dtype=torch.float32, device=device)
     for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=False)
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=_foreach_ok(grads))
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares = squares + norm.float() ** 2
@@ -48,5 +48,12 @@ def clip_grad_norm(
     """Clip in place to ``max_norm`` (0 disables) and return the pre-clip global norm."""
     total = global_grad_norm(params, pp_group, device)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
+        grads = [p.grad for p in params if p.grad is not None]
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=_foreach_ok(grads))
     return float(total)
+
+
+def _foreach_ok(grads: list[torch.Tensor]) -> bool:
+    """One foreach kernel per list on CUDA for plain tensors; DTensors of several meshes
+    cannot share one foreach call, and on CPU the loop is as fast."""
+    return bool(grads) and all(type(g) is torch.Tensor and g.is_cuda for g in grads)

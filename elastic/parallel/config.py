@@ -10,6 +10,8 @@ class ParallelConfig(BaseModel):
 
     tp: int = Field(1, ge=1, description="tensor-parallel degree (inside a node)")
     pp: int = Field(1, ge=1, description="pipeline-parallel degree (stages per replica)")
+    ep: int = Field(1, ge=1, description="expert-parallel degree: experts sharded over this many ranks (model.moe)")
+    cp: int = Field(1, ge=1, description="context-parallel degree: each sequence split over this many ranks")
     zero: int = Field(0, ge=0, le=3, description="0 = DDP; 1, 2, 3 = FSDP2 sharding levels")
     micro_batch: int = Field(4, ge=1, description="samples per micro-batch per DP rank")
     activation_checkpointing: bool = False
@@ -18,4 +20,4 @@ class ParallelConfig(BaseModel):
     @property
     def replica_size(self) -> int:
         """Workers in one model replica: the unit in which DP grows and shrinks."""
-        return self.tp * self.pp
+        return self.tp * self.pp * self.ep * self.cp

@@ -1,7 +1,9 @@
 """Data parallelism with replicated parameters (``parallel.zero == 0``).
 
 Gradients are averaged over the DP mesh only: TP peers hold different shards and PP
-peers different layers, so neither takes part.
+peers different layers, so neither takes part. With EP or CP the "DP mesh" of dense
+parameters is dp x ep x cp and that of experts dp x cp (``ParallelDims.dense_mesh``,
+``expert_mesh``), each unit replicated on its own (see fsdp.py).
 
 * Pure DP (no TP, no PP): ``torch.nn.parallel.DistributedDataParallel`` over the DP
   group. Bucketed all-reduce overlaps backward; gradient accumulation uses ``no_sync``
@@ -30,19 +32,31 @@ if TYPE_CHECKING:
 
 
 def apply_ddp(
-    model: nn.Module, dp_mesh: DeviceMesh, classic: bool, blocks: list[nn.Module], init_sync: bool = True
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    classic: bool,
+    blocks: list[nn.Module],
+    init_sync: bool = True,
+    experts: list[nn.Module] = (),
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Replicated data parallelism over ``dp_mesh``; returns the module to train.
 
-    ``classic`` selects ``DistributedDataParallel`` (only valid without TP and PP).
+    ``classic`` selects ``DistributedDataParallel`` (only valid without TP, PP, EP and CP).
     ``init_sync=False`` skips DDP's start-up check and broadcast of rank 0's weights: for a
-    re-formation, where every rank then loads the same restored state.
+    re-formation, where every rank then loads the same restored state. ``experts`` are
+    replicated over ``expert_mesh`` (None: left out, no other rank holds them).
     """
     if classic:
         return DistributedDataParallel(model, process_group=dp_mesh.get_group(), init_sync=init_sync)
+    from elastic.parallel.fsdp import expert_params
+
+    ignored = (expert_params(experts) if expert_mesh is None else set()) or None
+    for unit in experts if expert_mesh is not None else ():
+        replicate(unit, mesh=expert_mesh)
     for block in blocks:
-        replicate(block, mesh=dp_mesh)
-    replicate(model, mesh=dp_mesh)
+        replicate(block, mesh=dp_mesh, ignored_params=ignored)
+    replicate(model, mesh=dp_mesh, ignored_params=ignored)
     return model
 
 

@@ -10,7 +10,10 @@ Loss and gradient scaling. Every micro-batch loss is the mean over its tokens an
 micro-batches have ``micro_batch * seq_len`` tokens, so the global mean is the mean of
 micro-batch means. Each micro-batch contributes ``grad(loss) / grad_accum`` (the
 pipeline schedule does the same division itself), and DDP/FSDP average over the DP
-degree: the accumulated gradient is that of the global mean.
+degree: the accumulated gradient is that of the global mean. With EP and CP the data
+shards are ``dp x ep`` and each CP rank sees an equal chunk of its shard's sequences, so
+losses and dense gradients are averaged over ``dp x ep x cp`` (``ParallelDims.dense_mesh``;
+experts: see elastic/parallel/ep.py).
 """
 
 from __future__ import annotations
@@ -49,10 +52,11 @@ class TrainEngine:
         device: str | torch.device = "cpu",
         restoring: bool = False,
     ):
-        if (parallel_cfg.tp, parallel_cfg.pp) != (dims.tp, dims.pp):
-            raise ValueError(f"parallel config tp/pp {parallel_cfg.tp}/{parallel_cfg.pp} != dims {dims.tp}/{dims.pp}")
+        got = (parallel_cfg.tp, parallel_cfg.pp, parallel_cfg.ep, parallel_cfg.cp)
+        if got != (dims.tp, dims.pp, dims.ep, dims.cp):
+            raise ValueError(f"parallel config tp/pp/ep/cp {got} != dims {(dims.tp, dims.pp, dims.ep, dims.cp)}")
         self.spec: ModelSpec = model_spec(model_cfg)  # a model config, or a ModelSpec itself
-        self.spec.check_layout(dims.tp, dims.pp)
+        self.spec.check_layout(dims.tp, dims.pp, dims.ep, dims.cp)
         self.model_cfg, self.parallel_cfg, self.train_cfg, self.dims = model_cfg, parallel_cfg, train_cfg, dims
         self.grad_accum = dims.grad_accum(train_cfg.global_batch, parallel_cfg.micro_batch)
         self.device = _resolve_device(device)
@@ -88,6 +92,9 @@ class TrainEngine:
             restoring=restoring,
         )
         self.model.train()
+        if self.spec.set_loss_scale is not None:  # what each micro-batch's loss is scaled by (the pipeline
+            # schedule scales the accumulated gradients instead)
+            self.spec.set_loss_scale(self.module, 1.0 if dims.pp_enabled else 1.0 / self.grad_accum)
         # FSDP computes in bf16 through its mixed-precision policy; everything else autocasts
         # (fp32 master weights, gradients and optimizer state in both cases).
         self._autocast = bf16 and not isinstance(self.model, FSDPModule)
@@ -96,10 +103,11 @@ class TrainEngine:
         self.build_timings["optimizer_s"] = time.perf_counter() - t1
         self._params = [p for p in self.model.parameters() if p.requires_grad]
 
-        self.schedule = None
+        self.schedule = self.pipeline_stage = None
         if dims.pp_enabled:
+            self.pipeline_stage = pp.build_stage(self.model, dims.pp_mesh, self.device)
             self.schedule = pp.build_schedule(
-                self.model, dims.pp_mesh, self.device, self.grad_accum, self.spec.loss_fn, parallel_cfg.pp_schedule
+                self.pipeline_stage, self.grad_accum, self.spec.loss_fn, parallel_cfg.pp_schedule
             )
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -145,7 +153,8 @@ class TrainEngine:
     # ----- one step ---------------------------------------------------------------------
 
     def forward_backward(self, micro_batches: Sequence[MicroBatch]) -> float:
-        """Accumulate the gradients of this DP rank's micro-batches; return the global mean loss."""
+        """Accumulate the gradients of this data shard's micro-batches (under CP: this rank's
+        chunk of their sequences, ``elastic.parallel.cp.sequence_slice``); return the global mean loss."""
         return self.forward_backward_agree(micro_batches, False)[0]
 
     def forward_backward_agree(self, micro_batches: Sequence[MicroBatch], flag: bool) -> tuple[float, bool]:
@@ -165,6 +174,7 @@ class TrainEngine:
                 local = self._pipeline_forward_backward(micro_batches)
             else:
                 local = self._local_forward_backward(micro_batches)
+        _finish_own_work(self.device)  # so the wait timed below is the peers', not this device's queue
         if self.dims.dp == self.dims.world_size:
             value = torch.stack([local.detach().float().reshape(()), torch.tensor(float(flag), device=self.device)])
             t = time.perf_counter()
@@ -188,7 +198,8 @@ class TrainEngine:
             with ddp.micro_batch_context(self.model, is_last):
                 logits = self.model(inputs.to(self.device))
                 loss = self.spec.loss_fn(logits, targets.to(self.device))
-                if is_last and self.dims.dp_enabled and loss.requires_grad:
+                del logits  # the loss keeps what backward needs; the logits would hold b*s*V more
+                if is_last and self.dims.dense_dp > 1 and loss.requires_grad:
                     with _own_backward(loss) as own:
                         (loss / self.grad_accum).backward()
                     self.sync_wait_s += own.waited_s
@@ -216,9 +227,9 @@ class TrainEngine:
         value = local.detach().float().reshape(1).clone()
         if self.dims.pp_enabled:
             dist.broadcast(value, group=self.dims.pp_mesh.get_group(), group_src=self.dims.pp - 1)
-        if self.dims.dp_enabled:
-            dist.all_reduce(value, group=self.dims.dp_mesh.get_group())
-            value /= self.dims.dp
+        if self.dims.dense_dp > 1:
+            dist.all_reduce(value, group=self.dims.dense_mesh.get_group())
+            value /= self.dims.dense_dp
         return float(value)
 
     def optimizer_step(self) -> float:
@@ -244,6 +255,8 @@ class TrainEngine:
         probe.register(list(self.model.parameters()) + list(self.model.buffers()))
         probe.register(tensors_in(self.optimizer.state))
         probe.register([t for pair in micro_batches for t in pair])
+        if self.pipeline_stage is not None:  # allocated by the first step, written in place by receives
+            probe.register(pp.received_buffers(self.pipeline_stage))
         self._probe = probe
 
     def zero_grad(self) -> None:
@@ -345,3 +358,11 @@ def _resolve_device(device: str | torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def _finish_own_work(device: torch.device) -> None:
+    """Wait for this rank's own queued device work. On CUDA, kernels run asynchronously: a
+    collective's wall time would otherwise include this rank's forward and backward, and a
+    slow GPU would look like a fast rank waiting for its peers (``compute_s``, stragglers)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -31,6 +31,12 @@ only between steps is it lower.
 The root keeps ``reshard_after_forward=False`` at every level: its parameters are the
 first needed when backward begins, so resharding them would only add an all-gather.
 
+Experts (``model.moe``) are their own FSDP units, on the mesh of the ranks that hold the
+same experts (``ParallelDims.expert_mesh``, dp x cp), inside blocks sharded over the dense
+mesh (dp x ep x cp): torchtitan's arrangement. Where no other rank holds the same experts
+(dp = cp = 1) they are left out of the blocks' units (``ignored_params``) and keep their
+EP sharding alone.
+
 Under pipeline parallelism the stage drives these flags itself (``PipelineStage`` turns
 off gradient sync and resharding for all but the last micro-batch), so every level
 reduces gradients once per step there; ``reshard_after_forward`` still differs.
@@ -49,22 +55,36 @@ if TYPE_CHECKING:
 
 
 def apply_fsdp(
-    model: nn.Module, dp_mesh: DeviceMesh, zero: int, blocks: list[nn.Module], bf16: bool = False
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    zero: int,
+    blocks: list[nn.Module],
+    bf16: bool = False,
+    experts: list[nn.Module] = (),
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard ``model`` (a model or a pipeline stage, possibly TP-sharded) over ``dp_mesh``.
 
     ``bf16``: FSDP2's mixed precision, bf16 parameters for compute (all-gathered in bf16),
     gradients reduced in fp32; the sharded parameters and optimizer state stay fp32.
+    ``experts``: expert modules, sharded over ``expert_mesh`` (None: left alone).
     """
     if zero not in (1, 2, 3):
         raise ValueError(f"apply_fsdp needs zero in 1..3, got {zero}")
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     )
+    ignored = expert_params(experts) if expert_mesh is None else set()
+    for unit in experts if expert_mesh is not None else ():
+        fully_shard(unit, mesh=expert_mesh, reshard_after_forward=zero == 3, mp_policy=mp)
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=mp)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=mp, ignored_params=ignored or None)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp, ignored_params=ignored or None)
     return model
+
+
+def expert_params(experts: list[nn.Module]) -> set[nn.Parameter]:
+    return {p for unit in experts for p in unit.parameters()}
 
 
 def prepare_micro_batch(model: nn.Module, zero: int, is_last: bool) -> None:

@@ -1,109 +1,123 @@
-"""Analytical per-rank memory of a transformer (any ``model.kind``), in bytes.
+"""Analytical per-rank memory of a training step (any ``model.kind``), in bytes.
 
-A model describes itself through ``MemoryInputs`` (parameter counts per block, per first
-and last stage, activation coefficients); the formulas below are written for the
-reference GPT (``elastic/models/gpt.py``) and read those inputs, so Llama and custom
-models use the same arithmetic (``elastic/models/config.py`` derives their inputs).
+Runs wherever a spec is checked (driver, ``elastic plan``, the sweep's pruning): pure
+arithmetic, no torch. A model describes itself through ``MemoryInputs`` (its parameters per
+block and per first/last stage, its activation bytes per layer at each precision); the
+terms are in ``memory_terms.py``, and docs/sweep.md ("How the memory model counts") gives
+the whole account with the measurements behind each term.
 
-Used to prune parallel configurations before measuring them (step 1 of the search:
-fit the model in memory). Pure arithmetic; every figure is an integer number of bytes.
+What the estimate follows, from the engine (``elastic/parallel/``):
 
-**Parameters** of ``GPT`` (d = d_model, r = mlp_ratio, V = vocab, T = seq_len)::
+* **precision**: fp32 (``train.dtype: fp32``, the CPU default); ``autocast`` (bf16 with
+  ZeRO 0: fp32 weights and optimizer state, a cached bf16 copy of every linear weight, the
+  residual stream in fp32); ``bf16`` (FSDP2's bf16 parameter policy with ZeRO >= 1, or
+  ``dtype_bytes=2``: everything 16-bit but the loss);
+* **tensor parallelism**: linears split ``tp`` ways; the embedding, the head and the
+  logits split only where the model's plan shards them by vocabulary
+  (``MemoryInputs.vocab_parallel``: the built-in models when ``tp`` divides the vocabulary
+  and the embeddings are untied). There is no sequence parallelism in the TP plan, so the
+  model has none either (docs/sweep.md says why);
+* **pipeline parallelism**: 1F1B keeps ``pp - stage`` micro-batches in flight on a stage
+  (GPipe all of them), and ``PipelineStage`` keeps one receive buffer per micro-batch of
+  the step; the worst stage is reported;
+* **ZeRO** through FSDP2 (sharded storage, unsharded compute copies), classic DDP or
+  ``replicate`` as ``parallelize.py`` picks them;
+* the peak is the largest of three moments of a step: backward starts, the first layer
+  recomputed, backward ends.
 
-    tok_emb V*d   pos_emb T*d   per layer (4 + 2r) d^2 + 4d (two LayerNorms)
-    final norm 2d   head V*d unless tied (tying needs pp = 1)
-
-Under TP the linears and the embedding/head (vocab-parallel) are split ``tp`` ways; the
-LayerNorms and the position embedding are replicated. Under PP each stage holds its
-layers; stage 0 adds the embeddings, the last stage the final norm and the head. The
-estimate is the worst stage (largest total).
-
-**Training state** per parameter, ``k = dtype_bytes``:
-
-* params ``k`` and grads ``k``;
-* AdamW: two fp32 moments (8 bytes), plus a 4-byte fp32 master copy when ``k < 4``
-  (mixed precision, the ``2 + 2 + 12`` bytes of the ZeRO paper); SGD: one momentum;
-* ZeRO-1 divides the optimizer state by ``dp``, ZeRO-2 also the grads, ZeRO-3 also the
-  params.
-
-**Communication buffers** (``buffers``, with ``dp > 1``), as the engine's DP wrappers
-(``elastic/parallel/ddp.py``, ``fsdp.py``) allocate them:
-
-* classic DDP (pure DP, zero 0): the reducer's buckets hold a second copy of every
-  gradient (``gradient_as_bucket_view`` is off): ``+ grads``;
-* FSDP2 and ``replicate`` (every other DP layout) reduce one unit (a transformer block) at
-  a time from a flat copy of its gradients: ``+ one block's gradients``; ZeRO-2/3, whose
-  ``grads`` term is the sharded accumulator, also hold the unit's unsharded gradients as
-  autograd produced them: ``+ one more block``;
-* ZeRO-3 all-gathers one block's parameters at a time (``+ one block``), and the root
-  unit (embeddings, final norm, head) stays unsharded through the step
-  (``reshard_after_forward=False``): ``+ its full size minus its shard``.
-
-A block's size is that of this stage's block at its TP split.
-
-**Activations** per layer and micro-batch (Korthikanti et al. 2022, "Reducing Activation
-Recomputation in Large Transformer Models", Table 2), for 16-bit activations::
-
-    s*b*h * (34 + 5*a*s/h)                     no TP, or TP with sequence parallelism: / t
-    s*b*h * (10 + 24/t + 5*a*s/(h*t))          TP without sequence parallelism
-    2*s*b*h                                    full recompute (only each layer's input; / t with SP)
-
-With full recompute, backward rebuilds one layer's activations at a time: that working
-set (one layer of the no-recompute formula) is added once, on top of the stored inputs.
-
-The 34 splits into 10 bytes kept whole by TP without SP (LayerNorm inputs, the inputs of
-the QKV and first MLP matmuls, two dropout masks) and 24 split by TP; the MLP part of
-the 24 is ``4r`` (16 at r = 4), so the code uses ``10 + 8 + 4r``. The ``5as/h`` term is
-the stored softmax (scores, dropout mask, output). The built-in GPT and Llama call the
-fused ``scaled_dot_product_attention``, which stores no ``s x s`` matrix: they declare
-``act_scores = 0`` (measured: the live bytes per ``sbh`` do not change from s = 64 to 256).
-The GPT has no dropout, so its two masks (2 sbh) stay as a small over-count (measured 32.1
-per layer against the formula's 34). Activations in ``dtype_bytes``
-other than 2 scale the whole formula by ``dtype_bytes / 2`` (fp32 doubles it).
-
-**Pipeline**: with 1F1B, stage ``i`` of ``pp`` holds the activations of up to ``pp - i``
-micro-batches at once (stage 0 the most); with GPipe every stage holds all of them.
-**Logits**: the last stage's loss (``lm_loss``, in fp32, not split by TP: the loss sees
-the full vocabulary) keeps its ``s*b*V`` log-probabilities for backward, and the first
-step of backward holds two more tensors of that size (their gradient and the logits'
-gradient) while every activation is still stored: ``3*s*b*V*4`` bytes at the peak
-(measured exactly, for V from 512 to 8192).
-
-**The peak** is the largest of three moments of a step (measured with the live-tensor
-tracker, ``elastic/parallel/memtrack.py``):
-
-* backward starts: every stored activation and ``3*s*b*V*4`` of loss tensors;
-* with full recompute, the first layer rebuilt: the stored inputs plus that layer's working
-  set (the log-probabilities are counted until then: a small margin);
-* backward ends: all the parameter gradients and one layer's activations.
-
-Parameter gradients count at the first two only under gradient accumulation (or a
-pipeline's several micro-batches): at one micro-batch the last step's were freed
-(``zero_grad(set_to_none=True)``) and this step's do not exist yet. ``grads``,
-``activations`` and ``logits`` in the estimate are those of the peak moment.
+Experts and expert and context parallelism go through ``memory_moe.py`` (the dense part
+through these terms, theirs added). Any model kind can add terms of its own through
+``MemoryInputs.extra_terms``: a function of the ``StageContext`` returning ``ExtraTerms``,
+added to the stage before its peak is taken.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from elastic.errors import SpecError
+from elastic.parallel.memory_terms import STATE_BYTES, ceil_div, layers_per_stage, stage_estimate, stage_params
 
-_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """Stored bytes of one layer at one precision, per token and per ``d_model`` unit.
+
+    ``whole``: kept whole under TP (norm inputs and outputs, the linears' inputs); ``split``:
+    divided by TP (attention heads, MLP hidden states); ``residual``: bytes per element of
+    the residual stream (what recompute keeps per layer and a pipeline stage sends);
+    ``head``: what the last stage stores before the loss (final norm, the head's input).
+    ``backward``: the gradients of activations alive at once while one layer's backward
+    runs (the MLP's hidden states; split by TP).
+    """
+
+    whole: float
+    split: float
+    residual: float
+    head: float = 0.0
+    backward: float = 0.0
+
+
+@dataclass(frozen=True)
+class ExtraTerms:
+    """Terms a model kind adds to a stage (``MemoryInputs.extra_terms``); may be negative.
+
+    ``param_count``: parameters on this rank beyond the dense blocks (after its own
+    splits); they get gradients, optimizer state and sharding like the others.
+    ``activation_bytes``: stored per micro-batch in flight. ``buffer_bytes``: held through
+    the step.
+    """
+
+    param_count: int = 0
+    activation_bytes: int = 0
+    buffer_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """One pipeline stage of one layout, as every term sees it."""
+
+    tp: int
+    pp: int
+    dp: int
+    zero: int
+    stage: int
+    layers: int
+    micro_batch: int
+    tokens: int  # per micro-batch on this rank: micro_batch * seq_len
+    microbatches: int  # per step (gradient accumulation; the pipeline's micro-batches)
+    in_flight: int  # micro-batches whose activations the stage holds at once
+    recompute: bool
+    precision: str  # fp32, autocast or bf16
+    param_bytes: int  # stored parameters and gradients (4; 2 for dtype_bytes=2)
+    compute_bytes: int  # activations and the weights computed with
+    fsdp: bool  # FSDP2 holds the parameters (zero >= 1 with dp > 1, or with bf16)
+    optimizer: str = "adamw"
+    extra: ExtraTerms = ExtraTerms()
 
 
 @dataclass(frozen=True)
 class MemoryInputs:
     """What the memory model needs to know about a model (per unsplit block or stage).
 
-    ``*_split`` parameters are divided by TP, ``*_whole`` ones replicated. ``act_whole``
-    and ``act_split`` are the stored activation bytes per ``s*b*h`` of one layer at 16
-    bits, kept whole / split by TP without sequence parallelism (the GPT's 10 and
-    ``8 + 4r``). ``act_scores`` is the attention-score coefficient per ``a*s^2*b`` (added
-    to the split part): 5 for attention that stores its softmax (the paper's ``5as/h``), 0
-    for a fused kernel (``scaled_dot_product_attention``), which keeps only a per-row
-    log-sum-exp.
+    ``*_split`` parameters are divided by TP, ``*_whole`` ones replicated. With
+    ``vocab_parallel`` the ``first_split``/``last_split`` parameters (the embedding and the
+    head) and the logits are split only where ``tp`` divides ``vocab_size`` (the built-in
+    plans), else kept whole; without it the ``*_split`` parameters are always split and the
+    logits never. ``embedding_grad_whole``: the embedding's gradient is full-size on every
+    TP rank even where its table is split (torch's DTensor embedding backward, which the
+    built-in plans use, returns a replicated gradient). ``head_params``: the last stage's
+    parameters that the head multiplies with (cast to 16 bits under autocast); default
+    ``last_split``.
+
+    Activations: ``act_fp32``, ``act_autocast``, ``act_bf16`` give one layer's stored bytes
+    at each precision (``LayerActivations``). A model that gives none is counted with
+    Korthikanti et al.'s per-``s*b*h`` coefficients at 16 bits (``act_whole``,
+    ``act_split``; the GPT of the paper's 10 and 24) scaled to the precision.
+    ``act_scores``: bytes per ``a*s^2*b`` at 16 bits for attention that stores its softmax
+    (the paper's 5), 0 for a fused kernel (``scaled_dot_product_attention``).
     """
 
     n_layers: int
@@ -120,6 +134,23 @@ class MemoryInputs:
     act_whole: float = 10
     act_split: float = 24
     act_scores: float = 5
+    vocab_parallel: bool = False
+    embedding_grad_whole: bool = False
+    head_params: int | None = None
+    act_fp32: LayerActivations | None = None
+    act_autocast: LayerActivations | None = None
+    act_bf16: LayerActivations | None = None
+    extra_terms: Callable[[StageContext], ExtraTerms] | None = field(default=None, compare=False)
+    experts: Any = None  # a MoE model's routed experts: elastic.parallel.memory_moe.ExpertMemory
+
+    def activations(self, precision: str, compute_bytes: int, param_bytes: int) -> LayerActivations:
+        """The per-layer bytes at ``precision`` (declared, or Korthikanti's scaled)."""
+        declared = {"fp32": self.act_fp32, "autocast": self.act_autocast, "bf16": self.act_bf16}[precision]
+        if declared is not None:
+            return declared
+        scale = compute_bytes / 2
+        residual = param_bytes if precision == "autocast" else compute_bytes
+        return LayerActivations(self.act_whole * scale, self.act_split * scale, residual)
 
 
 def memory_inputs(cfg: Any) -> MemoryInputs:
@@ -133,7 +164,7 @@ def memory_inputs(cfg: Any) -> MemoryInputs:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes per rank on the worst pipeline stage (``stage``)."""
+    """Bytes per rank on the worst pipeline stage (``stage``), at its peak moment."""
 
     params: int
     grads: int
@@ -143,6 +174,7 @@ class MemoryEstimate:
     total: int
     stage: int = 0
     buffers: int = 0
+    pipeline: int = 0
 
     def fits(self, capacity_bytes: float, headroom: float = 0.9) -> bool:
         """True if ``total`` stays under ``headroom`` of the device memory."""
@@ -150,32 +182,22 @@ class MemoryEstimate:
 
     def __str__(self) -> str:
         gib = 1 << 30
-        fields = ("params", "grads", "optimizer", "buffers", "activations", "logits")
+        fields = ("params", "grads", "optimizer", "buffers", "pipeline", "activations", "logits")
         parts = ", ".join(f"{k}={getattr(self, k) / gib:.3f}" for k in fields)
         return f"{self.total / gib:.3f} GiB (stage {self.stage}: {parts})"
-
-
-def layers_per_stage(n_layers: int, pp: int) -> list[int]:
-    """Layers of each pipeline stage; the first ``n_layers % pp`` stages get one more."""
-    base, extra = divmod(n_layers, pp)
-    return [base + (1 if i < extra else 0) for i in range(pp)]
 
 
 def stage_param_count(cfg: Any, tp: int, pp: int, stage: int) -> int:
     """Parameters held by one rank of ``stage`` (split by TP, not by ZeRO)."""
     m = memory_inputs(cfg)
-    n = layers_per_stage(m.n_layers, pp)[stage] * block_param_count(m, tp)
-    if stage == 0:
-        n += _ceil(m.first_split, tp) + m.first_whole
-    if stage == pp - 1:
-        n += _ceil(m.last_split, tp) + m.last_whole
-    return n
+    ctx = _context(m, tp=tp, pp=pp, dp=1, zero=0, stage=stage, micro_batch=1, microbatches=1)
+    return stage_params(m, ctx)[0]
 
 
 def block_param_count(cfg: Any, tp: int = 1) -> int:
     """Parameters of one transformer block on one rank (linears split by TP, norms whole)."""
     m = memory_inputs(cfg)
-    return _ceil(m.block_split, tp) + m.block_whole
+    return ceil_div(m.block_split, tp) + m.block_whole
 
 
 def total_param_count(cfg: Any) -> int:
@@ -184,27 +206,17 @@ def total_param_count(cfg: Any) -> int:
 
 
 def activation_bytes_per_layer(
-    cfg: Any,
-    micro_batch: int,
-    tp: int = 1,
-    *,
-    recompute: bool = False,
-    sequence_parallel: bool = False,
-    dtype_bytes: int = 4,
+    cfg: Any, micro_batch: int, tp: int = 1, *, recompute: bool = False, precision: str = "fp32"
 ) -> int:
     """Stored activations of one transformer layer for one micro-batch on one rank."""
     m = memory_inputs(cfg)
-    s, b, h, a = m.seq_len, micro_batch, m.d_model, m.n_heads
-    sbh = s * b * h
-    sp = sequence_parallel or tp == 1
+    compute = 4 if precision == "fp32" else 2
+    acts = m.activations(precision, compute, 4)
+    tokens = micro_batch * m.seq_len
     if recompute:
-        num, den = 2 * sbh, (tp if sp else 1)
-    else:
-        kept_whole = round(m.act_whole * sbh)
-        split = round(m.act_split * sbh + m.act_scores * a * s * s * b)  # (5as/h) * sbh = 5 a s^2 b
-        num, den = (kept_whole + split, tp) if sp else (kept_whole * tp + split, tp)
-    # num / den bytes at 16 bits; scale by dtype_bytes / 2.
-    return _ceil(num * dtype_bytes, den * 2)
+        return ceil_div(tokens * m.d_model * acts.residual, 1)
+    scores = m.act_scores * m.n_heads * m.seq_len * tokens * compute / 2
+    return ceil_div(tokens * m.d_model * (acts.whole + acts.split / tp) + scores / tp, 1)
 
 
 def estimate_memory(
@@ -218,92 +230,112 @@ def estimate_memory(
     dtype_bytes: int = 4,
     optimizer: str = "adamw",
     *,
-    sequence_parallel: bool = False,
     pp_schedule: str = "1f1b",
     num_microbatches: int | None = None,
     compute_dtype_bytes: int | None = None,
+    ep: int = 1,
+    cp: int = 1,
 ) -> MemoryEstimate:
     """Per-rank memory of the worst pipeline stage; see the module doc for the model.
 
-    ``compute_dtype_bytes=2`` with ``dtype_bytes=4`` is the engine's ``train.dtype: bf16``:
-    fp32 parameters, gradients and optimizer state, 16-bit activations, plus the bf16
-    weight copies it computes with (all of the stage's under autocast, zero 0; one
-    all-gathered block under FSDP's mixed-precision policy).
-
-    ``num_microbatches`` (gradient accumulation steps) caps the micro-batches in flight;
-    ``None`` assumes at least ``pp`` of them (the steady state of 1F1B).
-    ``sequence_parallel`` defaults to False, as the TP plan (``elastic/parallel/tp.py``) has
-    no sequence parallelism; True models a plan that would.
+    ``dtype_bytes``: the stored parameters (4: the engine's fp32 master weights).
+    ``compute_dtype_bytes=2`` is the engine's ``train.dtype: bf16``: autocast with ZeRO 0,
+    FSDP2's bf16 policy with ZeRO >= 1. ``num_microbatches`` (gradient accumulation
+    steps, the pipeline's micro-batches): ``None`` assumes ``pp`` of them. ``ep``, ``cp``
+    and a model with experts: ``memory_moe.estimate_moe_cp``.
     """
     _check(model_cfg, tp, pp, dp, zero, micro_batch, dtype_bytes, optimizer, pp_schedule)
-    model_cfg = memory_inputs(model_cfg)
-    act_bytes = compute_dtype_bytes or dtype_bytes
-    mixed = act_bytes < dtype_bytes
-    state_bytes = _STATE_BYTES[optimizer] + (4 if dtype_bytes < 4 else 0)
-    per_layer = activation_bytes_per_layer(
-        model_cfg,
-        micro_batch,
-        tp,
-        recompute=activation_checkpointing,
-        sequence_parallel=sequence_parallel,
-        dtype_bytes=act_bytes,
-    )
-    # Full recompute: one layer's activations rebuilt at a time in backward.
-    working_set = (
-        activation_bytes_per_layer(
-            model_cfg,
-            micro_batch,
-            tp,
-            sequence_parallel=sequence_parallel,
-            dtype_bytes=act_bytes,
-        )
-        if activation_checkpointing
-        else 0
-    )
-    layers = layers_per_stage(model_cfg.n_layers, pp)
-    micro = num_microbatches if num_microbatches is not None else pp
-    block = block_param_count(model_cfg, tp) * dtype_bytes
+    m = memory_inputs(model_cfg)
+    if ep > 1 or cp > 1 or m.experts is not None:  # experts, EP and CP terms: elastic/parallel/memory_moe.py
+        from elastic.parallel.memory_moe import estimate_moe_cp
+
+        return estimate_moe_cp(
+            estimate_memory, m, tp=tp, pp=pp, dp=dp, ep=ep, cp=cp, zero=zero, micro_batch=micro_batch,
+            activation_checkpointing=activation_checkpointing, dtype_bytes=dtype_bytes, optimizer=optimizer,
+            pp_schedule=pp_schedule, num_microbatches=num_microbatches, compute_dtype_bytes=compute_dtype_bytes,
+        )  # fmt: skip
     worst: MemoryEstimate | None = None
     for stage in range(pp):
-        n = stage_param_count(model_cfg, tp, pp, stage)
-        params = _ceil(n * dtype_bytes, dp if zero >= 3 else 1)
-        grads = _ceil(n * dtype_bytes, dp if zero >= 2 else 1)
-        opt = _ceil(n * state_bytes, dp if zero >= 1 else 1)
-        buffers = 0
-        if dp > 1:
-            if zero == 0 and tp == 1 and pp == 1:
-                buffers = n * dtype_bytes  # classic DDP: the reducer's buckets copy every gradient
-            else:
-                buffers = block * (2 if zero >= 2 else 1)  # flat reduction input (+ unsharded grads)
-            if zero >= 3:
-                root = (n - layers[stage] * block_param_count(model_cfg, tp)) * dtype_bytes
-                buffers += block + root - _ceil(root, dp)  # one gathered block; the unsharded root
-        if mixed:  # the 16-bit weights computed with
-            fsdp = zero >= 1 and dp > 1
-            buffers += block_param_count(model_cfg, tp) * act_bytes if fsdp else n * act_bytes
-        in_flight = min(pp - stage, micro) if pp_schedule == "1f1b" else micro
-        stored = layers[stage] * per_layer * in_flight
-        logp = model_cfg.seq_len * micro_batch * model_cfg.vocab_size * 4 if stage == pp - 1 else 0
-        held = grads if micro > 1 else 0  # accumulated by earlier micro-batches (none at one)
-        phases = [  # (grads, activations, logits) at the candidate peaks of a step
-            (held, stored, 3 * logp),  # backward starts: log-probs, their grad and the logits' grad
-            (held, stored + working_set, logp),  # recompute: the first layer rebuilt
-            (grads, stored - (layers[stage] - 1) * per_layer + working_set, 0),  # backward ends
-        ]
-        g, acts, logits = max(phases, key=sum)
-        total = params + g + opt + buffers + acts + logits
-        est = MemoryEstimate(params, g, opt, acts, logits, total, stage, buffers)
+        ctx = _context(
+            m,
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            zero=zero,
+            stage=stage,
+            micro_batch=micro_batch,
+            microbatches=num_microbatches if num_microbatches is not None else pp,
+            recompute=activation_checkpointing,
+            dtype_bytes=dtype_bytes,
+            compute_dtype_bytes=compute_dtype_bytes,
+            optimizer=optimizer,
+            schedule=pp_schedule,
+        )
+        if m.extra_terms is not None:
+            ctx = replace(ctx, extra=m.extra_terms(ctx))
+        acts = m.activations(ctx.precision, ctx.compute_bytes, ctx.param_bytes)
+        t = stage_estimate(m, ctx, acts)
+        est = MemoryEstimate(
+            t.params, t.grads, t.optimizer, t.activations, t.logits, t.total, stage, t.buffers, t.pipeline
+        )
         if worst is None or est.total > worst.total:
             worst = est
     assert worst is not None
     return worst
 
 
+def _context(
+    m: MemoryInputs,
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    zero: int,
+    stage: int,
+    micro_batch: int,
+    microbatches: int,
+    recompute: bool = False,
+    dtype_bytes: int = 4,
+    compute_dtype_bytes: int | None = None,
+    optimizer: str = "adamw",
+    schedule: str = "1f1b",
+) -> StageContext:
+    compute = compute_dtype_bytes or dtype_bytes
+    if dtype_bytes < 4 or (compute < dtype_bytes and zero >= 1):
+        precision = "bf16"
+    else:
+        precision = "autocast" if compute < dtype_bytes else "fp32"
+    # parallelize.py: FSDP2 with zero >= 1 across DP ranks, and with bf16 even at dp 1.
+    fsdp = zero >= 1 and (dp > 1 or compute < dtype_bytes)
+    # 1F1B: stage i holds at most pp - i micro-batches; torch falls back to GPipe (all of
+    # them) when there are fewer micro-batches than stages.
+    one_f_one_b = schedule == "1f1b" and microbatches >= pp
+    in_flight = min(pp - stage, microbatches) if one_f_one_b else microbatches
+    return StageContext(
+        tp=tp,
+        pp=pp,
+        dp=dp,
+        zero=zero,
+        stage=stage,
+        layers=layers_per_stage(m.n_layers, pp)[stage],
+        micro_batch=micro_batch,
+        tokens=micro_batch * m.seq_len,
+        microbatches=microbatches,
+        in_flight=in_flight if pp > 1 else 1,
+        recompute=recompute,
+        precision=precision,
+        param_bytes=dtype_bytes,
+        compute_bytes=compute,
+        fsdp=fsdp,
+        optimizer=optimizer,
+    )
+
+
 def estimate_for_spec(spec: Any, dp: int, dtype_bytes: int = 4, **kwargs: Any) -> MemoryEstimate:
     """``estimate_memory`` for a ``jobs.JobSpec``-like object (duck-typed) at a DP degree.
 
-    A spec training in bf16 (``train.dtype``, default bf16 on CUDA) gets 16-bit activations
-    and weight copies over fp32 state, unless ``compute_dtype_bytes`` is given.
+    A spec training in bf16 (``train.dtype``, default bf16 on CUDA) computes in 16 bits
+    over fp32 state, unless ``compute_dtype_bytes`` is given.
     """
     p = spec.parallel
     train, resources = getattr(spec, "train", None), getattr(spec, "resources", None)
@@ -313,6 +345,8 @@ def estimate_for_spec(spec: Any, dp: int, dtype_bytes: int = 4, **kwargs: Any) -
     if "num_microbatches" not in kwargs and hasattr(spec, "grad_accum"):
         kwargs["num_microbatches"] = max(1, spec.grad_accum(dp))
     kwargs.setdefault("pp_schedule", getattr(p, "pp_schedule", "1f1b"))
+    kwargs.setdefault("ep", getattr(p, "ep", 1))
+    kwargs.setdefault("cp", getattr(p, "cp", 1))
     return estimate_memory(
         spec.model,
         tp=p.tp,
@@ -337,11 +371,7 @@ def _check(cfg, tp, pp, dp, zero, micro_batch, dtype_bytes, optimizer, pp_schedu
         raise SpecError("parallel.zero", f"must be 0, 1, 2 or 3, got {zero}")
     if dtype_bytes not in (2, 4):
         raise SpecError("dtype_bytes", f"must be 2 (bf16/fp16) or 4 (fp32), got {dtype_bytes}")
-    if optimizer not in _STATE_BYTES:
-        raise SpecError("optimizer", f"must be one of {sorted(_STATE_BYTES)}, got {optimizer!r}")
+    if optimizer not in STATE_BYTES:
+        raise SpecError("optimizer", f"must be one of {sorted(STATE_BYTES)}, got {optimizer!r}")
     if pp_schedule not in ("1f1b", "gpipe"):
         raise SpecError("parallel.pp_schedule", f"must be '1f1b' or 'gpipe', got {pp_schedule!r}")
-
-
-def _ceil(num: int, den: int) -> int:
-    return -(-num // den)

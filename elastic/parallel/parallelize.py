@@ -39,7 +39,7 @@ def parallelize(
     timings: dict[str, float] | None = None,
     restoring: bool = False,
 ) -> nn.Module:
-    """TP, then materialise and init, then recompute, compile, FSDP or DDP; returns the module to train.
+    """TP, EP and CP, then materialise and init, then recompute, compile, FSDP or DDP; returns the module to train.
 
     The returned module is ``model`` itself, except under classic DDP (zero 0, pure DP),
     which wraps it. With ``bf16`` and ``zero >= 1`` FSDP is applied even with one replica,
@@ -52,6 +52,11 @@ def parallelize(
     t0 = time.perf_counter()
     if dims.tp_enabled:
         spec.tp_plan(model, dims.tp_mesh)
+    # 1b. Experts next (still on the meta device): sharded over EP (and TP), and each MoE
+    #     layer told its EP group; then the attention told its CP group (no parameters).
+    experts = spec.ep_plan(model, dims) if spec.ep_plan is not None else []
+    if dims.cp_enabled:
+        spec.cp_plan(model, dims.cp_mesh)
 
     # 2. Materialise this rank's shard of this stage only, and fill it from the seed.
     model.to_empty(device=device)
@@ -73,15 +78,28 @@ def parallelize(
         for block in blocks:
             block.compile()
 
-    # 5. Data parallelism last, over the DP mesh only. With one replica there is nothing
-    #    to shard or average (but see bf16 above).
-    if cfg.zero >= 1 and (dims.dp_enabled or bf16):
-        wrapped = apply_fsdp(model, dims.dp_mesh, cfg.zero, blocks, bf16=bf16)
-    elif not dims.dp_enabled:
+    # 5. Data parallelism last: dense parameters over the dp x ep x cp mesh, experts over
+    #    the dp x cp ranks that hold the same ones. With one replica and no EP or CP there
+    #    is nothing to shard or average (but see bf16 above).
+    dense_dp = dims.dense_dp > 1
+    expert_mesh = dims.expert_mesh if dims.expert_dp > 1 else None
+    if cfg.zero >= 1 and (dense_dp or bf16):
+        wrapped = apply_fsdp(
+            model, dims.dense_mesh, cfg.zero, blocks, bf16=bf16, experts=experts, expert_mesh=expert_mesh
+        )
+    elif not dense_dp:
         wrapped = model
     else:
-        classic = not (dims.tp_enabled or dims.pp_enabled)
-        wrapped = apply_ddp(model, dims.dp_mesh, classic=classic, blocks=blocks, init_sync=not restoring)
+        classic = not (dims.tp_enabled or dims.pp_enabled or dims.ep_enabled or dims.cp_enabled)
+        wrapped = apply_ddp(
+            model,
+            dims.dense_mesh,
+            classic=classic,
+            blocks=blocks,
+            init_sync=not restoring,
+            experts=experts,
+            expert_mesh=expert_mesh,
+        )
     if timings is not None:
         timings["wrap_s"] = time.perf_counter() - t1
     return wrapped

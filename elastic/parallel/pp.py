@@ -51,19 +51,29 @@ def build_stage_module(model: nn.Module, pp: int, pp_rank: int) -> nn.Module:
     return model_spec(model.cfg).split_stage(model, pp, pp_rank)
 
 
+def build_stage(stage_module: nn.Module, pp_mesh: DeviceMesh, device: torch.device) -> PipelineStage:
+    """The ``PipelineStage`` of this rank (its index is the rank's place in the PP group)."""
+    pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    return PipelineStage(stage_module, stage_index=pp_rank, num_stages=pp, device=device, group=pp_mesh.get_group())
+
+
 def build_schedule(
-    stage_module: nn.Module,
-    pp_mesh: DeviceMesh,
-    device: torch.device,
+    stage: PipelineStage,
     n_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     schedule: str = "1f1b",
 ) -> PipelineScheduleSingle:
-    pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
-    stage = PipelineStage(stage_module, stage_index=pp_rank, num_stages=pp, device=device, group=pp_mesh.get_group())
-    cls = Schedule1F1B if schedule == "1f1b" and n_microbatches >= pp else ScheduleGPipe
+    cls = Schedule1F1B if schedule == "1f1b" and n_microbatches >= stage.num_stages else ScheduleGPipe
     return cls(stage, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
 
 
 def bubble_fraction(pp: int, n_microbatches: int) -> float:
     return (pp - 1) / n_microbatches
+
+
+def received_buffers(stage: PipelineStage) -> list[torch.Tensor]:
+    """The stage's receive buffers (activations in, their gradients back): one per
+    micro-batch, allocated by the first step and kept. Receives write into them in place,
+    so a live-tensor count (``elastic/parallel/memtrack.py``) must register them."""
+    infos = [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
+    return [info.buffer for recv in infos for info in recv if getattr(info, "buffer", None) is not None]

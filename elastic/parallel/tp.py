@@ -23,7 +23,12 @@ Outside the blocks (only when ``vocab_size % tp == 0`` and embeddings are untied
   gradient in backward.
 
 Sequence parallelism (sharding the LayerNorm/residual activations along the sequence) is
-not applied: it only saves activation memory and needs DTensor norms; a later addition.
+not applied, and the memory model does not assume it: with DTensor's ``SequenceParallel``
+the column-wise linears would still save their all-gathered input whole, so it would split
+only the norms' own tensors, and it would reshape every pipeline stage's I/O and the
+sequence dimension that context parallelism uses (docs/sweep.md, "How the memory model
+counts"). Note also that torch's DTensor embedding backward returns the vocab-parallel
+table's gradient as a replicated, full-size tensor on every TP rank.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from typing import Any
 
 from elastic.errors import InfeasibleError, SpecError
 from elastic.parallel.dims import rank_coords
-from elastic.placement.planner import LayoutPlan, plan_layout, spec_placement_args
+from elastic.placement.planner import LayoutPlan, plan_groups, spec_placement_args
 from elastic.placement.slots import ReplicaSlots
 from elastic.placement.topology import RACK, ClusterTopology, topology_from_ray
 
@@ -70,7 +70,8 @@ def plan_free_capacity(
         if (n.node_id or n.name) not in drop
     )
     try:
-        return plan_layout(free, spec.parallel.tp, spec.parallel.pp, min_dp=1, max_dp=count, **args)
+        p = spec.parallel  # EP and CP groups inside a node when they fit (``plan_groups``)
+        return plan_groups(free, p.tp, p.pp, getattr(p, "ep", 1), getattr(p, "cp", 1), min_dp=1, max_dp=count, **args)
     except InfeasibleError:
         return None
 
@@ -117,19 +118,27 @@ def ring_rack_crossings(racks_by_rank: Sequence[str | None], dp: int, tp: int, p
 
 
 def placement_fields(
-    dp: int, tp: int, pp: int, members: Sequence[Any], node_labels: Mapping[str, Mapping[str, str]]
+    dp: int,
+    tp: int,
+    pp: int,
+    members: Sequence[Any],
+    node_labels: Mapping[str, Mapping[str, str]],
+    ep: int = 1,
+    cp: int = 1,
 ) -> dict[str, Any]:
     """The ``placement`` event (``docs/outputs.md``) for members with ``rank``, ``node_id``,
-    ``ip`` and ``pid``."""
+    ``ip`` and ``pid``; ``ep_rank`` and ``cp_rank`` too when ``ep`` or ``cp`` is above 1."""
     ranks = []
     for m in sorted(members, key=lambda m: m.rank):
-        c = rank_coords(m.rank, tp, pp)
+        c = rank_coords(m.rank, tp, pp, ep, cp)
+        extra = ({"ep_rank": c.ep_rank} if ep > 1 else {}) | ({"cp_rank": c.cp_rank} if cp > 1 else {})
         ranks.append(
             {
                 "rank": m.rank,
                 "dp_rank": c.dp_rank,
                 "pp_rank": c.pp_rank,
                 "tp_rank": c.tp_rank,
+                **extra,
                 "node_id": m.node_id,
                 "node_ip": m.ip,
                 "pid": m.pid,
@@ -137,8 +146,10 @@ def placement_fields(
             }
         )
     racks = [r["labels"].get(RACK) for r in ranks]
-    crossings = ring_rack_crossings(racks, dp, tp, pp) if len(racks) == dp * tp * pp else 0
-    return {"dp": dp, "tp": tp, "pp": pp, "ring_rack_crossings": crossings, "ranks": ranks}
+    inner = tp * ep * cp  # a DP ring per rank of a replica: the replica is pp x (ep x cp x tp)
+    crossings = ring_rack_crossings(racks, dp, inner, pp) if len(racks) == dp * inner * pp else 0
+    degrees = {"dp": dp, "tp": tp, "pp": pp} | ({"ep": ep} if ep > 1 else {}) | ({"cp": cp} if cp > 1 else {})
+    return {**degrees, "ring_rack_crossings": crossings, "ranks": ranks}
 
 
 # ---------------------------------------------------------------------- on Ray

@@ -235,6 +235,41 @@ def plan_layout(
     return _build(chosen, tp, pp, device, racks, len(replicas), min_dp, max_dp, allowed_dps, notes)
 
 
+def inner_groupings(tp: int, pp: int, ep: int = 1, cp: int = 1) -> list[tuple[int, int]]:
+    """Ways to plan a replica of ``pp x ep x cp x tp`` ranks as ``(group, stages)`` for
+    :func:`plan_layout`, the one keeping the most inside a node first.
+
+    The replica's rank order is ``(pp, ep, cp, tp)`` (``elastic/parallel/dims.py``), so any
+    run of consecutive ranks of size ``tp*cp*ep``, ``tp*cp`` or ``tp`` is one group: EP and
+    CP groups go inside a node with their TP group when they fit, then CP alone (its
+    all-gathers are the finer grained), then neither (TP alone stays strict on GPUs).
+    """
+    return list(dict.fromkeys([(tp * cp * ep, pp), (tp * cp, pp * ep), (tp, pp * ep * cp)]))
+
+
+def plan_groups(topology: ClusterTopology, tp: int, pp: int, ep: int = 1, cp: int = 1, **kwargs: Any) -> LayoutPlan:
+    """:func:`plan_layout` for a layout with EP and CP: the first feasible of ``inner_groupings``.
+
+    With ``ep`` or ``cp`` above 1 the plan's ``tp`` is the size of the in-node group it kept
+    together and its ``pp`` the number of such groups per replica.
+    """
+    last: InfeasibleError | None = None
+    for group, stages in inner_groupings(tp, pp, ep, cp):
+        try:
+            plan = plan_layout(topology, group, stages, **kwargs)
+        except InfeasibleError as exc:
+            last = exc
+            continue
+        if ep * cp == 1:
+            return plan
+        note = (
+            f"parallel.ep={ep} x parallel.cp={cp} x parallel.tp={tp}: tp={group} is the group of ranks kept in "
+            f"one node, pp={stages} the groups per replica (rank order dp, pp={pp}, ep, cp, tp; docs/parallelism.md)"
+        )
+        return replace(plan, notes=(*plan.notes, note))
+    raise last
+
+
 def plan_from_spec(spec: Any, topology: ClusterTopology, *, allow_cross_node_tp: bool | None = None) -> LayoutPlan:
     """Plan for a ``jobs.JobSpec``-like object (duck-typed: elastic never imports jobs).
 
@@ -246,10 +281,13 @@ def plan_from_spec(spec: Any, topology: ClusterTopology, *, allow_cross_node_tp:
     args = spec_placement_args(spec)
     if allow_cross_node_tp is not None:
         args["allow_cross_node_tp"] = allow_cross_node_tp
-    plan = plan_layout(
+    p = spec.parallel
+    plan = plan_groups(
         topology,
-        tp=spec.parallel.tp,
-        pp=spec.parallel.pp,
+        tp=p.tp,
+        pp=p.pp,
+        ep=getattr(p, "ep", 1),
+        cp=getattr(p, "cp", 1),
         min_dp=spec.elastic.min_dp,
         max_dp=spec.elastic.max_dp,
         allowed_dps=spec.allowed_dps(),

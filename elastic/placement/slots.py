@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 logger = logging.getLogger(__name__)
+
+RAY_BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
 
 
 class ResourcesConfig(BaseModel):
@@ -17,7 +19,19 @@ class ResourcesConfig(BaseModel):
     device: Literal["cpu", "cuda"] = "cpu"
     cpus_per_worker: float = Field(1, ge=0)
     gpus_per_worker: float = Field(0, ge=0)
-    custom: dict[str, float] = Field(default_factory=dict, description="extra Ray resources per worker")
+    custom: dict[str, Annotated[float, Field(ge=0)]] = Field(
+        default_factory=dict, description="extra Ray resources per worker"
+    )
+
+    @field_validator("custom")
+    @classmethod
+    def _custom_names(cls, v: dict[str, float]) -> dict[str, float]:
+        reserved = sorted(set(v) & RAY_BUILTIN_RESOURCES)
+        if reserved:  # these have their own keys (or are Ray's own); a custom entry would override them
+            raise ValueError(
+                f"{', '.join(reserved)} is a Ray built-in resource: use resources.cpus_per_worker / gpus_per_worker"
+            )
+        return v
 
 
 class ReplicaSlots:

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from elastic.simulator import model
-from elastic.simulator.costs import CAUSES, LLAMA3_CAUSES, NODE_STAYS, Costs, cluster_costs
+from elastic.simulator.costs import CAUSES, LLAMA3_CAUSES, NODE_STAYS, Costs
 
 STRATEGIES = ("inplace", "restart")
 
@@ -107,12 +107,8 @@ def _check(args: argparse.Namespace, job: model.Job) -> tuple[str, str] | None:
     return None
 
 
-def strategy_costs(strategy: str, job: model.Job, step_s: float | None) -> Costs:
-    return cluster_costs(strategy, job.gpus, job.tp, job.pp, batch=job.batch, step_s=step_s)
-
-
 def run_strategy(args, job, sc, strategy, events, reaction) -> tuple[model.Result, dict[str, Any], list]:
-    costs = strategy_costs(strategy, job, args.step_s)
+    costs = model.strategy_costs(strategy, job, args.step_s)
     curve: list = []
     if args.ckpt_interval_s == "auto":
         interval, curve = model.best_interval(job, sc, costs, strategy, events, reaction)

@@ -31,8 +31,6 @@ def write_all(args, job: model.Job, sc: model.Scenario, out: dict, events, react
 def ettr_vs_scale(args, job: model.Job, sc: model.Scenario, strategies: list[str]) -> str:
     from dataclasses import replace
 
-    from elastic.simulator.cli import strategy_costs
-
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for s in strategies:
@@ -41,7 +39,7 @@ def ettr_vs_scale(args, job: model.Job, sc: model.Scenario, strategies: list[str
             j = replace(job, gpus=gpus, global_batch=None if job.global_batch is None else job.global_batch)
             if j.max_dp < 1:
                 continue
-            costs = strategy_costs(s, j, args.step_s)
+            costs = model.strategy_costs(s, j, args.step_s)
             reaction = model.Reaction(j)
             events = model.cluster_events(j, sc)
             if args.ckpt_interval_s == "auto":
@@ -96,9 +94,7 @@ def ettr_vs_interval(args, job, sc, out: dict, events, reaction) -> str:
 
 
 def _costs(args, s, job):
-    from elastic.simulator.cli import strategy_costs
-
-    return strategy_costs(s, job, args.step_s)
+    return model.strategy_costs(s, job, args.step_s)
 
 
 def timeline(args, job, sc, out: dict) -> str:

@@ -1,7 +1,7 @@
 """Per-rank peak memory of parallel layouts, measured, next to the memory model's prediction.
 
 Shared by ``benchmarks/parallel_layouts.py`` (which adds timing rounds and prints the table)
-and ``tests/test_memory_model_measured.py`` (which asserts the prediction within +-15%).
+and ``tests/parallel/test_memory_model_measured.py`` (which asserts the prediction within +-15%).
 ``run_layouts`` spawns ``world`` ranks (gloo on 127.0.0.1, one torch thread per rank;
 ``device="cuda"`` uses NCCL, one GPU per rank); every layout trains the same GPT
 (``build_model`` with the same seed) on the same global batch through ``TrainEngine``.
@@ -40,10 +40,13 @@ warm-up) minus ``memory_allocated`` right before the engine was built: the exact
 which the CPU tracker only approximates.
 
 The prediction (``predict``) is ``elastic.parallel.memory_model.estimate_memory`` at the layout's
-tp/pp/dp/zero, micro-batch, recompute flag, ``dtype_bytes=4`` (the engine trains in fp32),
-the real number of micro-batches per step and the PP schedule, with the model's default
-``sequence_parallel`` (off, as in the TP plan). It is the worst pipeline stage; the
-measured figure is the worst rank.
+tp/pp/dp/zero, micro-batch, recompute flag, fp32 state (``dtype_bytes=4``) and the run's
+compute precision (``dtype``: fp32, or bf16 as autocast / FSDP's bf16 policy), the real number
+of micro-batches per step and the PP schedule. It is the worst pipeline stage; the
+measured figure is the worst rank. ``PipelineStage``'s receive buffers are registered with
+the tracker (allocated by the first step, written in place by receives, they would
+otherwise be invisible); classic DDP's reducer buckets are seen only once an op returns a
+view of them, so DDP layouts read a little low on CPU.
 
 Longer than the ~350 lines we aim for: a measurement harness (layouts, gloo ranks, peak
 memory) used by one test and one benchmark, kept in one file.
@@ -65,9 +68,12 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from pydantic import TypeAdapter
 
+from elastic.models.config import AnyModelConfig
 from elastic.models.gpt import ModelConfig
 from elastic.optim import TrainConfig
+from elastic.parallel import pp
 from elastic.parallel.config import ParallelConfig
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
@@ -104,6 +110,7 @@ LAYOUTS = [
     Layout("ZeRO-3xDP4", dp=4, zero=3),
     Layout("ZeRO-2+ACxDP2xTP2", dp=2, tp=2, zero=2, ac=True),
     Layout("ZeRO-1xDP4", dp=4, zero=1),
+    Layout("TP2xPP2+AC", dp=1, tp=2, pp=2, ac=True),
 ]
 
 
@@ -202,8 +209,10 @@ def rank_main(rank: int, world: int, cfg: dict, out_dir: str) -> None:
         world_size=world,
         timeout=datetime.timedelta(seconds=300),
     )
-    model_cfg = ModelConfig(**cfg["model"])
-    train_cfg = TrainConfig(steps=10_000, global_batch=cfg["global_batch"], lr=1e-4, warmup_steps=1)
+    model_cfg = TypeAdapter(AnyModelConfig).validate_python(cfg["model"])
+    train_cfg = TrainConfig(
+        steps=10_000, global_batch=cfg["global_batch"], lr=1e-4, warmup_steps=1, dtype=cfg.get("dtype", "fp32")
+    )
     layouts = [Layout(**d) for d in cfg["layouts"]]
     mb = cfg["micro_batch"]
     engines: dict[str, TrainEngine] = {}
@@ -244,6 +253,8 @@ def rank_main(rank: int, world: int, cfg: dict, out_dir: str) -> None:
             tracker.register(list(engine.model.parameters()) + list(engine.model.buffers()))
             tracker.register(_tensors(engine.optimizer.state))
             tracker.register([t for pair in mbs for t in pair])
+            if engine.pipeline_stage is not None:  # kept from the first step, written in place by receives
+                tracker.register(pp.received_buffers(engine.pipeline_stage))
             loss = engine.forward_backward(mbs)
             params = [p for p in engine.model.parameters()]
             params_b = tensor_bytes(params, device)
@@ -301,8 +312,10 @@ def rank_main(rank: int, world: int, cfg: dict, out_dir: str) -> None:
 # --------------------------------------------------------------------------- driver
 
 
-def predict(layout: Layout, model_cfg: ModelConfig, micro_batch: int, grad_accum: int) -> MemoryEstimate:
-    """The memory model's figure for ``layout`` (fp32, the engine's 1F1B schedule, no SP: the TP plan has none)."""
+def predict(
+    layout: Layout, model_cfg: ModelConfig, micro_batch: int, grad_accum: int, dtype: str = "fp32"
+) -> MemoryEstimate:
+    """The memory model's figure for ``layout`` (fp32 state, ``dtype`` compute, the engine's 1F1B schedule)."""
     return estimate_memory(
         model_cfg,
         tp=layout.tp,
@@ -314,6 +327,7 @@ def predict(layout: Layout, model_cfg: ModelConfig, micro_batch: int, grad_accum
         dtype_bytes=4,
         num_microbatches=grad_accum,
         pp_schedule="1f1b",
+        compute_dtype_bytes=2 if dtype == "bf16" else None,
     )
 
 
@@ -333,6 +347,7 @@ def run_layouts(
     rounds: int = 0,
     steps_per_round: int = 0,
     seed: int = 0,
+    dtype: str = "fp32",
 ) -> list[dict]:
     """Spawn ``world`` ranks that run ``rank_main``; returns each rank's results (by layout name)."""
     bad = [lay.name for lay in layouts if lay.world != world]
@@ -348,6 +363,7 @@ def run_layouts(
         "rounds": rounds,
         "steps_per_round": steps_per_round,
         "seed": seed,
+        "dtype": dtype,
         "layouts": [asdict(lay) for lay in layouts],
     }
     with tempfile.TemporaryDirectory(prefix="parallel_layouts-") as out_dir:
@@ -360,10 +376,15 @@ def run_layouts(
 
 
 def peak_vs_prediction(
-    layout: Layout, per_rank: list[dict], model_cfg: ModelConfig, micro_batch: int, device: str = "cpu"
+    layout: Layout,
+    per_rank: list[dict],
+    model_cfg: ModelConfig,
+    micro_batch: int,
+    device: str = "cpu",
+    dtype: str = "fp32",
 ) -> tuple[int, MemoryEstimate, float]:
     """(measured peak of the worst rank, the prediction, measured / predicted) for one layout."""
     ranks = [r[layout.name] for r in per_rank]
     measured = max(r[peak_key(device)] for r in ranks)
-    est = predict(layout, model_cfg, micro_batch, ranks[0]["grad_accum"])
+    est = predict(layout, model_cfg, micro_batch, ranks[0]["grad_accum"], dtype)
     return measured, est, measured / est.total

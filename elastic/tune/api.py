@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import logging
 import math
 import os
 import sys
@@ -15,7 +14,9 @@ from typing import Any
 import ray
 from ray.tune import Callback
 
+from elastic import ray_join
 from elastic.errors import SpecError
+from elastic.ingest.preflight import check_corpus
 from elastic.tune import report as rep
 from elastic.tune.space import Cluster, config_key, default_space, enumerate_space, parse_space
 from elastic.tune.trial import DRIVER_CPU, run_trial, trial_resources, worker_bundle
@@ -74,8 +75,12 @@ def run_sweep(
     raw_spec = spec.model_dump(by_alias=True)
     parsed = parse_space(space, spec) if space is not None else None
     out = os.path.abspath(out or _default_out(spec.name))
+    if os.path.exists(os.path.join(out, "sweep.json")):  # its trials' run directories would be refused one by one
+        raise SpecError("--out", f"{out} holds another sweep; choose a new --out")
+    check_corpus(spec.data, spec.model.seq_len, spec.model.vocab_size)
+    target = None if ray.is_initialized() else ray_join.resolve(address)
     os.makedirs(out, exist_ok=True)
-    started = _connect(address, spec, worker_slots)
+    started = _connect(target, spec, worker_slots)
     t0 = time.monotonic()
     try:
         cluster = cluster_facts(spec, memory_per_worker_gb, worker_slots if started else None)
@@ -179,30 +184,19 @@ def _tune(spec, ctx, configs, exhaustive, max_trials, refine_groups, grace, rf, 
     return tuner.fit()
 
 
-def _connect(address: str | None, spec: Any, worker_slots: int | None) -> bool:
-    """Join ``address`` or a running cluster, else start an embedded one; True if started here.
-
-    ``address="local"`` always starts an embedded cluster (never joins a running one)."""
-    from elastic.api import running_cluster_address
-
-    if ray.is_initialized():
-        return False
-    quiet = {"log_to_driver": False, "logging_level": logging.WARNING}
-    joined = None if address == "local" else address or running_cluster_address()  # "local": always embedded
-    if joined:
-        ray.init(address=joined, **quiet)
+def _connect(target: ray_join.Target | None, spec: Any, worker_slots: int | None) -> bool:
+    """Join ``target`` (``ray_join.resolve(--address)``), else start an embedded cluster sized
+    to the sweep; True if started here. None: already connected."""
+    if target is None:
         return False
     workers = worker_slots or spec.elastic.max_dp * spec.parallel.replica_size
     r = spec.resources
-    ray.init(
-        address="local",
-        num_cpus=int(math.ceil(workers * r.cpus_per_worker + 1)),
+    embedded = ray_join.embedded(
+        math.ceil(workers * r.cpus_per_worker + 1),
         num_gpus=int(math.ceil(workers * r.gpus_per_worker)) or None,
         resources={k: v * workers for k, v in r.custom.items()} or None,
-        include_dashboard=False,
-        **quiet,
     )
-    return True
+    return ray_join.connect(target, embedded)
 
 
 def cluster_facts(spec: Any, memory_per_worker_gb: float | None, embedded_slots: int | None = None) -> Cluster:

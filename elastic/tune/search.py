@@ -1,7 +1,7 @@
 """The order in which a sweep measures configurations: a Tune ``Searcher``.
 
 Without ``--exhaustive`` the sweep does not launch every feasible configuration. It
-groups them by layout and sharding, ``(dp, tp, pp, zero)``, and measures in two stages:
+groups them by layout and sharding, ``(dp, tp, pp, ep, cp, zero)``, and measures in two stages:
 
 1. **screen**: one trial per group, at the configuration that is fastest by the usual
    rule when memory allows it: no activation recomputation, the largest micro-batch
@@ -15,8 +15,8 @@ Early stopping (ASHA, ``elastic/tune/api.py``) cuts the slow trials of both stag
 
 from __future__ import annotations
 
+import json
 import math
-import pickle
 from typing import Any
 
 from ray.tune.search import Searcher
@@ -24,8 +24,8 @@ from ray.tune.search import Searcher
 from elastic.tune.space import config_key
 
 
-def group_of(config: dict[str, Any]) -> tuple[int, int, int, int]:
-    return (config["dp"], config["tp"], config["pp"], config["zero"])
+def group_of(config: dict[str, Any]) -> tuple[int, ...]:
+    return (config["dp"], config["tp"], config["pp"], config.get("ep", 1), config.get("cp", 1), config["zero"])
 
 
 def prior_order(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -105,12 +105,21 @@ class StagedSearch(Searcher):
                 self.score.pop(trial_id, None)  # a failed trial ranks no group
 
     # Tune checkpoints the searcher with the experiment, so ``Tuner.restore`` resumes the plan.
-    _STATE = ("groups", "refine_groups", "max_trials", "queue", "stage", "launched", "live", "trial_config", "score")
+    # As JSON, not a pickle: a sweep's output folder may be shared, and loading a pickle
+    # from it would run whatever code someone put there.
+    _STATE = ("refine_groups", "max_trials", "queue", "stage", "launched", "trial_config", "score")
 
     def save(self, checkpoint_path: str) -> None:
-        with open(checkpoint_path, "wb") as f:
-            pickle.dump({k: getattr(self, k) for k in self._STATE}, f)
+        state = {k: getattr(self, k) for k in self._STATE}
+        state["groups"] = [[list(g), configs] for g, configs in self.groups.items()]
+        state["live"] = sorted(self.live)
+        with open(checkpoint_path, "w") as f:
+            json.dump(state, f)
 
     def restore(self, checkpoint_path: str) -> None:
-        with open(checkpoint_path, "rb") as f:
-            self.__dict__.update(pickle.load(f))
+        with open(checkpoint_path) as f:
+            state = json.load(f)
+        self.groups = {tuple(g): configs for g, configs in state.pop("groups")}
+        self.live = set(state.pop("live"))
+        for k in self._STATE:
+            setattr(self, k, state[k])

@@ -20,8 +20,8 @@ from elastic.errors import SpecError
 from elastic.parallel import batch
 from elastic.parallel.memory_model import estimate_for_spec
 
-SPACE_KEYS = ("tp", "pp", "zero", "micro_batch", "activation_checkpointing")
-CONFIG_KEYS = ("dp", "tp", "pp", "zero", "micro_batch", "grad_accum", "activation_checkpointing")
+SPACE_KEYS = ("tp", "pp", "ep", "cp", "zero", "micro_batch", "activation_checkpointing")
+CONFIG_KEYS = ("dp", "tp", "pp", "ep", "cp", "zero", "micro_batch", "grad_accum", "activation_checkpointing")
 GIB = 1 << 30
 
 
@@ -51,7 +51,8 @@ class Candidate:
 def config_key(config: dict[str, Any]) -> str:
     c = config
     ac = "-ac" if c["activation_checkpointing"] else ""
-    return f"dp{c['dp']}-tp{c['tp']}-pp{c['pp']}-z{c['zero']}-mb{c['micro_batch']}{ac}"
+    ep_cp = "".join(f"-{k}{c[k]}" for k in ("ep", "cp") if c.get(k, 1) > 1)  # names of before without them
+    return f"dp{c['dp']}-tp{c['tp']}-pp{c['pp']}{ep_cp}-z{c['zero']}-mb{c['micro_batch']}{ac}"
 
 
 def parse_space(raw: Any, spec: Any) -> dict[str, list[Any]]:
@@ -90,7 +91,11 @@ def default_space(spec: Any, cluster: Cluster) -> dict[str, list[Any]]:
     pps = [p for p in (1, 2, 4) if p <= m.n_layers and p <= cluster.worker_slots]
     gb = spec.train.global_batch
     mbs = [b for b in (1, 2, 4, 8, 16) if gb % b == 0]
-    return {"tp": tps, "pp": pps, "zero": [0, 1, 3], "micro_batch": mbs, "activation_checkpointing": [False, True]}
+    space = {"tp": tps, "pp": pps, "zero": [0, 1, 3], "micro_batch": mbs, "activation_checkpointing": [False, True]}
+    moe = getattr(m, "moe", None)
+    if moe is not None:  # a mixture of experts: expert parallelism inside a node
+        space["ep"] = [e for e in (1, 2, 4, 8) if moe.n_experts % e == 0 and e <= cluster.slots_per_node]
+    return space
 
 
 def enumerate_space(spec: Any, space: dict[str, list[Any]], cluster: Cluster, dtype_bytes: int = 4) -> list[Candidate]:
@@ -106,7 +111,7 @@ def enumerate_space(spec: Any, space: dict[str, list[Any]], cluster: Cluster, dt
 
 
 def _judge(spec: Any, cfg: dict[str, Any], cluster: Cluster, dtype_bytes: int) -> Candidate:
-    tp, pp, mb = cfg["tp"], cfg["pp"], cfg["micro_batch"]
+    tp, pp, mb, ep, cp = cfg["tp"], cfg["pp"], cfg["micro_batch"], cfg["ep"], cfg["cp"]
     config = {"dp": None, **cfg, "grad_accum": None}
     config = {k: config[k] for k in CONFIG_KEYS}
     if tp > cluster.slots_per_node:
@@ -118,8 +123,8 @@ def _judge(spec: Any, cfg: dict[str, Any], cluster: Cluster, dtype_bytes: int) -
     except SpecError as exc:
         return Candidate(config, "pruned_batch", str(exc))
     e, gb = spec.elastic, spec.train.global_batch
-    replica = tp * pp
-    allowed = batch.allowed_dps(gb, mb, e.min_dp, e.max_dp)
+    replica = tp * pp * ep * cp
+    allowed = batch.allowed_dps(gb, mb, e.min_dp, e.max_dp, ep)
     dp = policies.target_dp(cluster.worker_slots // replica, allowed)
     if dp is None:
         return Candidate(
@@ -128,8 +133,8 @@ def _judge(spec: Any, cfg: dict[str, Any], cluster: Cluster, dtype_bytes: int) -
             f"no DP degree in [{e.min_dp}, {e.max_dp}] reaches global_batch {gb} with micro_batch {mb} "
             f"on the cluster's {cluster.worker_slots} worker slots ({replica} per replica)",
         )
-    config["dp"], config["grad_accum"] = dp, batch.grad_accum(gb, mb, dp)
-    if dp == 1 and cfg["zero"] > 0:
+    config["dp"], config["grad_accum"] = dp, batch.grad_accum(gb, mb, dp, ep)
+    if dp * ep * cp == 1 and cfg["zero"] > 0:
         return Candidate(config, "pruned_batch", f"dp=1: zero={cfg['zero']} has no DP group to shard over (= zero 0)")
     est = estimate_for_spec(trial, dp, dtype_bytes=dtype_bytes)
     budget = cluster.memory_per_worker_bytes
@@ -146,5 +151,5 @@ def _judge(spec: Any, cfg: dict[str, Any], cluster: Cluster, dtype_bytes: int) -
 def trial_spec_dict(spec: Any, config: dict[str, Any]) -> dict[str, Any]:
     """The job spec of one configuration (the user's spec, its ``parallel`` replaced)."""
     raw = spec.model_dump(by_alias=True)
-    raw["parallel"].update({k: config[k] for k in SPACE_KEYS})
+    raw["parallel"].update({k: config.get(k, raw["parallel"][k]) for k in SPACE_KEYS})
     return raw

@@ -21,8 +21,6 @@ import os
 import time
 from typing import Any
 
-from elastic.control.controller import Controller
-from elastic.control.worker_group import WorkerGroup
 from elastic.parallel.config import ParallelConfig
 from elastic.parallel.memory_model import estimate_for_spec
 from elastic.placement.slots import ReplicaSlots
@@ -46,7 +44,7 @@ def trial_resources(spec: Any, config: dict[str, Any]):
     """The ``PlacementGroupFactory`` of one configuration: the trainable, then every worker."""
     from ray.tune import PlacementGroupFactory
 
-    world = config["dp"] * config["tp"] * config["pp"]
+    world = config["dp"] * config["tp"] * config["pp"] * config.get("ep", 1) * config.get("cp", 1)
     tp_on_gpus = spec.resources.device == "cuda" and config["tp"] > 1
     return PlacementGroupFactory(
         [{"CPU": DRIVER_CPU}] + [worker_bundle(spec.resources)] * world,
@@ -84,6 +82,11 @@ class TrialSlots(ReplicaSlots):
 
 
 def _controller_for(pg: Any, dp: int, listener: Any) -> type:
+    # Imported here: the rest of this module (the trial's spec, metrics and status) is also
+    # used without Ray, by the GPU check (benchmarks/gpu_check/sweep.py).
+    from elastic.control.controller import Controller
+    from elastic.control.worker_group import WorkerGroup
+
     class _TrialGroup(WorkerGroup):
         def __init__(self, spec: Any, *args: Any, **kwargs: Any):
             super().__init__(spec, *args, **kwargs)
@@ -128,12 +131,24 @@ class _Spec:
         return copy.deepcopy(self._raw)
 
 
-class _Reporter:
-    """An ``EventLog`` listener: every committed step becomes one Tune report."""
+def trial_status(reason: str) -> str:
+    """A failed trial's status: ``oom`` when it ran out of device memory, else ``failed``.
 
-    def __init__(self, ctx: dict[str, Any], config: dict[str, Any], predicted: int, t0: float):
+    ``reason`` is what the workers reported (``TypeName: message``): a CUDA
+    ``torch.OutOfMemoryError`` is a result of the sweep (the configuration does not fit),
+    not an error of the trial.
+    """
+    return "oom" if ("OutOfMemoryError" in reason or "out of memory" in reason.lower()) else "failed"
+
+
+class _Reporter:
+    """An ``EventLog`` listener: every committed step becomes one Tune report (or, given
+    ``report``, one call of it: the GPU check runs the trial body without Tune)."""
+
+    def __init__(self, ctx: dict[str, Any], config: dict[str, Any], predicted: int, t0: float, report: Any = None):
         self.ctx, self.config, self.predicted, self.t0 = ctx, config, predicted, t0
-        self.world = config["dp"] * config["tp"] * config["pp"]
+        self.report = report
+        self.world = config["dp"] * config["tp"] * config["pp"] * config.get("ep", 1) * config.get("cp", 1)
         self.tps: list[float] = []
         self.step_s: list[float] = []
         self.mfu: list[float] = []
@@ -146,8 +161,6 @@ class _Reporter:
             self.failures.append(f"{event['cause']}: {event['detail']}")
         if event["kind"] != "step":
             return
-        from ray import tune
-
         step = event["step"]
         self.last_step = step
         if step > self.ctx["warmup_steps"]:
@@ -157,7 +170,13 @@ class _Reporter:
                 self.mfu.append(event["mfu"])
         if step >= PROBE_STEP or self.ctx["device"] == "cuda":
             self.peak = max(self.peak, int(event.get("peak_mem_bytes") or 0))
-        tune.report(self.metrics(step, "ok" if step >= self.ctx["trial_steps"] else "running"))
+        metrics = self.metrics(step, "ok" if step >= self.ctx["trial_steps"] else "running")
+        if self.report is not None:
+            self.report(metrics)
+        else:
+            from ray import tune
+
+            tune.report(metrics)
 
     def metrics(self, step: int, status: str, reason: str = "") -> dict[str, Any]:
         tps = sum(self.tps) / len(self.tps) if self.tps else 0.0
@@ -202,5 +221,5 @@ def run_trial(config: dict[str, Any], ctx: dict[str, Any]) -> None:
         trainer.fit()
     except Exception as exc:  # a failed trial is a result, not an error of the sweep
         reason = "; ".join(reporter.failures) or f"{type(exc).__name__}: {exc}"
-        status = "oom" if ("OutOfMemoryError" in reason or "out of memory" in reason.lower()) else "failed"
+        status = trial_status(reason)
         tune.report(reporter.metrics(reporter.last_step, status, " ".join(reason.split())[:500]))

@@ -34,6 +34,7 @@ import ray
 import torch
 
 from elastic.checkpoint.memory_tier import MemoryTier, Snapshot
+from elastic.errors import CorpusError
 from elastic.ingest.corpus import ParquetCorpus
 from elastic.messages import (
     ConfigureReply,
@@ -44,7 +45,7 @@ from elastic.messages import (
     StorageRestore,
     WorkerInfo,
 )
-from elastic.parallel.dims import MESH_DIM_NAMES, ParallelDims
+from elastic.parallel.dims import ParallelDims
 from elastic.worker.hooks import StepHook
 from elastic.worker.process_group import ReconfigurableProcessGroup, is_collective_error
 from elastic.worker.trainer import Trainer
@@ -54,15 +55,19 @@ logger = logging.getLogger(__name__)
 CONCURRENCY_GROUPS = {"train": 1, "control": 4}
 SLOW_PREPARE_S = 2.0  # a rank this late to a rendezvous is logged with where the time went
 
-# Dense fp32 (TF32 tensor-core) peak FLOP/s per device, for MFU; None where unknown (CPU).
-_PEAK_TF32 = {"H200": 494.7e12, "H100": 494.7e12, "A100": 156e12, "L40S": 183e12}
+# Dense peak FLOP/s per device and compute precision, for MFU (vendor data sheets, SXM parts);
+# None where unknown (CPU). bf16 is the default on CUDA (``train.dtype``).
+_PEAK = {
+    "bf16": {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362.05e12},
+    "fp32": {"H200": 494.7e12, "H100": 494.7e12, "A100": 156e12, "L40S": 183e12},  # TF32 tensor cores
+}
 
 
-def peak_flops(device: torch.device) -> float | None:
+def peak_flops(device: torch.device, dtype: str = "fp32") -> float | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((v for k, v in _PEAK_TF32.items() if k in name), None)
+    return next((v for k, v in _PEAK.get(dtype, {}).items() if k in name), None)
 
 
 @ray.remote(concurrency_groups=CONCURRENCY_GROUPS, max_restarts=0)
@@ -191,13 +196,15 @@ class TrainWorker:
                 req.generation, req.rank, t_join - t_leave, t_tier - t_leave, t_join - t_tier,
             )  # fmt: skip
         dp, tp, pp = req.dims
+        ep, cp = self.spec.parallel.ep, self.spec.parallel.cp  # fixed for the job: only dp changes
+        world = dp * tp * pp * ep * cp
         self.rank = req.rank
-        join_s = self.group.configure(req.generation, req.rank, dp * tp * pp, req.store)
+        join_s = self.group.configure(req.generation, req.rank, world, req.store)
         # The mesh's sub-groups connect within the rendezvous timeout, then get the collective one.
         t_mesh = time.perf_counter()
-        dims = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=dp * tp * pp, timeout=self.group.rendezvous_timeout)
+        dims = ParallelDims(dp=dp, tp=tp, pp=pp, world_size=world, ep=ep, cp=cp, timeout=self.group.rendezvous_timeout)
         dims.build_mesh(self.device.type)
-        self.group.mesh_built([dims.world_mesh[name].get_group() for name in MESH_DIM_NAMES])
+        self.group.mesh_built(dims.mesh_groups())
         mesh_s = time.perf_counter() - t_mesh
         init_s = join_s + mesh_s  # the rendezvous: the group and its mesh sub-groups
         source = None
@@ -207,10 +214,12 @@ class TrainWorker:
             source = FeederSource(req.read_plan, self.spec.data, self.spec.elastic.collective_timeout_s)
         elif self.corpus is None:
             self.corpus = ParquetCorpus(self.corpus_uri, self.spec.data.storage_options)
+        peak = peak_flops(self.device, self.spec.train.resolved_dtype(self.device.type))
         t0 = time.perf_counter()
         trainer = Trainer(
             self.spec, dims, req.rank, self.device, self.tier, self.corpus, self._reports, self._stop,
-            hook=self.hook, peak_flops=peak_flops(self.device), source=source, restoring=req.restore is not None,
+            hook=self.hook, peak_flops=peak, source=source,
+            restoring=req.restore is not None or self._init_from() is not None,
         )  # fmt: skip
         build_s = time.perf_counter() - t0
         self.group.built()  # the group's and its mesh's connections, cut on a failure
@@ -237,8 +246,16 @@ class TrainWorker:
         )  # fmt: skip
         return ConfigureReply(req.rank, trainer.step, init_s, build_s, restore_s, bytes_read)
 
+    def _init_from(self) -> str | None:
+        return getattr(self.spec.model, "init_from", None)
+
     def _restore(self, trainer: Trainer, restore: MemoryRestore | StorageRestore | None) -> int:
-        """Load ``restore`` into ``trainer``; returns the bytes read from storage."""
+        """Load ``restore`` into ``trainer``; returns the bytes read from storage.
+
+        No state to restore is a start from step 0: from ``model.init_from`` when set (a
+        snapshot or checkpoint, when there is one, holds trained weights and wins)."""
+        if restore is None and self._init_from() is not None:
+            return trainer.load_init_from()["bytes_read"]
         if isinstance(restore, StorageRestore):
             return trainer.load_storage(restore)["bytes_read"]
         if isinstance(restore, MemoryRestore):
@@ -300,7 +317,7 @@ class TrainWorker:
         detail = f"{type(exc).__name__}: {str(exc)[:300]}"
         step = self.trainer.step if self.trainer is not None else 0
         if not is_collective_error(exc):
-            return RunOutcome("error", step, "worker_error", detail)
+            return RunOutcome("error", step, "worker_error", detail, retryable=not isinstance(exc, CorpusError))
         timed_out = blocked_s >= 0.9 * self.spec.elastic.collective_timeout_s
         return RunOutcome("error", step, "timeout" if timed_out else "peer", detail)
 

@@ -3,7 +3,7 @@
 ``configure(generation, rank, world, ...)`` joins generation ``generation`` of the job's
 group; ``leave()`` tears the current one down so that peers blocked on this rank fail at
 once. Every private torch call the elastic runtime needs is made here, and
-``tests/elastic/test_torch_private_api.py`` fails loudly when a torch upgrade moves one.
+``tests/worker/test_torch_private_api.py`` fails loudly when a torch upgrade moves one.
 
 Rendezvous. The job has one long-lived ``TCPStore``, served by the driver
 (:class:`RendezvousStore`). Each generation's ranks meet under their own key prefix
@@ -193,7 +193,7 @@ def is_collective_error(exc: BaseException) -> bool:
 
 
 # --------------------------------------------------------------------------- private torch
-# Each private name below is checked by tests/elastic/test_torch_private_api.py.
+# Each private name below is checked by tests/worker/test_torch_private_api.py.
 
 
 def _set_timeout(timeout: timedelta, group: Any) -> None:
@@ -233,4 +233,7 @@ PRIVATE_TORCH_API = (
     "torch.distributed.ProcessGroupGloo._Options",
     # elastic/parallel/engine.py times a rank's own backward (straggler detection, docs/health.md)
     "torch.autograd.Variable._execution_engine.queue_callback",
+    # elastic/parallel/dims.py flattens dp x ep x cp and dp x cp into one mesh dimension each
+    # (torchtitan does the same; no public equivalent in torch 2.13)
+    "torch.distributed.device_mesh.DeviceMesh._flatten",
 )

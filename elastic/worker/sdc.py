@@ -38,14 +38,24 @@ def fingerprint(params: list[torch.Tensor]) -> int:
         for t in locals_:
             crc = zlib.crc32(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()), crc)
         return crc
-    # On an accelerator: a wrapping 64-bit sum of each tensor's words, mixed across tensors
-    # by distinct odd multipliers (a bijection mod 2**64, so one flipped bit always shows).
+    return word_sum_fingerprint(locals_)
+
+
+def word_sum_fingerprint(tensors: list[torch.Tensor]) -> int:
+    """The accelerator's fingerprint, computed where the tensors live (any device).
+
+    A wrapping 64-bit sum of each tensor's words, mixed across tensors by distinct odd
+    multipliers (a bijection mod 2**64, so one flipped bit always shows). Integer sums are
+    exact in any order, so a device and the CPU agree on it.
+    """
     sums = []
-    for t in locals_:
+    for t in tensors:
         flat = t.contiguous().reshape(-1).view(torch.uint8)
         pad = (-flat.numel()) % 8
         if pad:
             flat = torch.cat([flat, flat.new_zeros(pad)])
+        elif flat.storage_offset() % 8:  # a view that starts mid-word cannot be read as int64 in place
+            flat = flat.clone()
         sums.append(flat.view(torch.int64).sum())
     acc = 0
     for i, v in enumerate(torch.stack(sums).tolist()):
@@ -129,7 +139,8 @@ class SdcGuard:
         else:
             gathered = [local]
         fps = [int(t.item()) for t in gathered]
-        coords = [(self.dims.coords(r).pp_rank, self.dims.coords(r).tp_rank) for r in range(world)]
+        # Ranks that hold the same parameters (zero 0): one (pp, tp, ep) coordinate, over DP and CP.
+        coords = [(c.pp_rank, c.tp_rank, c.ep_rank) for c in map(self.dims.coords, range(world))]
         self.check_s = time.perf_counter() - t0
         return vote(fps, twin_groups(coords))
 

@@ -6,7 +6,9 @@ calls ``train_step`` until the run ends or the group agrees to stop. Per step:
 
 1. read this DP rank's micro-batches (prefetched; the wait is ``data_wait_s``);
 2. forward and backward, agreeing with every rank on "stop after this step";
-3. check the loss: a NaN or spike rolls back to the newest own snapshot instead;
+3. check the loss: a NaN or spike rolls back to the newest own snapshot instead (with SDC
+   checks on, replicas whose parameters disagree roll back to the verified state and
+   retrain the same batch: the hardware's fault, not the data's);
 4. optimizer step (after any snapshot copy of the previous step has finished);
 5. snapshot the state to the memory tier (and hand it to the storage tier when due);
 6. report the step.
@@ -27,6 +29,7 @@ from elastic.checkpoint.memory_tier import MemoryTier, Snapshot
 from elastic.checkpoint.restore import load_from_storage, load_snapshots_into
 from elastic.checkpoint.storage_tier import StorageUploader
 from elastic.ingest.corpus import BatchLayout, ParquetCorpus, RankStream, ray_data_batches
+from elastic.ingest.preflight import check_rows
 from elastic.messages import AnomalyReport, SdcReport, SnapshotReport, StepReport, StorageRestore
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
@@ -102,6 +105,13 @@ class Trainer:
         restore_rng(_rng_of(objects))
         return stats
 
+    def load_init_from(self) -> dict[str, Any]:
+        """A fresh start from ``model.init_from`` (a Hugging Face directory); returns what was read."""
+        from elastic.checkpoint.hf_import import load_init_from
+
+        d = self.spec.data  # staggered like a restore from storage
+        return load_init_from(self.engine, self.spec.model.init_from, d.waves, d.max_reads_per_host)
+
     def _load_progress(self, objects: dict[str, Any]) -> None:
         self.step = int(objects["train/step"])
         self.batch_index = int(objects["train/batch_index"])
@@ -151,6 +161,13 @@ class Trainer:
         self.last_progress = time.monotonic()
         anomaly = self.monitor.check(loss)
         if anomaly is not None:
+            # With SDC checks on, ask the replicas first: if their parameters disagree, the
+            # NaN or spike came from the hardware (a flipped bit), not from the batch, so the
+            # verified state is restored and the same batch is trained again. Only a loss
+            # every replica agrees on is the data's fault, and its batch is skipped.
+            self.engine.zero_grad()
+            if self.sdc.enabled and self._sdc_rolled_back(step):
+                return stop
             self._roll_back(step, batch_index, loss, anomaly)
             return stop
         wait_s = self.tier.wait()
@@ -292,8 +309,10 @@ class Trainer:
 
     def _open_stream(self, start_batch: int, delay_s: float) -> RankStream:
         d = self.spec.data
-        layout = BatchLayout(self.spec.train.global_batch, self.spec.parallel.micro_batch, self.dims.dp)
-        dp_rank = self.dims.coords(self.rank).dp_rank
+        # One slice of each batch per data shard: dp x ep of them (EP ranks train on their own samples).
+        layout = BatchLayout(self.spec.train.global_batch, self.spec.parallel.micro_batch, self.dims.data_shards)
+        coords = self.dims.coords(self.rank)
+        dp_rank = self.dims.data_shard(coords)
         source = None
         if self.source is not None:  # the host feeder staggers hosts by waves itself
             source, delay_s = self.source.open(layout, dp_rank, start_batch), 0.0
@@ -303,8 +322,14 @@ class Trainer:
                 self.corpus.uri, d.storage_options, layout, dp_rank, start_batch, remaining, d.prefetch_steps
             )
         return RankStream(
-            self.corpus, layout, dp_rank, start_batch, prefetch=d.prefetch_steps, start_delay_s=delay_s, source=source
-        )
+            self.corpus, layout, dp_rank, start_batch, prefetch=d.prefetch_steps, start_delay_s=delay_s, source=source,
+            seq_chunk=(self.dims.cp, coords.cp_rank), row_check=self._check_rows,
+        )  # fmt: skip
+
+    def _check_rows(self, rows: Any, batch_index: int) -> None:
+        """Rows of the wrong width or ids outside the vocabulary: a ``CorpusError`` (not retried)."""
+        m = self.spec.model
+        check_rows(rows, m.seq_len + 1, m.vocab_size, f"{self.spec.data.source} batch {batch_index}")
 
 
 def _rng_of(objects: dict[str, Any]) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from waiting import wait_until
 
 from elastic import ElasticTrainer
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420)]
 
 STEPS = 9  # checkpoints at 3, 6, 9
 

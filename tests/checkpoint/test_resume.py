@@ -11,7 +11,7 @@ from ckpt_testlib import assert_same_metrics, ckpt_raw, ckpt_spec, events, metri
 
 from elastic import ElasticTrainer
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420)]
 
 
 def test_resume_at_another_dp_continues_with_the_next_samples(ray_local, tiny_spec_dict, tmp_path):

@@ -13,7 +13,7 @@ from elastic.checkpoint.storage_tier import open_store
 from elastic.control.callbacks import Callback
 from elastic.faults import WorkerFaults, worker_fault
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 # ~3.4M parameters (41 MB with the AdamW moments): the copy and the write take measurable time.
 MEDIUM = {"n_layers": 4, "d_model": 256, "n_heads": 4, "vocab_size": 512, "seq_len": 16}
@@ -102,6 +102,7 @@ def test_s3_outage_mid_run_fails_only_those_checkpoints(ray_local, tiny_spec_dic
     failed = [e for e in stored if not e["committed"]]
     committed = sorted(e["step"] for e in stored if e["committed"])
     assert failed and all(e["error"] for e in failed), stored
+    assert [(f["step"], f["cause"]) for f in result.checkpoint_failures] == [(e["step"], e["error"]) for e in failed]
     assert steps in committed and max(e["step"] for e in failed) < steps
     assert any(s > max(e["step"] for e in failed) for s in committed)  # uploads recovered
     store = open_store(uri, options)

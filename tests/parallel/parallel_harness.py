@@ -34,10 +34,12 @@ class Layout:
     micro_batch: int = 1
     ac: bool = False
     schedule: str = "1f1b"
+    ep: int = 1
+    cp: int = 1
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.ep * self.cp
 
 
 # ----- data: a learnable, deterministic batch per step ----------------------------------
@@ -53,10 +55,10 @@ def global_batch(step: int, n: int = TRAIN.global_batch, cfg: ModelConfig = MODE
 
 
 def dp_micro_batches(
-    step: int, dp: int, dp_rank: int, micro_batch: int, cfg=MODEL
+    step: int, dp: int, dp_rank: int, micro_batch: int, cfg=MODEL, n: int = TRAIN.global_batch
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """DP rank r takes samples [r*G/dp, (r+1)*G/dp) of the step's batch, in micro-batches."""
-    inputs, targets = global_batch(step, cfg=cfg)
+    inputs, targets = global_batch(step, n, cfg=cfg)
     per_rank = inputs.shape[0] // dp
     lo = dp_rank * per_rank
     return [(inputs[i : i + micro_batch], targets[i : i + micro_batch]) for i in range(lo, lo + per_rank, micro_batch)]

@@ -17,11 +17,20 @@ from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
 
 
-def make_engine(layout: Layout, world: int, model_cfg=MODEL, train=TRAIN) -> TrainEngine:
-    dims = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, world_size=world)
-    pcfg = ParallelConfig(
+class ProbedParallel(ParallelConfig):
+    """A parallel config whose engine tracks the peak live tensor bytes of one step (elastic/parallel/memtrack.py)."""
+
+    memory_probe_step: int | None = None
+
+
+def make_engine(layout: Layout, world: int, model_cfg=MODEL, train=TRAIN, probe_step: int | None = None) -> TrainEngine:
+    dims = ParallelDims(dp=layout.dp, tp=layout.tp, pp=layout.pp, world_size=world, ep=layout.ep, cp=layout.cp)
+    pcfg = ProbedParallel(
+        memory_probe_step=probe_step,
         tp=layout.tp,
         pp=layout.pp,
+        ep=layout.ep,
+        cp=layout.cp,
         zero=layout.zero,
         micro_batch=layout.micro_batch,
         activation_checkpointing=layout.ac,
@@ -31,12 +40,21 @@ def make_engine(layout: Layout, world: int, model_cfg=MODEL, train=TRAIN) -> Tra
 
 
 def train_steps(engine: TrainEngine, layout: Layout, steps: range) -> tuple[list[float], list[float]]:
-    dp_rank = engine.coords.dp_rank
+    """Each data shard (a (dp, ep) pair) its slice of the batch; each CP rank its chunk of it."""
+    shard, coords = engine.dims.data_shard(engine.coords), engine.coords
     losses, norms = [], []
     for step in steps:
-        loss = engine.forward_backward(
-            dp_micro_batches(step, layout.dp, dp_rank, layout.micro_batch, cfg=engine.model_cfg)
+        micro = dp_micro_batches(
+            step,
+            engine.dims.data_shards,
+            shard,
+            layout.micro_batch,
+            cfg=engine.model_cfg,
+            n=engine.train_cfg.global_batch,
         )
+        chunk = micro[0][0].shape[1] // layout.cp
+        lo = coords.cp_rank * chunk
+        loss = engine.forward_backward([(x[:, lo : lo + chunk], y[:, lo : lo + chunk]) for x, y in micro])
         norms.append(engine.optimizer_step())
         losses.append(loss)
     return losses, norms
@@ -249,3 +267,16 @@ def compile_resize(rank: int, world: int, out_dir: str, before: Layout, after: L
     second = run(after, after.world, range(2, STEPS))
     dist.destroy_process_group()
     return {"before": first, "after": second}
+
+
+def probe_memory(rank: int, world: int, out_dir: str, layouts: list[Layout], model_cfg, train, steps: int) -> dict:
+    """Each layout's peak live tensor bytes on this rank, in its last of ``steps`` steps."""
+    init_group(rank, world, os.path.join(out_dir, "store"))
+    results = {}
+    for layout in layouts:
+        engine = make_engine(layout, world, model_cfg, train, probe_step=steps)
+        train_steps(engine, layout, range(steps))
+        results[layout.name] = {"peak": engine.probed_peak_bytes, "grad_accum": engine.grad_accum}
+        del engine
+    dist.destroy_process_group()
+    return results

@@ -19,7 +19,7 @@ from elastic.models.config import LlamaConfig
 
 LLAMA = LlamaConfig(size="tiny")
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_compiled_blocks_match_eager_and_a_resize_does_not_recompile(tmp_path):

@@ -22,6 +22,8 @@ from parallel_workers import resize_and_resume, train_layouts
 from elastic.models.config import LlamaConfig
 from elastic.models.spec import model_spec
 
+pytestmark = pytest.mark.cluster
+
 LLAMA = LlamaConfig(size="tiny")
 TRAIN_BF16 = TRAIN.model_copy(update={"dtype": "bf16"})
 

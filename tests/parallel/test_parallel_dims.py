@@ -31,7 +31,8 @@ def test_rank_order_is_dp_pp_tp_with_tp_fastest():
     [
         ({"dp": 2, "tp": 2, "pp": 1, "world_size": 8}, "parallel"),
         ({"dp": 0, "tp": 1, "pp": 1, "world_size": 0}, "parallel.dp"),
-        ({"dp": 1, "tp": 1, "pp": 1, "world_size": 1, "cp": 2}, "parallel.cp"),
+        ({"dp": 1, "tp": 1, "pp": 1, "world_size": 1, "cp": 0}, "parallel.cp"),
+        ({"dp": 1, "tp": 1, "pp": 1, "world_size": 2, "ep": 2, "cp": 2}, "parallel"),
     ],
 )
 def test_degrees_must_match_world(kwargs, field):

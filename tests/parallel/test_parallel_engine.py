@@ -20,6 +20,8 @@ from parallel_workers import resize_and_resume, train_layouts
 
 from elastic.models.gpt import build_model, flops_per_token
 
+pytestmark = pytest.mark.cluster
+
 LAYOUTS = [
     Layout("dp4", dp=4),
     Layout("dp2_tp2", dp=2, tp=2, micro_batch=2),

@@ -10,7 +10,7 @@ import pytest
 from parallel_harness import run_ranks
 from parallel_workers import blocked_peer_after_leave
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 
 TIMEOUT_S = 10.0
 

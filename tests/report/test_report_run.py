@@ -1,5 +1,7 @@
-"""A real node loss on a 4-node Ray cluster, seen two ways: the live metrics read from Ray's
-Prometheus endpoint during the run, and ``elastic report`` on its run directory afterwards."""
+"""A real node loss on a 4-node Ray cluster, seen four ways: the live metrics read from Ray's
+Prometheus endpoint during the run, ``elastic report`` on its run directory afterwards, the
+TensorBoard files ``train.tensorboard`` wrote (read back by ``tensorboard``), and the
+experiment trackers: MLflow's real local file store and a stand-in for ``wandb``."""
 
 from __future__ import annotations
 
@@ -12,15 +14,13 @@ import time
 import urllib.request
 
 import pytest
+from elastic_testlib import FAULT_STEP, STEPS, elastic_spec, events_of
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "elastic"))
-from elastic_testlib import FAULT_STEP, STEPS, elastic_spec, events_of  # noqa: E402
+from elastic import ElasticTrainer
+from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault
+from elastic.report import load_run, scale_factors, write_report
 
-from elastic import ElasticTrainer  # noqa: E402
-from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault  # noqa: E402
-from elastic.report import load_run, scale_factors, write_report  # noqa: E402
-
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
 
 SAMPLE = re.compile(r"^(\w+)\{(.*)\} (\S+)$")
 LABEL = re.compile(r'(\w+)="([^"]*)"')
@@ -86,17 +86,27 @@ def wait_for(predicate, timeout_s: float, what: str):
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
-def test_node_loss_live_metrics_and_report(fast_metrics, ray_cluster, tmp_path):
+def test_node_loss_live_metrics_and_report(fast_metrics, ray_cluster, tmp_path, monkeypatch):
+    from tracking_fakes import FakeWandb
+
+    from elastic.report.trackers import MlflowCallback, WandbCallback
+
     spec = elastic_spec(min_dp=1, max_dp=4)
+    spec.train = spec.train.model_copy(update={"tensorboard": True})
     run_dir = str(tmp_path / "run")
     run = os.path.basename(run_dir)
     injector = FaultInjector([Fault("kill_node", at_step=FAULT_STEP, node_index=1)], cluster=ray_cluster)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    mlflow_uri = (tmp_path / "mlruns").as_uri()
+    fake_wandb = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake_wandb)
+    trackers = [MlflowCallback(tracking_uri=mlflow_uri, run_name=run), WandbCallback(project="tests")]
     # Steps of at least 0.15 s: the run lasts long enough for a few metric flushes.
     slow = WorkerFaults([worker_fault("slow", step=1, rank=r, seconds=0.15) for r in range(4)])
     scraper = Scraper(run)
     scraper.start()
     try:
-        result = ElasticTrainer(spec, run_dir=run_dir, callbacks=[injector], step_hook=slow).fit()
+        result = ElasticTrainer(spec, run_dir=run_dir, callbacks=[injector, *trackers], step_hook=slow).fit()
 
         def final():  # the last flush after the last step
             s = scraper.latest
@@ -148,3 +158,31 @@ def test_node_loss_live_metrics_and_report(fast_metrics, ray_cluster, tmp_path):
     after = min(e["ts"] for e in steps if e["ts"] > failure["ts"])
     assert f"| node_lost | {failure['ranks']} | {after - before:.2f} | {rec.downtime_s:.2f} |" in md
     assert "DP over the run: 4 -> 3" in md
+
+    # The trackers, against events.jsonl: every committed step (a redone one twice), in order.
+    check_trackers(run_dir, steps, mlflow_uri, fake_wandb)
+
+
+def check_trackers(run_dir: str, steps: list[dict], mlflow_uri: str, fake_wandb) -> None:
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    want = [(e["step"], e["loss"]) for e in steps]
+    acc = EventAccumulator(os.path.join(run_dir, "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tb = [(s.step, s.value) for s in acc.Scalars("train/loss")]
+    assert [s for s, _ in tb] == [s for s, _ in want]
+    assert all(abs(v - w) <= 1e-6 * abs(w) for (_, v), (_, w) in zip(tb, want))  # float32 in the file
+    assert [s.value for s in acc.Scalars("elastic/failures")] == [1.0]
+    assert [s.value for s in acc.Scalars("elastic/recoveries")] == [1.0]
+    assert [s.value for s in acc.Scalars("elastic/dp")][-1] == 3.0
+    for name, key in (("train/grad_norm", "grad_norm"), ("perf/tokens_per_s", "tokens_per_s")):
+        got = [s.value for s in acc.Scalars(name)]
+        assert got == [pytest.approx(e[key], rel=1e-6) for e in steps], name
+    client = MlflowClient(mlflow_uri)
+    (found,) = client.search_runs([client.get_experiment_by_name("elastic").experiment_id])
+    assert found.info.status == "FINISHED"
+    assert [(m.step, m.value) for m in client.get_metric_history(found.info.run_id, "train/loss")] == want
+    logged = [c[1] for c in fake_wandb.calls if c[0] == "log" and "train/loss" in c[1]]
+    assert [(d["step"], d["train/loss"]) for d in logged] == want
+    assert fake_wandb.calls[-1] == ("finish",)

@@ -8,6 +8,8 @@ import storage_gloo_worker
 from elastic.testing.ranks import run_ranks
 from storage import CheckpointStore
 
+pytestmark = pytest.mark.cluster
+
 
 @pytest.mark.timeout(180)
 def test_dtensor_save_and_reshard_across_meshes(tmp_path):

@@ -24,7 +24,7 @@ from elastic.faults import WorkerFaults, worker_fault
 from elastic.tune.space import config_key
 from jobs.spec import JobSpec
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SPEC = {

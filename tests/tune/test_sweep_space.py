@@ -158,3 +158,25 @@ def test_report_files_from_entries(tmp_path):
     png = report.write_heatmap(str(tmp_path), entries)
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 5000
     assert "failed" in report.format_table(entries)
+
+
+def test_search_state_round_trips_as_json(tmp_path):
+    """Tune saves the searcher with the experiment; the file is JSON (never unpickled on a restore)."""
+    configs = [
+        {"dp": dp, "tp": 1, "pp": 1, "zero": 0, "micro_batch": mb, "activation_checkpointing": ac}
+        for dp in (1, 2)
+        for mb in (1, 2)
+        for ac in (False, True)
+    ]
+    s = StagedSearch(configs, refine_groups=1, metric="tokens_per_s", mode="max")
+    first = s.suggest("a")
+    s.on_trial_complete("a", {"tokens_per_s": 5.0, "status": "ok"})
+    path = str(tmp_path / "searcher.state")
+    s.save(path)
+    json.load(open(path))  # plain JSON
+    restored = StagedSearch([], metric="tokens_per_s", mode="max")
+    restored.restore(path)
+    for key in ("groups", "queue", "stage", "launched", "live", "trial_config", "score", "refine_groups"):
+        assert getattr(restored, key) == getattr(s, key), key
+    assert restored.trial_config["a"] == first["cfg"]
+    assert restored.suggest("b") == s.suggest("b")

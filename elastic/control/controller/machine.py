@@ -133,6 +133,7 @@ class Controller(Reformations):
             dp_history=self.dp_history,
             recoveries=self.recoveries,
             excluded_nodes=self.health.excluded_nodes(),
+            checkpoint_failures=list(self.committer.failures) if self.committer is not None else [],
             **({"stop": extra} if status == "stopped" else {}),
         )
         if status == "failed":
@@ -146,8 +147,11 @@ class Controller(Reformations):
         try:
             return handler(state)
         except WorkerFailure as failure:  # a failure while starting, recovering or resizing
-            if isinstance(state, Starting):
-                return Failed(f"could not start the worker group: {failure.cause}: {failure.detail}")
+            if isinstance(state, Starting):  # recorded like any failure, so its cause is in events.jsonl too
+                self.failures += 1
+                f = failure
+                self.events.emit("failure", cause=f.cause, ranks=f.ranks, nodes=f.nodes, detail=f.detail)
+                return Failed(f"could not start the worker group: {f.cause}: {f.detail}")
             return self._recovering(failure)
 
     # ------------------------------------------------------------------ starting
@@ -197,10 +201,20 @@ class Controller(Reformations):
         if evict is not None:  # on_straggler / on_sdc: evict
             return self._recovering(evict)
         if obs.finished:
-            return Finished()
+            return self._finished()
         if obs.stopped:  # stopped at a boundary without a resize request: restart the loop
             return Running()
         return self._grow_check() or state
+
+    def _finished(self) -> State:
+        """Every step done: finished, unless the final storage checkpoint could not be
+        committed (DESIGN §10): the run would then look complete with nothing to resume."""
+        if self.committer is None or not self.spec.checkpoint.every_steps:  # no storage tier
+            return Finished()
+        why = self.committer.final_failure(self.step)
+        if why is None:
+            return Finished()
+        return Failed(f"the final checkpoint (step {self.step}) could not be committed to storage: {why}")
 
     # ------------------------------------------------------------------ growing back
     def _grow_check(self) -> State | None:

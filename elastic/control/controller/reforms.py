@@ -91,6 +91,8 @@ class Reformations(StepAccounting):
         self.outages.failed(f.cause, state.failed_at, state.detected_at)
         self.events.emit("failure", cause=f.cause, ranks=f.ranks, nodes=f.nodes, detail=f.detail)
         logger.warning("failure: %s ranks=%s (%s)", f.cause, f.ranks, f.detail)
+        if not f.retryable:  # a re-formation would meet it again: spend no budget on retries
+            return Failed(f"{f.cause} that a retry would repeat: {f.detail}")
         if self._budget_spent():
             return Failed(
                 f"failure budget exhausted: {self.failures} failures > "

@@ -1,0 +1,195 @@
+"""The list of benchmarks: what each measures, the results file its default run publishes, its
+quick settings, and what it needs that a machine may lack. ``python -m benchmarks`` (``make
+bench``, ``make bench-list``) reads it; the order is the order ``make bench`` runs them in:
+one process first, then rank groups, embedded Ray, multi-node clusters, the longest last.
+Pure data and checks; runs in the process that lists or runs the benchmarks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+from benchmarks.harness.results import results_path
+
+
+@dataclass(frozen=True)
+class Need:
+    """Something a benchmark needs: a Python module, or ``cuda`` (a GPU torch can see)."""
+
+    what: str
+    how: str  # how to get it, or why it cannot be had here
+
+    def missing(self) -> bool:
+        if self.what == "cuda":
+            import torch
+
+            return not torch.cuda.is_available()
+        return importlib.util.find_spec(self.what) is None
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str  # the module: python -m benchmarks.<name>
+    measures: str
+    results: str | None  # the file in benchmarks/results/ its published run writes (None: prints only)
+    out_flag: str | None  # the option that names its results file (None: it writes none)
+    quick: tuple[str, ...]  # the settings `make bench` runs it with
+    needs: tuple[Need, ...] = ()  # without one of these it cannot run here
+    optional: tuple[Need, ...] = ()  # without one of these a side is reported skipped
+    full: tuple[str, ...] = ()  # the published run's settings, where they are not the defaults
+
+    @property
+    def module(self) -> str:
+        return f"benchmarks.{self.name}"
+
+    def published(self) -> str | None:
+        return results_path(self.results) if self.results else None
+
+    def missing(self) -> list[Need]:
+        return [n for n in self.needs if n.missing()]
+
+
+TORCHFT = Need("torchft", "make bench-deps installs torchft 0.2.0")
+TORCHTITAN = Need("torchtitan", "pip install torchtitan (into .venv)")
+CUDA = Need("cuda", "written for GPUs: torchtitan cannot train on CPU (docs/models.md)")
+
+BENCHMARKS: tuple[Benchmark, ...] = (
+    Benchmark(
+        "checkpoint_stall",
+        "training-blocking time per checkpoint: async vs sync storage, memory snapshot vs step time",
+        "checkpoint_stall.json",
+        "--json",
+        ("--d-model", "128", "--layers", "2", "--checkpoints", "3", "--every", "2", "--reps", "1"),
+        full=("--d-model", "256", "--layers", "4", "--checkpoints", "3"),
+    ),
+    Benchmark(
+        "tp_data_sharing",
+        "feeding a TP group: every TP rank reads vs TP rank 0 reads and broadcasts",
+        None,
+        "--json",
+        ("--shapes", "quickstart", "--steps", "30", "--warmup", "2"),
+    ),
+    Benchmark(
+        "playbook_memory",
+        "the memory model's estimate vs the Ultra-Scale Playbook's published peaks (Llama 3.1 8B, 8 H100)",
+        None,
+        "--json",
+        ("--model", "llama3.1-8b"),
+    ),
+    Benchmark(
+        "parallel_layouts",
+        "tokens/s and per-rank memory of DP/TP/PP/ZeRO layouts, and the memory model's prediction",
+        None,
+        "--json",
+        ("--warmup", "1", "--rounds", "1", "--steps-per-round", "1"),
+    ),
+    Benchmark(
+        "reconfigure_profile",
+        "where a re-formation's time goes in the workers; restoring build vs full rebuild",
+        None,
+        None,
+        ("--generations", "2"),
+    ),
+    Benchmark(
+        "restore_waves",
+        "checkpoint restore from S3 in waves vs unstaggered: peak GETs in flight, restore time",
+        "restore_waves.json",
+        "--out",
+        ("--repeats", "1"),
+    ),
+    Benchmark(
+        "prepare_throughput",
+        "`elastic prepare` tokens/s vs a plain single-process loop",
+        "prepare_throughput.json",
+        "--out",
+        ("--sizes-mb", "1", "--repeats", "1"),
+    ),
+    Benchmark(
+        "overhead",
+        "steady-state tokens/s and CPU per step: elastic DDP vs a plain torchrun DDP script",
+        "overhead.json",
+        "--json",
+        ("--size", "tiny", "--steps", "12", "--warmup", "4", "--reps", "1"),
+    ),
+    Benchmark(
+        "sdc_overhead",
+        "step time with the SDC check every 10 steps vs off",
+        "sdc_overhead.json",
+        "--json",
+        ("--steps", "24", "--warmup", "4", "--reps", "1"),
+    ),
+    Benchmark(
+        "control_plane",
+        "the real driver over thousands of virtual ranks (node agents, aggregators): driver CPU per step "
+        "and per recovery, decision time, false failures under a driver stall",
+        "control_plane.json",
+        "--results",
+        ("--ranks", "64", "--steps", "12", "--step-s", "0.5", "--heartbeat-timeout-s", "2", "--no-store-ops"),
+        full=("--ranks", "16384", "--json"),
+    ),
+    Benchmark(
+        "peer_replication",
+        "ZeRO-3 throughput with snapshots copied to a peer vs not, then a rank killed in each",
+        None,
+        None,
+        ("--steps", "16", "--reps", "1"),
+    ),
+    Benchmark(
+        "drain_vs_kill",
+        "training gap of an announced node loss (Ray drain) vs a SIGKILLed node",
+        "drain_vs_kill.json",
+        "--out",
+        ("--repeats", "1", "--steps", "14", "--at", "6"),
+    ),
+    Benchmark(
+        "recovery_vs_raytrain",
+        "node-loss recovery and lost steps: ours vs Ray Train V2 (tuned, default), TorchFT, Ray Train + TorchFT",
+        "recovery.json",
+        "--results",
+        ("--reps", "1", "--steps", "24", "--rejoin-steps", "40", "--kill-step", "8"),
+        optional=(TORCHFT,),
+    ),
+    Benchmark(
+        "data_ingest",
+        "S3 GET bursts at start and after a node loss (waves), data wait, prepare, duplicate reads under TP",
+        "data_ingest.json",
+        "--out",
+        ("--only", "1"),
+    ),
+    Benchmark(
+        "sweep_vs_grid",
+        "`elastic sweep` vs the exhaustive grid: best tokens/s found, search time, memory model error",
+        "sweep_vs_grid.json",
+        "--json",
+        ("--trial-steps", "3", "--sweeps", "1"),
+    ),
+    Benchmark(
+        "engine_vs_torchtitan",
+        "tokens/s, peak memory and MFU: our engine vs torchtitan on the same Llama 3",
+        None,
+        None,
+        ("--steps", "3", "--warmup", "1", "--repeats", "1", "--seq", "256"),
+        needs=(CUDA, TORCHTITAN),
+    ),
+    Benchmark(
+        "gpu_check",
+        "every device path on one GPU in one call (make gpu-check): gpu tests, engine tokens/s and MFU "
+        "vs a plain loop, memory model vs CUDA peaks, a sweep with a real OOM, snapshot cost",
+        "gpu_check.json",
+        None,
+        ("--dry-run",),
+    ),
+)
+
+# Modules under benchmarks/ that are parts of a benchmark, not benchmarks themselves.
+NOT_BENCHMARKS = ("catalog", "torchrun_ddp_baseline")  # the latter: overhead's baseline, run by torchrun
+
+
+def by_name(names: list[str]) -> list[Benchmark]:
+    """The benchmarks named, in catalog order; raises ValueError naming any unknown one."""
+    known = {b.name: b for b in BENCHMARKS}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown benchmark(s) {unknown}; choose from {', '.join(known)}")
+    return [b for b in BENCHMARKS if b.name in names]

@@ -1,0 +1,54 @@
+"""The recovery benchmark's scenario, shared by every side: the cluster shape, the model, the
+job, and each baseline's settings. Imported by the driver and by every side's child process
+(and by ``benchmarks/reconfigure_profile.py``, which profiles the same model).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from benchmarks.harness.results import results_path
+
+NODES = 4
+GLOBAL_BATCH = 12  # divisible by every DP degree from 1 to 4 with micro-batch 1
+MICRO_BATCH = 1
+# ``--model small`` (the default): 4,207,104 parameters, 16.8 MB of fp32 weights + 33.7 MB of
+# AdamW moments = 50.5 MB of state. ``--model 10m``: 11,162,240 parameters (134 MB of state).
+# The choice reaches every side's child process through BENCH_RECOVERY_MODEL.
+MODELS = {
+    "small": {"n_layers": 4, "d_model": 256, "n_heads": 4, "vocab_size": 2048, "seq_len": 32},
+    "10m": {"n_layers": 8, "d_model": 320, "n_heads": 5, "vocab_size": 2048, "seq_len": 32},
+}
+MODEL_ENV = "BENCH_RECOVERY_MODEL"
+MODEL = MODELS[os.environ.get(MODEL_ENV, "small")]
+SIDES = ("ours", "raytrain_tuned", "raytrain_default", "torchft", "raytrain_torchft")
+TORCHFT_SIDES = ("torchft", "raytrain_torchft")
+REJOIN_SIDES = ("ours", "torchft", "raytrain_torchft")  # a node comes back after the loss
+RAY_TUNED_ENV = {"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "5", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
+RAY_TUNED_SYSTEM_CONFIG = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
+TORCHFT_HEARTBEAT_TIMEOUT_MS = 1000
+TORCHFT_JOIN_TIMEOUT_MS = 10000
+RTFT_NODE_RESOURCE = "bench_worker_node"  # raytrain_torchft: keeps its workers off the head
+DEFAULT_RESULTS = results_path("recovery.json")
+
+
+def param_count(m: dict[str, Any]) -> int:
+    from elastic.models.gpt import ModelConfig, build_model
+
+    return sum(p.numel() for p in build_model(ModelConfig(**m), seed=0).parameters())
+
+
+def spec_dict(steps: int, corpus_uri: str) -> dict[str, Any]:
+    """The job every side trains (Ray Train and TorchFT read the model/optimizer/data fields)."""
+    return {
+        "name": "recovery-bench",
+        "seed": 0,
+        "model": dict(MODEL),
+        "data": {"source": corpus_uri},
+        "parallel": {"micro_batch": MICRO_BATCH},
+        "elastic": {"min_dp": 1, "max_dp": NODES},
+        "resources": {"cpus_per_worker": 1},
+        "train": {"steps": steps, "global_batch": GLOBAL_BATCH, "lr": 3.0e-3},
+        "checkpoint": {"every_steps": 5, "memory_every_steps": 1},
+    }

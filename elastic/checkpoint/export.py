@@ -1,0 +1,189 @@
+"""``elastic ckpt export URI [--step N] --format hf --out DIR``: a checkpoint as a Hugging Face model.
+
+Runs in the CLI process: no Ray, no process group. It reads one committed checkpoint of the
+project (any layout: DCP's planner consolidates each tensor from the boxes every rank saved,
+checking each box's CRC-32) and writes ``config.json`` plus ``model.safetensors`` (or
+``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json`` above
+``--max-shard-size``) that ``transformers`` loads with ``LlamaForCausalLM.from_pretrained``.
+Tensors are streamed one at a time, so the export holds one tensor in memory, not the model.
+
+The model is rebuilt from the config each commit records in its manifest (``extra.model``);
+its ``ModelSpec.hf`` adapter gives the names, the config.json and the RoPE rows to permute
+back to halves. What cannot be exported is refused with exit 2 and the reason: a model
+without an adapter (``kind: gpt``, a custom factory without ``ModelSpec.hf``), a missing or
+uncommitted step, a checkpoint that does not record its model, an ``--out`` that already
+holds a model. A damaged file exits 1 naming it, as ``elastic ckpt verify`` does.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from elastic.checkpoint.cli import EXIT_BAD_INPUT, EXIT_DAMAGED, EXIT_OK, _BadInput, _open, _redact
+from elastic.checkpoint.hf_import import pairs_to_halves
+from elastic.checkpoint.safetensors_io import write_file
+from elastic.models.hf import CONFIG, INDEX, SINGLE, HFAdapter, join, open_fs
+
+MODEL = "app/model/"  # where the model's tensors sit in a checkpoint (the trainer's state layout)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEFAULT_SHARD = "5GB"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?B?)\s*$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Exported:
+    step: int
+    files: list[str]
+    bytes: int
+    tensors: int
+
+
+def parse_size(text: str) -> int:
+    """``5GB``, ``500MB``, ``64KB`` (decimal units, as transformers' ``max_shard_size``) or bytes."""
+    match = _SIZE.match(str(text))
+    if not match:
+        raise _BadInput(f"--max-shard-size {text!r}: expected a size such as 5GB, 500MB or 1000000")
+    unit = match.group(2).upper().rstrip("B")
+    return int(float(match.group(1)) * {"": 1, "K": 10**3, "M": 10**6, "G": 10**9}[unit])
+
+
+def ckpt_export(
+    uri: str, step: int | None, fmt: str, out: str, dtype: str = "fp32", max_shard_size: str = DEFAULT_SHARD
+) -> int:
+    """The CLI command; returns the exit code."""
+    from storage.errors import ChecksumMismatch
+
+    try:
+        if fmt != "hf":
+            raise _BadInput(f"--format {fmt!r}: only hf is supported")
+        if dtype not in DTYPES:
+            raise _BadInput(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+        done = export_hf(uri, step, out, DTYPES[dtype], parse_size(max_shard_size))
+    except _BadInput as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except ChecksumMismatch as exc:
+        print(f"error: damaged checkpoint: {_redact(str(exc))}", file=sys.stderr)
+        return EXIT_DAMAGED
+    where = f"{len(done.files)} file(s) in {_redact(out)}"
+    print(f"exported step {done.step}: {done.tensors} tensors, {done.bytes:,} bytes, {where}")
+    return EXIT_OK
+
+
+def export_hf(uri: str, step: int | None, out: str, dtype: torch.dtype, max_shard_bytes: int) -> Exported:
+    """Write checkpoint ``step`` (default: the newest committed) under ``uri`` to ``out``."""
+    reader = _open_reader(uri, step)
+    adapter = _adapter_of(reader)
+    fs, root = open_fs(out)
+    if fs.exists(root) and (fs.glob(join(root, "*.safetensors")) or fs.exists(join(root, INDEX))):
+        raise _BadInput(f"--out {_redact(out)} already holds a model; export into an empty directory")
+    fs.makedirs(root, exist_ok=True)
+    sources = _sources(reader, adapter)
+    shapes = {name: tuple(reader.metadata.state_dict_metadata[MODEL + fqn].size) for name, fqn in sources.items()}
+    shards = _shard(list(sources), shapes, dtype, max_shard_bytes)
+
+    def produce(name: str) -> torch.Tensor:
+        return _consolidated(reader, sources[name], adapter)
+
+    files, total = [], 0
+    for i, names in enumerate(shards, start=1):
+        file = SINGLE if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        entries = [(name, dtype, shapes[name]) for name in names]
+        total += write_file(fs, join(root, file), entries, produce, {"format": "pt"})
+        files.append(file)
+    if len(shards) > 1:
+        weight_map = {name: file for file, names in zip(files, shards) for name in names}
+        tensor_bytes = sum(_nbytes(shapes[n], dtype) for n in sources)
+        _write_json(fs, join(root, INDEX), {"metadata": {"total_size": tensor_bytes}, "weight_map": weight_map})
+    dtype_name = str(dtype).removeprefix("torch.")
+    config = {**adapter.config, "dtype": dtype_name, "torch_dtype": dtype_name}  # transformers 5 and 4
+    _write_json(fs, join(root, CONFIG), config)
+    return Exported(reader.step, files, total, len(sources))
+
+
+def _open_reader(uri: str, step: int | None) -> Any:
+    from storage import CheckpointReader
+    from storage.errors import CheckpointNotFound
+
+    store, step = _open(uri, step)
+    if step is None:
+        latest = store.latest()
+        if latest is None:
+            raise _BadInput(f"no committed checkpoint under {_redact(uri)}")
+        step = latest.step
+    try:
+        return CheckpointReader(store, step)
+    except CheckpointNotFound:
+        raise _BadInput(f"step {step} under {_redact(uri)} is missing or not committed: nothing to export") from None
+
+
+def _adapter_of(reader: Any) -> HFAdapter:
+    from pydantic import TypeAdapter, ValidationError
+
+    from elastic.errors import SpecError
+    from elastic.models.config import AnyModelConfig
+    from elastic.models.spec import model_spec
+
+    doc = reader.manifest.extra.get("model")
+    if doc is None:
+        raise _BadInput(f"step {reader.step} does not record its model (written before exports existed)")
+    try:
+        cfg = TypeAdapter(AnyModelConfig).validate_python(doc)
+        spec = model_spec(cfg)  # a custom model's factory is imported here
+    except (ValidationError, SpecError) as exc:
+        raise _BadInput(f"the model recorded in step {reader.step} cannot be rebuilt: {exc}") from None
+    if spec.hf is None:
+        what = f"model.kind {cfg.kind}" + (f" ({cfg.factory})" if cfg.kind == "custom" else "")
+        raise _BadInput(f"{what} has no Hugging Face adapter (ModelSpec.hf): nothing maps it to a Hugging Face model")
+    return spec.hf
+
+
+def _sources(reader: Any, adapter: HFAdapter) -> dict[str, str]:
+    """Hugging Face name -> the project FQN it is written from (the first, for tied weights)."""
+    saved = reader.metadata.state_dict_metadata
+    sources: dict[str, str] = {}
+    for fqn, name in adapter.names.items():
+        if MODEL + fqn not in saved:
+            raise _BadInput(f"step {reader.step} lacks {fqn}: not a checkpoint of this model")
+        sources.setdefault(name, fqn)
+    return sources
+
+
+def _shard(names: list[str], shapes: dict[str, tuple], dtype: torch.dtype, limit: int) -> list[list[str]]:
+    """Consecutive tensors into files of at most ``limit`` bytes (a larger tensor alone)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        n = _nbytes(shapes[name], dtype)
+        if shards[-1] and size + n > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+def _nbytes(shape: tuple, dtype: torch.dtype) -> int:
+    return int(torch.Size(shape).numel()) * dtype.itemsize
+
+
+def _consolidated(reader: Any, fqn: str, adapter: HFAdapter) -> torch.Tensor:
+    """One whole tensor from every rank's boxes, in Hugging Face's row layout."""
+    from storage import load_into
+
+    md = reader.metadata.state_dict_metadata[MODEL + fqn]
+    target = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    load_into(reader, {MODEL + fqn: target})
+    head_dim = adapter.rotary.get(fqn)
+    return pairs_to_halves(target, head_dim) if head_dim else target
+
+
+def _write_json(fs: Any, path: str, doc: dict) -> None:
+    with fs.open(path, "wb") as f:
+        f.write((json.dumps(doc, indent=2) + "\n").encode())

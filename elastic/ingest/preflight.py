@@ -1,0 +1,184 @@
+"""The corpus checked before anything starts (driver side; ``ElasticTrainer.fit`` calls
+:func:`check_corpus` before Ray starts).
+
+A corpus that cannot train (no parquet files, a corrupt or empty file, no ``tokens``
+column, rows of other than ``model.seq_len + 1`` ids, ids outside ``[0,
+model.vocab_size)``) fails every rank the same way on every retry; found here it is one
+line naming ``data.source`` and the file (exit 2), and no failure budget is spent.
+
+Cheap at any corpus size: a prepared corpus's ``index.json`` (its ``seq_len`` and
+vocabulary), the footers of at most ``MAX_FOOTERS`` files (the first, the last and evenly
+spaced ones between: schema, row count, each row group's min and max id from the column
+statistics and its value count), and ``SAMPLE_ROWS`` rows of the first file read for real.
+What the sample cannot see is caught as it is read (``RankStream``: a ``CorpusError``,
+which ends the job at once rather than being retried).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from elastic.errors import CorpusError, SpecError
+from elastic.ingest.corpus import TOKENS
+from elastic.ingest.index import read_index
+from storage import redact_uri
+
+log = logging.getLogger(__name__)
+
+MAX_FOOTERS = 64
+SAMPLE_ROWS = 256
+
+
+def check_corpus(data: Any, seq_len: int, vocab_size: int) -> None:
+    """``SpecError`` on ``data.source`` when the corpus cannot train this model (see the module
+    docstring). A remote corpus the driver cannot reach (credentials only on the cluster) is
+    left to the readers, with a warning."""
+    if data.source == "synthetic":
+        return
+    try:
+        fs, files, is_dir = _parquet_files(data.source, data.storage_options)
+    except SpecError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - remote and unreachable from here: checked when read
+        if "://" in data.source and not data.source.startswith("file://"):
+            log.warning("data.source not checked from the driver (%s): the readers will check it", type(exc).__name__)
+            return
+        raise SpecError("data.source", f"{data.source} cannot be read: {_reason(exc)}") from None
+    if is_dir:  # a prepared corpus is a directory with an index.json
+        _check_index(data, seq_len, vocab_size)
+    for path in _spread(files, MAX_FOOTERS):
+        _check_footer(fs, path, seq_len, vocab_size)
+    _check_sample(fs, files[0], seq_len, vocab_size)
+
+
+def check_rows(rows: Any, row_width: int, vocab_size: int, where: str) -> None:
+    """Rows about to be trained on: ``row_width`` ids each, every id below ``vocab_size``
+    (``CorpusError`` otherwise: a retry would read the same rows)."""
+    if rows.ndim != 2 or rows.shape[1] != row_width:
+        width = rows.shape[1] if rows.ndim == 2 else "ragged"
+        raise CorpusError(f"{where}: rows of {width} ids; model.seq_len + 1 = {row_width} expected")
+    if rows.size and (int(rows.min()) < 0 or int(rows.max()) >= vocab_size):
+        raise CorpusError(
+            f"{where}: token ids from {int(rows.min())} to {int(rows.max())}; model.vocab_size {vocab_size} "
+            f"allows 0..{vocab_size - 1}"
+        )
+
+
+# --------------------------------------------------------------------------- the checks
+
+
+def _parquet_files(source: str, options: dict[str, Any]) -> tuple[Any, list[str], bool]:
+    """The source's filesystem, its parquet files in order, and whether it is a directory."""
+    fs, root = fsspec.core.url_to_fs(source, **(options or {}))
+    if fs.isdir(root):
+        files = sorted(p for p in fs.ls(root, detail=False) if p.endswith(".parquet"))
+        if not files:
+            raise SpecError("data.source", f"{redact_uri(source)} holds no .parquet files")
+        return fs, files, True
+    return fs, [root], False
+
+
+def _check_index(data: Any, seq_len: int, vocab_size: int) -> None:
+    try:
+        index = read_index(data.source, data.storage_options)
+    except Exception as exc:  # noqa: BLE001 - a damaged index: the shards are checked below anyway
+        raise SpecError("data.source", f"{redact_uri(data.source)}/index.json is unreadable: {_reason(exc)}") from None
+    if index is None:
+        return
+    if index.seq_len != seq_len:
+        raise SpecError(
+            "data.source",
+            f"{redact_uri(data.source)} was prepared with --seq-len {index.seq_len} (rows of {index.seq_len + 1} "
+            f"ids); set model.seq_len={index.seq_len}, or prepare it again with --seq-len {seq_len}",
+        )
+    vocab = int(index.tokenizer.get("vocab_size", 0))
+    if vocab > vocab_size:
+        raise SpecError(
+            "data.source",
+            f"{redact_uri(data.source)} was tokenized with a vocabulary of {vocab}; model.vocab_size is {vocab_size}",
+        )
+
+
+def _check_footer(fs: Any, path: str, seq_len: int, vocab_size: int) -> None:
+    name = redact_uri(path)
+    try:
+        with fs.open(path, "rb") as f:
+            meta = pq.ParquetFile(f).metadata
+            schema = meta.schema.to_arrow_schema()
+    except Exception as exc:  # noqa: BLE001 - corrupt, empty, truncated or unreadable
+        raise SpecError("data.source", f"{name} is not a readable parquet file: {_reason(exc)}") from None
+    if TOKENS not in schema.names:
+        raise SpecError("data.source", f"{name} has no '{TOKENS}' column (columns: {', '.join(schema.names)})")
+    kind = schema.field(TOKENS).type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)):
+        raise SpecError("data.source", f"{name}: column '{TOKENS}' is {kind}, not a list of token ids")
+    if not pa.types.is_integer(kind.value_type):
+        raise SpecError("data.source", f"{name}: column '{TOKENS}' holds {kind.value_type}, not integer token ids")
+    width = seq_len + 1
+    if pa.types.is_fixed_size_list(kind) and kind.list_size != width:
+        raise SpecError("data.source", f"{name}: rows of {kind.list_size} ids; model.seq_len + 1 = {width} expected")
+    if meta.num_rows == 0:
+        raise SpecError("data.source", f"{name} holds no rows")
+    column = _leaf_column(meta)
+    for g in range(meta.num_row_groups):
+        chunk = meta.row_group(g).column(column)
+        rows = meta.row_group(g).num_rows
+        if not pa.types.is_fixed_size_list(kind) and chunk.num_values != rows * width:
+            raise SpecError(
+                "data.source",
+                f"{name}: row group {g} holds {chunk.num_values} ids in {rows} rows; every row needs "
+                f"model.seq_len + 1 = {width}",
+            )
+        stats = chunk.statistics
+        if stats is not None and stats.has_min_max and (stats.min < 0 or stats.max >= vocab_size):
+            raise SpecError(
+                "data.source",
+                f"{name}: token ids from {stats.min} to {stats.max} in row group {g}; model.vocab_size "
+                f"{vocab_size} allows 0..{vocab_size - 1}",
+            )
+
+
+def _check_sample(fs: Any, path: str, seq_len: int, vocab_size: int) -> None:
+    import numpy as np
+
+    name = redact_uri(path)
+    try:
+        with fs.open(path, "rb") as f:
+            batch = next(pq.ParquetFile(f).iter_batches(batch_size=SAMPLE_ROWS, columns=[TOKENS]))
+            col = batch.column(0)
+            rows = [np.asarray(r if r is not None else [], dtype=np.int64) for r in col.to_pylist()]
+    except Exception as exc:  # noqa: BLE001
+        raise SpecError("data.source", f"{name}: its first rows cannot be read: {_reason(exc)}") from None
+    widths = {len(r) for r in rows}
+    if widths != {seq_len + 1}:
+        bad = sorted(widths - {seq_len + 1})[0]
+        raise SpecError("data.source", f"{name}: rows of {bad} ids; model.seq_len + 1 = {seq_len + 1} expected")
+    try:
+        check_rows(np.stack(rows), seq_len + 1, vocab_size, name)
+    except CorpusError as exc:
+        raise SpecError("data.source", str(exc)) from None
+
+
+def _leaf_column(meta: Any) -> int:
+    for i in range(meta.num_columns):
+        if meta.schema.column(i).path.split(".")[0] == TOKENS:
+            return i
+    raise AssertionError("no leaf column of tokens")  # the arrow schema named it
+
+
+def _spread(files: list[str], most: int) -> list[str]:
+    """At most ``most`` of ``files``: all of them, or the first, the last and evenly spaced ones."""
+    if len(files) <= most:
+        return files
+    step = (len(files) - 1) / (most - 1)
+    return [files[round(i * step)] for i in range(most)]
+
+
+def _reason(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__

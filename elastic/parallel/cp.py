@@ -1,0 +1,99 @@
+"""Context parallelism: each sequence split into ``cp`` equal chunks, one per CP rank.
+
+Runs on every rank of a CP job, inside the model's forward. CP rank ``c`` holds tokens
+``[c*T/cp, (c+1)*T/cp)`` of every sample of its data shard (the data stream hands it that
+slice, ``sequence_slice``): its embeddings, norms, MLPs and experts work on the chunk only,
+so activation memory falls by ``cp``. Attention is the one place where tokens of other
+chunks are needed, and the scheme here is the simplest exact one, all-gather attention
+(as in Llama 3's long-context training, Dubey et al. 2024, §3.3.2):
+
+* each rank rotates its own queries and keys with their *global* positions (the RoPE
+  tables start at ``c*T/cp``, ``rope_offset``);
+* keys and values are all-gathered over the CP group (``all_gather_single_autograd``:
+  its backward reduce-scatters the key/value gradients back to their owners, summing
+  every chunk's contribution);
+* local queries attend to the gathered keys under a causal mask offset by the chunk's
+  start: query ``i`` of chunk ``c`` sees keys ``0 .. c*T/cp + i``.
+
+So every rank computes exactly the rows of the full causal attention that its queries
+own, and the loss of the chunks is the loss of the whole sequence (equal chunks: the
+mean of chunk means). K/V memory is the full sequence's during attention; a ring
+(sending K/V blocks around while computing, as Liu et al. 2023's Ring Attention) would
+bound it by two chunks, and a zig-zag chunk order would balance the causal work, which
+here is heavier on the last chunk. Neither changes the result; both are left for later.
+
+Gradients: the loss on each CP rank is the mean over its chunk, and dense gradients are
+averaged over ``dp x ep x cp`` (``ParallelDims.dense_mesh``), which makes them those of
+the mean over the whole sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class ContextParallel:
+    """What an attention layer needs to know about its CP group (set by ``apply_cp``)."""
+
+    group: Any  # the CP process group
+    rank: int
+    size: int
+
+    def rope_offset(self, local_len: int) -> int:
+        """Global position of this rank's first token."""
+        return self.rank * local_len
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_rep: int = 1) -> torch.Tensor:
+        """Causal attention of local queries ``[b, h, Tc, d]`` over the whole sequence's keys.
+
+        ``k`` and ``v`` are this chunk's (``[b, h_kv, Tc, d]``, already rotated); they are
+        gathered before the grouped-query repeat, so the all-gather moves ``h_kv`` heads.
+        """
+        local = q.shape[2]
+        k_all, v_all = gather_sequence(k, self.group), gather_sequence(v, self.group)
+        if n_rep > 1:
+            k_all = k_all.repeat_interleave(n_rep, dim=1)
+            v_all = v_all.repeat_interleave(n_rep, dim=1)
+        mask = chunk_causal_mask(local, local * self.size, self.rope_offset(local), q.device)
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+
+
+def gather_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """``[b, h, Tc, d]`` chunks of the CP group -> ``[b, h, T, d]`` in chunk order, with autograd."""
+    import torch.distributed._functional_collectives as funcol
+
+    # funcol gathers along dim 0 only: put the sequence first and back.
+    seq_first = x.permute(2, 0, 1, 3).contiguous()
+    gathered = funcol.all_gather_single_autograd(seq_first, 0, group)
+    return gathered.permute(1, 2, 0, 3)
+
+
+def chunk_causal_mask(q_len: int, k_len: int, q_start: int, device: torch.device) -> torch.Tensor:
+    """Boolean ``[q_len, k_len]``: query at global position ``q_start + i`` sees keys ``<=`` it."""
+    q_pos = torch.arange(q_start, q_start + q_len, device=device)
+    return torch.arange(k_len, device=device)[None, :] <= q_pos[:, None]
+
+
+def apply_cp(attention_modules: list[torch.nn.Module], cp_mesh: Any) -> ContextParallel:
+    """Make each attention module context-parallel over ``cp_mesh`` (sets its ``cp``)."""
+    ctx = ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
+    for module in attention_modules:
+        module.cp = ctx
+    return ctx
+
+
+def sequence_slice(rows: Any, cp: int, cp_rank: int) -> Any:
+    """CP rank ``cp_rank``'s part of token rows of ``T + 1`` tokens (inputs and shifted targets).
+
+    Inputs ``[c*Tc, (c+1)*Tc)`` and their next tokens: the rows' columns
+    ``[c*Tc, (c+1)*Tc + 1)``. Works on numpy arrays and tensors alike.
+    """
+    if cp == 1:
+        return rows
+    chunk = (rows.shape[1] - 1) // cp
+    return rows[:, cp_rank * chunk : (cp_rank + 1) * chunk + 1]

@@ -1,0 +1,73 @@
+"""Rank bodies of the multi-process Hugging Face round trip (importable by spawned ranks).
+
+Per layout, on one gloo world: a real ``TrainEngine`` built from a spec with
+``model.init_from``, loaded by ``load_init_from`` (the worker's path), its full weights
+gathered for the test to compare, two training steps, and a checkpoint written through the
+storage tier's own classes (``StorageUploader``, ``CheckpointCommitter``), which
+``elastic ckpt export`` then reads.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import torch.distributed as dist
+from hf_testlib import STEPS, micro_batches, spec_raw
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from elastic.checkpoint.committer import CheckpointCommitter
+from elastic.checkpoint.hf_import import load_init_from
+from elastic.checkpoint.memory_tier import MemoryTier
+from elastic.checkpoint.storage_tier import StorageUploader
+from elastic.events import EventLog
+from elastic.parallel.dims import ParallelDims
+from elastic.parallel.engine import TrainEngine
+from elastic.testing.ranks import init_group
+from jobs import JobSpec
+
+
+def hf_layouts(rank: int, world: int, out: str, hf_dirs: dict[str, str], layouts: list[tuple]) -> dict:
+    """For each ``(name, kind, parallel, waves)``: load ``hf_dirs[kind]``, gather, train, save
+    to ``out/<name>``."""
+    init_group(rank, world, os.path.join(out, "store"))
+    results = {}
+    try:
+        for name, kind, parallel, waves in layouts:
+            spec = JobSpec.from_dict(spec_raw(hf_dirs[kind], os.path.join(out, name), parallel, waves))
+            tp, pp = spec.parallel.tp, spec.parallel.pp
+            dims = ParallelDims(dp=world // (tp * pp), tp=tp, pp=pp, world_size=world)
+            engine = TrainEngine(spec.model, spec.parallel, spec.train, dims, spec.seed, restoring=True)
+            host = f"host{rank % 2}"  # two pretend hosts, so that waves make rounds
+            stats = load_init_from(engine, spec.model.init_from, waves, 0, host)
+            full = get_model_state_dict(engine.model, options=StateDictOptions(full_state_dict=True))
+            weights = {k: v.detach().clone() for k, v in full.items()}
+            losses = []
+            for step in range(STEPS):
+                mbs = micro_batches(step, dims.dp, engine.coords.dp_rank, spec.parallel.micro_batch)
+                losses.append(engine.forward_backward(mbs))
+                engine.optimizer_step()
+            _save(spec, engine, rank, world, out, STEPS)
+            results[name] = {"stats": stats, "weights": weights, "losses": losses, "coords": tuple(engine.coords)}
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return results
+
+
+def _save(spec: JobSpec, engine: TrainEngine, rank: int, world: int, out: str, step: int) -> None:
+    """Write ``step`` through the storage tier and commit it (rank 0), as a run does."""
+    uri = spec.checkpoint.uri
+    tier, reports = MemoryTier(), collections.deque()
+    uploader = StorageUploader(spec, uri, rank, engine.dims, tier, reports, base_step=0)
+    state = {"app": engine.state_dict(), "train": {"step": step, "batch_index": step}}
+    layout = {"dp": engine.dims.dp, "tp": engine.dims.tp, "pp": engine.dims.pp, "zero": spec.parallel.zero}
+    uploader.save(step, state, tier.snapshot_async(step, rank, state, layout))
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, reports[0])
+    if rank == 0:
+        committer = CheckpointCommitter(spec, uri, EventLog(out))
+        for r, res in enumerate(gathered):
+            committer.add(r, res)
+        assert committer.join(60)
+    dist.barrier()

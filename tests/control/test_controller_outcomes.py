@@ -1,0 +1,100 @@
+"""How a run ends when retrying cannot help, on the controller over the scripted fake group:
+a worker group that cannot start, an error that a retry would repeat, a final storage
+checkpoint that was not committed (DESIGN §10). And the one line a configure error becomes."""
+
+from __future__ import annotations
+
+import pytest
+from fake_group import FakeWorkerGroup, step_results
+from ray.exceptions import RayTaskError
+
+from elastic.checkpoint.committer import CheckpointCommitter
+from elastic.control.controller import Controller, Failed, Finished, Recovering, Running
+from elastic.control.group_configure import root_cause
+from elastic.control.worker_group import Observation
+from elastic.errors import JobFailed, NotRetryable, WorkerError
+from elastic.events import EventLog, read_events
+from jobs import JobSpec
+from storage.errors import LayoutMismatch
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Controller(Controller):
+    worker_group_cls = FakeWorkerGroup
+
+
+def _controller(tmp_path, storage_uri: str = "", every_steps: int = 0):
+    spec = JobSpec.from_dict(
+        {
+            "model": {"n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64, "seq_len": 16},
+            "parallel": {"micro_batch": 1},
+            "elastic": {"min_dp": 1, "max_dp": 2, "max_failures": 3, "min_dp_wait_s": 1},
+            "train": {"steps": 2, "global_batch": 4},
+            "checkpoint": {"every_steps": every_steps},
+        }
+    )
+    return _Controller(spec, EventLog(str(tmp_path / "run")), "memory://corpus", storage_uri=storage_uri)
+
+
+def _advance(ctl, expected):
+    ctl.state = ctl._step(ctl.state)
+    assert type(ctl.state) is expected, f"expected {expected.__name__}, got {type(ctl.state).__name__}"
+    return ctl.state
+
+
+def _failures(tmp_path):
+    return [e for e in read_events(str(tmp_path / "run")) if e["kind"] == "failure"]
+
+
+def test_a_configure_error_is_one_line_naming_the_workers_exception():
+    """Ray wraps a worker's exception in a RayTaskError whose text is Ray's header and the
+    remote traceback; what the user sees is the real exception, on one line."""
+    inner = LayoutMismatch("app/model/tok_emb.weight: target shape (64, 64)\n != saved (64, 32)")
+    wrapped = RayTaskError("configure", "Traceback (most recent call last):\n  ...", inner).as_instanceof_cause()
+    assert root_cause(wrapped) == "LayoutMismatch: app/model/tok_emb.weight: target shape (64, 64) != saved (64, 32)"
+    assert root_cause(ValueError("plain")) == "ValueError: plain"
+
+
+def test_a_group_that_cannot_start_fails_with_the_cause_in_its_failure_event(tmp_path):
+    ctl = _controller(tmp_path)
+    detail = "configure failed: LayoutMismatch: app/model/tok_emb.weight: target shape (64, 64) != saved (64, 32)"
+    ctl.group.configure_failures = [WorkerError(detail, ranks=[0, 1])]
+    state = _advance(ctl, Failed)
+    assert state.reason == f"could not start the worker group: worker_error: {detail}"
+    (failure,) = _failures(tmp_path)
+    assert failure["detail"] == detail and failure["ranks"] == [0, 1] and ctl.failures == 1
+
+
+def test_an_error_a_retry_would_repeat_fails_the_job_at_once(tmp_path):
+    ctl = _controller(tmp_path)
+    _advance(ctl, Running)
+    before = len(ctl.group.calls)
+    bad = "CorpusError: /data batch 3: token ids from 0 to 900; model.vocab_size 64 allows 0..63"
+    ctl.group.script = [Observation(failure=NotRetryable(bad, ranks=[1]))]
+    _advance(ctl, Recovering)
+    state = _advance(ctl, Failed)  # max_failures is 3: the budget is not what stopped it
+    assert state.reason == f"worker_error that a retry would repeat: {bad}"
+    assert ctl.failures == 1 and [f["cause"] for f in _failures(tmp_path)] == ["worker_error"]
+    assert not [c for c in ctl.group.calls[before:] if c[0] in ("spawn", "configure")]  # no re-formation tried
+
+
+def test_a_final_checkpoint_not_committed_fails_the_job_naming_the_cause(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    for every_steps, expected in ((0, Finished), (2, Failed)):
+        ctl = _controller(tmp_path / f"every{every_steps}", storage_uri=ckpt, every_steps=every_steps)
+        assert isinstance(ctl.committer, CheckpointCommitter)
+        _advance(ctl, Running)
+        # the committer's record of the final step's upload errors (what the ranks reported)
+        ctl.committer.failures.append({"step": 2, "cause": "rank 0: OSError: [Errno 30] Read-only file system"})
+        ctl.group.script = [Observation(results=step_results(1, 2) + step_results(2, 2), finished=True)]
+        state = _advance(ctl, expected)  # no storage tier (every_steps 0): nothing to wait for
+    assert state.reason == (
+        "the final checkpoint (step 2) could not be committed to storage: "
+        "rank 0: OSError: [Errno 30] Read-only file system"
+    )
+    with pytest.raises(JobFailed) as info:
+        ctl._finish(1.0)
+    assert info.value.result.checkpoint_failures == [
+        {"step": 2, "cause": "rank 0: OSError: [Errno 30] Read-only file system"}
+    ]

@@ -1,0 +1,95 @@
+"""``elastic prepare``: text -> packed token rows, deterministic, with its index; bad input exits 2."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from elastic.ingest import tokenizer as toks
+from elastic.ingest.index import read_index
+from elastic.ingest.prepare import PrepareConfig, prepare
+from elastic.testing.texts import stdlib_texts, write_jsonl
+from jobs.cli import main as cli_main
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
+
+
+@pytest.fixture(scope="module")
+def docs():
+    return stdlib_texts(("json",))
+
+
+@pytest.fixture
+def jsonl(tmp_path, docs):
+    write_jsonl(str(tmp_path / "in"), docs)
+    return str(tmp_path / "in")
+
+
+def _rows(root: str) -> np.ndarray:
+    index = read_index(root)
+    return np.concatenate([np.asarray(pq.read_table(index.uri(s)).column("tokens").to_pylist()) for s in index.shards])
+
+
+def test_byte_packing_matches_a_plain_loop(ray_local, jsonl, docs, tmp_path):
+    out = str(tmp_path / "out")
+    res = prepare(PrepareConfig(jsonl, out, tokenizer="byte", seq_len=31, rows_per_shard=100, progress=False))
+    # The known answer: every document's UTF-8 bytes then end-of-text (256), cut into rows of 32.
+    stream = np.concatenate([np.append(np.frombuffer(t.encode(), dtype=np.uint8), 256) for _, t in docs])
+    n = len(stream) // 32
+    rows = _rows(out)
+    assert rows.shape == (n, 32) and res.rows == n and res.docs == len(docs)
+    np.testing.assert_array_equal(rows, stream[: n * 32].reshape(n, 32))
+    index = json.load(open(f"{out}/index.json"))
+    assert index["seq_len"] == 31 and index["tokenizer"]["kind"] == "byte" and index["tokenizer"]["eot_id"] == 256
+    assert [s["rows"] for s in index["shards"]] == [100] * (n // 100) + ([n % 100] if n % 100 else [])
+    assert all(len(s["sha256"]) == 64 for s in index["shards"])
+
+
+def test_output_does_not_depend_on_parallelism(ray_local, jsonl, tmp_path):
+    shas = []
+    for blocks in (1, 5):
+        out = str(tmp_path / f"out{blocks}")
+        prepare(
+            PrepareConfig(jsonl, out, tokenizer="bpe:400", seq_len=64, rows_per_shard=64, blocks=blocks, progress=False)
+        )
+        index = json.load(open(f"{out}/index.json"))
+        shas.append(([s["sha256"] for s in index["shards"]], index["tokenizer"]["sha256"]))
+    assert shas[0] == shas[1] and len(shas[0][0]) > 3
+
+
+def test_bpe_trains_on_the_input_and_round_trips(ray_local, jsonl, docs, tmp_path):
+    out = str(tmp_path / "bpe")
+    res = prepare(PrepareConfig(jsonl, out, tokenizer="bpe:600", seq_len=128, rows_per_shard=1000, progress=False))
+    tok = toks.load_file(f"{out}/tokenizer.json")
+    assert 300 < tok.get_vocab_size() <= 600 and res.index.tokenizer["vocab_size"] == tok.get_vocab_size()
+    eot = toks.eot_id(tok)
+    stream = _rows(out).reshape(-1)
+    first = stream[: int(np.argmax(stream == eot))]
+    assert tok.decode(first.tolist()) == docs[0][1]  # byte-level BPE decodes back to the text exactly
+    # A saved tokenizer.json is a valid --tokenizer PATH, and gives the same ids.
+    again = str(tmp_path / "again")
+    prepare(PrepareConfig(jsonl, again, tokenizer=f"{out}/tokenizer.json", seq_len=128, progress=False))
+    np.testing.assert_array_equal(_rows(again), _rows(out))
+
+
+@pytest.mark.parametrize(
+    "case, field",
+    [("missing_field", "--text-field"), ("empty_input", "INPUT"), ("bad_tokenizer", "--tokenizer")],
+)
+def test_bad_input_exits_2_with_one_line(ray_local, jsonl, tmp_path, capsys, case, field):
+    args = ["prepare", jsonl, str(tmp_path / "out")]
+    if case == "missing_field":
+        args += ["--text-field", "body"]
+    elif case == "empty_input":
+        (tmp_path / "empty").mkdir()
+        args[1] = str(tmp_path / "empty")
+    else:
+        bad = tmp_path / "tokenizer.json"
+        bad.write_text("{not json")
+        args += ["--tokenizer", str(bad)]
+    assert cli_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {field}:"), err
