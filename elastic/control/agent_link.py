@@ -67,10 +67,17 @@ class AgentTree:
     """The shape of the tree and the driver's channels into it.
 
     ``make_agent(node)`` and ``make_aggregator()`` create the actors (the control-plane
-    benchmark gives its own: virtual nodes' agents)."""
+    benchmark gives its own: virtual nodes' agents) and ``kill(handle)`` ends one (a unit
+    test's recording handles are no actors)."""
 
-    def __init__(self, make_agent: Callable[[str], Any], make_aggregator: Callable[[], Any], fan_in: int = FAN_IN):
-        self.make_agent, self.make_aggregator, self.fan_in = make_agent, make_aggregator, fan_in
+    def __init__(
+        self,
+        make_agent: Callable[[str], Any],
+        make_aggregator: Callable[[], Any],
+        fan_in: int = FAN_IN,
+        kill: Callable[[Any], None] = lambda handle: ray.kill(handle, no_restart=True),
+    ):
+        self.make_agent, self.make_aggregator, self.fan_in, self.kill = make_agent, make_aggregator, fan_in, kill
         self.handles: dict[str, Any] = {}  # tree key (node id or agg:N) -> actor handle (or a local factory)
         self.parent: dict[str, str | None] = {}  # tree key -> its parent's key (None: a channel)
         self.children: dict[str, set[str]] = {}  # aggregator key -> its children's keys
@@ -158,7 +165,7 @@ class AgentTree:
         one was; an aggregator's children are handed over. Returns the new handle."""
         old = self.handles[key]
         try:
-            ray.kill(old, no_restart=True)
+            self.kill(old)
         except Exception as exc:  # noqa: BLE001 - already gone
             logger.debug("kill of %s failed: %s", key, exc)
         new = self.make_agent(key) if key in self.nodes_under and key not in self.children else self.make_aggregator()
@@ -183,7 +190,7 @@ class AgentTree:
             return
         handle = self.handles.pop(node)
         try:
-            ray.kill(handle, no_restart=True)
+            self.kill(handle)
         except Exception as exc:  # noqa: BLE001 - gone with its node
             logger.debug("kill of the agent of %s failed: %s", node, exc)
         parent = self.parent.pop(node, None)
@@ -205,7 +212,7 @@ class AgentTree:
     def shutdown(self) -> None:
         for key, handle in self.handles.items():
             try:
-                ray.kill(handle, no_restart=True)
+                self.kill(handle)
             except Exception as exc:  # noqa: BLE001 - already gone
                 logger.debug("kill of %s failed: %s", key, exc)
         self.handles.clear()

@@ -331,7 +331,7 @@ def test_agent_tree_routes_every_node_through_its_ancestors():
         made.append(_Handle(f"agg{len(made)}"))
         return made[-1]
 
-    tree = AgentTree(lambda node: _Handle(node), agg, fan_in=2)
+    tree = AgentTree(lambda node: _Handle(node), agg, fan_in=2, kill=lambda handle: None)  # no actors to kill
     tree.add_nodes([f"n{i}" for i in range(5)], expected_nodes=20)  # depth 2: 2 per leaf, 2 leaves per top
     assert tree.depth == 2 and len(tree.channels) == 2  # 3 leaves -> 2 top aggregators
     for i in range(5):
