@@ -43,30 +43,28 @@ class _AgentKillerAndStall(Callback):
             self.new_pid = group.agent_pid(node)  # the agent that answers now
 
 
-def test_lost_agent_and_stalled_driver_fail_nothing(ray_local, reference_losses, tmp_path):
-    """A node agent that dies while its node lives is replaced, and a driver stalled for
-    2 x heartbeat_timeout_s blames nobody: no failure, every step, the fault-free losses."""
-    spec = elastic_spec(min_dp=2, max_dp=2, heartbeat_timeout_s=2)
-    hook = _AgentKillerAndStall(kill_at=6, stall_at=12, stall_s=2 * spec.elastic.heartbeat_timeout_s)
-    slow = [worker_fault("slow", step=1, rank=r, seconds=0.1) for r in range(2)]  # the run outlasts the stall
-    trainer = ElasticTrainer(spec, run_dir=str(tmp_path / "run"), callbacks=[hook], step_hook=WorkerFaults(slow))
+def test_lost_agent_stalled_driver_and_hung_rank(ray_local, reference_losses, tmp_path):
+    """One run, three faults of the control plane (one run: each costs a cluster's start).
+
+    A node agent that dies while its node lives is replaced, and a driver stalled for
+    2 x heartbeat_timeout_s blames nobody: no failure until the one injected. Then rank 1
+    hangs in its step while rank 0 is killed: it is freed within a few steps' time, not
+    waited for until the collective timeout (30 s here); the survivors go on, 0 lost steps,
+    the fault-free losses."""
+    spec = elastic_spec(min_dp=1, max_dp=4, heartbeat_timeout_s=2, collective_timeout_s=30)
+    hook = _AgentKillerAndStall(kill_at=4, stall_at=8, stall_s=2 * spec.elastic.heartbeat_timeout_s)
+    faults = [worker_fault("slow", step=1, rank=r, seconds=0.1) for r in range(4)]  # the run outlasts the stall
+    faults.append(worker_fault("hang", step=15, rank=1, seconds=120))
+    injector = FaultInjector([Fault("kill_worker", at_step=14, rank=0)])
+    trainer = ElasticTrainer(
+        spec, run_dir=str(tmp_path / "run"), callbacks=[hook, injector], step_hook=WorkerFaults(faults)
+    )
     result = trainer.fit()
     assert result.status == "succeeded" and result.steps == STEPS
-    assert events_of(trainer.run_dir, "failure") == []
     assert hook.stalled_s >= 2 * spec.elastic.heartbeat_timeout_s
     assert hook.killed_pid is not None and hook.new_pid not in (None, hook.killed_pid)
-    assert_matches_reference(step_metrics(trainer.run_dir), reference_losses, rel=REL_SAME_ORDER)
-
-
-def test_hung_rank_with_a_concurrent_kill_is_freed_at_once(ray_local, reference_losses, tmp_path):
-    """Rank 1 hangs in its step when rank 0 is killed: it is killed within a few steps'
-    time, not waited for until the collective timeout (30 s here); the survivors go on."""
-    spec = elastic_spec(min_dp=1, max_dp=4, collective_timeout_s=30, heartbeat_timeout_s=30)
-    injector = FaultInjector([Fault("kill_worker", at_step=8, rank=0)])
-    hang = WorkerFaults([worker_fault("hang", step=9, rank=1, seconds=120)])
-    trainer = ElasticTrainer(spec, run_dir=str(tmp_path / "run"), callbacks=[injector], step_hook=hang)
-    result = trainer.fit()
-    assert result.status == "succeeded" and result.steps == STEPS
+    (failure,) = events_of(trainer.run_dir, "failure")  # the injected kill only
+    assert 0 in failure["ranks"], failure
     (rec,) = result.recoveries
     print("recovery:", rec)
     assert rec.breakdown["free_s"] < 10.0, rec.breakdown  # was collective_timeout_s + 5
