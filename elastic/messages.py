@@ -292,7 +292,12 @@ class Attach:
 
 @dataclass(frozen=True)
 class Detach:
+    """Stop watching these ranks (killed or gone); ``pids``: their processes on this node,
+    which the agent ends at once (SIGKILL): a stopped or hung process is gone now, not when
+    Ray gets to it, so its peers' collectives fail at once."""
+
     wids: tuple[int, ...]
+    pids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,9 @@ the news of every node below, and the children it cannot reach (``lost``, by chi
 node id for an agent, ``agg:...`` for an aggregator). Commands are split by child and
 passed on in the order they came.
 
-A child that is local (the control-plane benchmark's virtual nodes, ``virtual.py``) is a
-``NodeCore`` in this process, asked through a thread pool instead of a Ray call.
+A child that is local (the control-plane benchmark's virtual nodes,
+``elastic/testing/virtual_nodes.py``) is a ``NodeCore`` in this process, asked through a
+thread pool instead of a Ray call.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Where it runs: in the ``NodeAgent`` actor on its node (``actors.py``), whose own thread
 calls ``pump`` in a loop; for the control-plane benchmark, also inside an aggregator, with
-virtual ranks (``virtual.py``). It talks to ranks through a ``RankBackend`` (``ranks.py``:
-Ray actor calls) and answers its parent's long polls with ``Digest``s.
+virtual ranks (``elastic/testing/virtual_nodes.py``). It talks to ranks through a
+``RankBackend`` (``ranks.py``: Ray actor calls) and answers its parent's long polls with
+``Digest``s.
 
 What it owns for its node:
 
@@ -63,6 +64,8 @@ class RankBackend(Protocol):
     def result(self, future: Any) -> tuple[str, Any]: ...  # ("ok", v) | ("dead" | "unavailable" | "error", detail)
 
     def wake(self) -> None: ...
+
+    def end(self, pid: int) -> None: ...  # SIGKILL a rank's process on this node
 
 
 @dataclass
@@ -270,6 +273,8 @@ class NodeCore:
                 self.ranks.pop(wid, None)
                 self.polls.pop(wid, None)
                 self.outstanding.forget(wid)
+            for pid in part.pids:
+                self.backend.end(pid)
             self.version += 1
         elif isinstance(part, NodeConfigure):
             for wid in part.requests:

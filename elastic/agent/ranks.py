@@ -6,6 +6,8 @@ the agent's doorbell (``bell.py``), so that a command's new calls are waited on 
 
 from __future__ import annotations
 
+import os
+import signal
 from typing import Any
 
 import ray
@@ -39,3 +41,14 @@ class ActorRanks:
 
     def wake(self) -> None:
         self.bell.ring()
+
+    def end(self, pid: int) -> None:
+        """SIGKILL the rank process ``pid`` if it is still one (a Ray worker: a pid may have
+        been reused since its rank died)."""
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if pid <= 0 or not f.read().startswith(b"ray::"):
+                    return
+            os.kill(pid, signal.SIGKILL)
+        except OSError:  # gone already, or no /proc here: Ray's own kill ends it
+            pass

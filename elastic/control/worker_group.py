@@ -333,7 +333,12 @@ class WorkerGroup(GroupNews):
                 ray.kill(m.actor, no_restart=True)
             except Exception as exc:  # already dead
                 logger.debug("kill of rank %s failed: %s", m.rank, exc)
-        detach = {node: Detach(tuple(ws)) for node, ws in wids_by_node(members).items() if node in self.tree.handles}
+        pids = {m.wid: m.pid or 0 for m in members}
+        detach = {
+            node: Detach(tuple(ws), tuple(pids[w] for w in ws if pids[w] > 0))
+            for node, ws in wids_by_node(members).items()
+            if node in self.tree.handles
+        }
         if detach:
             self.tree.send(detach)
 

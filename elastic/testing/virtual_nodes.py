@@ -215,6 +215,9 @@ class VirtualRanks:
     def wake(self) -> None:
         self.bell.ring()
 
+    def end(self, pid: int) -> None:
+        pass  # a virtual rank has no process
+
     # ------------------------------------------------------------------ the clock's answers
     def _end(self, r: _VRank) -> tuple[float, RunOutcome] | None:
         """When and how the run in progress ends, as far as is known now."""

@@ -20,6 +20,7 @@ from elastic.messages import (
     Attach,
     CommandDone,
     ConfigureReply,
+    Detach,
     Launch,
     NodeConfigure,
     PollReply,
@@ -53,6 +54,7 @@ class Future:
 class ScriptedRanks:
     def __init__(self) -> None:
         self.calls: list[Future] = []
+        self.ended: list[int] = []
 
     def call(self, handle, method, *args):
         f = Future(handle, method, args)
@@ -67,6 +69,9 @@ class ScriptedRanks:
 
     def wake(self):
         pass
+
+    def end(self, pid):
+        self.ended.append(pid)
 
     def pending(self, handle: str, method: str) -> list[Future]:
         return [f for f in self.calls if f.handle == handle and f.method == method and f.status is None]
@@ -158,6 +163,32 @@ def test_a_dead_rank_is_news_at_once():
     (news,) = core.digest(None, 0.0).states["n0"].news
     assert news.wid == 1 and news.dead
     assert backend.pending("r1", "poll") == []  # not asked again
+
+
+def test_a_detached_rank_is_not_polled_and_its_process_is_ended():
+    """A killed rank may be stopped or hung in its step: its agent ends the process at once."""
+    core, backend, clock = _node(2)
+    core.command(2, Detach((1,), pids=(4242,)))
+    core.pump(0)
+    assert backend.ended == [4242]
+    assert set(core.ranks) == {0} and 1 not in core.polls
+
+
+def test_ending_a_process_spares_one_that_is_no_rank():
+    """The pid of a dead rank may be reused: only a Ray worker process is ended."""
+    import subprocess
+    import sys
+
+    from elastic.agent.ranks import ActorRanks
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        ActorRanks(bell=None).end(other.pid)
+        ActorRanks(bell=None).end(0)
+        assert other.poll() is None  # still running
+    finally:
+        other.kill()
+        other.wait(timeout=10)
 
 
 def test_a_silent_rank_is_news_past_due_and_not_before():
