@@ -120,6 +120,15 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ("--steps", "24", "--warmup", "4", "--reps", "1"),
     ),
     Benchmark(
+        "control_plane",
+        "the real driver over thousands of virtual ranks (node agents, aggregators): driver CPU per step "
+        "and per recovery, decision time, false failures under a driver stall",
+        "control_plane.json",
+        "--results",
+        ("--ranks", "64", "--steps", "12", "--step-s", "0.5", "--heartbeat-timeout-s", "2", "--no-store-ops"),
+        full=("--ranks", "16384", "--json"),
+    ),
+    Benchmark(
         "peer_replication",
         "ZeRO-3 throughput with snapshots copied to a peer vs not, then a rank killed in each",
         None,

@@ -88,3 +88,16 @@ class SilentCorruption(WorkerFailure):
     """The odd replica of an SDC check, evicted by ``elastic.on_sdc: evict`` (docs/health.md)."""
 
     cause = "sdc"
+
+
+def root_cause(exc: BaseException) -> str:
+    """One line naming the exception a worker really raised: a ``RayTaskError`` carries it
+    as its ``cause`` (its own text is Ray's header, with colour codes)."""
+    real = exc
+    for _ in range(5):  # a task error can wrap another one
+        inner = getattr(real, "cause", None)
+        if not isinstance(inner, BaseException) or inner is real:
+            break
+        real = inner
+    text = " ".join(str(real).split())
+    return f"{type(real).__name__}: {text[:300]}"

@@ -95,6 +95,9 @@ class PollReply:
     phase: str
     idle_s: float
     reports: list[WorkerReport] = field(default_factory=list)
+    outcome: RunOutcome | None = None  # how its last run() ended (None: running, or never run)
+    runs: int = 0  # run() calls it started: ``outcome`` belongs to the last one
+    first_seq: int = 0  # the number of ``reports[0]`` (they are consecutive)
 
 
 @dataclass(frozen=True)
@@ -185,3 +188,158 @@ class RunOutcome:
 
 
 DEAD = RunOutcome("dead")  # the controller's own record of a run whose actor died
+
+
+# --------------------------------------------------------------------------- node agents <-> driver
+# The driver talks to node agents (``elastic/agent/``), not to ranks: commands go down the
+# agent tree, one per top-level channel, and what the ranks report comes back up merged, in
+# ``Digest``s. See docs/architecture.md.
+
+
+@dataclass(frozen=True, eq=False)
+class StepRows:
+    """Many ranks' ``StepReport``s of one step, column by column (numpy arrays, one row per
+    rank): what a step costs the driver grows with its bytes, not with an object per rank.
+    ``mfu`` is NaN where unknown; ``snap_step`` is -1 where no memory snapshot was reported."""
+
+    step: int
+    ranks: Any  # int64
+    loss: Any
+    grad_norm: Any
+    step_time_s: Any
+    data_wait_s: Any
+    compute_s: Any
+    peak_mem_bytes: Any  # int64
+    done_at: Any
+    mfu: Any
+    snap_step: Any  # int64
+    snap_blocking_s: Any
+    snap_duration_s: Any
+    snap_bytes: Any  # int64
+
+
+@dataclass(frozen=True)
+class RankNews:
+    """A rank its agent has news of: its run() ended, it died, or its polls go unanswered.
+    Durations are on the agent's clock (never a timestamp of another host)."""
+
+    wid: int  # the worker's id, given by the driver at spawn
+    step: int  # the newest step it reported completing
+    outcome: RunOutcome | None = None  # how its run() ended, ``age_s`` ago
+    dead: bool = False  # its actor died, ``age_s`` ago
+    age_s: float = 0.0
+    silent_s: float = 0.0  # how long its oldest unanswered poll is past due
+    since: int = 0  # the command (configure or launch) its run belongs to: older outcomes are stale
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """A node with news: its ranks' count and newest step, and the ranks with news."""
+
+    node: str
+    ranks: int
+    step: int
+    news: tuple[RankNews, ...] = ()
+
+
+@dataclass(frozen=True)
+class CommandDone:
+    """One node's answer to a command (``cid``): a reply per rank (a ``ConfigureReply``,
+    snapshot holdings, a checkpoint's success), the ranks whose call raised (the root
+    cause) and those whose actor died meanwhile. ``state``: the node's rank count and newest
+    step as of the answer (its news come in ``Digest.states``)."""
+
+    cid: int
+    replies: dict[int, Any] = field(default_factory=dict)  # wid -> reply
+    errors: dict[int, str] = field(default_factory=dict)  # wid -> error
+    lost: tuple[int, ...] = ()
+    state: NodeState | None = None
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """A rank's report other than a step's (an anomaly, an SDC check, a checkpoint upload);
+    ``wid`` and ``seq`` (the worker's number for it) let the driver drop one sent twice."""
+
+    rank: int
+    report: WorkerReport
+    wid: int = -1
+    seq: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class Digest:
+    """One answer of a channel of the agent tree (an agent, or an aggregator for its agents).
+
+    ``seqs``: per node, the last of its items included (the driver acks them, and drops an
+    item it has seen, by node and seq). ``rows``: step reports, one block per step, every
+    node's ranks merged. ``items``: ``(node, seq, RankReport | CommandDone)`` in each node's
+    order. ``states``: the nodes whose news changed since the last answer (a state without
+    news: its news cleared); every node of the subtree after a ``resend``. ``lost``: the
+    tree keys (node ids of agents, ``agg:...`` of aggregators) that cannot be reached, and
+    for how long (``inf``: it died). ``step``: the newest step any rank of the subtree
+    reported."""
+
+    seqs: dict[str, int] = field(default_factory=dict)
+    rows: list[StepRows] = field(default_factory=list)
+    items: list[tuple[str, int, Any]] = field(default_factory=list)
+    states: dict[str, NodeState] = field(default_factory=dict)
+    lost: dict[str, float] = field(default_factory=dict)
+    step: int = 0
+
+
+# Commands: one part per node, sent down the tree as ``command(cid, {node: part})``.
+
+
+@dataclass(frozen=True)
+class Attach:
+    """Watch these ranks: wid -> (actor handle, rank); ``since``: wid -> the command their
+    current run belongs to (for an agent that replaces one lost mid-run)."""
+
+    ranks: dict[int, tuple[Any, int]]
+    since: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Detach:
+    """Stop watching these ranks (killed or gone); ``pids``: their processes on this node,
+    which the agent ends at once (SIGKILL): a stopped or hung process is gone now, not when
+    Ray gets to it, so its peers' collectives fail at once."""
+
+    wids: tuple[int, ...]
+    pids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class NodeConfigure:
+    """Re-form this node's ranks: wid -> its request. Answered by one ``CommandDone``."""
+
+    requests: dict[int, ConfigureRequest]
+
+
+@dataclass(frozen=True)
+class Launch:
+    last_step: int
+
+
+@dataclass(frozen=True)
+class Signal:
+    """A call every rank of the node gets, answered by no one: ``request_stop`` or
+    ``abandon_rendezvous(generation)``."""
+
+    method: Literal["request_stop", "abandon_rendezvous"]
+    generation: int = 0
+
+
+@dataclass(frozen=True)
+class Query:
+    """A call to some ranks of the node, answered by one ``CommandDone``: ``snapshot_holdings``,
+    ``save_checkpoint(timeout_s)``, or ``flush`` (every report they produced so far comes up
+    before the answer, which carries the node's state)."""
+
+    method: Literal["snapshot_holdings", "save_checkpoint", "flush"]
+    wids: tuple[int, ...] | None = None  # None: every rank of the node
+    timeout_s: float = 0.0
+
+
+NodeCommand = Attach | Detach | NodeConfigure | Launch | Signal | Query

@@ -9,7 +9,9 @@ processes a benchmark starts.
 - ``cpu``: CPU seconds of a process tree, sampled from ``/proc``;
 - ``s3``: a moto S3 server on loopback;
 - ``ddp_step``: the hand-written DDP step of the baselines;
-- ``plain_prepare``: the single-process loop that ``elastic prepare`` is measured against.
+- ``plain_prepare``: the single-process loop that ``elastic prepare`` is measured against;
+- ``virtual_cluster``: the project's worker group over virtual ranks and stand-in raylets;
+- ``store_ops``: store operations per rank per re-formation, counted on gloo.
 """
 
 from __future__ import annotations

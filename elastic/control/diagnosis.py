@@ -9,6 +9,8 @@ another host is ever compared with the driver's.
 
 from __future__ import annotations
 
+import errno
+import selectors
 import socket
 import time
 from typing import Any
@@ -93,15 +95,19 @@ def diagnose(members: list[Any], elastic: Any, now: float, raylets: RayletProbe)
 
 def _lost_nodes(members: list[Any], dead: list[Any], raylets: RayletProbe) -> set[str]:
     """Nodes whose every member died and whose raylet no longer accepts connections."""
+    dead_ids = {id(m) for m in dead}
     candidates = {m.node_id for m in dead}
-    candidates = {n for n in candidates if all(m.dead or m in dead for m in members if m.node_id == n)}
+    for m in members:  # one pass: a node with a live member is not lost
+        if m.node_id in candidates and not (m.dead or id(m) in dead_ids):
+            candidates.discard(m.node_id)
     if not candidates:
         return set()
     return raylets.dead(candidates, wait_s=NODE_PROBE_S)
 
 
 def _nodes_of(members: list[Any], ranks: list[int]) -> list[str]:
-    return sorted({m.node_id for m in members if m.rank in ranks})
+    wanted = set(ranks)
+    return sorted({m.node_id for m in members if m.rank in wanted})
 
 
 class RayletProbe:
@@ -127,30 +133,88 @@ class RayletProbe:
     def dead(self, node_ids: set[str], wait_s: float, refused_only: bool = False) -> set[str]:
         """The nodes among ``node_ids`` whose raylet is gone, probed for up to ``wait_s``.
 
+        Every node is probed at once (non-blocking connects, one wait for them all), so a
+        probe of many nodes costs one ``CONNECT_TIMEOUT_S`` at most, not one per node.
         ``refused_only``: only a refused connection counts, and a timeout is not tallied
         (for the eager probes made on the first peer error, which may ask a loaded live
         node several times in a row).
         """
         deadline = time.monotonic() + wait_s
         while True:
-            dead = {n for n in node_ids if self._probe(n, refused_only)}
+            dead = self._probe_all(node_ids, refused_only)
             if dead or time.monotonic() >= deadline:
                 return dead
             time.sleep(0.05)
 
-    def _probe(self, node: str, refused_only: bool = False) -> bool:
-        addr = self.addresses.get(node)
-        if addr is None:
-            return False
+    def _probe_all(self, node_ids: set[str], refused_only: bool) -> set[str]:
+        targets = {n: self.addresses[n] for n in node_ids if n in self.addresses}
+        answers = connect_all(targets, self.CONNECT_TIMEOUT_S)
+        dead = set()
+        for node, answer in answers.items():
+            if answer == "refused":
+                dead.add(node)
+            elif answer == "timeout":
+                if refused_only:
+                    continue
+                self._timeouts[node] = self._timeouts.get(node, 0) + 1
+                if self._timeouts[node] >= self.TIMEOUTS_TO_DEATH:
+                    dead.add(node)
+            else:
+                self._timeouts[node] = 0
+        return dead
+
+
+PROBE_BATCH = 512  # sockets open at once, well under the usual open-file limit
+
+
+def connect_all(targets: dict[str, tuple[str, int]], timeout_s: float) -> dict[str, str]:
+    """A TCP connection to every address at once: ``ok``, ``refused`` (nobody listens there:
+    refused, reset, unreachable) or ``timeout``, by key. One wait of ``timeout_s`` at most
+    per ``PROBE_BATCH`` addresses."""
+    out: dict[str, str] = {}
+    items = list(targets.items())
+    for i in range(0, len(items), PROBE_BATCH):
+        out.update(_connect_batch(items[i : i + PROBE_BATCH], timeout_s))
+    return out
+
+
+def _connect_batch(items: list[tuple[str, tuple[str, int]]], timeout_s: float) -> dict[str, str]:
+    out: dict[str, str] = {}
+    waiting: dict[socket.socket, str] = {}
+    with selectors.DefaultSelector() as sel:
         try:
-            with socket.create_connection(addr, timeout=self.CONNECT_TIMEOUT_S):
-                pass
-        except TimeoutError:
-            if refused_only:
-                return False
-            self._timeouts[node] = self._timeouts.get(node, 0) + 1
-            return self._timeouts[node] >= self.TIMEOUTS_TO_DEATH
-        except OSError:  # refused, reset, unreachable: nobody listens there any more
-            return True
-        self._timeouts[node] = 0
-        return False
+            for key, addr in items:
+                try:
+                    sock = socket.socket(socket.AF_INET6 if ":" in addr[0] else socket.AF_INET, socket.SOCK_STREAM)
+                except OSError:
+                    out[key] = "timeout"  # out of sockets here: proves nothing about the node
+                    continue
+                sock.setblocking(False)
+                err = sock.connect_ex(addr)
+                if err in (0, errno.EISCONN):
+                    out[key] = "ok"
+                    sock.close()
+                elif err in (errno.EINPROGRESS, errno.EALREADY, errno.EWOULDBLOCK, errno.EAGAIN):
+                    waiting[sock] = key
+                    sel.register(sock, selectors.EVENT_WRITE)
+                else:
+                    out[key] = "refused"
+                    sock.close()
+            deadline = time.monotonic() + timeout_s
+            while waiting:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                for sk, _ in sel.select(left):
+                    sock = sk.fileobj
+                    sel.unregister(sock)
+                    key = waiting.pop(sock)
+                    err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                    out[key] = "ok" if err == 0 else "refused"
+                    sock.close()
+            for key in waiting.values():
+                out[key] = "timeout"
+        finally:
+            for sock in waiting:
+                sock.close()
+    return out

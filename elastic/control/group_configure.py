@@ -1,10 +1,12 @@
 """Carrying out a ``ReformPlan`` on Ray: every rank's ``ConfigureRequest`` built first, then
-all submitted in one go, then gathered (driver side; ``WorkerGroup.configure`` calls it).
+all sent in one command down the agent tree, then gathered (driver side;
+``WorkerGroup.configure`` calls it).
 
-Building every request before submitting any keeps the first and the last rank's arrival at
-the rendezvous apart by the submission loop only, not by the planning work: with the
-planning inside the loop, that gap grew as N² and reached the rendezvous timeout at a few
-thousand ranks.
+Building every request before sending any keeps the first and the last rank's arrival at
+the rendezvous apart by the tree's fan-out only, not by the planning work: with the
+planning inside the submission loop, that gap grew as N² and reached the rendezvous
+timeout at a few thousand ranks. The driver sends one call per channel of the tree, not
+one per rank.
 """
 
 from __future__ import annotations
@@ -14,16 +16,14 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import ray
-from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
-
 from elastic.control.recovery_plan import ReformPlan
 from elastic.control.worker_group_api import ConfigureResult
 from elastic.errors import WorkerError, WorkerFailure
-from elastic.messages import ConfigureReply, ConfigureRequest, MemoryRestore, StorageRestore
+from elastic.errors import root_cause as _root_cause
+from elastic.messages import ConfigureRequest, MemoryRestore, NodeConfigure, Signal, StorageRestore
 
 if TYPE_CHECKING:
-    from elastic.control.worker_group import Member
+    from elastic.control.worker_group import Member, WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +78,16 @@ def build_requests(
     return requests
 
 
-def submit_and_gather(
-    members: Sequence[Member], requests: Sequence[ConfigureRequest], generation: int, timeout_s: float, lost_failure
+def configure_through(
+    group: WorkerGroup,
+    members: Sequence[Member],
+    requests: Sequence[ConfigureRequest],
+    generation: int,
+    timeout_s: float,
 ) -> ConfigureResult:
-    """Submit every request, then wait for every reply; a member lost meanwhile becomes a
-    typed failure (``lost_failure(members, when)``).
+    """Send every request down the agent tree in one command (one call per channel, each
+    node's requests together), then gather every rank's reply; a member lost meanwhile
+    becomes a typed failure (``lost_failure(members, when)``).
 
     As soon as one member is lost or fails, the generation is abandoned: every member
     still configuring is told so (``abandon_rendezvous``, answered by its control thread
@@ -91,43 +96,38 @@ def submit_and_gather(
     dying, or by its leaving the group. They stay members, and the next recovery
     re-forms them as a new generation on the same store.
     """
-    refs = [m.actor.configure.remote(req) for m, req in zip(members, requests)]
-    pending = dict(zip(refs, members))
-    deadline = time.monotonic() + timeout_s + RPC_TIMEOUT_S
-    replies: dict[int, ConfigureReply] = {}
-    lost: list[Member] = []
-    failed: list[tuple[Member, BaseException]] = []
-    abandoned = False
-    while pending and time.monotonic() < deadline:
-        # Every reply that is in, in one call: the loop costs O(replies), not O(N) per reply.
-        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
-        if not ready:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-        for ref in ready:
-            m = pending.pop(ref)
-            try:
-                replies[m.rank] = ray.get(ref, timeout=0)
-            except (RayActorError, ActorUnavailableError):
-                m.dead = True
-                lost.append(m)
-            except Exception as exc:  # noqa: BLE001 - an error inside configure
-                failed.append((m, exc))
-        if (lost or failed) and not abandoned:
-            abandoned = True
-            logger.info("generation %d abandoned: a member was lost while it formed", generation)
-            for m in pending.values():
-                m.actor.abandon_rendezvous.remote(generation)
-    failed += [(m, GetTimeoutError("no answer")) for m in pending.values()]
+    parts: dict[str, dict[int, ConfigureRequest]] = {}
+    for m, req in zip(members, requests):
+        parts.setdefault(m.node_id, {})[m.wid] = req
+    expect = {node: set(reqs) for node, reqs in parts.items()}
+    g = group._command({node: NodeConfigure(reqs) for node, reqs in parts.items()}, expect)
+    group.configure_sent_at.append(time.monotonic())  # every request is on its way (benchmarks/control_plane.py)
+    for m in members:
+        m.since = g.cid
+    group._wait_for(g, timeout_s + RPC_TIMEOUT_S, until_failure=True)
+    if g.failed() and not g.complete():
+        logger.info("generation %d abandoned: a member was lost or failed while it formed", generation)
+        group.tree.send(dict.fromkeys(expect, Signal("abandon_rendezvous", generation)))
+        group._wait_for(g, timeout_s + RPC_TIMEOUT_S)
+    group._done(g)
+    by_wid = {m.wid: m for m in members}
+    lost = [by_wid[w] for w in sorted(g.lost)]
+    for m in lost:
+        m.dead = True
+    failed = [(by_wid[w], err) for w, err in sorted(g.errors.items())]
+    silent = [by_wid[w] for w in sorted(g.missing())]
+    nodes = len({m.node_id for m in silent})
+    failed += [(m, f"GetTimeoutError: no answer from {len(silent)} rank(s) on {nodes} node(s)") for m in silent]
     if lost:
-        raise lost_failure(lost, "lost while reconfiguring")
+        raise group._lost_failure(lost, "lost while reconfiguring")
     if failed:
-        m, exc = failed[0]
+        m, err = failed[0]
         raise WorkerError(
-            f"configure failed: {root_cause(exc)}",
+            f"configure failed: {err}",
             ranks=[m.rank for m, _ in failed],
             nodes=sorted({m.node_id for m, _ in failed}),
         )
-    ordered = [replies[m.rank] for m in members]
+    ordered = [g.replies[m.wid] for m in members]
     return ConfigureResult(
         step=ordered[0].step,
         init_s=max(r.init_s for r in ordered),
@@ -142,16 +142,8 @@ def submit_and_gather(
 
 
 def root_cause(exc: BaseException) -> str:
-    """One line naming the exception a worker really raised: a ``RayTaskError`` carries it
-    as its ``cause`` (its own text is Ray's header, with colour codes)."""
-    real = exc
-    for _ in range(5):  # a task error can wrap another one
-        inner = getattr(real, "cause", None)
-        if not isinstance(inner, BaseException) or inner is real:
-            break
-        real = inner
-    text = " ".join(str(real).split())
-    return f"{type(real).__name__}: {text[:300]}"
+    """One line naming the exception a worker really raised (``elastic.errors.root_cause``)."""
+    return _root_cause(exc)
 
 
 def lost_failure_of(raylets: Any, probe_s: float):

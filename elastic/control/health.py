@@ -11,14 +11,15 @@ a ``Rollback`` to apply. The workers' side of the SDC check is ``elastic/worker/
 from __future__ import annotations
 
 import logging
-import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from elastic.errors import SilentCorruption, Straggler, WorkerFailure
 from elastic.events import EventLog, Recovery
-from elastic.messages import SdcReport, StepReport
+from elastic.messages import SdcReport, StepRows
 from elastic.worker.sdc_vote import sdc_due
 
 if TYPE_CHECKING:
@@ -57,28 +58,57 @@ class StragglerDetector:
         self._run.clear()
         self._reported.clear()
 
-    def feed(self, compute_s: dict[int, float]) -> StragglerEpisode | None:
-        """One committed step's own compute per rank; returns a new episode or None."""
-        if len(compute_s) < 2:
+    def feed(self, compute_s: Mapping[int, float]) -> StragglerEpisode | None:
+        """One committed step's own compute per rank; returns a new episode or None.
+
+        One sort per step (O(N log N)): each rank's peer median is read from the sorted
+        values with the rank's own value left out.
+        """
+        ranks = np.fromiter(compute_s.keys(), dtype=np.int64, count=len(compute_s))
+        own = np.fromiter(compute_s.values(), dtype=np.float64, count=len(compute_s))
+        return self.feed_columns(ranks, own)
+
+    def feed_columns(self, ranks: np.ndarray, own: np.ndarray) -> StragglerEpisode | None:
+        """``feed`` for a step given as columns: the ranks and their own compute."""
+        if len(ranks) < 2:
             return None
-        ratios: dict[int, float] = {}
-        for rank, own in compute_s.items():
-            peers = [v for r, v in compute_s.items() if r != rank]
-            ref = statistics.median(peers)
-            ratios[rank] = own / ref if ref > 0 else 1.0
+        ref = peer_medians(own)
+        safe = np.where(ref > 0, ref, 1.0)
+        ratios = np.where(ref > 0, own / safe, 1.0)
+        slow = ratios > self.factor
+        slow_ranks = set(ranks[slow].tolist())
+        present = set(ranks.tolist()) if self._run else set()
+        for rank in [r for r in self._run if r not in slow_ranks and r in present]:  # the episode ends
+            del self._run[rank]
+            self._reported.discard(rank)
         new = []
-        for rank, ratio in ratios.items():
-            if ratio > self.factor:
-                self._run[rank] = self._run.get(rank, 0) + 1
-                if self._run[rank] >= self.steps and rank not in self._reported:
-                    self._reported.add(rank)
-                    new.append(rank)
-            else:
-                self._run.pop(rank, None)
-                self._reported.discard(rank)
+        for rank in slow_ranks:
+            self._run[rank] = self._run.get(rank, 0) + 1
+            if self._run[rank] >= self.steps and rank not in self._reported:
+                self._reported.add(rank)
+                new.append(rank)
         if not new:
             return None
-        return StragglerEpisode(sorted(new), round(max(ratios[r] for r in new), 3))
+        ratio_of = dict(zip(ranks[slow].tolist(), ratios[slow].tolist()))
+        return StragglerEpisode(sorted(new), round(max(ratio_of[r] for r in new), 3))
+
+
+def peer_medians(values: np.ndarray) -> np.ndarray:
+    """For each value, the median of all the others (``statistics.median``'s convention: the
+    mean of the two middle ones for an even count), from one sort."""
+    n = len(values)
+    order = np.argsort(values, kind="stable")
+    s = values[order]
+    pos = np.empty(n, dtype=np.int64)
+    pos[order] = np.arange(n)
+
+    def without_self(j: int) -> np.ndarray:  # element j of the sorted values once one's own is left out
+        return np.where(j < pos, s[j], s[min(j + 1, n - 1)])
+
+    if (n - 1) % 2:  # an odd count of peers: the middle one
+        return without_self((n - 2) // 2)
+    mid = (n - 1) // 2
+    return (without_self(mid - 1) + without_self(mid)) / 2
 
 
 # --------------------------------------------------------------------------- commits behind SDC checks
@@ -197,14 +227,15 @@ class HealthMonitor:
         return sorted({m.node_id for m in self._members() if m.rank in wanted})
 
     # ----- stragglers
-    def on_step(self, step: int, results: dict[int, StepReport]) -> WorkerFailure | None:
-        """A committed step; returns a straggler eviction when ``on_straggler`` is evict."""
+    def on_step(self, step: int, rows: StepRows) -> WorkerFailure | None:
+        """A committed step (every rank's report, as columns); returns a straggler eviction
+        when ``on_straggler`` is evict."""
         if self._gate is not None and sdc_due(step, self.e.sdc_check_every, self._last_step):
             self._gate.verify(step)  # every rank passed this step's check
-        if len(results) != self._world:  # a new layout
-            self._world = len(results)
+        if len(rows.ranks) != self._world:  # a new layout
+            self._world = len(rows.ranks)
             self.stragglers.reset()
-        episode = self.stragglers.feed({r: rep.compute_s for r, rep in results.items()})
+        episode = self.stragglers.feed_columns(rows.ranks, rows.compute_s)
         if episode is None:
             return None
         nodes = self._nodes_of(episode.ranks)
@@ -225,6 +256,9 @@ class HealthMonitor:
     def stale(self, rank: int) -> bool:
         """Reports of ``rank`` from before an SDC rollback it has not announced yet are stale."""
         return rank in self._stale
+
+    def stale_ranks(self) -> set[int]:
+        return self._stale
 
     def on_sdc(self, rank: int, report: SdcReport) -> tuple[Rollback | None, WorkerFailure | None]:
         """One rank's ``SdcReport``; the first of an incident returns its rollback (and an

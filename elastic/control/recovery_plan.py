@@ -16,11 +16,13 @@ group (``elastic/control/worker_group.py``) only carries it out.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from elastic.control import policies
+from elastic.control.peer_ring import LeastLoaded, ring_shift
 from elastic.control.regroup import Regroup, arrange_shard_groups, regroup
 from elastic.parallel.dims import rank_coords
 
@@ -42,12 +44,22 @@ def shard_of(rank: int, tp: int, pp: int, zero: int, ep: int = 1, cp: int = 1, s
     shard is unique: dense parameters are sharded over dp x ep x cp), and under HSDP
     (``shard_group``, only with ep = cp = 1) its place in its shard group with its (pp, tp)
     coordinate (the shard groups replicate each other, and their size never changes)."""
-    c = rank_coords(rank, tp, pp, ep, cp)
     if zero == 0:
-        return (c.pp_rank, c.tp_rank, c.ep_rank)
+        return coord_of(rank, tp, pp, 0, ep, cp)
     if shard_group:
+        c = rank_coords(rank, tp, pp, ep, cp)
         return (c.dp_rank % shard_group, c.pp_rank, c.tp_rank)
     return rank
+
+
+def coord_of(rank: int, tp: int, pp: int, zero: int, ep: int = 1, cp: int = 1) -> tuple[int, ...]:
+    """The coordinate whose snapshots a rank reads: ``rank_coords``' (pp, tp, ep) under DDP,
+    (pp, tp) under FSDP, computed without building the coordinate object: the planning asks
+    it for every rank (``tests/control/test_scale_decisions.py`` checks that the two agree)."""
+    rest, tp_rank = divmod(rank, tp)
+    ep_rank = (rest // cp) % ep
+    pp_rank = (rest // (cp * ep)) % pp
+    return (pp_rank, tp_rank, ep_rank) if zero == 0 else (pp_rank, tp_rank)
 
 
 def complete_replicas(members: Iterable[M], replica_size: int) -> list[list[M]]:
@@ -80,9 +92,19 @@ def covers(
     cp: int = 1,
     shard_group: int | None = None,
 ) -> bool:
-    """Do snapshots of these old ranks hold the whole training state of a ``world``-rank layout?"""
-    have = {shard_of(r, tp, pp, zero, ep, cp, shard_group) for r in owners}
-    return all(shard_of(r, tp, pp, zero, ep, cp, shard_group) in have for r in range(world))
+    """Do snapshots of these old ranks hold the whole training state of a ``world``-rank layout?
+
+    O(len(owners) + tp * pp * ep * cp): under DDP the shards repeat every replica (``tp * pp
+    * ep * cp`` ranks), under FSDP every rank below ``world`` is its own shard.
+    """
+    if zero == 0:
+        have = {shard_of(r, tp, pp, zero, ep, cp) for r in owners}
+        size = tp * pp * ep * cp
+        return all(shard_of(r, tp, pp, zero, ep, cp) in have for r in range(min(world, size)))
+    if shard_group:  # HSDP: every (place in the group, pp, tp) somewhere; O(owners + world)
+        have = {shard_of(r, tp, pp, zero, ep, cp, shard_group) for r in owners}
+        return all(shard_of(r, tp, pp, zero, ep, cp, shard_group) in have for r in range(world))
+    return len({r for r in owners if 0 <= r < world}) == world
 
 
 def covering_step(
@@ -96,7 +118,8 @@ def covering_step(
     shard_group: int | None = None,
 ) -> int | None:
     """The newest step whose snapshots, over all ``holdings`` (owner rank -> steps, one
-    dict per live member; None for a member that did not answer), cover the old layout."""
+    dict per live member; None for a member that did not answer), cover the old layout.
+    O(the holdings' total size)."""
     owners_at: dict[int, set[int]] = {}
     for held in holdings:
         for owner, steps in (held or {}).items():
@@ -135,21 +158,50 @@ def owners_for(
     state (its own if it has one: any DP replica or CP rank holds the same), under FSDP
     every shard of its (pp, tp) coordinate (dense parameters are sharded over dp x ep x
     cp, experts over dp x cp: resharding reads them all), and under HSDP one copy of its
-    own shard (its own if it has one), the groups being replicas of each other.
+    own shard (its own if it has one), the groups being replicas of each other. For many
+    ranks, build one ``OwnerIndex`` and ask it (``plan_reform`` does).
     """
+    return OwnerIndex(holders, tp, pp, zero, ep, cp, shard_group).owners(new_rank, me)
 
-    def coord(rank: int) -> tuple[int, ...]:
-        c = rank_coords(rank, tp, pp, ep, cp)
-        return (c.pp_rank, c.tp_rank, c.ep_rank) if zero == 0 else (c.pp_rank, c.tp_rank)
 
-    mine = {o: h for o, h in holders.items() if coord(o) == coord(new_rank)}
-    if shard_group:
-        want = shard_of(new_rank, tp, pp, zero, ep, cp, shard_group)
-        mine = {o: h for o, h in mine.items() if shard_of(o, tp, pp, zero, ep, cp, shard_group) == want}
-    if (zero == 0 or shard_group) and mine:
-        owner = next((o for o, h in mine.items() if h is me), next(iter(mine)))
-        mine = {owner: mine[owner]}
-    return {owner: (None if h is me else h) for owner, h in mine.items()}
+class OwnerIndex:
+    """``owners_for`` for every rank of a layout in O(1) each under DDP (O(dp) under FSDP,
+    the size of the answer): the holders indexed once by coordinate and holder."""
+
+    def __init__(
+        self,
+        holders: dict[int, M],
+        tp: int,
+        pp: int,
+        zero: int,
+        ep: int = 1,
+        cp: int = 1,
+        shard_group: int | None = None,
+    ):
+        self.dims = (tp, pp, zero, ep, cp)
+        self.shard_group = shard_group if zero else None
+        self.one_copy = zero == 0 or bool(self.shard_group)  # DDP, HSDP: any copy of the own shard
+        self.by_coord: dict[tuple[int, ...], list[tuple[int, M]]] = {}  # in ``holders`` order
+        self.first_of: dict[tuple[tuple[int, ...], int], int] = {}  # (coord, id(holder)) -> first owner
+        for owner, holder in holders.items():
+            coord = self._key(owner)
+            self.by_coord.setdefault(coord, []).append((owner, holder))
+            self.first_of.setdefault((coord, id(holder)), owner)
+
+    def _key(self, rank: int) -> tuple[int, ...]:
+        if self.shard_group:
+            return shard_of(rank, *self.dims, self.shard_group)
+        return coord_of(rank, *self.dims)
+
+    def owners(self, new_rank: int, me: M) -> dict[int, M | None]:
+        coord = self._key(new_rank)
+        mine = self.by_coord.get(coord, [])
+        if self.one_copy and mine:
+            owner = self.first_of.get((coord, id(me)))
+            holder = me if owner is not None else mine[0][1]
+            owner = owner if owner is not None else mine[0][0]
+            return {owner: None if holder is me else holder}
+        return {owner: (None if h is me else h) for owner, h in mine}
 
 
 @dataclass(frozen=True)
@@ -179,46 +231,37 @@ def replica_peers(
 
     A rank needs a copy unless a rank on another node already holds the same state: under
     DDP (``zero`` 0) the DP replicas and CP ranks of a (pp, tp, ep) coordinate are
-    identical, under FSDP every shard is unique. Copies go to another node, so a node loss
+    identical, under FSDP every shard is unique, under HSDP the shard groups replicate each
+    other. Copies go to another node, so a node loss
     never takes a shard and its copy together, and to another replica where one exists on
     another node, because a node loss ends its whole replica (the re-formation keeps whole
     replicas only). The same ring shift is used for every rank where one exists that moves
     each rank off its node (shifts by whole replicas first), so every rank holds at most one
-    peer's copies; otherwise each rank picks the least-loaded rank on another node, the
-    nearest in ring order first. On a single node the copy goes to the next rank (another
-    process), unless an identical replica already lives in another process.
+    peer's copies; otherwise each rank picks the least-loaded rank on another node (in
+    another replica first), the nearest in ring order first. On a single node the copy goes
+    to the next rank (another process), unless an identical replica already lives in
+    another process.
+
+    O(N * ranks per node) with a ring shift, O(N log N) more without (``peer_ring.py``).
     """
     n, size = len(nodes), tp * pp * ep * cp
-
-    def content(r: int) -> Any:
-        return shard_of(r, tp, pp, zero, ep, cp, shard_group)
-
-    def off_node(k: int) -> bool:
-        return all(nodes[(r + k) % n] != nodes[r] for r in range(n))
-
-    # A lost node takes its whole replica (the controller re-forms whole replicas only), so
-    # a copy in another replica survives where one in the same replica would not: shifts by
-    # whole replicas first.
-    shifts = [*range(size, n, size), *range(1, n)]
-    shift = next((k for k in shifts if off_node(k)), None)
-    load = [0] * n
+    content = [shard_of(r, tp, pp, zero, ep, cp, shard_group) for r in range(n)]
+    twin_nodes: dict[Any, set[str]] = {}
+    for r, c in enumerate(content):
+        twin_nodes.setdefault(c, set()).add(nodes[r])
+    twins_count = Counter(content)
+    on_node = Counter(nodes)
+    shift = ring_shift(nodes, prefer_multiples_of=size)
+    nearest = None if shift is not None or len(on_node) < 2 else LeastLoaded(nodes, replica_size=size)
     out: list[int | None] = []
     for r in range(n):
-        twins = [q for q in range(n) if q != r and content(q) == content(r)]
-        if any(nodes[q] != nodes[r] for q in twins):
+        if len(twin_nodes[content[r]]) > 1:  # an identical replica lives on another node
             out.append(None)
             continue
-        ring = [(r + k) % n for k in range(1, n)]
-        far = [q for q in ring if nodes[q] != nodes[r]]
-        far = [q for q in far if q // size != r // size] or far  # another replica first
-        if far:
-            peer = (
-                (r + shift) % n if shift is not None else min(far, key=lambda q: load[q])
-            )  # least loaded, nearest first
+        if on_node[nodes[r]] < n:  # some rank lives on another node
+            peer: int | None = (r + shift) % n if nearest is None else nearest.pick(r)
         else:
-            peer = ring[0] if ring and not twins else None
-        if peer is not None:
-            load[peer] += 1
+            peer = (r + 1) % n if n > 1 and twins_count[content[r]] == 1 else None
         out.append(peer)
     return out
 
@@ -283,8 +326,8 @@ def plan_reform(
     order = rank_order(members, replica * (shard_group or 1), rack_of)
     owners: list[dict[int, M | None]] = [{} for _ in order]
     if restore.source == "memory" and restore.step is not None:
-        holders = holders_at(holdings, restore.step)
-        owners = [owners_for(rank, holders, m, tp, pp, zero, ep, cp, shard_group) for rank, m in enumerate(order)]
+        index = OwnerIndex(holders_at(holdings, restore.step), tp, pp, zero, ep, cp, shard_group)
+        owners = [index.owners(rank, m) for rank, m in enumerate(order)]
     peers: list[int | None] = [None] * len(order)
     if replicate:
         peers = replica_peers([m.node_id for m in order], tp, pp, zero, ep, cp, shard_group)

@@ -23,7 +23,7 @@ from elastic.control.recovery_plan import Holdings, ReformPlan, RestoreChoice
 from elastic.control.timing import PhaseTimer
 from elastic.control.worker_group_api import ConfigureResult, Member, WorkerGroupAPI
 from elastic.errors import WorkerFailure
-from elastic.messages import StepReport, WorkerReport
+from elastic.messages import StepReport, StepRows, WorkerReport
 
 if TYPE_CHECKING:
     from elastic.spec import JobSpec
@@ -60,6 +60,24 @@ def stop_at_boundary(group: WorkerGroupAPI, members: Sequence[Member], timeout: 
     return Boundary(stuck=stuck, reports=list(obs.results), failure=obs.failure)
 
 
+HUNG_GRACE_S = 2.0  # the least time survivors get to leave run() after a failure
+
+
+def survivors_wait_s(step_time_s: float, collective_timeout_s: float, device: str) -> float:
+    """How long the survivors of a failure get to leave ``run()`` before they count as hung.
+
+    On gloo (CPU), a survivor's next collective with a peer that left fails within
+    milliseconds, so a healthy one is out within one step of its own; one still inside after
+    three steps (``HUNG_GRACE_S`` at least) is stuck in its own step (a hung rank), and is
+    killed now rather than waited for until the collective timeout. On NCCL a collective
+    with a lost peer blocks until the timeout (or an abort), so there the timeout stays the
+    bound.
+    """
+    if device != "cpu":
+        return collective_timeout_s + 5
+    return min(collective_timeout_s + 5, max(HUNG_GRACE_S, 3 * step_time_s))
+
+
 def free_survivors(
     group: WorkerGroupAPI,
     culprits: Sequence[Member],
@@ -93,7 +111,7 @@ def free_survivors(
     group.kill(stuck)
     stuck_ids = {id(m) for m in stuck}
     survivors = [m for m in survivors if id(m) not in stuck_ids]
-    reports = [(r, rep) for r, rep in group.drain_results(survivors) if isinstance(rep, StepReport)]
+    reports = [(r, rep) for r, rep in group.drain_results(survivors) if isinstance(rep, StepReport | StepRows)]
     return survivors, Boundary(stuck=stuck, reports=reports)
 
 

@@ -1,16 +1,21 @@
 """The worker group: the Ray-effectful half of the controller.
 
 It owns the actors, their placement groups and the job's rendezvous store, launches
-training, turns what it sees (polls, returned errors, dead actors, raylets that refuse
-connections) into typed ``WorkerFailure``s, and carries out the controller's decisions:
-evict ranks, re-form a ``ReformPlan`` as a new generation of the process group
+training, turns what it sees (returned errors, dead actors, silent ranks, raylets that
+refuse connections) into typed ``WorkerFailure``s, and carries out the controller's
+decisions: evict ranks, re-form a ``ReformPlan`` as a new generation of the process group
 (``group_configure.py``), add new replicas. It decides nothing: the plan comes whole from
 ``recovery_plan.py``, the diagnosis from ``diagnosis.py``. ``worker_group_api.py`` is the
 interface the controller uses, which the tests' fake group implements too.
+
+It does not talk to ranks: node agents do (``elastic/agent/``), and the group reaches them
+through the agent tree (``agent_link.py``): one command per channel, one digest per channel
+per look, whatever the number of ranks (``group_news.py`` applies what comes back).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -20,16 +25,19 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
+from elastic.agent.actors import Aggregator, NodeAgent
 from elastic.control import drain
+from elastic.control.agent_link import FAN_IN, AgentTree
 from elastic.control.diagnosis import NODE_PROBE_S, RayletProbe, diagnose
-from elastic.control.group_configure import RPC_TIMEOUT_S, build_requests, lost_failure_of, submit_and_gather
+from elastic.control.group_configure import RPC_TIMEOUT_S, build_requests, configure_through, lost_failure_of
+from elastic.control.group_news import Gather, GroupNews, by_node, wids_by_node
 from elastic.control.recovery_plan import Holdings, ReformPlan
 from elastic.control.worker_group_api import ConfigureResult, Observation
 from elastic.errors import ActorDied
 from elastic.ingest.host_readers import HostReaders
-from elastic.messages import DEAD, RunOutcome, WorkerInfo, WorkerReport
+from elastic.messages import Attach, Detach, Launch, Query, RunOutcome, Signal, WorkerInfo
 from elastic.placement.planned import PlannedSlots, placement_fields
-from elastic.placement.slots import ReplicaSlots
+from elastic.placement.slots import ReplicaSlots, group_tables
 from elastic.worker import TrainWorker
 from elastic.worker.hooks import StepHook
 from elastic.worker.process_group import RendezvousStore
@@ -39,7 +47,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-POLL_INTERVAL_S = 0.1  # how often the controller looks at (and polls) the group
+POLL_INTERVAL_S = 0.1  # how long one look at the group waits for news
 SNAPSHOT_QUERY_S = 10.0  # how long the snapshot holdings query waits for answers, in all
 
 
@@ -51,18 +59,22 @@ class Member:
     node_id: str
     ip: str
     pid: int
+    wid: int = -1  # the worker's id: how its agent names it
     rank: int = -1
-    last_ok: float = field(default_factory=time.monotonic)  # driver clock: its last poll answer
-    poll_ref: Any = None
-    run_ref: Any = None
+    last_ok: float = field(default_factory=time.monotonic)  # driver clock: when it was last known to answer
     run_result: RunOutcome | None = None
-    returned_at: float = 0.0  # driver clock: when its run() result arrived
+    returned_at: float = 0.0  # driver clock: when its run() ended (or its actor died)
     dead: bool = False
     step: int = 0
+    silent_s: float = 0.0  # how long its poll is past due, as its agent last said
+    since: int = 0  # the command (configure or launch) its current run belongs to
+    launched: bool = False  # its run() was started (since its last configure)
+    quiet: bool = False  # its run ended and nothing was asked of it since: all it reported is in
 
 
-class WorkerGroup:
+class WorkerGroup(GroupNews):
     planned_placement = True  # docs/placement.md; False: the old one PACK group per replica, in Ray's order
+    agent_fan_in = FAN_IN  # children per aggregator of the agent tree (agent_link.py)
 
     def __init__(self, spec: JobSpec, corpus_uri: str, step_hook: StepHook | None = None, storage_uri: str = ""):
         self.spec = spec
@@ -72,17 +84,43 @@ class WorkerGroup:
         self.step_hook = step_hook
         self.replica_size = spec.parallel.replica_size
         self.raylets = RayletProbe()  # node id -> raylet address, for liveness probes
-        if self.planned_placement:
-            self.slots: ReplicaSlots = PlannedSlots(spec, self.raylets)
-        else:
-            self.slots = ReplicaSlots(spec.resources, self.replica_size, spec.parallel.tp, spec.parallel.pp)
+        self.slots = self._make_slots()
         self.members: list[Member] = []  # ordered by rank
         self.dp = 0
+        self.tree = AgentTree(self._make_agent, self._make_aggregator, self.agent_fan_in)
         self._store: RendezvousStore | None = None  # the job's rendezvous, made at the first configure
         self._generation = 0  # of the process group: the rendezvous key prefix
         self._node_labels: dict[str, dict[str, str]] = {}  # node id -> Ray node labels (rack, nvlink_domain)
         self._avoid_nodes: set[str] = set()  # node ids Ray is draining (elastic/control/drain.py)
         self._lost_failure = lost_failure_of(self.raylets, NODE_PROBE_S)
+        self._wids = itertools.count()
+        self._by_wid: dict[int, Member] = {}
+        self._on_node: dict[str, list[Member]] = {}
+        self._inbox: list[tuple[int, Any]] = []  # (rank, report) taken in, not yet handed to the controller
+        self._notable: set[int] = set()
+        self._news_nodes: set[str] = set()
+        self._unreachable: dict[str, float] = {}
+        self._gathers: dict[int, Gather] = {}
+        self._configuring = False
+        self.configure_sent_at: list[float] = []  # driver clock: each configure's requests all sent
+
+    # ------------------------------------------------------------------ seams (the control-plane benchmark's)
+    def _make_slots(self) -> ReplicaSlots:
+        if self.planned_placement:
+            return PlannedSlots(self.spec, self.raylets)
+        p = self.spec.parallel
+        return ReplicaSlots(self.spec.resources, self.replica_size, p.tp, p.pp)
+
+    def _make_agent(self, node: str) -> Any:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return NodeAgent.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(node)
+
+    def _make_aggregator(self) -> Any:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = ray.get_runtime_context().get_node_id()  # with the driver: it dies only with the job
+        return Aggregator.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()
 
     # ------------------------------------------------------------------ capacity
     def request_capacity(self) -> None:
@@ -113,7 +151,8 @@ class WorkerGroup:
         used = {id(m.group) for m in self.members}
         spare = [g for g in self.slots.ready(timeout) if id(g) not in used]
         if self._avoid_nodes:  # draining nodes are not grown into (elastic/control/drain.py)
-            spare = [g for g in spare if not group_nodes(g) & self._avoid_nodes]
+            table = group_tables(spare)
+            spare = [g for g in spare if not group_nodes(table[g.id.hex()]) & self._avoid_nodes]
         return spare
 
     def wait_spare(self, count: int, timeout: float) -> list[Any]:
@@ -124,7 +163,8 @@ class WorkerGroup:
                 return spare
 
     def spawn(self, groups: list[Any]) -> list[Member]:
-        """Create one actor per bundle of each placement group (a whole replica each)."""
+        """Create one actor per bundle of each placement group (a whole replica each), and
+        hand each to its node's agent (started with the node's first worker)."""
         actors = []
         # The step hook goes to the first workers only: an injected fault fires once per
         # job, not again in a replacement that replays the step.
@@ -146,7 +186,27 @@ class WorkerGroup:
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         self.raylets.update({n["NodeID"]: (n["NodeManagerAddress"], n["NodeManagerPort"]) for n in nodes})
         self._node_labels.update({n["NodeID"]: dict(n.get("Labels") or {}) for n in nodes})
-        return [Member(a, g, b, i.node_id, i.ip, i.pid) for (g, b, a), i in zip(actors, infos)]
+        members = [Member(a, g, b, i.node_id, i.ip, i.pid) for (g, b, a), i in zip(actors, infos)]
+        self._adopt(members)
+        return members
+
+    def _adopt(self, members: list[Member]) -> None:
+        """Give new members worker ids and their nodes' agents (new nodes get one)."""
+        self._number(members)
+        self._attach(members)
+
+    def _number(self, members: list[Member]) -> None:
+        for m in members:
+            m.wid = next(self._wids)
+            self._by_wid[m.wid] = m
+            self._on_node.setdefault(m.node_id, []).append(m)
+
+    def _attach(self, members: list[Member]) -> None:
+        grouped = by_node(members)
+        per_node = max(len(ms) for ms in grouped.values()) if grouped else 1
+        expected = -(-self.spec.elastic.max_dp * self.replica_size // per_node)  # the most nodes the job may span
+        self.tree.add_nodes(list(grouped), expected)
+        self.tree.send({node: Attach({m.wid: (m.actor, m.rank) for m in ms}) for node, ms in grouped.items()})
 
     # ------------------------------------------------------------------ (re)configuration
     def configure(self, plan: ReformPlan[Member]) -> ConfigureResult:
@@ -154,10 +214,11 @@ class WorkerGroup:
         group and restore the state it names."""
         members = plan.members
         for rank, m in enumerate(members):
-            m.rank, m.run_ref, m.run_result, m.poll_ref = rank, None, None, None
+            m.rank, m.run_result, m.silent_s, m.launched, m.quiet = rank, None, 0.0, False, False
         # From here on these are the members: a loss below is a failure of this layout,
         # and the next recovery evicts it by its new rank (newcomers are not leaked).
         self.members = list(members)
+        self._notable = {w for w in self._notable if self._by_wid[w].dead}
         if self._store is None:
             self._store = RendezvousStore(ray.util.get_node_ip_address(), self.spec.elastic.collective_timeout_s)
         self._generation += 1
@@ -172,9 +233,13 @@ class WorkerGroup:
             read_plans=self.readers.plans([m.node_id for m in members], self._generation),  # docs/data.md
             store_secret=self._store.secret,
         )
-        result = submit_and_gather(
-            members, requests, self._generation, self.spec.elastic.collective_timeout_s, self._lost_failure
-        )
+        self._configuring = True
+        try:
+            result = configure_through(
+                self, members, requests, self._generation, self.spec.elastic.collective_timeout_s
+            )
+        finally:
+            self._configuring = False
         self.dp = plan.dp
         now = time.monotonic()
         for m in members:
@@ -191,133 +256,92 @@ class WorkerGroup:
         actor on a lost node can hang until Ray notices the loss.
         """
         gone = self.raylets.dead({m.node_id for m in members}, wait_s=0.0)
-        refs = [None if m.node_id in gone else m.actor.snapshot_holdings.remote() for m in members]
-        asked = [r for r in refs if r is not None]
-        if asked:
-            ray.wait(asked, num_returns=len(asked), timeout=SNAPSHOT_QUERY_S)
-        out: list[Holdings | None] = []
-        for ref in refs:
-            try:
-                out.append(None if ref is None else ray.get(ref, timeout=0))
-            except (RayActorError, ActorUnavailableError, GetTimeoutError):
-                out.append(None)
-        return out
+        asked = [m for m in members if m.node_id not in gone and not m.dead]
+        expect = wids_by_node(asked)
+        g = self._command({n: Query("snapshot_holdings", tuple(ws)) for n, ws in expect.items()}, expect)
+        self._wait_for(g, SNAPSHOT_QUERY_S)
+        self._done(g)
+        return [g.replies.get(m.wid) for m in members]
 
     # ------------------------------------------------------------------ running
     def launch(self, last_step: int) -> None:
+        nodes = wids_by_node([m for m in self.members if not m.dead])
+        cid = self.tree.send(dict.fromkeys(nodes, Launch(last_step)))
         for m in self.members:
-            m.run_ref = m.actor.run.remote(last_step)
-            m.run_result = None
+            m.run_result, m.since, m.launched, m.quiet = None, cid, True, False
 
     def observe(self, timeout: float = POLL_INTERVAL_S) -> Observation:
-        obs = Observation()
-        running = [m for m in self.members if m.run_ref is not None and m.run_result is None]
-        for m in self.members:
-            if m.poll_ref is None and not m.dead:
-                m.poll_ref = m.actor.poll.remote(POLL_INTERVAL_S)  # a long poll: back with the next report
-        polls = [m.poll_ref for m in self.members if m.poll_ref is not None]
-        runs = [m.run_ref for m in running]
-        if runs:
-            # Back as soon as any rank leaves run() (a failure is seen at once) or a poll
-            # brings a report; other polls answered meanwhile are read now or at the next look.
-            ray.wait(runs + polls, num_returns=1, timeout=timeout)
-        elif polls:
-            ray.wait(polls, num_returns=len(polls), timeout=timeout)
-        now = time.monotonic()
-        for m in self.members:
-            self._read_poll(m, obs, now)
-            self._read_run(m)
-        obs.failure = diagnose(self.members, self.spec.elastic, now, self.raylets)
-        if obs.failure is None and self.members and all(m.run_result is not None for m in self.members):
-            self._drain(obs)
+        now = self._look(timeout)
+        obs = Observation(results=self._inbox)
+        self._inbox = []
+        if self._evidence():
+            self._refresh_last_ok(now)
+            obs.failure = diagnose(self.members, self.spec.elastic, now, self.raylets)
+        if obs.failure is None and self.members and self._all_returned():
+            obs.results.extend(self.drain_results(self.members, RPC_TIMEOUT_S))
             statuses = {m.run_result.status for m in self.members}
             obs.finished = statuses == {"done"}
             obs.stopped = "stopped" in statuses and statuses <= {"stopped", "done"}
         return obs
 
-    def _drain(self, obs: Observation, members: list[Member] | None = None, timeout: float = RPC_TIMEOUT_S) -> None:
-        """Collect the results ``members`` (default: all) produced since their last poll.
+    def _all_returned(self) -> bool:
+        returned = sum(1 for w in self._notable if self._by_wid[w].run_result is not None)
+        if returned < len(self.members):  # O(news): most looks stop here
+            return False
+        return all(m.run_result is not None for m in self.members)
 
-        Two rounds, all members at once: the poll in flight (or a new one), then a fresh one
-        for each member that answered, for what it reported meanwhile. A member that does
-        not answer within ``timeout`` is left for the next look.
-        """
-        todo = [m for m in (members if members is not None else self.members) if not m.dead]
-        for _ in range(2):
-            for m in todo:
-                if m.poll_ref is None:
-                    m.poll_ref = m.actor.poll.remote()
-            refs = [m.poll_ref for m in todo]
-            if refs:
-                ray.wait(refs, num_returns=len(refs), timeout=timeout)
-            now = time.monotonic()
-            for m in todo:
-                self._read_poll(m, obs, now)
-            todo = [m for m in todo if m.poll_ref is None and not m.dead]  # answered: ask once more
-
-    def drain_results(self, members: list[Member], timeout: float = 10.0) -> list[tuple[int, WorkerReport]]:
-        """Results that survivors reported but the controller has not seen yet."""
-        obs = Observation()
-        self._drain(obs, members, timeout)
-        return obs.results
-
-    def _read_poll(self, m: Member, obs: Observation, now: float) -> None:
-        if m.poll_ref is None:
-            return
-        ready, _ = ray.wait([m.poll_ref], timeout=0)
-        if not ready:
-            return
-        ref, m.poll_ref = m.poll_ref, None
-        try:
-            reply = ray.get(ref)
-        except ActorUnavailableError:  # unreachable for now: silence counts, death is confirmed later
-            return
-        except RayActorError:
-            m.dead = True
-            return
-        m.last_ok, m.step = now, reply.step
-        obs.results.extend((m.rank, r) for r in reply.reports)
-
-    def _read_run(self, m: Member) -> None:
-        if m.run_ref is None or m.run_result is not None:
-            return
-        ready, _ = ray.wait([m.run_ref], timeout=0)
-        if ready:
-            try:
-                m.run_result = ray.get(m.run_ref)
-            except ActorUnavailableError:
-                return
-            except RayActorError:
-                m.dead = True
-                m.run_result = DEAD
-            m.returned_at = time.monotonic()
+    def drain_results(self, members: Sequence[Member], timeout: float = 10.0) -> list[tuple[int, Any]]:
+        """The results ``members`` reported that the controller has not seen yet: every
+        agent sends up all its ranks reported before it answers. A member whose run ended
+        with nothing asked of it since is not asked: all it reported came with its end."""
+        expect = wids_by_node([m for m in members if not m.dead and not m.quiet])
+        g = self._command({n: Query("flush", tuple(ws)) for n, ws in expect.items()}, expect)
+        self._wait_for(g, timeout)
+        self._done(g)
+        for node, state in g.states.items():
+            for m in self._members_on(node) if state.step > 0 else ():
+                m.step = max(m.step, state.step)
+        taken, self._inbox = self._inbox, []
+        return taken
 
     def request_stop(self) -> None:
-        for m in self.members:
-            m.actor.request_stop.remote()
+        self.tree.send(dict.fromkeys(wids_by_node([m for m in self.members if not m.dead]), Signal("request_stop")))
 
     def save_checkpoints(self, timeout: float) -> None:
         """After a stop at a step boundary: every rank writes the live step to storage."""
-        refs = [m.actor.save_checkpoint.remote(timeout) for m in self.members if not m.dead]
-        if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        live = [m for m in self.members if not m.dead]
+        for m in live:
+            m.quiet = False  # its checkpoint's upload reports come after its run's end
+        expect = wids_by_node(live)
+        g = self._command({n: Query("save_checkpoint", tuple(ws), timeout) for n, ws in expect.items()}, expect)
+        self._wait_for(g, timeout)
+        self._done(g)
 
-    def wait_runs(self, members: list[Member], timeout: float) -> list[Member]:
+    def wait_runs(self, members: Sequence[Member], timeout: float) -> list[Member]:
         """Wait for ``members``' run() calls to return; returns those that did not."""
-        refs = {m.run_ref: m for m in members if m.run_ref is not None and m.run_result is None}
-        if refs:
-            ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
-        for m in members:
-            self._read_run(m)
-        return [m for m in members if m.run_ref is not None and m.run_result is None]
+        deadline = time.monotonic() + timeout
+        while True:
+            running = [m for m in members if m.launched and m.run_result is None and not m.dead]
+            left = deadline - time.monotonic()
+            if not running or left <= 0:
+                return running
+            self._look(min(left, POLL_INTERVAL_S))
 
-    def kill(self, members: list[Member]) -> None:
+    def kill(self, members: Sequence[Member]) -> None:
         for m in members:
             m.dead = True
             try:
                 ray.kill(m.actor, no_restart=True)
             except Exception as exc:  # already dead
                 logger.debug("kill of rank %s failed: %s", m.rank, exc)
+        pids = {m.wid: m.pid or 0 for m in members}
+        detach = {
+            node: Detach(tuple(ws), tuple(pids[w] for w in ws if pids[w] > 0))
+            for node, ws in wids_by_node(members).items()
+            if node in self.tree.handles
+        }
+        if detach:
+            self.tree.send(detach)
 
     def abort_steps(self, members: Sequence[Member]) -> None:
         """A peer was lost: every member leaves the step in flight at its next block (fire and forget)."""
@@ -345,8 +369,13 @@ class WorkerGroup:
     def pids_on_node(self, node_id: str) -> list[int]:
         return [m.pid for m in self.members if m.node_id == node_id]
 
+    def agent_pid(self, node_id: str) -> int:
+        """The pid of ``node_id``'s agent (for the tests' faults)."""
+        return ray.get(self.tree.handles[node_id].where.remote(), timeout=RPC_TIMEOUT_S)[1]
+
     def shutdown(self) -> None:
         self.kill([m for m in self.members if not m.dead])
+        self.tree.shutdown()
         self.readers.close()
         self.slots.release_all()
         if self._store is not None:
@@ -354,8 +383,6 @@ class WorkerGroup:
             self._store = None
 
 
-def group_nodes(group: Any) -> set[str]:
-    """The node ids a placement group's bundles are on."""
-    from ray.util.placement_group import placement_group_table
-
-    return set((placement_group_table(group).get("bundles_to_node_id") or {}).values())
+def group_nodes(table: dict[str, Any]) -> set[str]:
+    """The node ids a placement group's bundles are on, from its GCS record (``group_tables``)."""
+    return set((table.get("bundles_to_node_id") or {}).values())

@@ -79,18 +79,17 @@ class ReplicaSlots:
             )
 
     def ready(self, timeout: float = 0.0) -> list[Any]:
-        """Placement groups whose bundles are all placed now (polls the GCS table)."""
-        from ray.util.placement_group import placement_group_table
-
+        """Placement groups whose bundles are all placed now: one read of the GCS table for
+        all of them per look, not one per group."""
         deadline = time.monotonic() + timeout
         while True:
-            created = []
-            for g in self._groups:
-                table = placement_group_table(g)
-                if table.get("state") == "CREATED" and not self.excluded & set(
-                    table.get("bundles_to_node_id", {}).values()
-                ):
-                    created.append(g)
+            table = group_tables(self._groups)
+            created = [
+                g
+                for g in self._groups
+                if table[g.id.hex()].get("state") == "CREATED"
+                and not self.excluded & set(table[g.id.hex()].get("bundles_to_node_id", {}).values())
+            ]
             if created or time.monotonic() >= deadline:
                 return created
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
@@ -99,14 +98,13 @@ class ReplicaSlots:
         """Never place on ``nodes`` again: groups there or still pending (placed by a request
         without this exclusion) are released, except those in ``keep`` (ids of groups with
         live workers); ``request`` replaces them with groups that avoid these nodes."""
-        from ray.util.placement_group import placement_group_table
-
         self.excluded |= set(nodes)
+        table = group_tables(self._groups)
         for g in list(self._groups):
             if id(g) in keep:
                 continue
-            table = placement_group_table(g)
-            if table.get("state") != "CREATED" or self.excluded & set(table.get("bundles_to_node_id", {}).values()):
+            info = table[g.id.hex()]
+            if info.get("state") != "CREATED" or self.excluded & set(info.get("bundles_to_node_id", {}).values()):
                 self.release(g)
 
     def release(self, group: Any) -> None:
@@ -137,3 +135,14 @@ class ReplicaSlots:
                 placement_group_capture_child_tasks=False,
             ),
         }
+
+
+def group_tables(groups: list[Any]) -> dict[str, dict[str, Any]]:
+    """The GCS record of each of ``groups`` by id (hex), read in one call ({} for one the GCS
+    no longer knows)."""
+    if not groups:
+        return {}
+    from ray.util.placement_group import placement_group_table
+
+    table = placement_group_table()  # every group of the cluster, in one call
+    return {g.id.hex(): table.get(g.id.hex(), {}) for g in groups}

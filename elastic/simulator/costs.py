@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic.simulator.control_plane import load_control_plane
 from elastic.simulator.scaling import load_curve
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -74,6 +75,7 @@ class Costs:
     ckpt_write_s: float  # until a storage checkpoint is usable for a restore (>= blocking)
     sdc_check_every_steps: int  # silent corruption is found at the next check
     sources: dict[str, str] = field(default_factory=dict)
+    control_plane_s: float = 0.0  # the driver's decision time in each re-formation (part of reconfigure_s, grow_s)
 
     def as_params(self) -> dict[str, Any]:
         d = asdict(self)
@@ -213,12 +215,20 @@ def cluster_costs(
     curve = load_curve()  # the measured re-formation curve (elastic/simulator/scaling.py), when there is one
     if curve is not None:
         init = curve.comm_s(gpus)  # both strategies: the same communicator library
-        reconfigure = curve.reconfigure_s(gpus)
+        # the driver's decision is added once below, from the control-plane benchmark
+        # (load_control_plane), so not with the curve's own copy of it (curve.control_s)
+        reconfigure = curve.fixed_s + curve.comm_s(gpus)
         if curve.kept_state:
             restore_memory = curve.survivor_restore_s(shard)
     ray_reschedule = m.raytrain_restart_s - m.detect_s
     sync_blocking = shard / HOST_DEVICE_BPS + write
     inplace = strategy == "inplace"
+    control = load_control_plane()
+    control_s = control.decision_s(gpus) if control is not None else 0.0
+    if control is not None:  # a loss at this scale may take the driver longer to see than at 4 nodes
+        for cause in detect:
+            if cause != "network":
+                detect[cause] = max(detect[cause], control.detect_s(gpus))
     src = {
         "detect_s": f"{m.detect_s:.2f} s for a crash (measured, {m.sources['recovery']}); network: a hang "
         f"found by elastic.collective_timeout_s ({collective_timeout_s:g} s default)",
@@ -243,23 +253,27 @@ def cluster_costs(
         ),
         "ckpt_write_s": f"{unique / 1e12:.2f} TB / {LLAMA3_STORAGE_BPS / 1e12:g} TB/s",
         "sdc_check_every_steps": "assumed: a cross-replica check every 100 steps",
+        "control_plane_s": control.describe(gpus) if control is not None else "not measured here: 0",
     }
     if curve is not None:
         src["pg_init_s"] = curve.sources["comm_s"]
         src["reconfigure_s"] = "; ".join(
-            f"{k}: {curve.sources[k]}" for k in ("fixed_s", "comm_s", "control_s", "rendezvous_per_rank_s")
+            f"{k}: {curve.sources[k]}" for k in ("fixed_s", "comm_s", "rendezvous_per_rank_s")
         )
         if curve.kept_state:
             src["restore_memory_s"] = curve.sources["survivor_restore_s"]
+    if control is not None:
+        src["detect_s"] += f"; at least the node-loss detection measured by {control.source}"
+        src["reconfigure_s"] += " + control_plane_s"
     return Costs(
         detect_s=detect,
-        reconfigure_s=reconfigure,
+        reconfigure_s=reconfigure + control_s,
         pg_init_s=init,
         restore_memory_s=restore_memory,
         restore_peer_s=restore_peer,
         restore_storage_s=read,
         restart_s=ray_reschedule + init + read,
-        grow_s=max(0.0, m.grow_s - m.init_s) + init + restore_peer,
+        grow_s=max(0.0, m.grow_s - m.init_s) + init + restore_peer + control_s,
         step_s=step_s,
         snapshot_blocking_s=(m.memory_blocking_over_step * step_s + max(0.0, shard / HOST_DEVICE_BPS - step_s))
         if inplace
@@ -268,6 +282,7 @@ def cluster_costs(
         ckpt_write_s=write if inplace else 0.0,
         sdc_check_every_steps=100,
         sources=src,
+        control_plane_s=control_s,
     )
 
 

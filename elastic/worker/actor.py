@@ -20,7 +20,6 @@ with it within milliseconds.
 
 from __future__ import annotations
 
-import collections
 import faulthandler
 import gc
 import logging
@@ -50,6 +49,7 @@ from elastic.parallel.dims import ParallelDims
 from elastic.parallel.live import LiveState
 from elastic.worker.device_peak import peak_flops
 from elastic.worker.hooks import StepHook
+from elastic.worker.outbox import ReportQueue, peer_sender
 from elastic.worker.process_group import ReconfigurableProcessGroup, is_collective_error
 from elastic.worker.trainer import StepAborted, Trainer
 
@@ -76,6 +76,8 @@ class TrainWorker:
         self._reports = ReportQueue()
         self._beat = time.monotonic()
         self._phase = "idle"
+        self._runs = 0  # run() calls started: the node agent matches an outcome to its run
+        self._outcome: RunOutcome | None = None  # how the last run() ended
         self._stop = threading.Event()
         self._abort = threading.Event()  # the driver abandoned the step in flight (abort_step)
         self.hook = step_hook
@@ -101,24 +103,32 @@ class TrainWorker:
     # Task events (Ray's per-task state records sent to the GCS) are off for the polls: they
     # come several times a second per rank and nobody reads them.
     @ray.method(concurrency_group="control", enable_task_events=False)
-    def poll(self, wait_s: float = 0.0) -> PollReply:
+    def poll(self, wait_s: float = 0.0, ack: int | None = None, have: int | None = None) -> PollReply:
         """Heartbeat: progress counters plus the reports produced since the last poll.
 
         With ``wait_s``, a long poll: it answers as soon as a report is produced, or after
         ``wait_s`` with none, so that a step's result reaches the driver within
-        milliseconds rather than at its next look.
+        milliseconds rather than at its next look. Its node agent (``elastic/agent/``) passes
+        ``have`` (the last report it has) and ``ack`` (the last one the driver has): reports
+        are kept until acked, so an agent that replaces a lost one gets them all again.
+        Without them, every report is handed over once.
         """
-        if wait_s > 0 and not self._reports:
+        after = -1 if have is None else have
+        if wait_s > 0 and not self._reports.has_after(after):
             self._reports.ready.wait(wait_s)
+        elif wait_s <= 0:  # a flush: a long poll in flight answers now too, with what it has
+            self._reports.ready.set()
         self._reports.ready.clear()
-        drained = []
-        while self._reports:
-            drained.append(self._reports.popleft())
+        # The outcome is read before the reports are taken: every report a run made is in
+        # the queue by the time its outcome is set, so a reply with the outcome has them all.
+        outcome, runs = self._outcome, self._runs
+        first, reports = self._reports.take(ack, after, keep=have is not None)
         trainer = self.trainer
         if trainer is not None:
             self._step = trainer.step
         beat = max(self._beat, trainer.last_progress if trainer is not None else 0.0)
-        return PollReply(self.rank, self._step, self._phase, time.monotonic() - beat, drained)
+        idle = time.monotonic() - beat
+        return PollReply(self.rank, self._step, self._phase, idle, reports, outcome, runs, first)
 
     def _touch_beat(self) -> None:
         self._beat = time.monotonic()
@@ -241,7 +251,7 @@ class TrainWorker:
         self.tier.layout = trainer.layout  # replicas of the old layout arriving late are refused
         timeout = self.spec.elastic.collective_timeout_s
         peer = req.replica_peer
-        self.tier.replicate_to(_sender(peer, timeout) if peer is not None else None, timeout_s=timeout)
+        self.tier.replicate_to(peer_sender(peer, timeout) if peer is not None else None, timeout_s=timeout)
         # Hosts stagger their first reads at a cold start (a job's start, or a restore from
         # storage, when every host reads at once); a re-formation from memory re-opens the
         # streams of a running job and does not wait (docs/data.md).
@@ -309,10 +319,29 @@ class TrainWorker:
     def run(self, last_step: int) -> RunOutcome:
         """Train until ``last_step`` or an agreed stop; errors are returned, not raised."""
         self._phase = "train"
+        self._runs, self._outcome = self._runs + 1, None
         trainer = self.trainer
         if trainer is None:
             raise RuntimeError("run() before configure(): no trainer")
         self.tier.keep_layout(trainer.layout)  # every peer has restored by now
+        try:
+            outcome = self._train(trainer, last_step)
+        finally:
+            self._phase = "idle"
+            self._beat = time.monotonic()
+        if outcome.status == "error":
+            # Outside the except block, so the traceback no longer pins the frames that hold
+            # the process group: dropping every reference closes its connections, and peers
+            # blocked in a collective with this rank fail at once instead of timing out. The
+            # trained state itself is kept, for the next generation (``_keepable``).
+            self._kept = trainer.release_live()
+            del trainer
+            self.group.leave()
+        self._outcome = outcome  # the node agent reads it with the next poll (elastic/agent/)
+        self._reports.ready.set()
+        return outcome
+
+    def _train(self, trainer: Trainer, last_step: int) -> RunOutcome:
         try:
             while trainer.step < last_step:
                 if trainer.train_step():
@@ -321,18 +350,7 @@ class TrainWorker:
             self.tier.wait()
             return RunOutcome("done", trainer.step)
         except Exception as exc:
-            outcome = self._classify(exc, time.monotonic() - trainer.last_progress)
-        finally:
-            self._phase = "idle"
-            self._beat = time.monotonic()
-        # Outside the except block, so the traceback no longer pins the frames that hold
-        # the process group: dropping every reference closes its connections, and peers
-        # blocked in a collective with this rank fail at once instead of timing out. The
-        # trained state itself is kept, for the next generation (``_keepable``).
-        self._kept = trainer.release_live()
-        del trainer
-        self.group.leave()
-        return outcome
+            return self._classify(exc, time.monotonic() - trainer.last_progress)
 
     def _classify(self, exc: Exception, blocked_s: float) -> RunOutcome:
         """Whose failure: a collective's (a peer went away, or it timed out) or this rank's own.
@@ -371,30 +389,3 @@ class TrainWorker:
                 "leaving took %.2fs: closing the trainer %.2fs, the process group %.2fs",
                 time.perf_counter() - t0, t1 - t0, time.perf_counter() - t1,
             )  # fmt: skip
-
-
-class ReportQueue(collections.deque):
-    """The reports the worker's poll hands over; ``ready`` is set by every append."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ready = threading.Event()
-
-    def append(self, item: Any) -> None:
-        super().append(item)
-        self.ready.set()
-
-
-def _sender(peer: Any, timeout_s: float):
-    """Deliver a snapshot to ``peer`` (a TrainWorker): serialise now, confirm later."""
-
-    def send(snap: Snapshot):
-        ref = peer.store_replica.remote(snap.to_wire())  # the arguments are serialised here
-
-        def delivered() -> None:
-            if not ray.get(ref, timeout=timeout_s):
-                raise RuntimeError(f"the peer refused the snapshot of step {snap.step}: it has left that layout")
-
-        return delivered
-
-    return send

@@ -44,12 +44,12 @@ from elastic.control.reform import (
     stop_at_boundary,
 )
 from elastic.control.states import Failed, Finished, Resizing, Running, Starting, State
+from elastic.control.step_events import StepTally
 from elastic.control.stop import CHECKPOINT_TIMEOUT_S, StopSignals, checked_stop_checkpoint, stop_now_in, stopped_state
 from elastic.control.worker_group import WorkerGroup
 from elastic.control.worker_group_api import WorkerGroupAPI
 from elastic.errors import JobFailed, WorkerFailure
 from elastic.events import EventLog, Recovery, RunResult
-from elastic.messages import StepReport
 from elastic.worker.hooks import StepHook
 
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ class Controller(Reformations):
         self.losses: dict[int, float] = {}
         self.tokens_per_s: list[float] = []
         self.outages = Outages()
-        self._pending: dict[int, dict[int, StepReport]] = {}  # step -> rank -> report
+        self._pending: dict[int, StepTally] = {}  # step -> its reports so far
         self._recovered_at_step = 0
         self._last_grow_check = 0.0
         self._drain_watch = DrainWatch()
@@ -276,11 +276,6 @@ class Controller(Reformations):
         keep = [m for r in off[: intent.plan.keep] for m in r]
         groups = spare[: intent.plan.grow]
         return Resizing("drain", intent.plan.dp, groups, keep=keep, at_once=intent.urgent, fields=fields)
-
-    def _step_time_s(self) -> float:
-        if not self.tokens_per_s or self.tokens_per_s[-1] <= 0:
-            return 1.0
-        return self.spec.train.global_batch * self.spec.model.seq_len / self.tokens_per_s[-1]
 
     # ------------------------------------------------------------------ a graceful stop
     def _stop_job(self, signals: StopSignals) -> State:

@@ -21,13 +21,14 @@ from elastic.control.reform import (
     reform,
     release_dead_groups,
     stop_at_boundary,
+    survivors_wait_s,
 )
 from elastic.control.regroup import hsdp_order
 from elastic.control.states import Failed, Recovering, Resizing, Running, State
 from elastic.control.timing import PhaseTimer
 from elastic.control.worker_group_api import Member
 from elastic.errors import WorkerFailure
-from elastic.messages import StepReport, WorkerReport
+from elastic.messages import StepReport, StepRows, WorkerReport
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +57,10 @@ class Reformations(StepAccounting):
     def _absorb(self, reports: Sequence[tuple[int, WorkerReport]]) -> None:
         """Steps that stopping ranks reported on the way out: kept until a plan commits them."""
         for rank, result in reports:
-            if isinstance(result, StepReport) and result.step > self.step:
-                self._pending.setdefault(result.step, {})[rank] = result
+            if isinstance(result, StepRows) and result.step > self.step:
+                self._tally(result.step).add(result)
+            elif isinstance(result, StepReport) and result.step > self.step:
+                self._tally(result.step).add_report(rank, result)
 
     def _reformed(self, old_dp: int, reformed: Reformed, reason: str, **resize: object) -> None:
         """Record a re-formation: the step resumed from, the resize and restore events."""
@@ -107,7 +110,11 @@ class Reformations(StepAccounting):
         culprits = [m for m in group.members if m.rank in blamed]
         nccl = self.spec.resources.device == "cuda"  # shrink in place (docs/architecture.md)
         shrink_unit = self.spec.parallel.replica_size if nccl else None
-        survivors, boundary = free_survivors(group, culprits, e.collective_timeout_s + 5, shrink_unit=shrink_unit)
+        wait_s = survivors_wait_s(self._step_time_s(), e.collective_timeout_s, self.spec.resources.device)
+        survivors, boundary = free_survivors(group, culprits, wait_s, shrink_unit=shrink_unit)
+        if boundary.stuck:
+            hung = [m.rank for m in boundary.stuck]
+            logger.warning("ranks %s did not leave their step within %.1fs: hung, killed", hung, wait_s)
         self._absorb(boundary.reports)
         replicas = complete_replicas(survivors, self.spec.parallel.replica_size)
         p = self.spec.parallel

@@ -8,13 +8,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from elastic.agent.rows import COLUMNS
 from elastic.control import policies
 from elastic.control.health import Rollback
 from elastic.control.states import Recovering
-from elastic.control.step_events import memory_checkpoint_fields, step_fields
+from elastic.control.step_events import StepTally, memory_checkpoint_fields, step_fields
 from elastic.errors import WorkerFailure
 from elastic.events import EventLog, Recovery
-from elastic.messages import AnomalyReport, SdcReport, StepReport, UploadReport, WorkerReport
+from elastic.messages import AnomalyReport, SdcReport, StepRows, UploadReport, WorkerReport
 
 if TYPE_CHECKING:
     from elastic.checkpoint.committer import CheckpointCommitter
@@ -41,13 +44,13 @@ class ControllerFields:
     tokens_per_s: list[float]
     outages: Outages
     health: HealthMonitor
-    _pending: dict[int, dict[int, StepReport]]  # step -> rank -> report
+    _pending: dict[int, StepTally]  # step -> its reports so far
     _recovered_at_step: int
     clock: Callable[[], float]
 
 
 class StepAccounting(ControllerFields):
-    def _collect(self, rank: int, result: WorkerReport) -> WorkerFailure | None:
+    def _collect(self, rank: int, result: WorkerReport | StepRows) -> WorkerFailure | None:
         """One report from a rank; returns an eviction a health policy asks for."""
         if isinstance(result, UploadReport):  # storage tier: a rank's part of a checkpoint (may trail its step)
             if self.committer is not None:
@@ -61,13 +64,42 @@ class StepAccounting(ControllerFields):
             if rollback is not None:
                 self._roll_back(rollback)
             return evict
+        if isinstance(result, StepRows):
+            return self._collect_rows(result)
         if self.health.stale(rank) or result.step <= self.step:
             return None  # a replay after a rollback: already committed
-        per_step = self._pending.setdefault(result.step, {})
-        per_step[rank] = result
-        if len(per_step) == len(self.group.members):
-            return self._commit_step(result.step, self._pending.pop(result.step))
-        return None
+        tally = self._tally(result.step)
+        tally.add_report(rank, result)
+        return self._commit_if_complete(tally)
+
+    def _collect_rows(self, rows: StepRows) -> WorkerFailure | None:
+        """A block of step reports from the agents: many ranks' reports of one step."""
+        if rows.step <= self.step:
+            return None  # a replay after a rollback: already committed
+        stale = self.health.stale_ranks()
+        if stale:  # reports of ranks from before an SDC rollback they have not announced yet
+            keep = ~np.isin(rows.ranks, list(stale))
+            rows = StepRows(step=rows.step, **{k: getattr(rows, k)[keep] for k in COLUMNS})
+        tally = self._tally(rows.step)
+        tally.add(rows)
+        return self._commit_if_complete(tally)
+
+    def _tally(self, step: int) -> StepTally:
+        tally = self._pending.get(step)
+        if tally is None:
+            tally = self._pending[step] = StepTally(step, len(self.group.members))
+        return tally
+
+    def _commit_if_complete(self, tally: StepTally) -> WorkerFailure | None:
+        if not tally.complete:
+            return None
+        evict = None
+        # Every rank finished this step, so each finished the ones before it: a step still
+        # short of reports lost some on the way (an agent replaced mid-step) and is committed
+        # with those that came.
+        for earlier in sorted(s for s in self._pending if s < tally.step):
+            evict = self._commit_step(earlier, self._pending.pop(earlier)) or evict
+        return self._commit_step(tally.step, self._pending.pop(tally.step)) or evict
 
     def _commit_survivors_steps(self, upto: int) -> None:
         """After a failure: commit the steps up to ``upto`` that survivors completed.
@@ -79,14 +111,17 @@ class StepAccounting(ControllerFields):
         for step in sorted(s for s in self._pending if self.step < s <= upto):
             self._commit_step(step, self._pending.pop(step))
 
-    def _commit_step(self, step: int, results: dict[int, StepReport]) -> WorkerFailure | None:
-        fields = step_fields(self.spec, self.group.dp, step, results)
+    def _commit_step(self, step: int, tally: StepTally) -> WorkerFailure | None:
+        rows = tally.rows()
+        if not len(rows.ranks):
+            return None
+        fields = step_fields(self.spec, self.group.dp, step, rows)
         self.step = step
         self.losses[step] = fields["loss"]
         self.tokens_per_s.append(fields["tokens_per_s"])
-        self.events.emit("step", ts=max(r.done_at for r in results.values()), **fields)
-        evict = self.health.on_step(step, results)
-        snapshot = memory_checkpoint_fields(results)
+        self.events.emit("step", ts=float(rows.done_at.max()), **fields)
+        evict = self.health.on_step(step, rows)
+        snapshot = memory_checkpoint_fields(rows)
         if snapshot is not None:
             self.events.emit("checkpoint", **snapshot)
         if step >= self.spec.train.steps and self.committer is not None:
@@ -130,6 +165,12 @@ class StepAccounting(ControllerFields):
         """The newest step any worker reported completing: each worker's own step counter
         (from its last poll answer) and the per-step results received but not committed."""
         return max([self.step] + [m.step for m in self.group.members] + list(self._pending))
+
+    def _step_time_s(self) -> float:
+        """The last committed step's time (1 s before the first)."""
+        if not self.tokens_per_s or self.tokens_per_s[-1] <= 0:
+            return 1.0
+        return self.spec.train.global_batch * self.spec.model.seq_len / self.tokens_per_s[-1]
 
     def _budget_spent(self) -> bool:
         decision = policies.failure_decision(self.failures, self.spec.elastic.max_failures)

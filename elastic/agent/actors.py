@@ -1,0 +1,122 @@
+"""The Ray actors of the agent tree: ``NodeAgent`` (one per node) and ``Aggregator``.
+
+Thin shells: the logic is in ``node.py`` and ``aggregator.py``. Each actor runs its core's
+loop in a thread of its own and answers three kinds of calls in separate concurrency
+groups, so that none waits behind another: ``digest`` (its parent's long poll),
+``command`` (in the order they came) and ``bell`` (its own doorbell, ``bell.py``). Both ask
+for no CPU: they host nothing heavy, and a node's training workers keep its cores.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import ray
+
+from elastic.agent.aggregator import CHILD_WAIT_S, AggregatorCore
+from elastic.agent.bell import Doorbell
+from elastic.agent.node import POLL_WAIT_S, AgentGone, NodeCore
+from elastic.agent.ordered import InOrder
+from elastic.agent.ranks import ActorRanks
+from elastic.messages import Digest, NodeCommand
+
+logger = logging.getLogger(__name__)
+
+GROUPS = {"digest": 2, "command": 1, "bell": 1}
+
+
+def _loop(pump, timeout_s: float, name: str) -> None:
+    while True:
+        try:
+            pump(timeout_s)
+        except AgentGone:  # a virtual node that was lost: its agent dies with it
+            os._exit(1)
+        except Exception:  # noqa: BLE001 - keep watching; the error is in the actor's log
+            logger.exception("%s: loop error", name)
+            time.sleep(0.1)
+
+
+@ray.remote(num_cpus=0, max_restarts=0, concurrency_groups=GROUPS)
+class NodeAgent:
+    """The agent of one node: its ranks' liveness, polls and reports, and the commands to them.
+
+    ``virtual`` (the control-plane benchmark): a factory of virtual ranks instead of Ray
+    calls to real ones."""
+
+    def __init__(self, node: str, poll_wait_s: float = POLL_WAIT_S, virtual: Any = None):
+        self._doorbell = Doorbell(ray.get_runtime_context().current_actor)
+        backend = ActorRanks(self._doorbell) if virtual is None else virtual.backend(node, self._doorbell)
+        self.core = NodeCore(node, backend, poll_wait_s=poll_wait_s)
+        self._order = InOrder()
+        threading.Thread(target=_loop, args=(self.core.pump, poll_wait_s, f"agent {node[:8]}"), daemon=True).start()
+
+    @ray.method(concurrency_group="bell", enable_task_events=False)
+    def bell(self) -> bool:
+        return self._doorbell.answer()
+
+    @ray.method(concurrency_group="digest", enable_task_events=False)
+    def digest(self, acks: dict[str, int] | None, wait_s: float, resend: bool = False) -> Digest:
+        return self.core.digest(acks, wait_s, resend)
+
+    @ray.method(concurrency_group="command")
+    def command(self, sender: str, seq: int, cid: int, parts: dict[str, NodeCommand]) -> None:
+        self._order.run(sender, seq, self._command, cid, parts)
+
+    def _command(self, cid: int, parts: dict[str, NodeCommand]) -> None:
+        for part in parts.values():
+            self.core.command(cid, part)
+
+    @ray.method(concurrency_group="command")
+    def where(self) -> tuple[str, int]:
+        """(node id, pid): for the driver's checks and the tests' faults."""
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
+
+@ray.remote(num_cpus=0, max_restarts=0, concurrency_groups=GROUPS)
+class Aggregator:
+    """Merges the digests of a bounded number of children into one per answer."""
+
+    def __init__(self, child_wait_s: float = CHILD_WAIT_S):
+        self._doorbell = Doorbell(ray.get_runtime_context().current_actor)
+        self.core = AggregatorCore(self._doorbell, child_wait_s=child_wait_s)
+        self._local: dict[str, Any] = {}  # what local children (virtual nodes) share in this process
+        self._order = InOrder()
+        threading.Thread(target=_loop, args=(self.core.pump, child_wait_s, "aggregator"), daemon=True).start()
+
+    @ray.method(concurrency_group="bell", enable_task_events=False)
+    def bell(self) -> bool:
+        return self._doorbell.answer()
+
+    @ray.method(concurrency_group="digest", enable_task_events=False)
+    def digest(self, acks: dict[str, int] | None, wait_s: float, resend: bool = False) -> Digest:
+        return self.core.digest(acks, wait_s, resend)
+
+    # Commands and changes of shape, each applied in the order its sender sent it (``ordered.py``).
+    @ray.method(concurrency_group="command")
+    def command(self, sender: str, seq: int, cid: int, parts: dict[str, NodeCommand]) -> None:
+        self._order.run(sender, seq, self.core.command, cid, parts)
+
+    @ray.method(concurrency_group="command")
+    def adopt(self, sender: str, seq: int, key: str, handle: Any, nodes: list[str]) -> None:
+        """Add or replace the child ``key`` (an actor, or a local node's factory), over ``nodes``."""
+        self._order.run(sender, seq, self._adopt, key, handle, nodes)
+
+    def _adopt(self, key: str, handle: Any, nodes: list[str]) -> None:
+        local = not isinstance(handle, ray.actor.ActorHandle)
+        self.core.adopt(key, handle.start(self._local) if local else handle, nodes, local=local)
+
+    @ray.method(concurrency_group="command")
+    def route(self, sender: str, seq: int, key: str, nodes: list[str]) -> None:
+        self._order.run(sender, seq, self.core.route, key, nodes)
+
+    @ray.method(concurrency_group="command")
+    def disown(self, sender: str, seq: int, nodes: list[str]) -> None:
+        self._order.run(sender, seq, self.core.disown, nodes)
+
+    @ray.method(concurrency_group="command")
+    def where(self) -> tuple[str, int]:
+        return ray.get_runtime_context().get_node_id(), os.getpid()

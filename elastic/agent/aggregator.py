@@ -1,0 +1,252 @@
+"""An aggregator: one merged digest for a bounded number of children (agents or aggregators).
+
+Where it runs: in an ``Aggregator`` actor on the driver's node (``actors.py``). Its thread
+keeps one digest request in flight per child and takes the answers in; the parent's long
+poll gets the merged buffer: every step's rows as one block, the other items as they came,
+the news of every node below, and the children it cannot reach (``lost``, by child key: a
+node id for an agent, ``agg:...`` for an aggregator). Commands are split by child and
+passed on in the order they came.
+
+A child that is local (the control-plane benchmark's virtual nodes,
+``elastic/testing/virtual_nodes.py``) is a ``NodeCore`` in this process, asked through a
+thread pool instead of a Ray call.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from elastic.agent.bell import Doorbell
+from elastic.agent.liveness import STARTUP_GRACE_S, Outstanding
+from elastic.agent.node import LINGER_S, REPORT_SILENCE_S, AgentGone
+from elastic.agent.ordered import Numbered
+from elastic.agent.rows import merge_rows
+from elastic.messages import Digest, NodeCommand, NodeState, StepRows
+
+logger = logging.getLogger(__name__)
+
+CHILD_WAIT_S = 1.0  # a child's long poll: back at once with news, else after this
+
+
+@dataclass
+class _Child:
+    key: str
+    handle: Any  # an actor handle, or a local NodeCore
+    nodes: set[str]
+    local: bool
+    request: Any = None  # the digest call in flight (an ObjectRef, or a Future for a local child)
+    resend: bool = True  # the next request asks for everything not acked yet (a new link)
+    lost: dict[str, float] = field(default_factory=dict)  # what it reports lost below it
+    silence_mark: int = 0
+    started: bool = False  # it answered once (before that, its process may still be starting)
+
+
+class AggregatorCore:
+    def __init__(self, bell: Doorbell, clock=time.monotonic, child_wait_s: float = CHILD_WAIT_S):
+        self.bell, self.clock, self.child_wait_s = bell, clock, child_wait_s
+        self.children: dict[str, _Child] = {}
+        self.routes: dict[str, str] = {}  # node -> the key of the child it is under
+        self.acks: dict[str, int] = {}  # node -> the last item the driver has
+        self.outstanding = Outstanding()
+        self.dead: dict[str, float] = {}  # child key -> when its actor died
+        self.rows: list[StepRows] = []
+        self.first_row_at: float | None = None
+        self.items: list[tuple[str, int, Any]] = []
+        self.seqs: dict[str, int] = {}
+        self.states: dict[str, NodeState] = {}  # the last state of every node below
+        self.dirty: set[str] = set()  # nodes whose state the parent has not had yet
+        self.step = 0
+        self.version = self.sent_version = 0
+        self.cond = threading.Condition()
+        self.pool: ThreadPoolExecutor | None = None  # for local children's long polls
+        self.out = Numbered(f"agg-{uuid.uuid4().hex[:12]}")  # this aggregator's calls to its children
+
+    # ------------------------------------------------------------------ membership
+    def adopt(self, key: str, handle: Any, nodes: list[str], local: bool = False) -> None:
+        """Add (or replace) the child ``key``, and route ``nodes`` to it."""
+        with self.cond:
+            self.children[key] = _Child(key, handle, set(nodes), local)
+            self.out.forget(key)
+            for n in nodes:
+                old = self.routes.get(n)
+                if old is not None and old != key and old in self.children:
+                    self.children[old].nodes.discard(n)
+                self.routes[n] = key
+            self.dead.pop(key, None)
+            self.outstanding.forget(key)
+            self.version += 1
+            if local and self.pool is None:
+                self.pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="local-agent")
+        self.bell.ring()
+
+    def route(self, key: str, nodes: list[str]) -> None:
+        """``nodes`` (new below the child ``key``) are reached through it."""
+        with self.cond:
+            child = self.children.get(key)
+            if child is not None:
+                child.nodes |= set(nodes)
+                self.routes.update(dict.fromkeys(nodes, key))
+
+    def disown(self, nodes: list[str]) -> None:
+        """Stop routing ``nodes`` (their agents are gone for good); a child left empty goes."""
+        with self.cond:
+            for n in nodes:
+                key = self.routes.pop(n, None)
+                self.states.pop(n, None)
+                self.acks.pop(n, None)
+                child = self.children.get(key) if key is not None else None
+                if child is not None:
+                    child.nodes.discard(n)
+                    if not child.nodes:
+                        del self.children[key]
+                        self.dead.pop(key, None)
+                        self.outstanding.forget(key)
+            self.version += 1
+
+    # ------------------------------------------------------------------ the loop
+    def pump(self, timeout_s: float) -> None:
+        with self.cond:
+            now = self.clock()
+            self._ask(now)
+            refs = [c.request for c in self.children.values() if not c.local and c.request is not None]
+            due = self.outstanding.next_deadline(REPORT_SILENCE_S)
+            if due is not None:
+                timeout_s = max(0.0, min(timeout_s, due - now))
+        ready = set(self.bell.wait(refs, timeout_s))
+        with self.cond:
+            now = self.clock()
+            for c in list(self.children.values()):
+                req = c.request
+                if req is not None and (req.done() if c.local else req in ready):
+                    c.request = None
+                    self._take(c, req, now)
+            self._judge(now)
+            self.cond.notify_all()
+
+    def _ask(self, now: float) -> None:
+        for c in self.children.values():
+            if c.request is not None or c.key in self.dead:
+                continue
+            acks = {n: self.acks[n] for n in c.nodes if n in self.acks}
+            if c.local:
+                c.request = self.pool.submit(c.handle.digest, acks, self.child_wait_s, c.resend)
+                c.request.add_done_callback(lambda _f: self.bell.ring())
+            else:
+                c.request = c.handle.digest.remote(acks, self.child_wait_s, c.resend)
+            c.resend = False
+            if not self.outstanding.in_flight(c.key):  # a retried request keeps its first due time
+                grace = 0.0 if c.started or c.local else STARTUP_GRACE_S
+                self.outstanding.issued(c.key, now, self.child_wait_s + grace)
+
+    def _take(self, c: _Child, req: Any, now: float) -> None:
+        try:
+            d = req.result() if isinstance(req, Future) else ray.get(req, timeout=0)
+        except (AgentGone, RayActorError) as exc:
+            if isinstance(exc, ActorUnavailableError):
+                return  # unreachable for now: asked again, its silence keeps counting
+            self.dead[c.key] = now
+            self.outstanding.forget(c.key)
+            self.version += 1
+            return
+        except Exception as exc:  # noqa: BLE001 - asked again; its silence keeps counting
+            logger.warning("digest of %s failed: %s", c.key, exc)
+            return
+        self.outstanding.answered(c.key)
+        c.started = True
+        self._merge(c, d, now)
+
+    def _merge(self, c: _Child, d: Digest, now: float) -> None:
+        if d.rows:
+            self.rows.extend(d.rows)
+            self.first_row_at = self.first_row_at if self.first_row_at is not None else now
+        changed = bool(d.items)
+        self.items.extend(d.items)
+        for n, s in d.seqs.items():
+            self.seqs[n] = max(s, self.seqs.get(n, 0))
+        for n, state in d.states.items():  # changes only: what the parent has not seen yet
+            if self.states.get(n) != state:
+                self.states[n] = state
+                self.dirty.add(n)
+                changed = True
+        changed = changed or c.lost != d.lost
+        c.lost = dict(d.lost)
+        self.step = max(self.step, d.step)
+        if changed:
+            self.version += 1
+
+    def _judge(self, now: float) -> None:
+        for c in self.children.values():
+            mark = int(self.outstanding.overdue_s(c.key, now) / REPORT_SILENCE_S)
+            if mark != c.silence_mark:
+                c.silence_mark = mark
+                self.version += 1
+
+    def lost(self, now: float) -> dict[str, float]:
+        """Child keys that cannot be reached, and for how long (``inf``: the actor died)."""
+        out: dict[str, float] = {}
+        for c in self.children.values():
+            out.update(c.lost)
+            if c.key in self.dead:
+                out[c.key] = math.inf
+            elif c.silence_mark:
+                out[c.key] = self.outstanding.overdue_s(c.key, now)
+        return out
+
+    # ------------------------------------------------------------------ the parent's long poll
+    def digest(self, acks: dict[str, int] | None, wait_s: float, resend: bool = False) -> Digest:
+        with self.cond:
+            if acks:
+                self.acks.update({n: s for n, s in acks.items() if n in self.routes})
+            if resend:
+                for c in self.children.values():
+                    c.resend = True
+                self.sent_version = -1
+                self.dirty |= set(self.states)
+            deadline = self.clock() + wait_s
+            while True:
+                now = self.clock()
+                urgent = bool(self.items) or self.version != self.sent_version
+                rows_due = self.first_row_at is not None and now - self.first_row_at >= LINGER_S
+                if urgent or rows_due or now >= deadline:
+                    break
+                until = deadline if self.first_row_at is None else min(deadline, self.first_row_at + LINGER_S)
+                self.cond.wait(max(0.0, until - now))
+            out = Digest(
+                seqs=self.seqs,
+                rows=merge_rows(self.rows),
+                items=self.items,
+                states={n: self.states[n] for n in self.dirty if n in self.states},
+                lost=self.lost(now),
+                step=self.step,
+            )
+            self.rows, self.items, self.seqs, self.first_row_at = [], [], {}, None
+            self.dirty.clear()
+            self.sent_version = self.version
+            return out
+
+    # ------------------------------------------------------------------ commands
+    def command(self, cid: int, parts: dict[str, NodeCommand]) -> None:
+        """Pass each node's part to the child it is under (in the order commands came)."""
+        by_child: dict[str, dict[str, NodeCommand]] = {}
+        with self.cond:
+            for node, part in parts.items():
+                key = self.routes.get(node)
+                if key is not None and key not in self.dead:
+                    by_child.setdefault(key, {})[node] = part
+            targets = [(self.children[k], sub) for k, sub in by_child.items()]
+        for child, sub in targets:
+            if child.local:
+                for part in sub.values():
+                    child.handle.command(cid, part)
+            else:
+                child.handle.command.remote(self.out.name, self.out.next(child.key), cid, sub)

@@ -1,0 +1,54 @@
+"""The agent's way to real ranks: Ray actor calls to ``TrainWorker``s (``node.RankBackend``).
+
+Where it runs: in the ``NodeAgent`` actor. One ``ray.wait`` covers every call in flight, and
+the agent's doorbell (``bell.py``), so that a command's new calls are waited on at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import ray
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
+from elastic.agent.bell import Doorbell
+from elastic.errors import root_cause
+
+
+class ActorRanks:
+    def __init__(self, bell: Doorbell):
+        self.bell = bell
+
+    def call(self, handle: Any, method: str, *args: Any) -> Any:
+        return getattr(handle, method).remote(*args)
+
+    def wait(self, futures: list[Any], timeout_s: float) -> list[Any]:
+        return self.bell.wait(futures, timeout_s)
+
+    def result(self, future: Any) -> tuple[str, Any]:
+        try:
+            return "ok", ray.get(future, timeout=0)
+        except ActorUnavailableError:  # unreachable for now: silence counts, death is confirmed later
+            return "unavailable", None
+        except RayActorError:
+            return "dead", None
+        except GetTimeoutError:
+            return "unavailable", None
+        except Exception as exc:  # noqa: BLE001 - the rank's own error, named by its root cause
+            return "error", root_cause(exc)
+
+    def wake(self) -> None:
+        self.bell.ring()
+
+    def end(self, pid: int) -> None:
+        """SIGKILL the rank process ``pid`` if it is still one (a Ray worker: a pid may have
+        been reused since its rank died)."""
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if pid <= 0 or not f.read().startswith(b"ray::"):
+                    return
+            os.kill(pid, signal.SIGKILL)
+        except OSError:  # gone already, or no /proc here: Ray's own kill ends it
+            pass
