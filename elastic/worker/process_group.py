@@ -183,15 +183,17 @@ class ReconfigurableProcessGroup:
         return time.perf_counter() - t0
 
     def _device_options(self) -> dict[str, Any]:
-        """NCCL: bind the group to this rank's device (eager init, so meshes split from it)
-        and initialise communicators without blocking, bounded by the rendezvous timeout."""
+        """NCCL: bind the group to this rank's device (eager init, so meshes split from it).
+
+        Communicators are initialised blocking: with ``config.blocking = 0`` as well, the
+        mesh's first ``split_group`` crashed the process (segmentation fault, torch 2.11,
+        H200, one rank), while each alone worked. A member lost during the init is handled
+        as any lost member: the driver abandons the generation and kills what is stuck."""
         if self.backend != "nccl":
             return {}
         import torch
 
-        opts = dist.ProcessGroupNCCL.Options()
-        opts.config.blocking = 0
-        return {"device_id": torch.device("cuda", torch.cuda.current_device()), "pg_options": opts}
+        return {"device_id": torch.device("cuda", torch.cuda.current_device())}
 
     def mesh_built(self, groups: list[Any]) -> None:
         """The mesh's sub-groups exist (created with ``rendezvous_timeout``): give them the
