@@ -183,17 +183,16 @@ class ReconfigurableProcessGroup:
         return time.perf_counter() - t0
 
     def _device_options(self) -> dict[str, Any]:
-        """NCCL: bind the group to this rank's device (eager init, so meshes split from it).
+        """Nothing for either backend: NCCL groups are not bound to a device (``device_id``).
 
-        Communicators are initialised blocking: with ``config.blocking = 0`` as well, the
-        mesh's first ``split_group`` crashed the process (segmentation fault, torch 2.11,
-        H200, one rank), while each alone worked. A member lost during the init is handled
-        as any lost member: the driver abandons the generation and kills what is stuck."""
-        if self.backend != "nccl":
-            return {}
-        import torch
-
-        return {"device_id": torch.device("cuda", torch.cuda.current_device())}
+        Bound, DeviceMesh splits its sub-groups from the world group (``split_group``), and
+        on an H200 (torch 2.11, one rank) the first generation worked but the next one in
+        the same process, after ``leave``, crashed the process in ``split_group``
+        (segmentation fault; with or without non-blocking init, with a C++ or a Python
+        store). Re-forming in the same process is what recovery does, so the group stays
+        unbound, as in the GPU check that passed (docs/gpu.md): sub-groups are made with
+        ``new_group``, and ``shrink`` is not available (it needs a bound group)."""
+        return {}
 
     def mesh_built(self, groups: list[Any]) -> None:
         """The mesh's sub-groups exist (created with ``rendezvous_timeout``): give them the
@@ -212,6 +211,8 @@ class ReconfigurableProcessGroup:
         where the group cannot shrink (gloo, or no group)."""
         if self.backend != "nccl" or not dist.is_initialized() or not excluded:
             return False
+        if dist.group.WORLD is None or dist.group.WORLD.bound_device_id is None:
+            return False  # not bound to a device (``_device_options``): the group is re-formed instead
         with self._lock:
             _shrink_default_group(sorted(excluded))
             self._shrunk = tuple(sorted(excluded))

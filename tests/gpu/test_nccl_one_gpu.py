@@ -77,6 +77,11 @@ def test_device_id_makes_the_mesh_split_its_groups_from_the_parent(monkeypatch, 
         dist.destroy_process_group()
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="unbound on purpose: a device_id-bound group's second generation in the same process crashed "
+    "in split_group (torch 2.11, H200, 2026-11-26); see process_group._device_options",
+)
 def test_the_projects_group_binds_its_gpu():
     from elastic.testing.single_rank import SingleRank
 

@@ -1,9 +1,9 @@
 """The NCCL path of ``ReconfigurableProcessGroup``, on one GPU (world size 1).
 
-What runs here: the group is bound to the rank's device at init (eager, so the mesh's
-sub-groups are split from it) with a blocking communicator init (non-blocking with a split
-crashed: ``process_group._device_options``), the job's secret-named store works with NCCL, a re-formation (leave, join the next generation) works, and a
-shrink is refused where it cannot apply (gloo; a one-rank group). What cannot run on one
+What runs here: the group is NOT bound to the rank's device (bound, the second generation
+in the same process crashed inside ``split_group`` on an H200: ``process_group._device_options``),
+the job's secret-named store works with NCCL, a re-formation (leave, join the next
+generation) works, and a shrink is refused where it cannot apply (an unbound group, gloo). What cannot run on one
 GPU, nor anywhere here: ``shrink_group`` itself (it needs 2 ranks on 2 devices, and NCCL
 refuses two ranks on one device), and a survivor's blocked collective aborted by it.
 """
@@ -35,9 +35,8 @@ def test_nccl_group_is_bound_split_and_re_formed():
             group.configure(generation, 0, 1, store.address, store.secret)
             world = dist.group.WORLD
             assert dist.get_backend() == "nccl"
-            assert world.bound_device_id == torch.device("cuda", 0)  # eager init: meshes split from it
-            options = world._get_backend(torch.device("cuda", 0)).options
-            assert options.config.blocking != 0  # blocking init: non-blocking + split_group crashed (torch 2.11)
+            # not bound: a bound group's second generation crashed in split_group (torch 2.11, H200)
+            assert world.bound_device_id is None
             dims = ParallelDims(dp=1, tp=1, pp=1, world_size=1, timeout=group.rendezvous_timeout)
             dims.build_mesh("cuda")
             group.mesh_built(dims.mesh_groups())
@@ -46,7 +45,7 @@ def test_nccl_group_is_bound_split_and_re_formed():
                 dist.all_reduce(t, group=g)
             torch.cuda.synchronize()
             assert float(t.sum()) == 4.0
-            assert not group.shrink(())  # nothing to leave out
+            assert not group.shrink((1,))  # unbound: re-formed, not shrunk
             del dims, t
             group.leave()
             assert not dist.is_initialized()
