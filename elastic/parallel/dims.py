@@ -321,7 +321,9 @@ class ParallelDims:
         if device_type == "cuda":
             opts, backend = dist.ProcessGroupNCCL.Options(), "nccl"
         else:
-            opts, backend = dist.ProcessGroupGloo._Options(), "gloo"
+            # torch's stub calls Gloo's options class ``Options``, but at run time that name is
+            # ``Backend.Options`` and Gloo's own (with its timeout) is ``_Options`` (PRIVATE_TORCH_API).
+            opts, backend = dist.ProcessGroupGloo._Options(), "gloo"  # type: ignore[attr-defined]
         opts._timeout = self.timeout
         return (backend, opts)
 
