@@ -321,8 +321,7 @@ class ParallelDims:
         if device_type == "cuda":
             opts, backend = dist.ProcessGroupNCCL.Options(), "nccl"
         else:
-            # torch's stub calls Gloo's options class ``Options``, but at run time that name is
-            # ``Backend.Options`` and Gloo's own (with its timeout) is ``_Options`` (PRIVATE_TORCH_API).
+            # Gloo's own options are ``_Options`` at run time (``Options`` is Backend's); torch's stub lacks it.
             opts, backend = dist.ProcessGroupGloo._Options(), "gloo"  # type: ignore[attr-defined]
         opts._timeout = self.timeout
         return (backend, opts)
