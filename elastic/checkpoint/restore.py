@@ -174,8 +174,16 @@ def _local(value: Any) -> torch.Tensor:
     return value.to_local() if hasattr(value, "to_local") else value
 
 
+def _opened(reader: Any | None) -> Any:
+    """The reader of a rank that reads (the leader, or an owner of DP-sharded state)."""
+    if reader is None:
+        raise RuntimeError("restore: a rank with state to read opened no reader")
+    return reader
+
+
 def _batches(tensors: dict[str, Any]) -> list[dict[str, Any]]:
-    out, size = [{}], 0
+    out: list[dict[str, Any]] = [{}]
+    size = 0
     for path in sorted(tensors):
         t = _local(tensors[path])
         if out[-1] and size + t.numel() * t.element_size() > BATCH_BYTES:
@@ -302,11 +310,11 @@ def read_staggered(
         objects = _broadcast_objects(lead_objects(), group) if read_objects is not None else None
         for batch in _batches(shared):  # the leader reads a batch while the others wait for it
             if lead:
-                load_into(reader, batch)
+                load_into(_opened(reader), batch)
             moved = _broadcast(batch, group, lead)
             received += 0 if lead else moved
         if own:
-            load_into(reader, own)
+            load_into(_opened(reader), own)
     stats.update(
         bytes_read=reader.bytes_read if reader else 0,
         data_bytes_read=reader.data_bytes_read if reader else 0,

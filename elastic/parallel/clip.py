@@ -14,7 +14,7 @@ column-wise layers all-reduced them), so they are counted once, locally.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ def global_grad_norm(
 
 
 def clip_grad_norm(
-    params: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None, device: torch.device
+    params: Sequence[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None, device: torch.device
 ) -> float:
     """Clip in place to ``max_norm`` (0 disables) and return the pre-clip global norm."""
     total = global_grad_norm(params, pp_group, device)

@@ -321,7 +321,8 @@ class ParallelDims:
         if device_type == "cuda":
             opts, backend = dist.ProcessGroupNCCL.Options(), "nccl"
         else:
-            opts, backend = dist.ProcessGroupGloo._Options(), "gloo"
+            # Gloo's own options are ``_Options`` at run time (``Options`` is Backend's); torch's stub lacks it.
+            opts, backend = dist.ProcessGroupGloo._Options(), "gloo"  # type: ignore[attr-defined]
         opts._timeout = self.timeout
         return (backend, opts)
 

@@ -28,15 +28,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from elastic.models.spec import ModelSpec, model_spec
 from elastic.optim import TrainConfig, build_optimizer
-from elastic.parallel import ddp, fsdp, pp
+from elastic.parallel import ddp, fsdp, memtrack, pp
 from elastic.parallel.clip import clip_grad_norm
 from elastic.parallel.config import ParallelConfig
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.live import LiveState, keeps_module, rewrap
-from elastic.parallel.parallelize import parallelize
+from elastic.parallel.parallelize import parallelize, required_plan
 from elastic.parallel.tp import to_local_value
 
 MicroBatch = tuple[torch.Tensor, torch.Tensor]
@@ -108,7 +109,7 @@ class TrainEngine:
         # ``memory_probe_step``; that step (counted from this engine's build) is tracked.
         self._probe_step = getattr(parallel_cfg, "memory_probe_step", None) if self.device.type == "cpu" else None
         self._steps_begun = 0
-        self._probe = None
+        self._probe: memtrack.LiveTensorBytes | None = None
         self.probed_peak_bytes: int | None = None
         self.sync_wait_s = 0.0  # the last step's time blocked on peers (gradient sync, loss all-reduce)
 
@@ -120,7 +121,7 @@ class TrainEngine:
         with torch.device("meta"):
             model = self.spec.build()
         if dims.pp_enabled:
-            model = self.spec.split_stage(model, dims.pp, self.coords.pp_rank)
+            model = required_plan(self.spec.split_stage, "split_stage")(model, dims.pp, self.coords.pp_rank)
         self.module = model  # the (stage of the) model itself; ``model`` may be a DDP wrapper around it
         self.gpt = model  # historical name of ``module``
         self.build_timings["meta_s"] = time.perf_counter() - t0
@@ -195,7 +196,7 @@ class TrainEngine:
             self._start_probe(micro_batches)
         with self.spec.loss_context(self.dims.tp), self._precision():
             if self.schedule is not None:
-                local = self._pipeline_forward_backward(micro_batches)
+                local = self._pipeline_forward_backward(self.schedule, micro_batches)
             else:
                 local = self._local_forward_backward(micro_batches)
         _finish_own_work(self.device)  # so the wait timed below is the peers', not this device's queue
@@ -235,12 +236,14 @@ class TrainEngine:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
-    def _pipeline_forward_backward(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
+    def _pipeline_forward_backward(
+        self, schedule: PipelineScheduleSingle, micro_batches: Sequence[MicroBatch]
+    ) -> torch.Tensor:
         # The schedule re-splits the concatenation along dim 0 into the same micro-batches.
         args = (torch.cat([x for x, _ in micro_batches]).to(self.device),) if self.is_first_stage else ()
         target = torch.cat([y for _, y in micro_batches]).to(self.device) if self.is_last_stage else None
         losses: list[torch.Tensor] = []
-        self.schedule.step(*args, target=target, losses=losses if self.is_last_stage else None, return_outputs=False)
+        schedule.step(*args, target=target, losses=losses if self.is_last_stage else None, return_outputs=False)
         if not self.is_last_stage:
             return torch.zeros((), device=self.device)
         return torch.stack([to_local_value(loss.detach()) for loss in losses]).mean()
@@ -278,12 +281,10 @@ class TrainEngine:
         return norm
 
     def _start_probe(self, micro_batches: Sequence[MicroBatch]) -> None:
-        from elastic.parallel.memtrack import LiveTensorBytes, tensors_in
-
-        probe = LiveTensorBytes(self.device)
+        probe = memtrack.LiveTensorBytes(self.device)
         probe.__enter__()
         probe.register(list(self.model.parameters()) + list(self.model.buffers()))
-        probe.register(tensors_in(self.optimizer.state))
+        probe.register(memtrack.tensors_in(self.optimizer.state))
         probe.register([t for pair in micro_batches for t in pair])
         if self.pipeline_stage is not None:  # allocated by the first step, written in place by receives
             probe.register(pp.received_buffers(self.pipeline_stage))
@@ -351,7 +352,8 @@ class _own_backward:
     """
 
     def __init__(self, loss: torch.Tensor):
-        self.loss, self.local_done, self.waited_s = loss, None, 0.0
+        self.loss, self.waited_s = loss, 0.0
+        self.local_done: float | None = None  # when this rank's own backward ended
 
     def __enter__(self) -> _own_backward:
         def mark() -> None:
@@ -371,7 +373,6 @@ class _own_backward:
 
 def _aliases_live(model_sd: dict, optim_sd: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
     """Does every tensor of the state dict share storage with a live parameter or optimizer state?"""
-
     live = {_storage_ptr(t) for t in [*model.parameters(), *model.buffers()]}
     live |= {_storage_ptr(v) for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)}
     tensors = list(model_sd.values()) + [v for st in optim_sd["state"].values() for v in st.values()]

@@ -44,6 +44,7 @@ reduces gradients once per step there; ``reshard_after_forward`` still differs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -60,7 +61,7 @@ def apply_fsdp(
     zero: int,
     blocks: list[nn.Module],
     bf16: bool = False,
-    experts: list[nn.Module] = (),
+    experts: Sequence[nn.Module] = (),
     expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard ``model`` (a model or a pipeline stage, possibly TP-sharded) over ``dp_mesh``.
@@ -87,7 +88,7 @@ def apply_fsdp(
     return model
 
 
-def expert_params(experts: list[nn.Module]) -> set[nn.Parameter]:
+def expert_params(experts: Sequence[nn.Module]) -> set[nn.Parameter]:
     return {p for unit in experts for p in unit.parameters()}
 
 

@@ -152,7 +152,7 @@ def layer_bytes(acts: LayerActivations, m: MemoryInputs, ctx: StageContext) -> i
 def stored_per_micro_batch(acts: LayerActivations, m: MemoryInputs, ctx: StageContext) -> tuple[int, int]:
     """(bytes a micro-batch keeps on this stage between its forward and backward, one layer
     rebuilt or consumed at a time in backward)."""
-    residual = ctx.tokens * m.d_model * acts.residual
+    residual = ceil_div(ctx.tokens * m.d_model * acts.residual, 1)
     layer = layer_bytes(acts, m, ctx)
     stored = ctx.layers * (residual if ctx.recompute else layer)
     if ctx.stage > 0:  # the first block's input is the receive buffer (counted in ``pipeline``)

@@ -11,7 +11,7 @@ resize is a second call on a fresh model with a fresh ``ParallelDims``.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import nn
@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from elastic.models.spec import ModelSpec
     from elastic.parallel.config import ParallelConfig
     from elastic.parallel.dims import ParallelDims
+
+Plan = TypeVar("Plan")
 
 
 def parallelize(
@@ -51,12 +53,12 @@ def parallelize(
     #    compose 2-D (dp, tp) placements; the reverse order is not supported by torch.
     t0 = time.perf_counter()
     if dims.tp_enabled:
-        spec.tp_plan(model, dims.tp_mesh)
+        required_plan(spec.tp_plan, "tp_plan")(model, dims.tp_mesh)
     # 1b. Experts next (still on the meta device): sharded over EP (and TP), and each MoE
     #     layer told its EP group; then the attention told its CP group (no parameters).
     experts = spec.ep_plan(model, dims) if spec.ep_plan is not None else []
     if dims.cp_enabled:
-        spec.cp_plan(model, dims.cp_mesh)
+        required_plan(spec.cp_plan, "cp_plan")(model, dims.cp_mesh)
 
     # 2. Materialise this rank's shard of this stage only, and fill it from the seed. A
     #    restore overwrites every value right after, so the fill is skipped then, unless
@@ -116,3 +118,12 @@ def _init_does_more_than_fill(model: nn.Module) -> bool:
     """Does the model share a parameter between modules, or hold buffers?"""
     shared = len(list(model.named_parameters(remove_duplicate=False))) != len(list(model.parameters()))
     return shared or any(True for _ in model.buffers())
+
+
+def required_plan(plan: Plan | None, name: str) -> Plan:
+    """One of the model's ``ModelSpec`` plans that the layout needs. ``ModelSpec.check_layout``
+    refuses such a layout for a model without it before anything is built, so a missing one
+    here is a bug, not bad input."""
+    if plan is None:
+        raise RuntimeError(f"the layout needs the model's {name}, which it lacks (check_layout was skipped)")
+    return plan

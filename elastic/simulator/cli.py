@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from elastic.simulator import model
 from elastic.simulator.costs import CAUSES, LLAMA3_CAUSES, NODE_STAYS, Costs
@@ -80,7 +80,7 @@ def _bad(flag: str, message: str) -> int:
     return 2
 
 
-def build(args: argparse.Namespace) -> tuple[model.Job, model.Scenario] | tuple[None, str]:
+def build(args: argparse.Namespace) -> tuple[model.Job, model.Scenario]:
     job = model.Job(
         gpus=args.gpus,
         gpus_per_node=args.gpus_per_node,
@@ -161,7 +161,7 @@ def params(args, job, sc, costs: Costs, interval: float, reaction: model.Reactio
 
 def dominant(result: model.Result) -> tuple[str, float]:
     items = {k: v for k, v in result.breakdown_s.items() if k != "reduced_dp"}
-    name = max(items, key=items.get) if items else "none"
+    name = max(items, key=items.__getitem__) if items else "none"
     return name, items.get(name, 0.0)
 
 
@@ -230,7 +230,7 @@ def report(job: model.Job, sc: model.Scenario, out: dict) -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
+    def error(self, message: str) -> NoReturn:  # one line, exit 2
         self.exit(2, f"error: {message}\n")
 
 

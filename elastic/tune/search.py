@@ -74,7 +74,9 @@ class StagedSearch(Searcher):
         self._mode = mode or self._mode
         return True
 
-    def suggest(self, trial_id: str) -> dict | str | None:
+    # Ray annotates suggest as Optional[Dict], but its contract (the docstring; SearchGenerator
+    # and ConcurrencyLimiter compare the result with it) includes the string Searcher.FINISHED.
+    def suggest(self, trial_id: str) -> dict | str | None:  # type: ignore[override]
         if self.max_trials is not None and self.launched >= self.max_trials:
             return Searcher.FINISHED
         if not self.queue and self.stage == 1:

@@ -105,7 +105,13 @@ def default_space(spec: Any, cluster: Cluster) -> dict[str, list[Any]]:
     pps = [p for p in (1, 2, 4) if p <= m.n_layers and p <= cluster.worker_slots]
     gb = spec.train.global_batch
     mbs = [b for b in (1, 2, 4, 8, 16) if gb % b == 0]
-    space = {"tp": tps, "pp": pps, "zero": [0, 1, 3], "micro_batch": mbs, "activation_checkpointing": [False, True]}
+    space: dict[str, list[Any]] = {
+        "tp": tps,
+        "pp": pps,
+        "zero": [0, 1, 3],
+        "micro_batch": mbs,
+        "activation_checkpointing": [False, True],
+    }
     moe = getattr(m, "moe", None)
     if moe is not None:  # a mixture of experts: expert parallelism inside a node
         space["ep"] = [e for e in (1, 2, 4, 8) if moe.n_experts % e == 0 and e <= cluster.slots_per_node]

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from typing import Literal
+
+AnomalyCause = Literal["nan_loss", "loss_spike"]  # AnomalyReport.cause
 
 
 class LossMonitor:
@@ -18,7 +21,7 @@ class LossMonitor:
         self.min_history = min_history
         self._history: deque[float] = deque(maxlen=window)
 
-    def check(self, loss: float) -> str | None:
+    def check(self, loss: float) -> AnomalyCause | None:
         if not math.isfinite(loss):
             return "nan_loss"
         if len(self._history) >= self.min_history:

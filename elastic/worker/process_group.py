@@ -361,9 +361,9 @@ def _drop_torch_group_references() -> None:
     _mesh_resources.mesh_stack.clear()
     propagator = DTensor._op_dispatcher.sharding_propagator
     for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
-        cached = getattr(propagator, name, None)
-        if hasattr(cached, "cache_clear"):
-            cached.cache_clear()
+        clear = getattr(getattr(propagator, name, None), "cache_clear", None)
+        if clear is not None:  # an lru_cache in the torch versions that have it
+            clear()
 
 
 PRIVATE_TORCH_API = (

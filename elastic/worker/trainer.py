@@ -34,7 +34,7 @@ from elastic.messages import AnomalyReport, SdcReport, SnapshotReport, StepRepor
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
 from elastic.parallel.live import LiveState, release
-from elastic.worker.anomaly import LossMonitor
+from elastic.worker.anomaly import AnomalyCause, LossMonitor
 from elastic.worker.hooks import StepHook
 from elastic.worker.rng import capture_rng, restore_rng
 from elastic.worker.sdc import SdcGuard
@@ -63,7 +63,7 @@ class Trainer:
         # ``restoring``: state is loaded right after the build, so the engine skips making
         # the ranks' fresh weights agree (every rank loads the same state). ``adopt``: this
         # rank's own live state from the last generation (``elastic/parallel/live.py``).
-        self.engine = TrainEngine(
+        self._engine: TrainEngine | None = TrainEngine(
             spec.model, spec.parallel, spec.train, dims, spec.seed, device=str(device), restoring=restoring, adopt=adopt
         )
         self.monitor = LossMonitor(spec.elastic.loss_spike_factor)
@@ -81,6 +81,13 @@ class Trainer:
         self.abort = abort or threading.Event()
         blocks = [] if spec.train.compile else self.engine.spec.blocks(self.engine.module)  # (no graph breaks)
         self._abort_hooks = [b.register_forward_pre_hook(self._check_abort) for b in blocks]
+
+    @property
+    def engine(self) -> TrainEngine:
+        """The engine of this generation; gone after ``release_live``, ``drop_engine`` or ``close``."""
+        if self._engine is None:
+            raise RuntimeError("the trainer's engine was released (after a failure, a re-formation or close)")
+        return self._engine
 
     @property
     def layout(self) -> dict[str, int]:
@@ -129,9 +136,9 @@ class Trainer:
     def release_live(self) -> LiveState | None:
         """Let go of the engine (its process groups and wrappers) and keep its state."""
         self._remove_abort_hooks()  # a kept module carries no hook of this trainer
-        if self.engine is None:
+        if self._engine is None:
             return None
-        live, self.engine = release(self.engine, self.step, self.rank), None
+        live, self._engine = release(self._engine, self.step, self.rank), None
         return live
 
     def load_storage(self, restore: StorageRestore) -> dict[str, Any]:
@@ -157,8 +164,9 @@ class Trainer:
         self.skip_batches = set(objects.get("train/skip_batches", []))
 
     # ------------------------------------------------------------------ start and stop
-    def start(self, host_index: int, storage_uri: str) -> None:
-        """Open the data stream (after this host's stagger slot) and the storage tier."""
+    def start(self, host_index: int, storage_uri: str | None) -> None:
+        """Open the data stream (after this host's stagger slot) and the storage tier
+        (at ``storage_uri``, else ``checkpoint.uri``)."""
         self.stream = self._open_stream(self.batch_index, host_index * self.spec.data.stagger_s)
         self.uploader = StorageUploader.create(
             self.spec, storage_uri, self.rank, self.dims, self.tier, self.reports, base_step=self.step
@@ -167,7 +175,7 @@ class Trainer:
     def drop_engine(self) -> None:
         """After a failure: let go of the model and its process groups (the stream and the
         uploads of finished steps stay until the next generation replaces this trainer)."""
-        self.engine = None
+        self._engine = None
 
     def close(self) -> None:
         """Stop the stream and drop the storage uploads of this generation."""
@@ -178,7 +186,7 @@ class Trainer:
         if self.source is not None:
             self.source.close()
         self._remove_abort_hooks()
-        self.engine = None
+        self._engine = None
 
     # ------------------------------------------------------------------ the step
     def train_step(self) -> bool:
@@ -187,9 +195,9 @@ class Trainer:
         self.sdc.baseline(self)
         t0 = time.perf_counter()
         timeout = self.spec.elastic.collective_timeout_s
-        batch_index, micro_batches = self.stream.next(timeout=timeout)
+        batch_index, micro_batches = self._stream().next(timeout=timeout)
         while batch_index in self.skip_batches:
-            batch_index, micro_batches = self.stream.next(timeout=timeout)
+            batch_index, micro_batches = self._stream().next(timeout=timeout)
         data_wait_s = time.perf_counter() - t0
         if self.hook is not None:
             if self.hook.pending(step, self.rank):
@@ -261,14 +269,15 @@ class Trainer:
             s = done[-1]
             report = SnapshotReport(s.step, self._snapshot_blocking + wait_s, s.copy_s, s.nbytes)
         ck = self.spec.checkpoint
-        to_storage = self.uploader is not None and self.uploader.due(step)
+        uploader = self.uploader if self.uploader is not None and self.uploader.due(step) else None
+        to_storage = uploader is not None
         if to_storage or (ck.memory_every_steps and step % ck.memory_every_steps == 0) or self.sdc.due(step):
             t = time.perf_counter()
             state = self.state_dict()
             gather_s = time.perf_counter() - t
             self._snapshot_blocking = gather_s + self.tier.snapshot_async(step, self.rank, state, self.layout)
-            if to_storage:
-                self.uploader.save(step, state, self._snapshot_blocking)
+            if uploader is not None:
+                uploader.save(step, state, self._snapshot_blocking)
             if self.sdc.due(step):
                 self.sdc.passed(step)
         if self.uploader is not None:
@@ -295,7 +304,7 @@ class Trainer:
             self.tier.snapshot_async(self.step, self.rank, self.state_dict(), self.layout)
             self.tier.wait()
 
-    def _roll_back(self, step: int, batch_index: int, loss: float, cause: str) -> None:
+    def _roll_back(self, step: int, batch_index: int, loss: float, cause: AnomalyCause) -> None:
         """A NaN or spiking loss: do not commit; restore the newest own snapshot."""
         self.engine.zero_grad()
         self.tier.wait()
@@ -309,8 +318,8 @@ class Trainer:
         if self.spec.elastic.on_bad_loss == "skip":
             self.skip_batches.add(batch_index)
         skipping_this = resume_batch == batch_index and batch_index in self.skip_batches
-        if resume_batch != self.stream.next_batch and not skipping_this:
-            self.stream.close()
+        if resume_batch != self._stream().next_batch and not skipping_this:
+            self._stream().close()
             self.stream = self._open_stream(resume_batch, 0.0)
         self.batch_index = resume_batch
         self.reports.append(
@@ -332,6 +341,8 @@ class Trainer:
             return False
         t = time.perf_counter()
         verified = self.sdc.verified
+        if verified is None:  # ``baseline`` sets it before the first step of a checked run
+            raise RuntimeError("SDC check: no verified step to roll back to (baseline not taken)")
         if self.sdc.initial is not None and verified == 0:  # nothing verified since a fresh start
             self.sdc.restore_initial(self.engine)
             self.step, self.batch_index, self.skip_batches = 0, 0, set()
@@ -341,11 +352,16 @@ class Trainer:
             self._load_progress(snap.objects)
             restore_rng(_rng_of(snap.objects))
         self.tier.discard_after(verified)
-        self.stream.close()
+        self._stream().close()
         self.stream = self._open_stream(self.batch_index, 0.0)
         odd = self.sdc.odd_replica(verdict)
         self.reports.append(SdcReport(step, verdict.odd, odd, verdict.decided, verified, time.perf_counter() - t))
         return True
+
+    def _stream(self) -> RankStream:
+        if self.stream is None:
+            raise RuntimeError("train_step() before start(): no data stream")
+        return self.stream
 
     def _open_stream(self, start_batch: int, delay_s: float) -> RankStream:
         d = self.spec.data
