@@ -13,9 +13,12 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import ray
+
+if TYPE_CHECKING:
+    from ray.actor import ActorClass
 
 from elastic.agent.aggregator import CHILD_WAIT_S, AggregatorCore
 from elastic.agent.bell import Doorbell
@@ -40,7 +43,9 @@ def _loop(pump, timeout_s: float, name: str) -> None:
             time.sleep(0.1)
 
 
-@ray.remote(num_cpus=0, max_restarts=0, concurrency_groups=GROUPS)
+# The ignore: Ray's stubs for ray.remote(**options) list task options only, not the actor
+# option concurrency_groups (which Ray takes: the bell, digest and command groups).
+@ray.remote(num_cpus=0, max_restarts=0, concurrency_groups=GROUPS)  # type: ignore[call-overload]
 class NodeAgent:
     """The agent of one node: its ranks' liveness, polls and reports, and the commands to them.
 
@@ -76,7 +81,9 @@ class NodeAgent:
         return ray.get_runtime_context().get_node_id(), os.getpid()
 
 
-@ray.remote(num_cpus=0, max_restarts=0, concurrency_groups=GROUPS)
+# The ignore: Ray's stubs for ray.remote(**options) list task options only, not the actor
+# option concurrency_groups (which Ray takes: the bell, digest and command groups).
+@ray.remote(num_cpus=0, max_restarts=0, concurrency_groups=GROUPS)  # type: ignore[call-overload]
 class Aggregator:
     """Merges the digests of a bounded number of children into one per answer."""
 
@@ -120,3 +127,9 @@ class Aggregator:
     @ray.method(concurrency_group="command")
     def where(self) -> tuple[str, int]:
         return ray.get_runtime_context().get_node_id(), os.getpid()
+
+
+# What @ray.remote made of the two classes, for the driver's ``.options(...).remote(...)``:
+# mypy keeps a decorated class's own type (it does not apply a class decorator's result).
+NodeAgentActor = cast("ActorClass[NodeAgent]", NodeAgent)
+AggregatorActor = cast("ActorClass[Aggregator]", Aggregator)

@@ -57,7 +57,7 @@ class AggregatorCore:
         self.children: dict[str, _Child] = {}
         self.routes: dict[str, str] = {}  # node -> the key of the child it is under
         self.acks: dict[str, int] = {}  # node -> the last item the driver has
-        self.outstanding = Outstanding()
+        self.outstanding: Outstanding[str] = Outstanding()  # by child key
         self.dead: dict[str, float] = {}  # child key -> when its actor died
         self.rows: list[StepRows] = []
         self.first_row_at: float | None = None
@@ -105,7 +105,7 @@ class AggregatorCore:
                 self.states.pop(n, None)
                 self.acks.pop(n, None)
                 child = self.children.get(key) if key is not None else None
-                if child is not None:
+                if key is not None and child is not None:
                     child.nodes.discard(n)
                     if not child.nodes:
                         del self.children[key]
@@ -133,13 +133,18 @@ class AggregatorCore:
             self._judge(now)
             self.cond.notify_all()
 
+    def _local_pool(self) -> ThreadPoolExecutor:
+        if self.pool is None:  # adopt() makes it with the first local child
+            raise RuntimeError("a local child polled before adopt() made the pool")
+        return self.pool
+
     def _ask(self, now: float) -> None:
         for c in self.children.values():
             if c.request is not None or c.key in self.dead:
                 continue
             acks = {n: self.acks[n] for n in c.nodes if n in self.acks}
             if c.local:
-                c.request = self.pool.submit(c.handle.digest, acks, self.child_wait_s, c.resend)
+                c.request = self._local_pool().submit(c.handle.digest, acks, self.child_wait_s, c.resend)
                 c.request.add_done_callback(lambda _f: self.bell.ring())
             else:
                 c.request = c.handle.digest.remote(acks, self.child_wait_s, c.resend)

@@ -11,35 +11,38 @@ blames nobody: its own stall delays its judgement, it does not age its peers.
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import Generic, TypeVar
 
 STARTUP_GRACE_S = 60.0  # a new actor's first answer may take this much longer: its process starts first
 
+K = TypeVar("K", bound=Hashable)  # how the owner names its peers (a worker id, a tree key)
 
-class Outstanding:
+
+class Outstanding(Generic[K]):
     """One request in flight per key, and when its answer is due (any monotonic clock)."""
 
     def __init__(self) -> None:
-        self._due: dict[Hashable, float] = {}
+        self._due: dict[K, float] = {}
 
-    def issued(self, key: Hashable, now: float, answer_within_s: float) -> None:
+    def issued(self, key: K, now: float, answer_within_s: float) -> None:
         """A request to ``key`` left now; a long poll is due back after its wait."""
         self._due[key] = now + answer_within_s
 
-    def answered(self, key: Hashable) -> None:
+    def answered(self, key: K) -> None:
         self._due.pop(key, None)
 
-    def forget(self, key: Hashable) -> None:
+    def forget(self, key: K) -> None:
         self._due.pop(key, None)
 
-    def in_flight(self, key: Hashable) -> bool:
+    def in_flight(self, key: K) -> bool:
         return key in self._due
 
-    def overdue_s(self, key: Hashable, now: float) -> float:
+    def overdue_s(self, key: K, now: float) -> float:
         """How long ``key``'s answer is past due (0 when none is in flight or not yet due)."""
         due = self._due.get(key)
         return 0.0 if due is None else max(0.0, now - due)
 
-    def silent(self, now: float, threshold_s: float) -> dict[Hashable, float]:
+    def silent(self, now: float, threshold_s: float) -> dict[K, float]:
         """Every key overdue by at least ``threshold_s``, with how long."""
         return {k: now - due for k, due in self._due.items() if now - due >= threshold_s}
 

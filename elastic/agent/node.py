@@ -108,7 +108,7 @@ class NodeCore:
         self.ranks: dict[int, _Rank] = {}
         self.inflight: dict[Any, tuple] = {}  # future -> ("poll", wid) | ("call", cid, wid)
         self.polls: dict[int, Any] = {}  # wid -> its long poll in flight
-        self.outstanding = Outstanding()
+        self.outstanding: Outstanding[int] = Outstanding()  # by worker id
         self.gathers: dict[int, _Gather] = {}
         self.items: list[tuple[int, Any]] = []  # (seq, StepRows | RankReport | CommandDone), until acked
         self.seq = self.sent = self.acked = 0
@@ -293,8 +293,8 @@ class NodeCore:
             if part.method == "flush":
                 self._flush(cid, wids)
             else:
-                args = (part.timeout_s,) if part.method == "save_checkpoint" else ()
-                self._gather(cid, {wid: (part.method, args) for wid in wids})
+                query_args = (part.timeout_s,) if part.method == "save_checkpoint" else ()
+                self._gather(cid, {wid: (part.method, query_args) for wid in wids})
 
     def _live(self) -> list[_Rank]:
         return [r for r in self.ranks.values() if r.dead_at is None]

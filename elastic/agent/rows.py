@@ -20,7 +20,7 @@ COLUMNS = _INTS + _FLOATS + _SNAP
 def rows_of(step: int, reports: Sequence[tuple[int, StepReport]]) -> StepRows:
     """One block from ``(rank, report)`` pairs, all of ``step``."""
     snaps = [r.snapshot for _, r in reports]
-    cols = {
+    cols: dict[str, Sequence[float]] = {
         "ranks": [rank for rank, _ in reports],
         "loss": [r.loss for _, r in reports],
         "grad_norm": [r.grad_norm for _, r in reports],
@@ -38,7 +38,7 @@ def rows_of(step: int, reports: Sequence[tuple[int, StepReport]]) -> StepRows:
     return StepRows(step=step, **{k: _array(k, v) for k, v in cols.items()})
 
 
-def _array(name: str, values: list) -> np.ndarray:
+def _array(name: str, values: Sequence[float]) -> np.ndarray:
     return np.asarray(values, dtype=np.int64 if name in _INTS else np.float64)
 
 

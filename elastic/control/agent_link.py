@@ -22,7 +22,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +48,7 @@ class Taken:
     rows: list[StepRows] = field(default_factory=list)
     reports: list[tuple[int, Any]] = field(default_factory=list)  # (rank, WorkerReport)
     done: list[tuple[str, CommandDone]] = field(default_factory=list)  # (node, answer)
-    states: dict[str, NodeState | None] = field(default_factory=dict)  # node -> news (None: none any more)
+    states: dict[str, NodeState] = field(default_factory=dict)  # node -> its changed state (no news: cleared)
     lost: dict[str, float] = field(default_factory=dict)  # tree key -> seconds unreachable (inf: died)
     step: int = 0
 
@@ -86,7 +86,7 @@ class AgentTree:
         self.depth: int | None = None  # aggregator levels, decided at the first nodes
         self.channels: dict[str, _Channel] = {}
         self._channel: dict[str, str] = {}  # node -> the key of the channel it is under
-        self.outstanding = Outstanding()
+        self.outstanding: Outstanding[str] = Outstanding()  # by tree key
         self.seen: dict[str, int] = {}  # node -> the last item seq taken in
         self.reports_seen: dict[int, int] = {}  # wid -> the worker's number of its last report taken in
         self.calls = 0  # Ray calls the driver made into the tree (for the control-plane benchmark)
@@ -219,7 +219,7 @@ class AgentTree:
         self.channels.clear()
 
     # ------------------------------------------------------------------ commands
-    def send(self, parts: dict[str, NodeCommand]) -> int:
+    def send(self, parts: Mapping[str, NodeCommand]) -> int:
         """One command down the tree: one call per channel over the nodes addressed."""
         cid = next(self._cids)
         by_channel: dict[str, dict[str, NodeCommand]] = {}
@@ -231,7 +231,7 @@ class AgentTree:
             self._call(ch, "command", cid, sub)
         return cid
 
-    def resend(self, cid: int, parts: dict[str, NodeCommand]) -> None:
+    def resend(self, cid: int, parts: Mapping[str, NodeCommand]) -> None:
         """The parts of command ``cid`` again (a replaced agent did not get them)."""
         for node, part in parts.items():
             ch = self.channel_of(node)

@@ -13,7 +13,7 @@ import errno
 import selectors
 import socket
 import time
-from typing import Any
+from typing import Any, cast
 
 from elastic.errors import (
     ActorDied,
@@ -56,7 +56,7 @@ def diagnose(members: list[Any], elastic: Any, now: float, raylets: RayletProbe)
             dead = [m for m in suspects if m.node_id in gone]
     if dead:
         lost_nodes = _lost_nodes(members, dead, raylets)
-        cls = NodeLost if lost_nodes else ActorDied
+        cls: type[WorkerFailure] = NodeLost if lost_nodes else ActorDied
         return cls(
             f"{len(dead)} worker(s) died" + (f"; node(s) {sorted(lost_nodes)} left the cluster" if lost_nodes else ""),
             ranks=[m.rank for m in dead],
@@ -206,7 +206,7 @@ def _connect_batch(items: list[tuple[str, tuple[str, int]]], timeout_s: float) -
                 if left <= 0:
                     break
                 for sk, _ in sel.select(left):
-                    sock = sk.fileobj
+                    sock = cast(socket.socket, sk.fileobj)  # what was registered: a socket of ``waiting``
                     sel.unregister(sock)
                     key = waiting.pop(sock)
                     err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar, cast
 
 from elastic.control import policies
 from elastic.control.peer_ring import LeastLoaded, ring_shift
@@ -164,7 +164,7 @@ def owners_for(
     return OwnerIndex(holders, tp, pp, zero, ep, cp, shard_group).owners(new_rank, me)
 
 
-class OwnerIndex:
+class OwnerIndex(Generic[M]):
     """``owners_for`` for every rank of a layout in O(1) each under DDP (O(dp) under FSDP,
     the size of the answer): the holders indexed once by coordinate and holder."""
 
@@ -258,8 +258,9 @@ def replica_peers(
         if len(twin_nodes[content[r]]) > 1:  # an identical replica lives on another node
             out.append(None)
             continue
-        if on_node[nodes[r]] < n:  # some rank lives on another node
-            peer: int | None = (r + shift) % n if nearest is None else nearest.pick(r)
+        if on_node[nodes[r]] < n:  # some rank lives on another node: two nodes at least, so
+            # ``nearest`` was built wherever no ring shift fits
+            peer: int | None = (r + shift) % n if shift is not None else cast(LeastLoaded, nearest).pick(r)
         else:
             peer = (r + 1) % n if n > 1 and twins_count[content[r]] == 1 else None
         out.append(peer)

@@ -111,7 +111,9 @@ def free_survivors(
     group.kill(stuck)
     stuck_ids = {id(m) for m in stuck}
     survivors = [m for m in survivors if id(m) not in stuck_ids]
-    reports = [(r, rep) for r, rep in group.drain_results(survivors) if isinstance(rep, StepReport | StepRows)]
+    reports: list[tuple[int, WorkerReport]] = [
+        (r, rep) for r, rep in group.drain_results(survivors) if isinstance(rep, StepReport | StepRows)
+    ]
     return survivors, Boundary(stuck=stuck, reports=reports)
 
 

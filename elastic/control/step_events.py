@@ -15,6 +15,7 @@ import numpy as np
 
 from elastic.agent.rows import COLUMNS, merge_rows, rows_of
 from elastic.messages import StepReport, StepRows
+from elastic.models.config import token_shape
 
 if TYPE_CHECKING:
     from elastic.spec import JobSpec
@@ -62,7 +63,7 @@ def step_fields(spec: JobSpec, dp: int, step: int, rows: StepRows) -> dict[str, 
     r0 = int(np.argmin(rows.ranks))
     tp, pp = spec.parallel.tp, spec.parallel.pp
     step_time = float(rows.step_time_s.max())
-    tokens = spec.train.global_batch * spec.model.seq_len
+    tokens = spec.train.global_batch * token_shape(spec.model)[0]
     fields: dict[str, Any] = dict(
         step=step,
         loss=float(rows.loss[r0]),

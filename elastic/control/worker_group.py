@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
-from elastic.agent.actors import Aggregator, NodeAgent
+from elastic.agent.actors import AggregatorActor, NodeAgentActor
 from elastic.control import drain
 from elastic.control.agent_link import FAN_IN, AgentTree
 from elastic.control.diagnosis import NODE_PROBE_S, RayletProbe, diagnose
@@ -114,13 +114,13 @@ class WorkerGroup(GroupNews):
     def _make_agent(self, node: str) -> Any:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        return NodeAgent.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(node)
+        return NodeAgentActor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(node)
 
     def _make_aggregator(self) -> Any:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         here = ray.get_runtime_context().get_node_id()  # with the driver: it dies only with the job
-        return Aggregator.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()
+        return AggregatorActor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote()
 
     # ------------------------------------------------------------------ capacity
     def request_capacity(self) -> None:
@@ -162,7 +162,7 @@ class WorkerGroup(GroupNews):
             if len(spare) >= count or time.monotonic() >= deadline:
                 return spare
 
-    def spawn(self, groups: list[Any]) -> list[Member]:
+    def spawn(self, groups: Sequence[Any]) -> list[Member]:
         """Create one actor per bundle of each placement group (a whole replica each), and
         hand each to its node's agent (started with the node's first worker)."""
         actors = []
@@ -279,7 +279,7 @@ class WorkerGroup(GroupNews):
             obs.failure = diagnose(self.members, self.spec.elastic, now, self.raylets)
         if obs.failure is None and self.members and self._all_returned():
             obs.results.extend(self.drain_results(self.members, RPC_TIMEOUT_S))
-            statuses = {m.run_result.status for m in self.members}
+            statuses = {m.run_result.status for m in self.members if m.run_result}  # all (_all_returned)
             obs.finished = statuses == {"done"}
             obs.stopped = "stopped" in statuses and statuses <= {"stopped", "done"}
         return obs
@@ -358,7 +358,7 @@ class WorkerGroup(GroupNews):
     def release_group(self, group: Any) -> None:
         self.slots.release(group)
 
-    def placement(self) -> dict[str, object]:
+    def placement(self) -> dict[str, Any]:
         """The ``placement`` event's fields for the current members (docs/outputs.md)."""
         p = self.spec.parallel
         return placement_fields(self.dp, p.tp, p.pp, self.members, self._node_labels, ep=p.ep, cp=p.cp)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from elastic.errors import WorkerFailure
 from elastic.messages import WorkerReport
@@ -19,6 +19,8 @@ from elastic.messages import WorkerReport
 if TYPE_CHECKING:
     from elastic.control.drain import DrainNotice
     from elastic.control.recovery_plan import Holdings, ReformPlan
+    from elastic.spec import JobSpec
+    from elastic.worker.hooks import StepHook
 
 Slot = Hashable  # a placement group (one whole replica's bundles): opaque to the controller
 
@@ -61,9 +63,17 @@ class ConfigureResult:
     cpu_s: float = 0.0  # the most CPU time one worker spent configuring
 
 
+# A group's own member type: it is handed back only the members it made (WorkerGroup's carry
+# their actors), so its methods take that type, not any ``Member``.
+M = TypeVar("M", bound=Member)
+
+
 @runtime_checkable
-class WorkerGroupAPI(Protocol):
-    members: Sequence[Member]  # ordered by rank
+class WorkerGroupAPI(Protocol[M]):
+    @property
+    def members(self) -> Sequence[M]:  # ordered by rank; read-only here, so a group may keep a list
+        ...
+
     dp: int
     storage_uri: str
 
@@ -74,7 +84,7 @@ class WorkerGroupAPI(Protocol):
 
     def wait_spare(self, count: int, timeout: float) -> list[Slot]: ...
 
-    def spawn(self, groups: Sequence[Slot]) -> list[Member]: ...
+    def spawn(self, groups: Sequence[Slot]) -> list[M]: ...
 
     def release_group(self, group: Slot) -> None: ...
 
@@ -85,9 +95,9 @@ class WorkerGroupAPI(Protocol):
     def avoid(self, nodes: set[str]) -> None: ...
 
     # (re)configuration
-    def snapshot_holdings(self, members: Sequence[Member]) -> list[Holdings | None]: ...
+    def snapshot_holdings(self, members: Sequence[M]) -> list[Holdings | None]: ...
 
-    def configure(self, plan: ReformPlan) -> ConfigureResult: ...
+    def configure(self, plan: ReformPlan[M]) -> ConfigureResult: ...
 
     def rack_of(self, node_id: str) -> str: ...
 
@@ -96,25 +106,35 @@ class WorkerGroupAPI(Protocol):
 
     def observe(self, timeout: float = ...) -> Observation: ...
 
-    def drain_results(self, members: Sequence[Member], timeout: float = 10.0) -> list[tuple[int, WorkerReport]]: ...
+    def drain_results(self, members: Sequence[M], timeout: float = 10.0) -> list[tuple[int, WorkerReport]]: ...
 
     def request_stop(self) -> None: ...
 
-    def wait_runs(self, members: Sequence[Member], timeout: float) -> list[Member]: ...
+    def wait_runs(self, members: Sequence[M], timeout: float) -> list[M]: ...
 
     def save_checkpoints(self, timeout: float) -> None: ...
 
-    def kill(self, members: Sequence[Member]) -> None: ...
+    def kill(self, members: Sequence[M]) -> None: ...
 
-    def shrink(self, members: Sequence[Member], excluded: Sequence[int]) -> None: ...
+    def shrink(self, members: Sequence[M], excluded: Sequence[int]) -> None: ...
 
-    def abort_steps(self, members: Sequence[Member]) -> None: ...
+    def abort_steps(self, members: Sequence[M]) -> None: ...
 
     def shutdown(self) -> None: ...
 
-    def placement(self) -> dict[str, object]: ...
+    def placement(self) -> dict[str, Any]: ...  # the ``placement`` event's fields
 
     # for fault tools and callbacks
     def pid_of(self, rank: int) -> int: ...
 
     def pids_on_node(self, node_id: str) -> list[int]: ...
+
+
+class WorkerGroupFactory(Protocol):
+    """How the controller makes its group (``Controller.worker_group_cls``): the group class
+    itself, or a test's or the benchmark's subclass. It says nothing of the member type: the
+    controller only hands a group back the members that group made."""
+
+    def __call__(
+        self, spec: JobSpec, corpus_uri: str, *, step_hook: StepHook | None = None, storage_uri: str = ""
+    ) -> WorkerGroupAPI[Any]: ...

@@ -30,7 +30,7 @@ from typing import Any
 
 from elastic.agent.bell import Doorbell
 from elastic.agent.node import AgentGone, NodeCore
-from elastic.messages import ConfigureReply, PollReply, RunOutcome, SnapshotReport, StepReport
+from elastic.messages import ConfigureReply, PollReply, RunOutcome, SnapshotReport, StepReport, WorkerReport
 
 FABRIC_CHECK_S = 0.05
 
@@ -270,7 +270,7 @@ class VirtualRanks:
         r = f.rank
         if f.method == "poll":
             upto = self._completed(r, now)
-            reports = [self._report(r, s) for s in range(r.reported + 1, upto + 1)]
+            reports: list[WorkerReport] = [self._report(r, s) for s in range(r.reported + 1, upto + 1)]
             r.reported = max(r.reported, upto)
             self._settle(r, now)
             phase = "train" if r.start is not None else "idle"

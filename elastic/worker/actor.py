@@ -59,7 +59,8 @@ CONCURRENCY_GROUPS = {"train": 1, "control": 4}
 SLOW_PREPARE_S = 2.0  # a rank this late to a rendezvous is logged with where the time went
 
 
-@ray.remote(concurrency_groups=CONCURRENCY_GROUPS, max_restarts=0)
+# The ignore: Ray's stubs for ray.remote(**options) list task options, not concurrency_groups.
+@ray.remote(concurrency_groups=CONCURRENCY_GROUPS, max_restarts=0)  # type: ignore[call-overload]
 class TrainWorker:
     def __init__(self, spec: Any, corpus_uri: str, step_hook: StepHook | None = None):
         self.spec = spec

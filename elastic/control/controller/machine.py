@@ -47,7 +47,7 @@ from elastic.control.states import Failed, Finished, Resizing, Running, Starting
 from elastic.control.step_events import StepTally
 from elastic.control.stop import CHECKPOINT_TIMEOUT_S, StopSignals, checked_stop_checkpoint, stop_now_in, stopped_state
 from elastic.control.worker_group import WorkerGroup
-from elastic.control.worker_group_api import WorkerGroupAPI
+from elastic.control.worker_group_api import WorkerGroupFactory
 from elastic.errors import JobFailed, WorkerFailure
 from elastic.events import EventLog, Recovery, RunResult
 from elastic.worker.hooks import StepHook
@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 
 
 class Controller(Reformations):
-    worker_group_cls: type[WorkerGroupAPI] = WorkerGroup
+    worker_group_cls: WorkerGroupFactory = WorkerGroup
     clock = staticmethod(time.monotonic)  # the driver's clock for recovery figures (test seam)
 
     def __init__(

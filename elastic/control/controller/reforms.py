@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from elastic.control.controller.steps import StepAccounting
 from elastic.control.recovery_plan import Holdings, RestoreChoice, complete_replicas, plan_recovery
@@ -62,7 +63,7 @@ class Reformations(StepAccounting):
             elif isinstance(result, StepReport) and result.step > self.step:
                 self._tally(result.step).add_report(rank, result)
 
-    def _reformed(self, old_dp: int, reformed: Reformed, reason: str, **resize: object) -> None:
+    def _reformed(self, old_dp: int, reformed: Reformed, reason: str, **resize: Any) -> None:
         """Record a re-formation: the step resumed from, the resize and restore events."""
         dp, choice, result = reformed.plan.dp, reformed.plan.restore, reformed.result
         self.step = result.step

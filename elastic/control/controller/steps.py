@@ -18,6 +18,7 @@ from elastic.control.step_events import StepTally, memory_checkpoint_fields, ste
 from elastic.errors import WorkerFailure
 from elastic.events import EventLog, Recovery
 from elastic.messages import AnomalyReport, SdcReport, StepRows, UploadReport, WorkerReport
+from elastic.models.config import token_shape
 
 if TYPE_CHECKING:
     from elastic.checkpoint.committer import CheckpointCommitter
@@ -170,7 +171,7 @@ class StepAccounting(ControllerFields):
         """The last committed step's time (1 s before the first)."""
         if not self.tokens_per_s or self.tokens_per_s[-1] <= 0:
             return 1.0
-        return self.spec.train.global_batch * self.spec.model.seq_len / self.tokens_per_s[-1]
+        return self.spec.train.global_batch * token_shape(self.spec.model)[0] / self.tokens_per_s[-1]
 
     def _budget_spent(self) -> bool:
         decision = policies.failure_decision(self.failures, self.spec.elastic.max_failures)
