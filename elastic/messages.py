@@ -9,7 +9,7 @@ All are plain dataclasses: Ray pickles them, and tests build them directly.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 # --------------------------------------------------------------------------- worker -> controller
 
@@ -343,3 +343,10 @@ class Query:
 
 
 NodeCommand = Attach | Detach | NodeConfigure | Launch | Signal | Query
+
+
+class ReportSink(Protocol):
+    """Where a rank's trainer and storage uploader put their reports (the worker's
+    ``ReportQueue``; a deque in the single-rank harness)."""
+
+    def append(self, item: Any) -> None: ...

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from elastic.messages import UploadReport
+from elastic.messages import ReportSink, UploadReport
 from storage import CheckpointStore, RetryPolicy, primary_replica, redact, redact_uri, write_rank_shard
 
 log = logging.getLogger(__name__)
@@ -151,9 +151,7 @@ class StorageUploader:
 
     _draining: threading.Thread | None = None  # a closed uploader's thread still writing
 
-    def __init__(
-        self, spec: Any, uri: str, rank: int, dims: Any, tier: Any, results: collections.deque, base_step: int
-    ):
+    def __init__(self, spec: Any, uri: str, rank: int, dims: Any, tier: Any, results: ReportSink, base_step: int):
         ck = spec.checkpoint
         self.every, self.last_step, self.async_ = ck.every_steps, spec.train.steps, ck.async_
         self.options = ck.storage_options
@@ -169,7 +167,7 @@ class StorageUploader:
 
     @classmethod
     def create(
-        cls, spec: Any, uri: str | None, rank: int, dims: Any, tier: Any, results: collections.deque, base_step: int
+        cls, spec: Any, uri: str | None, rank: int, dims: Any, tier: Any, results: ReportSink, base_step: int
     ) -> StorageUploader | None:
         if not spec.checkpoint.every_steps:
             return None

@@ -258,7 +258,7 @@ class RankStream:
 
     def __init__(
         self,
-        corpus: ParquetCorpus,
+        corpus: ParquetCorpus | None,  # None when ``source`` delivers every batch
         layout: BatchLayout,
         dp_rank: int,
         start_batch: int,
@@ -287,6 +287,8 @@ class RankStream:
             if got != batch_index:
                 raise RuntimeError(f"Ray Data delivered batch {got}, expected {batch_index}")
         else:
+            if self.corpus is None:
+                raise RuntimeError("RankStream has neither a corpus nor a source to read from")
             rows = np.concatenate(
                 [self.corpus.rows(idx) for idx in self.layout.micro_batches(batch_index, self.dp_rank)]
             )

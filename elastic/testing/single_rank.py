@@ -132,8 +132,11 @@ def run_steps(trainer: Trainer, steps: int) -> StepTimes:
         t0 = time.perf_counter()
         trainer.train_step()
         out.wall_s.append(time.perf_counter() - t0)
-        while trainer.reports:
-            report = trainer.reports.popleft()
+        queue = trainer.reports
+        if not isinstance(queue, collections.deque):
+            raise TypeError("run_steps reads the reports of a trainer made by trainer_on (a deque)")
+        while queue:
+            report = queue.popleft()
             if isinstance(report, StepReport):
                 out.reports.append(report)
     return out

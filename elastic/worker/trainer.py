@@ -19,7 +19,6 @@ Reports go to ``reports`` (a deque the worker's ``poll`` drains), as the typed m
 
 from __future__ import annotations
 
-import collections
 import math
 import threading
 import time
@@ -30,7 +29,7 @@ from elastic.checkpoint.restore import flat_target, load_from_storage, load_live
 from elastic.checkpoint.storage_tier import StorageUploader
 from elastic.ingest.corpus import BatchLayout, ParquetCorpus, RankStream, ray_data_batches
 from elastic.ingest.preflight import check_rows
-from elastic.messages import AnomalyReport, SdcReport, SnapshotReport, StepReport, StorageRestore
+from elastic.messages import AnomalyReport, ReportSink, SdcReport, SnapshotReport, StepReport, StorageRestore
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
 from elastic.parallel.live import LiveState, release
@@ -48,8 +47,8 @@ class Trainer:
         rank: int,
         device: Any,
         tier: MemoryTier,
-        corpus: ParquetCorpus,
-        reports: collections.deque,
+        corpus: ParquetCorpus | None,  # None when a host feeder supplies the batches
+        reports: ReportSink,
         stop: threading.Event,
         hook: StepHook | None = None,
         peak_flops: float | None = None,
@@ -374,6 +373,8 @@ class Trainer:
             source, delay_s = self.source.open(layout, dp_rank, start_batch), 0.0
         elif d.loader == "ray_data":
             remaining = self.spec.train.steps - self.step + 64  # enough to finish, with room for skipped batches
+            if self.corpus is None:
+                raise RuntimeError("data.loader ray_data needs the corpus, and this rank was given none")
             source = ray_data_batches(
                 self.corpus.uri, d.storage_options, layout, dp_rank, start_batch, remaining, d.prefetch_steps
             )

@@ -89,7 +89,9 @@ def test_a_slow_peer_delays_the_next_snapshot_not_the_current_one():
     thread.join(30)
     assert not thread.is_alive()
     # The second snapshot started only once the first had landed, and was held while it had not.
-    assert second["arrived"] == [1] and second["blocked_s"] >= 0.2
+    # (step 2's own copy may land too before the list is read, on a loaded machine: only
+    # step 1 having arrived first is the point)
+    assert second["arrived"][:1] == [1] and second["blocked_s"] >= 0.2
 
 
 def test_a_dead_peer_is_counted_not_raised():
