@@ -111,7 +111,9 @@ def test_cli_sweep_end_to_end_and_best_yaml_runs(ray_local, tmp_path):
     cfg = tmp_path / "job.yaml"
     cfg.write_text(yaml.safe_dump(SPEC))
     space = tmp_path / "space.yaml"
-    space.write_text(yaml.safe_dump({"tp": [1, 2], "zero": [0, 1], "micro_batch": [2, 8]}))
+    # 4 configurations, 2 of them pruned before a trial (ZeRO at dp 1): the CLI's whole path at
+    # the least trial time (the searchers are compared in tests/tune/ and benchmarks/sweep_vs_grid)
+    space.write_text(yaml.safe_dump({"tp": [1, 2], "zero": [0, 1], "micro_batch": [8]}))
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     address = ["--address", ray_local.get_runtime_context().gcs_address]  # the shared local Ray
     out = tmp_path / "out"
@@ -123,7 +125,7 @@ def test_cli_sweep_end_to_end_and_best_yaml_runs(ray_local, tmp_path):
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     assert "memory model vs measured peak" in p.stdout and "trial" in p.stdout
     entries = json.load(open(out / "results.json"))
-    assert len(entries) == 8 and {e["status"] for e in entries} <= STATUSES
+    assert len(entries) == 4 and {e["status"] for e in entries} <= STATUSES
     by = {config_key(e["config"]): e for e in entries}
     assert by["dp1-tp2-pp1-z1-mb8"]["status"] == "pruned_batch"  # dp 1: nothing to shard
     assert by["dp1-tp1-pp1-z0-mb8"]["config"]["grad_accum"] == 1  # 8 / 8: one micro-batch, dp 1
