@@ -94,17 +94,15 @@ def covers(
 ) -> bool:
     """Do snapshots of these old ranks hold the whole training state of a ``world``-rank layout?
 
-    O(len(owners) + tp * pp * ep * cp): under DDP the shards repeat every replica (``tp * pp
-    * ep * cp`` ranks), under FSDP every rank below ``world`` is its own shard.
+    O(len(owners) + the period of the layout's shards): under DDP they repeat every replica
+    (``tp * pp * ep * cp`` ranks), under HSDP every shard group of replicas, under FSDP every
+    rank below ``world`` is its own shard.
     """
-    if zero == 0:
-        have = {shard_of(r, tp, pp, zero, ep, cp) for r in owners}
-        size = tp * pp * ep * cp
-        return all(shard_of(r, tp, pp, zero, ep, cp) in have for r in range(min(world, size)))
-    if shard_group:  # HSDP: every (place in the group, pp, tp) somewhere; O(owners + world)
-        have = {shard_of(r, tp, pp, zero, ep, cp, shard_group) for r in owners}
-        return all(shard_of(r, tp, pp, zero, ep, cp, shard_group) in have for r in range(world))
-    return len({r for r in owners if 0 <= r < world}) == world
+    if zero and not shard_group:
+        return len({r for r in owners if 0 <= r < world}) == world
+    period = tp * pp * ep * cp * ((shard_group or 1) if zero else 1)
+    have = {shard_of(r, tp, pp, zero, ep, cp, shard_group) for r in owners}
+    return all(shard_of(r, tp, pp, zero, ep, cp, shard_group) in have for r in range(min(world, period)))
 
 
 def covering_step(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import os
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -92,18 +93,7 @@ def staggered_restore(
         spec = make_spec(zero, root)
         engine = build(spec, world)
         train(engine, 0, STEPS)
-        tier, results = MemoryTier(), collections.deque[UploadReport]()
-        uploader = StorageUploader(spec, root, rank, engine.dims, tier, results, base_step=0)
-        state = {"app": engine.state_dict(), "train": {"step": STEPS, "batch_index": STEPS}}
-        uploader.save(STEPS, state, tier.snapshot_async(STEPS, rank, state, {"dp": world}))
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, results[0])
-        if rank == 0:
-            committer = CheckpointCommitter(spec, root, EventLog(out))
-            for r, res in enumerate(gathered):
-                committer.add(r, res)
-            assert committer.join(60)
-        dist.barrier()
+        gathered = _save_and_commit(spec, engine, rank, world, world, root, out)
         want = full_state(engine)
         restored = build(spec, world)
         host = f"host{rank % hosts}" if hosts else None
@@ -184,18 +174,7 @@ def storage_roundtrip_ep_cp(rank: int, world: int, out: str, root: str, zero: in
         dims = ParallelDims(dp=dp, tp=1, pp=1, world_size=world, ep=ep, cp=cp)
         engine = TrainEngine(spec.model, spec.parallel, spec.train, dims, spec.seed)
         _ep_cp_train(engine, 0, STEPS)
-        tier, results = MemoryTier(), collections.deque[UploadReport]()
-        uploader = StorageUploader(spec, root, rank, engine.dims, tier, results, base_step=0)
-        state = {"app": engine.state_dict(), "train": {"step": STEPS, "batch_index": STEPS}}
-        uploader.save(STEPS, state, tier.snapshot_async(STEPS, rank, state, {"dp": dp}))
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, results[0])
-        if rank == 0:
-            committer = CheckpointCommitter(spec, root, EventLog(out))
-            for r, res in enumerate(gathered):
-                committer.add(r, res)
-            assert committer.join(60)
-        dist.barrier()
+        _save_and_commit(spec, engine, rank, world, dp, root, out)
         want = full_state(engine)
         restored = TrainEngine(
             spec.model, spec.parallel, spec.train, ParallelDims(dp=dp, tp=1, pp=1, world_size=world, ep=ep, cp=cp), 1
@@ -206,3 +185,21 @@ def storage_roundtrip_ep_cp(rank: int, world: int, out: str, root: str, zero: in
         return {"stats": stats, "diff": diff(want, got), "step": objects["train/step"], "losses": next_losses}
     finally:
         dist.destroy_process_group()
+
+
+def _save_and_commit(spec: Any, engine: Any, rank: int, world: int, dp: int, root: str, out: str) -> list:
+    """Every rank uploads its state of step ``STEPS`` through the storage tier; rank 0 commits.
+    Returns every rank's upload report."""
+    tier, results = MemoryTier(), collections.deque[UploadReport]()
+    uploader = StorageUploader(spec, root, rank, engine.dims, tier, results, base_step=0)
+    state = {"app": engine.state_dict(), "train": {"step": STEPS, "batch_index": STEPS}}
+    uploader.save(STEPS, state, tier.snapshot_async(STEPS, rank, state, {"dp": dp}))
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, results[0])
+    if rank == 0:
+        committer = CheckpointCommitter(spec, root, EventLog(out))
+        for r, res in enumerate(gathered):
+            committer.add(r, res)
+        assert committer.join(60)
+    dist.barrier()
+    return gathered
