@@ -65,13 +65,51 @@ class ContextParallel:
 
 
 def gather_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """``[b, h, Tc, d]`` chunks of the CP group -> ``[b, h, T, d]`` in chunk order, with autograd."""
-    import torch.distributed._functional_collectives as funcol
+    """``[b, h, Tc, d]`` chunks of the CP group -> ``[b, h, T, d]`` in chunk order, with autograd.
 
-    # funcol gathers along dim 0 only: put the sequence first and back.
+    On gloo the gather is a plain blocking collective (``_GatherSequence``): torch's
+    functional collective (``all_gather_single_autograd``) crashed gloo ranks with heap
+    corruption ("malloc(): unaligned tcache chunk", segmentation faults in ``wait_tensor``)
+    when the CP group is the world group (dp 1 x cp 2, where the flattened dense mesh is the
+    world group too): about one 60-step run in ten on torch 2.13, with or without a
+    re-formation before it. Other backends keep the functional collective.
+    """
+    import torch.distributed as dist
+
+    # Both gather along dim 0 only: put the sequence first and back.
     seq_first = x.permute(2, 0, 1, 3).contiguous()
-    gathered = funcol.all_gather_single_autograd(seq_first, 0, group)
+    if dist.get_backend(group) == "gloo":
+        gathered = _GatherSequence.apply(seq_first, group)
+    else:
+        import torch.distributed._functional_collectives as funcol
+
+        gathered = funcol.all_gather_single_autograd(seq_first, 0, group)
     return gathered.permute(1, 2, 0, 3)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along dim 0; its backward reduce-scatters the gradient back to its owners."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group = group
+        out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        out = grad.new_empty((grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:]))
+        # reduce_scatter_single in the torch versions that have it (reduce_scatter_tensor is
+        # deprecated there), reduce_scatter_tensor before.
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        reduce_scatter(out, grad, group=ctx.group)
+        return out, None
 
 
 def chunk_causal_mask(q_len: int, k_len: int, q_start: int, device: torch.device) -> torch.Tensor:

@@ -87,6 +87,9 @@ class TrainWorker:
         # `kill -USR1 <pid>` dumps every thread's stack to the worker's log: how to see
         # where a hung rank is stuck.
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+        # A fatal signal (a crash in C++: gloo, NCCL) prints every Python thread's stack too,
+        # not only the crashing one's (often a C++ thread with no Python frame).
+        faulthandler.enable(all_threads=True)
         # Ray sizes the actor's CPU share; torch would otherwise use every core per worker.
         torch.set_num_threads(max(1, int(spec.resources.cpus_per_worker)))
         # Everything alive now (torch, Ray, imported modules: ~300k objects) lives as long as
