@@ -324,10 +324,11 @@ class Launch:
 
 @dataclass(frozen=True)
 class Signal:
-    """A call every rank of the node gets, answered by no one: ``request_stop`` or
+    """A call every rank of the node gets, answered by no one: ``request_stop``,
+    ``abort_step`` (a peer was lost: leave the step in flight) or
     ``abandon_rendezvous(generation)``."""
 
-    method: Literal["request_stop", "abandon_rendezvous"]
+    method: Literal["request_stop", "abort_step", "abandon_rendezvous"]
     generation: int = 0
 
 

@@ -8,8 +8,10 @@ node id for an agent, ``agg:...`` for an aggregator). Commands are split by chil
 passed on in the order they came.
 
 A child that is local (the control-plane benchmark's virtual nodes,
-``elastic/testing/virtual_nodes.py``) is a ``NodeCore`` in this process, asked through a
-thread pool instead of a Ray call.
+``elastic/testing/virtual_nodes.py``) is a ``NodeCore`` in this process. It is asked
+without waiting, in this thread, when it has news (it rings this aggregator's bell when
+its pump makes some) or after ``child_wait_s`` of quiet, so hosting hundreds of them
+takes no thread each.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import math
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,11 +46,12 @@ class _Child:
     handle: Any  # an actor handle, or a local NodeCore
     nodes: set[str]
     local: bool
-    request: Any = None  # the digest call in flight (an ObjectRef, or a Future for a local child)
+    request: Any = None  # the digest call in flight (an ObjectRef; a done Future for a local child)
     resend: bool = True  # the next request asks for everything not acked yet (a new link)
     lost: dict[str, float] = field(default_factory=dict)  # what it reports lost below it
     silence_mark: int = 0
     started: bool = False  # it answered once (before that, its process may still be starting)
+    quiet_until: float = 0.0  # a local child: asked again by then even without news
 
 
 class AggregatorCore:
@@ -68,7 +71,6 @@ class AggregatorCore:
         self.step = 0
         self.version = self.sent_version = 0
         self.cond = threading.Condition()
-        self.pool: ThreadPoolExecutor | None = None  # for local children's long polls
         self.out = Numbered(f"agg-{uuid.uuid4().hex[:12]}")  # this aggregator's calls to its children
 
     # ------------------------------------------------------------------ membership
@@ -85,8 +87,8 @@ class AggregatorCore:
             self.dead.pop(key, None)
             self.outstanding.forget(key)
             self.version += 1
-            if local and self.pool is None:
-                self.pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="local-agent")
+        if local:
+            handle.on_news = self.bell.ring
         self.bell.ring()
 
     def route(self, key: str, nodes: list[str]) -> None:
@@ -119,9 +121,13 @@ class AggregatorCore:
             now = self.clock()
             self._ask(now)
             refs = [c.request for c in self.children.values() if not c.local and c.request is not None]
+            local = [c for c in self.children.values() if c.local and c.key not in self.dead]
+            dues = [0.0 if c.request is not None else c.quiet_until for c in local]  # asked: taken at once
             due = self.outstanding.next_deadline(REPORT_SILENCE_S)
             if due is not None:
-                timeout_s = max(0.0, min(timeout_s, due - now))
+                dues.append(due)
+            if dues:
+                timeout_s = max(0.0, min(timeout_s, min(dues) - now))
         ready = set(self.bell.wait(refs, timeout_s))
         with self.cond:
             now = self.clock()
@@ -133,19 +139,15 @@ class AggregatorCore:
             self._judge(now)
             self.cond.notify_all()
 
-    def _local_pool(self) -> ThreadPoolExecutor:
-        if self.pool is None:  # adopt() makes it with the first local child
-            raise RuntimeError("a local child polled before adopt() made the pool")
-        return self.pool
-
     def _ask(self, now: float) -> None:
         for c in self.children.values():
             if c.request is not None or c.key in self.dead:
                 continue
             acks = {n: self.acks[n] for n in c.nodes if n in self.acks}
             if c.local:
-                c.request = self._local_pool().submit(c.handle.digest, acks, self.child_wait_s, c.resend)
-                c.request.add_done_callback(lambda _f: self.bell.ring())
+                if not (c.resend or now >= c.quiet_until or c.handle.has_news()):
+                    continue
+                c.request, c.quiet_until = _answered(c.handle.digest, acks, 0.0, c.resend), now + self.child_wait_s
             else:
                 c.request = c.handle.digest.remote(acks, self.child_wait_s, c.resend)
             c.resend = False
@@ -255,3 +257,13 @@ class AggregatorCore:
                     child.handle.command(cid, part)
             else:
                 child.handle.command.remote(self.out.name, self.out.next(child.key), cid, sub)
+
+
+def _answered(call: Any, *args: Any) -> Future:
+    """``call(*args)`` made now, as a done future (its result or its exception)."""
+    f: Future = Future()
+    try:
+        f.set_result(call(*args))
+    except BaseException as exc:  # noqa: BLE001 - handed to the taker like a remote call's
+        f.set_exception(exc)
+    return f

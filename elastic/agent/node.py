@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -118,6 +119,7 @@ class NodeCore:
         self.marks: dict[int, dict[int, int]] = {}  # item seq -> wid -> the worker's report number in it
         self.cond = threading.Condition()
         self.gone = False  # set when the node is lost (the benchmark's virtual nodes): every call raises
+        self.on_news: Callable[[], None] | None = None  # a local parent's bell (the benchmark's hosted nodes)
         self._rows_now = False
 
     # ------------------------------------------------------------------ the loop
@@ -140,6 +142,17 @@ class NodeCore:
             self._rows_now = False
             self._finish(now)
             self.cond.notify_all()
+            news = self.on_news is not None and self._has_news()
+        if news and self.on_news is not None:
+            self.on_news()
+
+    def has_news(self) -> bool:
+        """Whether a digest now would carry something (items or a changed state)."""
+        with self.cond:
+            return self._has_news()
+
+    def _has_news(self) -> bool:
+        return self.seq > self.sent or self.version != self.sent_version
 
     def _next_wake(self) -> float | None:
         times = [first + LINGER_S for _, first, _ in self.rows.values()]
@@ -349,7 +362,7 @@ class NodeCore:
             if resend:
                 self.sent, self.sent_version = self.acked, -1
             deadline = self.clock() + wait_s
-            while not (self.seq > self.sent or self.version != self.sent_version):
+            while not self._has_news():
                 left = deadline - self.clock()
                 if left <= 0:
                     break

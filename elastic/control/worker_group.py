@@ -344,9 +344,10 @@ class WorkerGroup(GroupNews):
             self.tree.send(detach)
 
     def abort_steps(self, members: Sequence[Member]) -> None:
-        """A peer was lost: every member leaves the step in flight at its next block (fire and forget)."""
-        for m in members:
-            m.actor.abort_step.remote()
+        """A peer was lost: every member leaves the step in flight at its next block (fire
+        and forget, through the members' node agents: one message per aggregator link, not
+        one actor call per rank from the driver)."""
+        self.tree.send(dict.fromkeys(wids_by_node(members), Signal("abort_step")))
 
     def shrink(self, members: Sequence[Member], excluded: Sequence[int]) -> None:
         """NCCL: every member shrinks the group without the ``excluded`` ranks, at once

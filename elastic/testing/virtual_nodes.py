@@ -26,13 +26,22 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from elastic.agent.bell import Doorbell
 from elastic.agent.node import AgentGone, NodeCore
 from elastic.messages import ConfigureReply, PollReply, RunOutcome, SnapshotReport, StepReport, WorkerReport
 
 FABRIC_CHECK_S = 0.05
+
+
+class Bell(Protocol):
+    """What wakes a virtual node's agent: a ``Doorbell`` (an agent actor), or its process's
+    ``_HostLoop`` (hosted nodes)."""
+
+    def ring(self) -> None: ...
+
+    def answer(self, timeout_s: float) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -66,7 +75,8 @@ class VirtualWorld:
 @dataclass(frozen=True)
 class LocalVirtualAgent:
     """A virtual node's agent hosted by an aggregator (``Aggregator.adopt`` calls ``start``
-    with a dict the aggregator's local children share: here, the process's fabric reader)."""
+    with a dict the aggregator's local children share: here, the process's fabric reader and
+    the one thread that pumps every hosted node, ``_HostLoop``)."""
 
     node: str
     world: VirtualWorld
@@ -75,22 +85,76 @@ class LocalVirtualAgent:
         fabric = host.get("fabric")
         if fabric is None:
             fabric = host["fabric"] = Fabric(self.world.fabric_path)
-        bell = Doorbell(None)
-        fabric.watch(bell.ring)
+        loop = host.get("loop")
+        if loop is None:
+            loop = host["loop"] = _HostLoop()
+            fabric.watch(loop.ring)
         core = NodeCore(
-            self.node, VirtualRanks(self.node, self.world, fabric, bell), poll_wait_s=self.world.poll_wait_s
+            self.node, VirtualRanks(self.node, self.world, fabric, loop), poll_wait_s=self.world.poll_wait_s
         )
-        threading.Thread(target=_pump_until_gone, args=(core,), daemon=True, name=f"virtual {self.node}").start()
+        loop.add(core)
         return core
 
 
-def _pump_until_gone(core: NodeCore) -> None:
-    while True:
-        try:
-            core.pump(core.poll_wait_s)
-        except AgentGone:
-            core.gone = True
-            return
+class _HostLoop:
+    """One thread pumping every virtual node of its process, each when its next answer is
+    due (``NodeCore.pump(0)`` never blocks), or all at once when one is rung (a command, a
+    change in the fabric). A thread per hosted node ran 2,048 of them on 2 cores at a load
+    average past 700 and starved the aggregators (2026-11-26)."""
+
+    MAX_SLEEP_S = 1.0  # every node is looked at this often at least (its silence checks)
+
+    def __init__(self) -> None:
+        self.cores: list[NodeCore] = []
+        self._lock = threading.Lock()
+        self._rung = threading.Event()
+        threading.Thread(target=self._run, daemon=True, name="virtual nodes").start()
+
+    # the ``Doorbell`` a ``VirtualRanks`` uses: ``ring`` wakes the loop; ``answer`` is never
+    # reached, since the loop's pumps wait for nothing
+    def ring(self) -> None:
+        self._rung.set()
+
+    def answer(self, timeout_s: float) -> bool:
+        return self._rung.wait(timeout_s)
+
+    def add(self, core: NodeCore) -> None:
+        with self._lock:
+            self.cores.append(core)
+        self.ring()
+
+    def _run(self) -> None:
+        due: dict[int, float] = {}  # id(core) -> unix time of its next pump
+        while True:
+            now = time.time()
+            wait = min([now + self.MAX_SLEEP_S, *due.values()]) - now
+            rung = self._rung.wait(max(0.0, wait))
+            self._rung.clear()
+            now = time.time()
+            with self._lock:
+                cores = [c for c in self.cores if not c.gone]
+            for core in cores:
+                if rung or due.get(id(core), 0.0) <= now:
+                    try:
+                        core.pump(0.0)
+                    except AgentGone:
+                        core.gone = True
+                        due.pop(id(core), None)
+                        continue
+                    due[id(core)] = _next_due(core, now + self.MAX_SLEEP_S)
+
+
+def _next_due(core: NodeCore, latest: float) -> float:
+    """Unix time when ``core`` next has something to take in: an answer of its virtual
+    ranks, or a time of its own (a linger, a silence check)."""
+    backend = core.backend
+    assert isinstance(backend, VirtualRanks)
+    with core.cond:
+        times = [backend._due(f) for f in core.inflight]
+        wake = core._next_wake()
+    if wake is not None:
+        times.append(time.time() + (wake - core.clock()))
+    return min([latest, *times])
 
 
 class Fabric:
@@ -173,7 +237,7 @@ class _VFuture:
 class VirtualRanks:
     """The ranks of one virtual node (a ``RankBackend`` for ``NodeCore``)."""
 
-    def __init__(self, node: str, world: VirtualWorld, fabric: Fabric, bell: Doorbell):
+    def __init__(self, node: str, world: VirtualWorld, fabric: Fabric, bell: Bell):
         self.node, self.world, self.fabric, self.bell = node, world, fabric, bell
         self.ranks: dict[int, _VRank] = {}
         self.jitter = (zlib.crc32(node.encode()) % 1000) / 1000 * world.jitter_s
