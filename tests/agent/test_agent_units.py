@@ -26,6 +26,7 @@ from elastic.messages import (
     PollReply,
     Query,
     RunOutcome,
+    Signal,
     StepReport,
     UploadReport,
 )
@@ -289,6 +290,34 @@ def test_aggregator_merges_its_nodes_rows_and_reports_a_lost_child():
         if agg.dead:
             break
     assert agg.digest(None, 0.0).lost == {"n1": math.inf}
+
+
+def test_abort_step_reaches_every_rank_of_the_node_that_is_still_one():
+    """The driver's abort of the step in flight is one Signal per node (not a call per rank
+    from the driver); the agent passes it to each rank it still watches."""
+    core, backend, _ = _node(ranks=3)
+    core.command(2, Detach((2,), ()))
+    core.command(3, Signal("abort_step"))
+    assert sorted(f.handle for f in backend.calls if f.method == "abort_step") == ["r0", "r1"]
+
+
+def test_a_local_child_with_news_rings_its_aggregator_and_is_asked_without_waiting():
+    """Hosted nodes (the control-plane benchmark's) take no thread in their aggregator: a
+    node whose pump made news rings the aggregator's bell, and the aggregator asks it then
+    (a done future) instead of keeping a long poll in flight for it."""
+    clock = Clock()
+    bell = Doorbell(None)
+    agg = AggregatorCore(bell, clock=clock, child_wait_s=10.0)
+    core, backend, _ = _node(ranks=1)
+    core.clock = clock
+    agg.adopt("n0", core, ["n0"], local=True)
+    agg.pump(0.0)  # the first ask (a new link asks for everything)
+    assert not core.has_news() and bell.answer(0.0) is False
+    backend.pending("r0", "poll")[0].answer(PollReply(0, 1, "train", 0.0, [_report(1)]))
+    core.pump(0)  # rows linger, but the poll's state change is news
+    assert core.has_news() and bell.answer(0.0) is True
+    agg.pump(0.0)
+    assert agg.children["n0"].request is None and not core.has_news()  # asked and taken at once
 
 
 def test_reports_are_acked_back_to_the_worker_once_the_driver_has_them():
