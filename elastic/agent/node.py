@@ -1,12 +1,9 @@
 """One node's agent: its ranks' polls and news, and the driver's commands to them.
 
 Where it runs: in the ``NodeAgent`` actor on its node (``actors.py``), whose own thread
-calls ``pump`` in a loop; for the control-plane benchmark, also inside an aggregator, with
-virtual ranks (``elastic/testing/virtual_nodes.py``). It talks to ranks through a
-``RankBackend`` (``ranks.py``: Ray actor calls) and answers its parent's long polls with
-``Digest``s.
-
-What it owns for its node:
+calls ``pump`` in a loop; for the control-plane benchmark, also hosted in an aggregator's
+process with virtual ranks (``elastic/testing/virtual_nodes.py``). It reaches ranks through
+a ``RankBackend`` (``ranks.py``: Ray actor calls) and answers its parent with ``Digest``s. It owns, for its node:
 
 * liveness: one long poll in flight per rank; a rank whose poll is past due by more than
   ``REPORT_SILENCE_S`` is news (``liveness.py``), a poll that fails because the actor died
@@ -25,7 +22,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -114,12 +110,12 @@ class NodeCore:
         self.items: list[tuple[int, Any]] = []  # (seq, StepRows | RankReport | CommandDone), until acked
         self.seq = self.sent = self.acked = 0
         self.version = self.sent_version = 0  # of the node's news
-        self.rows: dict[int, tuple[list[tuple[int, StepReport]], float, dict[int, int]]] = {}  # step -> reports,
-        # first seen, wid -> the worker's number of its report
+        # step -> (reports, first seen, wid -> the worker's number of its report)
+        self.rows: dict[int, tuple[list[tuple[int, StepReport]], float, dict[int, int]]] = {}
         self.marks: dict[int, dict[int, int]] = {}  # item seq -> wid -> the worker's report number in it
         self.cond = threading.Condition()
         self.gone = False  # set when the node is lost (the benchmark's virtual nodes): every call raises
-        self.on_news: Callable[[], None] | None = None  # a local parent's bell (the benchmark's hosted nodes)
+        self.on_news: Any = None  # a local parent's bell, rung when a pump made news (hosted nodes)
         self._rows_now = False
 
     # ------------------------------------------------------------------ the loop
@@ -142,16 +138,11 @@ class NodeCore:
             self._rows_now = False
             self._finish(now)
             self.cond.notify_all()
-            news = self.on_news is not None and self._has_news()
+            news = self.has_news()
         if news and self.on_news is not None:
             self.on_news()
 
-    def has_news(self) -> bool:
-        """Whether a digest now would carry something (items or a changed state)."""
-        with self.cond:
-            return self._has_news()
-
-    def _has_news(self) -> bool:
+    def has_news(self) -> bool:  # whether a digest now would carry something
         return self.seq > self.sent or self.version != self.sent_version
 
     def _next_wake(self) -> float | None:
@@ -362,7 +353,7 @@ class NodeCore:
             if resend:
                 self.sent, self.sent_version = self.acked, -1
             deadline = self.clock() + wait_s
-            while not self._has_news():
+            while not self.has_news():
                 left = deadline - self.clock()
                 if left <= 0:
                     break
