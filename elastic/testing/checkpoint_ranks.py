@@ -93,7 +93,7 @@ def staggered_restore(
         spec = make_spec(zero, root)
         engine = build(spec, world)
         train(engine, 0, STEPS)
-        gathered = _save_and_commit(spec, engine, rank, world, world, root, out)
+        gathered = save_and_commit(spec, engine, rank, world, root, out, STEPS, {"dp": world})
         want = full_state(engine)
         restored = build(spec, world)
         host = f"host{rank % hosts}" if hosts else None
@@ -174,7 +174,7 @@ def storage_roundtrip_ep_cp(rank: int, world: int, out: str, root: str, zero: in
         dims = ParallelDims(dp=dp, tp=1, pp=1, world_size=world, ep=ep, cp=cp)
         engine = TrainEngine(spec.model, spec.parallel, spec.train, dims, spec.seed)
         _ep_cp_train(engine, 0, STEPS)
-        _save_and_commit(spec, engine, rank, world, dp, root, out)
+        save_and_commit(spec, engine, rank, world, root, out, STEPS, {"dp": dp})
         want = full_state(engine)
         restored = TrainEngine(
             spec.model, spec.parallel, spec.train, ParallelDims(dp=dp, tp=1, pp=1, world_size=world, ep=ep, cp=cp), 1
@@ -187,13 +187,15 @@ def storage_roundtrip_ep_cp(rank: int, world: int, out: str, root: str, zero: in
         dist.destroy_process_group()
 
 
-def _save_and_commit(spec: Any, engine: Any, rank: int, world: int, dp: int, root: str, out: str) -> list:
-    """Every rank uploads its state of step ``STEPS`` through the storage tier; rank 0 commits.
-    Returns every rank's upload report."""
+def save_and_commit(
+    spec: Any, engine: Any, rank: int, world: int, root: str, out: str, step: int, layout: dict[str, int]
+) -> list:
+    """Every rank uploads its state of ``step`` through the storage tier (snapshot ``layout``);
+    rank 0 commits, as a run does. Returns every rank's upload report."""
     tier, results = MemoryTier(), collections.deque[UploadReport]()
     uploader = StorageUploader(spec, root, rank, engine.dims, tier, results, base_step=0)
-    state = {"app": engine.state_dict(), "train": {"step": STEPS, "batch_index": STEPS}}
-    uploader.save(STEPS, state, tier.snapshot_async(STEPS, rank, state, {"dp": dp}))
+    state = {"app": engine.state_dict(), "train": {"step": step, "batch_index": step}}
+    uploader.save(step, state, tier.snapshot_async(step, rank, state, layout))
     gathered: list = [None] * world
     dist.all_gather_object(gathered, results[0])
     if rank == 0:

@@ -9,20 +9,16 @@ storage tier's own classes (``StorageUploader``, ``CheckpointCommitter``), which
 
 from __future__ import annotations
 
-import collections
 import os
 
 import torch.distributed as dist
 from hf_testlib import STEPS, micro_batches, spec_raw
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from elastic.checkpoint.committer import CheckpointCommitter
 from elastic.checkpoint.hf_import import load_init_from
-from elastic.checkpoint.memory_tier import MemoryTier
-from elastic.checkpoint.storage_tier import StorageUploader
-from elastic.events import EventLog
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
+from elastic.testing.checkpoint_ranks import save_and_commit
 from elastic.testing.ranks import init_group
 from jobs import JobSpec
 
@@ -57,17 +53,5 @@ def hf_layouts(rank: int, world: int, out: str, hf_dirs: dict[str, str], layouts
 
 def _save(spec: JobSpec, engine: TrainEngine, rank: int, world: int, out: str, step: int) -> None:
     """Write ``step`` through the storage tier and commit it (rank 0), as a run does."""
-    uri = spec.checkpoint.uri
-    tier, reports = MemoryTier(), collections.deque()
-    uploader = StorageUploader(spec, uri, rank, engine.dims, tier, reports, base_step=0)
-    state = {"app": engine.state_dict(), "train": {"step": step, "batch_index": step}}
     layout = {"dp": engine.dims.dp, "tp": engine.dims.tp, "pp": engine.dims.pp, "zero": spec.parallel.zero}
-    uploader.save(step, state, tier.snapshot_async(step, rank, state, layout))
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, reports[0])
-    if rank == 0:
-        committer = CheckpointCommitter(spec, uri, EventLog(out))
-        for r, res in enumerate(gathered):
-            committer.add(r, res)
-        assert committer.join(60)
-    dist.barrier()
+    save_and_commit(spec, engine, rank, world, spec.checkpoint.uri, out, step, layout)
