@@ -44,6 +44,7 @@ class ContextParallel:
     group: Any  # the CP process group
     rank: int
     size: int
+    blocking: bool = False  # gather with a blocking collective (gloo: see ``gather_sequence``)
 
     def rope_offset(self, local_len: int) -> int:
         """Global position of this rank's first token."""
@@ -56,7 +57,7 @@ class ContextParallel:
         gathered before the grouped-query repeat, so the all-gather moves ``h_kv`` heads.
         """
         local = q.shape[2]
-        k_all, v_all = gather_sequence(k, self.group), gather_sequence(v, self.group)
+        k_all, v_all = gather_sequence(k, self.group, self.blocking), gather_sequence(v, self.group, self.blocking)
         if n_rep > 1:
             k_all = k_all.repeat_interleave(n_rep, dim=1)
             v_all = v_all.repeat_interleave(n_rep, dim=1)
@@ -64,21 +65,19 @@ class ContextParallel:
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
 
 
-def gather_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, group: Any, blocking: bool) -> torch.Tensor:
     """``[b, h, Tc, d]`` chunks of the CP group -> ``[b, h, T, d]`` in chunk order, with autograd.
 
-    On gloo the gather is a plain blocking collective (``_GatherSequence``): torch's
+    ``blocking`` (gloo) gathers with a plain blocking collective (``_GatherSequence``): torch's
     functional collective (``all_gather_single_autograd``) crashed gloo ranks with heap
     corruption ("malloc(): unaligned tcache chunk", segmentation faults in ``wait_tensor``)
     when the CP group is the world group (dp 1 x cp 2, where the flattened dense mesh is the
     world group too): about one 60-step run in ten on torch 2.13, with or without a
     re-formation before it. Other backends keep the functional collective.
     """
-    import torch.distributed as dist
-
     # Both gather along dim 0 only: put the sequence first and back.
     seq_first = x.permute(2, 0, 1, 3).contiguous()
-    if dist.get_backend(group) == "gloo":
+    if blocking:
         gathered = _GatherSequence.apply(seq_first, group)
     else:
         import torch.distributed._functional_collectives as funcol
@@ -126,7 +125,10 @@ class SplitsSequence(Protocol):
 
 def apply_cp(attention_modules: Sequence[SplitsSequence], cp_mesh: Any) -> ContextParallel:
     """Make each attention module context-parallel over ``cp_mesh`` (sets its ``cp``)."""
-    ctx = ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
+    import torch.distributed as dist
+
+    group = cp_mesh.get_group()
+    ctx = ContextParallel(group, cp_mesh.get_local_rank(), cp_mesh.size(), dist.get_backend(group) == "gloo")
     for module in attention_modules:
         module.cp = ctx
     return ctx
