@@ -1,23 +1,19 @@
-"""The node agent's and the aggregator's logic without Ray: scripted ranks, a test clock.
+"""The node agent's logic without Ray: scripted ranks, a test clock (``agent_testlib``).
 
-A ``ScriptedRanks`` backend stands for the Ray calls: every call is a future the test
-answers (or lets die), so each rule of the agent is checked on its own: a step's rows go up
-once per node, news of an outcome, a death or a silence, commands answered per node (a
-failure first), a flush after the poll in flight, items kept until acked.
+Every rank call is a future the test answers (or lets die), so each rule of the agent is
+checked on its own: a step's rows go up once per node, news of an outcome, a death or a
+silence, commands answered per node (a failure first), a flush after the poll in flight,
+items kept until acked, the step's abort passed to every rank still watched.
 """
 
 from __future__ import annotations
 
-import math
-
 import pytest
+from agent_testlib import node, report
 
-from elastic.agent.aggregator import AggregatorCore
-from elastic.agent.bell import Doorbell
 from elastic.agent.liveness import Outstanding
-from elastic.agent.node import LINGER_S, POLL_WAIT_S, REPORT_SILENCE_S, NodeCore
+from elastic.agent.node import LINGER_S, POLL_WAIT_S, REPORT_SILENCE_S
 from elastic.messages import (
-    Attach,
     CommandDone,
     ConfigureReply,
     Detach,
@@ -27,73 +23,16 @@ from elastic.messages import (
     Query,
     RunOutcome,
     Signal,
-    StepReport,
     UploadReport,
 )
 
 pytestmark = pytest.mark.timeout(30)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-class Future:
-    def __init__(self, handle: str, method: str, args: tuple):
-        self.handle, self.method, self.args = handle, method, args
-        self.status: str | None = None
-        self.value = None
-
-    def answer(self, value=None, status: str = "ok") -> None:
-        self.status, self.value = status, value
-
-
-class ScriptedRanks:
-    def __init__(self) -> None:
-        self.calls: list[Future] = []
-        self.ended: list[int] = []
-
-    def call(self, handle, method, *args):
-        f = Future(handle, method, args)
-        self.calls.append(f)
-        return f
-
-    def wait(self, futures, timeout_s):
-        return [f for f in futures if f.status is not None]
-
-    def result(self, f):
-        return f.status, f.value
-
-    def wake(self):
-        pass
-
-    def end(self, pid):
-        self.ended.append(pid)
-
-    def pending(self, handle: str, method: str) -> list[Future]:
-        return [f for f in self.calls if f.handle == handle and f.method == method and f.status is None]
-
-
 def _news(digest) -> tuple:
     """The node's news in a digest (a state without news clears it; no state: unchanged)."""
     state = digest.states.get("n0")
     return () if state is None else state.news
-
-
-def _report(step: int, compute: float = 1.0) -> StepReport:
-    return StepReport(step, 2.5, 1.0, 0.1, step, 0, 1000.0 + step, compute_s=compute)
-
-
-def _node(ranks: int = 2):
-    clock, backend = Clock(), ScriptedRanks()
-    core = NodeCore("n0", backend, clock=clock)
-    core.command(1, Attach({w: (f"r{w}", w) for w in range(ranks)}))
-    core.pump(0)
-    return core, backend, clock
 
 
 def _answer_polls(core, backend, replies: dict[int, PollReply]) -> None:
@@ -103,27 +42,27 @@ def _answer_polls(core, backend, replies: dict[int, PollReply]) -> None:
 
 
 def test_a_step_goes_up_once_per_node_when_every_rank_reported():
-    core, backend, clock = _node(2)
+    core, backend, clock = node(2)
     assert [f.args for f in backend.calls] == [(POLL_WAIT_S, -1, -1)] * 2  # one long poll per rank
-    _answer_polls(core, backend, {0: PollReply(0, 1, "train", 0.0, [_report(1)])})
+    _answer_polls(core, backend, {0: PollReply(0, 1, "train", 0.0, [report(1)])})
     assert core.digest(None, 0.0).rows == []  # rank 1 has not reported step 1 yet
-    _answer_polls(core, backend, {1: PollReply(1, 1, "train", 0.0, [_report(1, 2.0)])})
+    _answer_polls(core, backend, {1: PollReply(1, 1, "train", 0.0, [report(1, 2.0)])})
     d = core.digest(None, 0.0)
     assert [(r.step, r.ranks.tolist(), r.compute_s.tolist()) for r in d.rows] == [(1, [0, 1], [1.0, 2.0])]
     assert len(backend.pending("r0", "poll")) == 1  # asked again at once
 
 
 def test_rows_of_a_lagging_rank_go_up_after_the_linger():
-    core, backend, clock = _node(2)
-    _answer_polls(core, backend, {0: PollReply(0, 1, "train", 0.0, [_report(1)])})
+    core, backend, clock = node(2)
+    _answer_polls(core, backend, {0: PollReply(0, 1, "train", 0.0, [report(1)])})
     clock.t += LINGER_S * 1.5
     core.pump(0)
     assert [r.ranks.tolist() for r in core.digest(None, 0.0).rows] == [[0]]
 
 
 def test_items_are_kept_until_acked_and_sent_again_to_a_new_parent():
-    core, backend, clock = _node(1)
-    _answer_polls(core, backend, {0: PollReply(0, 1, "train", 0.0, [_report(1)])})
+    core, backend, clock = node(1)
+    _answer_polls(core, backend, {0: PollReply(0, 1, "train", 0.0, [report(1)])})
     first = core.digest(None, 0.0)
     assert len(first.rows) == 1 and first.seqs == {"n0": 1}
     assert core.digest(None, 0.0).rows == []  # already sent to this parent
@@ -133,11 +72,11 @@ def test_items_are_kept_until_acked_and_sent_again_to_a_new_parent():
 
 
 def test_an_outcome_is_news_and_brings_the_ranks_rows_with_it():
-    core, backend, clock = _node(2)
+    core, backend, clock = node(2)
     core.command(2, Launch(3))
     core.pump(0)
     out = RunOutcome("error", 1, "peer", "Connection closed")
-    _answer_polls(core, backend, {0: PollReply(0, 1, "idle", 0.0, [_report(1)], out, runs=1)})
+    _answer_polls(core, backend, {0: PollReply(0, 1, "idle", 0.0, [report(1)], out, runs=1)})
     d = core.digest(None, 0.0)
     assert [r.ranks.tolist() for r in d.rows] == [[0]]  # not held back for rank 1
     (news,) = d.states["n0"].news
@@ -145,7 +84,7 @@ def test_an_outcome_is_news_and_brings_the_ranks_rows_with_it():
 
 
 def test_an_outcome_of_an_earlier_run_is_stale():
-    core, backend, clock = _node(1)
+    core, backend, clock = node(1)
     stopped = RunOutcome("stopped", 4)
     _answer_polls(core, backend, {0: PollReply(0, 4, "idle", 0.0, [], stopped, runs=1)})
     assert core.digest(None, 0.0).states["n0"].news[0].outcome == stopped
@@ -158,7 +97,7 @@ def test_an_outcome_of_an_earlier_run_is_stale():
 
 
 def test_a_dead_rank_is_news_at_once():
-    core, backend, clock = _node(2)
+    core, backend, clock = node(2)
     backend.pending("r1", "poll")[0].answer(status="dead")
     core.pump(0)
     (news,) = core.digest(None, 0.0).states["n0"].news
@@ -168,7 +107,7 @@ def test_a_dead_rank_is_news_at_once():
 
 def test_a_detached_rank_is_not_polled_and_its_process_is_ended():
     """A killed rank may be stopped or hung in its step: its agent ends the process at once."""
-    core, backend, clock = _node(2)
+    core, backend, clock = node(2)
     core.command(2, Detach((1,), pids=(4242,)))
     core.pump(0)
     assert backend.ended == [4242]
@@ -193,7 +132,7 @@ def test_ending_a_process_spares_one_that_is_no_rank():
 
 
 def test_a_silent_rank_is_news_past_due_and_not_before():
-    core, backend, clock = _node(1)
+    core, backend, clock = node(1)
     clock.t += POLL_WAIT_S + REPORT_SILENCE_S * 0.5
     core.pump(0)
     assert _news(core.digest(None, 0.0)) == ()  # a long poll is not silence
@@ -212,7 +151,7 @@ def test_a_silent_rank_is_news_past_due_and_not_before():
 
 
 def test_configure_is_answered_per_node_and_a_failure_first():
-    core, backend, clock = _node(3)
+    core, backend, clock = node(3)
     core.command(5, NodeConfigure({0: "req0", 1: "req1", 2: "req2"}))
     core.pump(0)
     calls = {f.handle: f for f in backend.calls if f.method == "configure"}
@@ -229,16 +168,16 @@ def test_configure_is_answered_per_node_and_a_failure_first():
 
 
 def test_a_flush_answers_after_the_poll_in_flight_and_its_reports():
-    core, backend, clock = _node(1)
+    core, backend, clock = node(1)
     long_poll = backend.pending("r0", "poll")[0]
     core.command(6, Query("flush"))
     core.pump(0)
     (short,) = [f for f in backend.pending("r0", "poll") if f.args[0] == 0.0]
-    short.answer(PollReply(0, 2, "train", 0.0, [_report(2)]))
+    short.answer(PollReply(0, 2, "train", 0.0, [report(2)]))
     core.pump(0)
     early = core.digest(None, 0.0)
     assert [r.step for r in early.rows] == [2] and early.items == []  # the long poll may carry reports too
-    long_poll.answer(PollReply(0, 1, "train", 0.0, [_report(1)]))
+    long_poll.answer(PollReply(0, 1, "train", 0.0, [report(1)]))
     core.pump(0)
     d = core.digest(None, 0.0)
     assert [r.step for r in d.rows] == [1] and [i.cid for _, _, i in d.items] == [6]
@@ -262,70 +201,21 @@ def test_liveness_judges_requests_past_due_not_the_time_since_the_last_reply():
     assert o.silent(now=31.5, threshold_s=10.0) == {"a": 10.5, "b": 10.5}
 
 
-def test_aggregator_merges_its_nodes_rows_and_reports_a_lost_child():
-    clock = Clock()
-    agg = AggregatorCore(Doorbell(None), clock=clock, child_wait_s=0.0)
-    nodes = []
-    for i in range(3):
-        backend = ScriptedRanks()
-        core = NodeCore(f"n{i}", backend, clock=clock)
-        core.command(1, Attach({10 * i: (f"r{10 * i}", i)}))
-        core.pump(0)
-        nodes.append((core, backend))
-        agg.adopt(f"n{i}", core, [f"n{i}"], local=True)
-    for i, (core, backend) in enumerate(nodes):
-        backend.pending(f"r{10 * i}", "poll")[0].answer(PollReply(i, 1, "train", 0.0, [_report(1, 1.0 + i)]))
-        core.pump(0)
-    for _ in range(50):
-        agg.pump(0.05)
-        if sum(len(r.ranks) for r in agg.rows) == 3:
-            break
-    clock.t += LINGER_S * 1.5
-    d = agg.digest(None, 0.0)
-    assert [(r.step, sorted(r.ranks.tolist())) for r in d.rows] == [(1, [0, 1, 2])]  # one block for the step
-    assert d.seqs == {"n0": 1, "n1": 1, "n2": 1}
-    nodes[1][0].gone = True  # node n1 is lost with its agent
-    for _ in range(50):
-        agg.pump(0.05)
-        if agg.dead:
-            break
-    assert agg.digest(None, 0.0).lost == {"n1": math.inf}
-
-
 def test_abort_step_reaches_every_rank_of_the_node_that_is_still_one():
     """The driver's abort of the step in flight is one Signal per node (not a call per rank
     from the driver); the agent passes it to each rank it still watches."""
-    core, backend, _ = _node(ranks=3)
+    core, backend, _ = node(ranks=3)
     core.command(2, Detach((2,), ()))
     core.command(3, Signal("abort_step"))
     assert sorted(f.handle for f in backend.calls if f.method == "abort_step") == ["r0", "r1"]
 
 
-def test_a_local_child_with_news_rings_its_aggregator_and_is_asked_without_waiting():
-    """Hosted nodes (the control-plane benchmark's) take no thread in their aggregator: a
-    node whose pump made news rings the aggregator's bell, and the aggregator asks it then
-    (a done future) instead of keeping a long poll in flight for it."""
-    clock = Clock()
-    bell = Doorbell(None)
-    agg = AggregatorCore(bell, clock=clock, child_wait_s=10.0)
-    core, backend, _ = _node(ranks=1)
-    core.clock = clock
-    agg.adopt("n0", core, ["n0"], local=True)
-    agg.pump(0.0)  # the first ask (a new link asks for everything)
-    assert not core.has_news() and bell.answer(0.0) is False
-    backend.pending("r0", "poll")[0].answer(PollReply(0, 1, "train", 0.0, [_report(1)]))
-    core.pump(0)  # rows linger, but the poll's state change is news
-    assert core.has_news() and bell.answer(0.0) is True
-    agg.pump(0.0)
-    assert agg.children["n0"].request is None and not core.has_news()  # asked and taken at once
-
-
 def test_reports_are_acked_back_to_the_worker_once_the_driver_has_them():
     """Numbered reports: the agent passes on what it has (``have``) and, once the driver
     acked the item that carried a report, that the worker may drop it (``ack``)."""
-    core, backend, clock = _node(1)
+    core, backend, clock = node(1)
     upload = UploadReport(1, 0, (0, 1), {}, None, None, 0.0, 0.0, 0.0, 0)
-    _answer_polls(core, backend, {0: PollReply(0, 1, "train", 0.0, [_report(1), upload], first_seq=7)})
+    _answer_polls(core, backend, {0: PollReply(0, 1, "train", 0.0, [report(1), upload], first_seq=7)})
     d = core.digest(None, 0.0)
     assert [(i.wid, i.seq) for _, _, i in d.items] == [(0, 8)]
     assert backend.pending("r0", "poll")[0].args == (POLL_WAIT_S, -1, 8)  # has 7 and 8, nothing acked
@@ -351,75 +241,3 @@ def test_a_new_agent_gets_every_report_not_acked_from_the_worker():
     assert q.take(ack=None, have=-1, keep=True) == (3, ["r3", "r4", "r5"])  # a new agent
     assert q.has_after(4) and not q.has_after(5)
     assert q.take(ack=None, have=-1, keep=False) == (3, ["r3", "r4", "r5"]) and not q.has_after(-1)
-
-
-class _Method:
-    def __init__(self, log, name):
-        self.log, self.name = log, name
-
-    def remote(self, sender, seq, *args):  # control calls are numbered per receiver
-        self.log.append((self.name, args))
-        self.log.append(("#", seq))
-
-
-class _Handle:
-    """Records the calls made to it, like an actor handle's ``.remote``."""
-
-    def __init__(self, name):
-        self.name, self.log = name, []
-
-    def __getattr__(self, method):
-        return _Method(self.log, method)
-
-
-def test_tree_depth_keeps_the_driver_fan_in_bounded():
-    from elastic.control.agent_link import tree_depth
-
-    assert tree_depth(4, fan_in=32) == 0  # a few nodes: the driver talks to the agents
-    assert tree_depth(32, fan_in=32) == 0
-    assert tree_depth(128, fan_in=32) == 1  # 4 aggregators
-    assert tree_depth(2048, fan_in=32) == 2  # 64 leaves under 2 top aggregators
-    assert tree_depth(100_000 // 8, fan_in=32) == 3  # 391 leaves, 13 above them, 1 top
-
-
-def test_agent_tree_routes_every_node_through_its_ancestors():
-    from elastic.control.agent_link import AgentTree
-
-    made = []
-
-    def agg():
-        made.append(_Handle(f"agg{len(made)}"))
-        return made[-1]
-
-    tree = AgentTree(lambda node: _Handle(node), agg, fan_in=2, kill=lambda handle: None)  # no actors to kill
-    tree.add_nodes([f"n{i}" for i in range(5)], expected_nodes=20)  # depth 2: 2 per leaf, 2 leaves per top
-    assert tree.depth == 2 and len(tree.channels) == 2  # 3 leaves -> 2 top aggregators
-    for i in range(5):
-        chain = tree._chain(f"n{i}")
-        assert len(chain) == 3 and tree.channel_of(f"n{i}") == chain[-1]
-        leaf, top = tree.handles[chain[1]], tree.handles[chain[2]]
-        assert ("adopt", (f"n{i}", tree.handles[f"n{i}"], [f"n{i}"])) in leaf.log
-        assert ("route", (chain[1], [f"n{i}"])) in top.log  # the top routes the node to its leaf
-    tree.remove_node("n0")
-    leaf, top = (tree.handles[k] for k in tree._chain("n1")[1:])  # n0's leaf (shared with n1), then its top
-    assert ("disown", (["n0"],)) in leaf.log and ("disown", (["n0"],)) in top.log
-    assert "n0" not in tree.nodes_under[tree._chain("n1")[1]] and "n1" in tree.nodes_under[tree._chain("n1")[2]]
-    for handle in made:  # each receiver's calls are numbered 1, 2, 3, ...
-        numbers = [n for what, n in handle.log if what == "#"]
-        assert numbers == list(range(1, len(numbers) + 1))
-
-
-def test_calls_apply_in_the_order_they_were_sent():
-    from elastic.agent.ordered import InOrder
-
-    done = []
-    order = InOrder()
-    order.run("driver", 2, done.append, "b")  # came early: held
-    order.run("driver", 3, done.append, "c")
-    assert done == []
-    order.run("driver", 1, done.append, "a")
-    assert done == ["a", "b", "c"]
-    order.run("agg-new", 2, done.append, "y")  # another sender: numbered on its own
-    order.run("driver", 4, done.append, "d")  # ... and the first one's go on
-    order.run("agg-new", 1, done.append, "x")
-    assert done == ["a", "b", "c", "d", "x", "y"]

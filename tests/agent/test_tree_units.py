@@ -1,0 +1,137 @@
+"""The aggregators and the agent tree without Ray: merged rows, lost children, hosted
+(local) children, the tree's shape and routes, calls applied in the order they were sent."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from agent_testlib import Clock, ScriptedRanks, node, report
+
+from elastic.agent.aggregator import AggregatorCore
+from elastic.agent.bell import Doorbell
+from elastic.agent.node import LINGER_S, NodeCore
+from elastic.messages import Attach, PollReply
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_aggregator_merges_its_nodes_rows_and_reports_a_lost_child():
+    clock = Clock()
+    agg = AggregatorCore(Doorbell(None), clock=clock, child_wait_s=0.0)
+    nodes = []
+    for i in range(3):
+        backend = ScriptedRanks()
+        core = NodeCore(f"n{i}", backend, clock=clock)
+        core.command(1, Attach({10 * i: (f"r{10 * i}", i)}))
+        core.pump(0)
+        nodes.append((core, backend))
+        agg.adopt(f"n{i}", core, [f"n{i}"], local=True)
+    for i, (core, backend) in enumerate(nodes):
+        backend.pending(f"r{10 * i}", "poll")[0].answer(PollReply(i, 1, "train", 0.0, [report(1, 1.0 + i)]))
+        core.pump(0)
+    for _ in range(50):
+        agg.pump(0.05)
+        if sum(len(r.ranks) for r in agg.rows) == 3:
+            break
+    clock.t += LINGER_S * 1.5
+    d = agg.digest(None, 0.0)
+    assert [(r.step, sorted(r.ranks.tolist())) for r in d.rows] == [(1, [0, 1, 2])]  # one block for the step
+    assert d.seqs == {"n0": 1, "n1": 1, "n2": 1}
+    nodes[1][0].gone = True  # node n1 is lost with its agent
+    for _ in range(50):
+        agg.pump(0.05)
+        if agg.dead:
+            break
+    assert agg.digest(None, 0.0).lost == {"n1": math.inf}
+
+
+def test_a_local_child_with_news_rings_its_aggregator_and_is_asked_without_waiting():
+    """Hosted nodes (the control-plane benchmark's) take no thread in their aggregator: a
+    node whose pump made news rings the aggregator's bell, and the aggregator asks it then
+    (a done future) instead of keeping a long poll in flight for it."""
+    clock = Clock()
+    bell = Doorbell(None)
+    agg = AggregatorCore(bell, clock=clock, child_wait_s=10.0)
+    core, backend, _ = node(ranks=1)
+    core.clock = clock
+    agg.adopt("n0", core, ["n0"], local=True)
+    agg.pump(0.0)  # the first ask (a new link asks for everything)
+    assert not core.has_news() and bell.answer(0.0) is False
+    backend.pending("r0", "poll")[0].answer(PollReply(0, 1, "train", 0.0, [report(1)]))
+    core.pump(0)  # rows linger, but the poll's state change is news
+    assert core.has_news() and bell.answer(0.0) is True
+    agg.pump(0.0)
+    assert agg.children["n0"].request is None and not core.has_news()  # asked and taken at once
+
+
+class _Method:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def remote(self, sender, seq, *args):  # control calls are numbered per receiver
+        self.log.append((self.name, args))
+        self.log.append(("#", seq))
+
+
+class _Handle:
+    """Records the calls made to it, like an actor handle's ``.remote``."""
+
+    def __init__(self, name):
+        self.name, self.log = name, []
+
+    def __getattr__(self, method):
+        return _Method(self.log, method)
+
+
+def test_tree_depth_keeps_the_driver_fan_in_bounded():
+    from elastic.control.agent_link import tree_depth
+
+    assert tree_depth(4, fan_in=32) == 0  # a few nodes: the driver talks to the agents
+    assert tree_depth(32, fan_in=32) == 0
+    assert tree_depth(128, fan_in=32) == 1  # 4 aggregators
+    assert tree_depth(2048, fan_in=32) == 2  # 64 leaves under 2 top aggregators
+    assert tree_depth(100_000 // 8, fan_in=32) == 3  # 391 leaves, 13 above them, 1 top
+
+
+def test_agent_tree_routes_every_node_through_its_ancestors():
+    from elastic.control.agent_link import AgentTree
+
+    made = []
+
+    def agg():
+        made.append(_Handle(f"agg{len(made)}"))
+        return made[-1]
+
+    tree = AgentTree(lambda node: _Handle(node), agg, fan_in=2, kill=lambda handle: None)  # no actors to kill
+    tree.add_nodes([f"n{i}" for i in range(5)], expected_nodes=20)  # depth 2: 2 per leaf, 2 leaves per top
+    assert tree.depth == 2 and len(tree.channels) == 2  # 3 leaves -> 2 top aggregators
+    for i in range(5):
+        chain = tree._chain(f"n{i}")
+        assert len(chain) == 3 and tree.channel_of(f"n{i}") == chain[-1]
+        leaf, top = tree.handles[chain[1]], tree.handles[chain[2]]
+        assert ("adopt", (f"n{i}", tree.handles[f"n{i}"], [f"n{i}"])) in leaf.log
+        assert ("route", (chain[1], [f"n{i}"])) in top.log  # the top routes the node to its leaf
+    tree.remove_node("n0")
+    leaf, top = (tree.handles[k] for k in tree._chain("n1")[1:])  # n0's leaf (shared with n1), then its top
+    assert ("disown", (["n0"],)) in leaf.log and ("disown", (["n0"],)) in top.log
+    assert "n0" not in tree.nodes_under[tree._chain("n1")[1]] and "n1" in tree.nodes_under[tree._chain("n1")[2]]
+    for handle in made:  # each receiver's calls are numbered 1, 2, 3, ...
+        numbers = [n for what, n in handle.log if what == "#"]
+        assert numbers == list(range(1, len(numbers) + 1))
+
+
+def test_calls_apply_in_the_order_they_were_sent():
+    from elastic.agent.ordered import InOrder
+
+    done = []
+    order = InOrder()
+    order.run("driver", 2, done.append, "b")  # came early: held
+    order.run("driver", 3, done.append, "c")
+    assert done == []
+    order.run("driver", 1, done.append, "a")
+    assert done == ["a", "b", "c"]
+    order.run("agg-new", 2, done.append, "y")  # another sender: numbered on its own
+    order.run("driver", 4, done.append, "d")  # ... and the first one's go on
+    order.run("agg-new", 1, done.append, "x")
+    assert done == ["a", "b", "c", "d", "x", "y"]
