@@ -64,8 +64,8 @@ class NodeAgent:
         return self._doorbell.answer()
 
     @ray.method(concurrency_group="digest", enable_task_events=False)
-    def digest(self, acks: dict[str, int] | None, wait_s: float, resend: bool = False) -> Digest:
-        return self.core.digest(acks, wait_s, resend)
+    def digest(self, acks: dict[str, int] | None, wait_s: float, resend: bool = False, linger_s: float = 0.0) -> Digest:
+        return self.core.digest(acks, wait_s, resend, linger_s)
 
     @ray.method(concurrency_group="command")
     def command(self, sender: str, seq: int, cid: int, parts: dict[str, NodeCommand]) -> None:
@@ -99,8 +99,8 @@ class Aggregator:
         return self._doorbell.answer()
 
     @ray.method(concurrency_group="digest", enable_task_events=False)
-    def digest(self, acks: dict[str, int] | None, wait_s: float, resend: bool = False) -> Digest:
-        return self.core.digest(acks, wait_s, resend)
+    def digest(self, acks: dict[str, int] | None, wait_s: float, resend: bool = False, linger_s: float = 0.0) -> Digest:
+        return self.core.digest(acks, wait_s, resend, linger_s)
 
     # Commands and changes of shape, each applied in the order its sender sent it (``ordered.py``).
     @ray.method(concurrency_group="command")

@@ -210,7 +210,11 @@ class AggregatorCore:
         return out
 
     # ------------------------------------------------------------------ the parent's long poll
-    def digest(self, acks: dict[str, int] | None, wait_s: float, resend: bool = False) -> Digest:
+    def digest(self, acks: dict[str, int] | None, wait_s: float, resend: bool = False, linger_s: float = 0.0) -> Digest:
+        """Back at once with news (items, changed states, losses), with step rows once the
+        first of them has waited ``max(LINGER_S, linger_s)`` (the parent's choice), else after
+        ``wait_s``."""
+        linger_s = max(LINGER_S, linger_s)
         with self.cond:
             if acks:
                 self.acks.update({n: s for n, s in acks.items() if n in self.routes})
@@ -223,10 +227,10 @@ class AggregatorCore:
             while True:
                 now = self.clock()
                 urgent = bool(self.items) or self.version != self.sent_version
-                rows_due = self.first_row_at is not None and now - self.first_row_at >= LINGER_S
+                rows_due = self.first_row_at is not None and now - self.first_row_at >= linger_s
                 if urgent or rows_due or now >= deadline:
                     break
-                until = deadline if self.first_row_at is None else min(deadline, self.first_row_at + LINGER_S)
+                until = deadline if self.first_row_at is None else min(deadline, self.first_row_at + linger_s)
                 self.cond.wait(max(0.0, until - now))
             out = Digest(
                 seqs=self.seqs,

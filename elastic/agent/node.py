@@ -335,10 +335,10 @@ class NodeCore:
             self.inflight[self.backend.call(r.handle, "poll", 0.0, r.ack, r.have)] = ("flush", cid, wid)
 
     # ------------------------------------------------------------------ the parent's long poll
-    def digest(self, acks: dict[str, int] | None, wait_s: float, resend: bool = False) -> Digest:
+    def digest(self, acks: dict[str, int] | None, wait_s: float, resend: bool = False, linger_s: float = 0.0) -> Digest:
         """Items after the last answer (after the ack, with ``resend``) and the node's news,
         as soon as there is any, else after ``wait_s``. ``acks``: node -> the last item the
-        driver has (this node's entry frees what it covers)."""
+        driver has (this node's entry frees what it covers). (``linger_s``: aggregators')"""
         if self.gone:
             raise AgentGone(self.node)
         ack = (acks or {}).get(self.node)

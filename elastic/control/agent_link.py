@@ -39,6 +39,8 @@ logger = logging.getLogger(__name__)
 FAN_IN = 32  # children per aggregator
 TOP_MAX = 8  # the driver's channels, when the tree has aggregators
 CHANNEL_WAIT_S = CHILD_WAIT_S  # a channel's long poll: back at once with news, else after this
+ROW_LINGER_SHARE = 0.1  # step rows may wait this share of a step in the top aggregators, to come up as one
+ROW_LINGER_MAX_S = 0.25
 
 
 @dataclass
@@ -51,6 +53,27 @@ class Taken:
     states: dict[str, NodeState] = field(default_factory=dict)  # node -> its changed state (no news: cleared)
     lost: dict[str, float] = field(default_factory=dict)  # tree key -> seconds unreachable (inf: died)
     step: int = 0
+
+
+class StepPace:
+    """Seconds per step as the driver sees the newest step go by (a moving average), and the
+    linger it asks of its channels for step rows: rows are not urgent (news, commands' answers
+    and deaths go up at once), so at 2 s steps the rows of thousands of nodes come up in one or
+    two digests per step instead of a dozen pieces (issue 24: the driver's CPU per step)."""
+
+    def __init__(self) -> None:
+        self.step, self.at, self.step_s = 0, 0.0, 0.0
+
+    def saw(self, step: int, now: float) -> None:
+        if step < self.step or not self.at:  # the first step, or a rollback: start counting again
+            self.step, self.at = step, now
+        elif step > self.step:
+            per = (now - self.at) / (step - self.step)
+            self.step_s = per if not self.step_s else 0.8 * self.step_s + 0.2 * per
+            self.step, self.at = step, now
+
+    def linger_s(self) -> float:
+        return min(ROW_LINGER_MAX_S, ROW_LINGER_SHARE * self.step_s)
 
 
 @dataclass
@@ -90,6 +113,7 @@ class AgentTree:
         self.seen: dict[str, int] = {}  # node -> the last item seq taken in
         self.reports_seen: dict[int, int] = {}  # wid -> the worker's number of its last report taken in
         self.calls = 0  # Ray calls the driver made into the tree (for the control-plane benchmark)
+        self.pace = StepPace()
         self.out = Numbered("driver")
         self._cids = itertools.count(1)
         self._agg_ids = itertools.count()
@@ -244,7 +268,7 @@ class AgentTree:
         now = time.monotonic()
         for ch in self.channels.values():
             if ch.request is None:
-                ch.request = ch.handle.digest.remote(ch.acks or None, CHANNEL_WAIT_S, ch.resend)
+                ch.request = ch.handle.digest.remote(ch.acks or None, CHANNEL_WAIT_S, ch.resend, self.pace.linger_s())
                 self.calls += 1
                 ch.acks, ch.resend = {}, False
                 if not self.outstanding.in_flight(ch.key):
@@ -264,6 +288,8 @@ class AgentTree:
                 ref, ch.request = ch.request, None
                 self._take(ch, ref, taken)
         now = time.monotonic()
+        if taken.step:
+            self.pace.saw(taken.step, now)
         for key, seconds in self.outstanding.silent(now, 0.0).items():
             if seconds > 0:
                 taken.lost[key] = max(seconds, taken.lost.get(key, 0.0))

@@ -31,8 +31,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from elastic.parallel.dims import rank_coords
-
 T = TypeVar("T")
 
 
@@ -45,26 +43,6 @@ class Regroup:
     keep_state: bool
     unchanged_groups: tuple[str, ...]
     shrink_excluded: tuple[int, ...] | None
-
-
-def content(rank: int, dp: int, tp: int, pp: int, zero: int, shard_group: int | None) -> Any:
-    """The training state a rank holds, as a comparable value across layouts of one job
-    (tp, pp and the shard group never change; dp may)."""
-    c = rank_coords(rank, tp, pp)
-    if zero == 0:
-        return ("replica", c.pp_rank, c.tp_rank)
-    if shard_group:
-        return ("hsdp", c.dp_rank % shard_group, c.pp_rank, c.tp_rank)
-    return ("fsdp", dp, rank)
-
-
-def group_members(rank: int, dim: str, dp: int, tp: int, pp: int) -> tuple[int, ...]:
-    """The ranks of ``rank``'s group along mesh dimension ``dim`` (``tp`` or ``pp``), in order."""
-    c = rank_coords(rank, tp, pp)
-    base = (c.dp_rank * pp + c.pp_rank) * tp
-    if dim == "tp":
-        return tuple(base + t for t in range(tp))
-    return tuple((c.dp_rank * pp + p) * tp + c.tp_rank for p in range(pp))
 
 
 def regroup(
@@ -87,19 +65,53 @@ def regroup(
         shrink = tuple(sorted(set(range(old_world)) - set(survivors)))
     if ep > 1 or cp > 1:  # (the module docstring: nothing kept yet)
         return [Regroup(rank, old, False, (), shrink) for rank, old in enumerate(prior)]
+    # Whether a TP or PP group is unchanged is a property of the group, not of the rank:
+    # answered once per group (O(N) in all, not O(N x (tp + pp)) tuple builds).
+    tp_same = _tp_unchanged(prior, tp) if tp > 1 else None
+    pp_same = _pp_unchanged(prior, dp, tp, pp) if pp > 1 else None
+    replica = tp * pp
     out = []
     for rank, old in enumerate(prior):
-        keep = old is not None and content(old, old_dp, tp, pp, zero, shard_group) == content(
-            rank, dp, tp, pp, zero, shard_group
-        )
-        unchanged: list[str] = []
+        keep = False
+        unchanged: tuple[str, ...] = ()
         if old is not None:
-            for dim, size in (("tp", tp), ("pp", pp)):
-                if size > 1 and tuple(prior[r] for r in group_members(rank, dim, dp, tp, pp)) == group_members(
-                    old, dim, old_dp, tp, pp
-                ):
-                    unchanged.append(dim)
-        out.append(Regroup(rank, old, keep, tuple(unchanged), shrink))
+            if zero == 0:  # a replica: the same (pp, tp) place
+                keep = old % replica == rank % replica
+            elif shard_group:  # HSDP: the same place in a shard group too
+                keep = (
+                    old % replica == rank % replica
+                    and (old // replica) % shard_group == (rank // replica) % shard_group
+                )
+            else:  # FSDP: the same rank at the same DP degree
+                keep = old_dp == dp and old == rank
+            in_tp = tp_same is not None and tp_same[rank // tp]
+            in_pp = pp_same is not None and pp_same[(rank // replica) * tp + rank % tp]
+            unchanged = ("tp", "pp") if in_tp and in_pp else ("tp",) if in_tp else ("pp",) if in_pp else ()
+        out.append(Regroup(rank, old, keep, unchanged, shrink))
+    return out
+
+
+def _tp_unchanged(prior: Sequence[int | None], tp: int) -> list[bool]:
+    """For each new TP group (ranks ``g*tp ..``): its members were one old TP group, in order."""
+    out = []
+    for g in range(len(prior) // tp):
+        first = prior[g * tp]
+        out.append(first is not None and first % tp == 0 and all(prior[g * tp + t] == first + t for t in range(1, tp)))
+    return out
+
+
+def _pp_unchanged(prior: Sequence[int | None], dp: int, tp: int, pp: int) -> list[bool]:
+    """For each new PP group (DP rank ``d``, TP rank ``t``; index ``d*tp + t``): its members
+    were one old PP group, stage by stage."""
+    out = []
+    for d in range(dp):
+        for t in range(tp):
+            first = prior[d * pp * tp + t]
+            out.append(
+                first is not None
+                and (first // tp) % pp == 0
+                and all(prior[(d * pp + p) * tp + t] == first + p * tp for p in range(1, pp))
+            )
     return out
 
 

@@ -135,3 +135,51 @@ def test_calls_apply_in_the_order_they_were_sent():
     order.run("driver", 4, done.append, "d")  # ... and the first one's go on
     order.run("agg-new", 1, done.append, "x")
     assert done == ["a", "b", "c", "d", "x", "y"]
+
+
+def test_step_rows_wait_for_the_parents_linger_and_news_does_not():
+    """The driver asks its channels to hold step rows for a share of a step (StepPace), so
+    that thousands of nodes' rows come up in one digest; news still goes up at once."""
+    import threading
+    import time
+
+    from elastic.control.agent_link import ROW_LINGER_MAX_S, StepPace
+
+    agg = AggregatorCore(Doorbell(None), clock=time.monotonic, child_wait_s=0.0)
+    clock = Clock()
+    core = NodeCore("n0", ScriptedRanks(), clock=clock)
+    core.command(1, Attach({0: ("r0", 0)}))
+    core.pump(0)
+    agg.adopt("n0", core, ["n0"], local=True)
+    for step in (1, 2):  # step 1 comes with the rank's first news; step 2 is rows alone
+        agg.digest(None, 0.0)
+        core.backend.pending("r0", "poll")[-1].answer(PollReply(0, step, "train", 0.0, [report(step)]))
+        core.pump(0)
+        clock.t += LINGER_S * 1.5
+        core.pump(0)
+        for _ in range(50):
+            agg.pump(0.05)
+            if agg.rows:
+                break
+    t0 = time.monotonic()
+    d = agg.digest(None, 5.0, False, 0.4)
+    waited = time.monotonic() - t0
+    assert [r.step for r in d.rows] == [2] and 0.3 <= waited < 4.0, waited  # held, then sent
+    agg.rows, agg.first_row_at = list(d.rows), time.monotonic()  # rows again, and news comes
+
+    def news() -> None:  # a child's state changed
+        with agg.cond:
+            agg.version += 1
+            agg.cond.notify_all()
+
+    threading.Timer(0.05, news).start()
+    t0 = time.monotonic()
+    d = agg.digest(None, 5.0, False, 5.0)
+    assert time.monotonic() - t0 < 4.0 and [r.step for r in d.rows] == [2]  # news took the rows along
+
+    pace = StepPace()
+    for step, now in ((5, 100.0), (6, 102.0), (8, 106.0), (3, 200.0), (4, 202.0)):
+        pace.saw(step, now)
+    assert pace.step_s == pytest.approx(2.0) and pace.linger_s() == pytest.approx(0.2)
+    pace.saw(400, 202.5)  # a burst of steps: the linger stays capped
+    assert pace.linger_s() <= ROW_LINGER_MAX_S

@@ -7,6 +7,7 @@ transition at a time and check each decision.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ class FakeWorkerGroup:
     drain_progress: dict[int, int] = field(default_factory=dict)
     draining: dict[str, Any] = field(default_factory=dict)  # node id -> DrainNotice
     configure_failures: list[Any] = field(default_factory=list)  # raised by the next configure calls
+    collector_on: list[bool] = field(default_factory=list)  # gc.isenabled() in each configure
 
     def __post_init__(self):
         self.members: list[FakeMember] = []
@@ -91,6 +93,7 @@ class FakeWorkerGroup:
 
     def configure(self, plan):
         self.calls.append(("configure", plan.dp, plan.restore.step, plan.restore.source))
+        self.collector_on.append(gc.isenabled())
         if self.configure_failures:
             raise self.configure_failures.pop(0)
         for rank, m in enumerate(plan.members):

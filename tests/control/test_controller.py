@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 from fake_group import FakeWorkerGroup, step_results
 
@@ -86,6 +88,8 @@ def test_node_lost_shrinks_in_whole_replicas(tmp_path):
     _advance(ctl, Running)
     assert ("kill", [3]) in ctl.group.calls
     assert ("configure", 3, 1, "memory") in ctl.group.calls
+    # No cyclic-GC pause on a re-formation's path (gc_pauses.py), the collector back after it.
+    assert ctl.group.collector_on == [False, False] and gc.isenabled()
     kinds = [(e["kind"], e.get("old_dp"), e.get("new_dp"), e.get("source")) for e in read_events(str(tmp_path))]
     assert ("resize", 4, 3, None) in kinds and ("restore", None, None, "memory") in kinds
     # The recovery is recorded once the first step at the new size is done.

@@ -17,6 +17,7 @@ import pytest
 from elastic.control import recovery_plan as plan
 from elastic.control.diagnosis import RayletProbe, connect_all
 from elastic.control.health import StragglerDetector, peer_medians
+from elastic.control.regroup import regroup
 from elastic.parallel.dims import rank_coords
 
 pytestmark = pytest.mark.timeout(60)
@@ -104,6 +105,40 @@ def old_straggler_feed(det: StragglerDetector, compute_s: dict[int, float]):
     if not new:
         return None
     return (sorted(new), round(max(ratios[r] for r in new), 3))
+
+
+def old_content(rank, dp, tp, pp, zero, shard_group):
+    c = rank_coords(rank, tp, pp)
+    if zero == 0:
+        return ("replica", c.pp_rank, c.tp_rank)
+    if shard_group:
+        return ("hsdp", c.dp_rank % shard_group, c.pp_rank, c.tp_rank)
+    return ("fsdp", dp, rank)
+
+
+def old_group_members(rank, dim, tp, pp):
+    c = rank_coords(rank, tp, pp)
+    base = (c.dp_rank * pp + c.pp_rank) * tp
+    if dim == "tp":
+        return tuple(base + t for t in range(tp))
+    return tuple((c.dp_rank * pp + p) * tp + c.tp_rank for p in range(pp))
+
+
+def old_regroup_rows(prior, old_dp, dp, tp, pp, zero, shard_group):
+    """keep_state and unchanged_groups, asked rank by rank (the implementation before caching per group)."""
+    rows = []
+    for rank, old in enumerate(prior):
+        keep = old is not None and old_content(old, old_dp, tp, pp, zero, shard_group) == old_content(
+            rank, dp, tp, pp, zero, shard_group
+        )
+        unchanged = []
+        if old is not None:
+            for dim, size in (("tp", tp), ("pp", pp)):
+                members = old_group_members(rank, dim, tp, pp)
+                if size > 1 and tuple(prior[r] for r in members) == old_group_members(old, dim, tp, pp):
+                    unchanged.append(dim)
+        rows.append((keep, tuple(unchanged)))
+    return rows
 
 
 # --------------------------------------------------------------------------- layouts to compare on
@@ -227,6 +262,33 @@ def test_straggler_detector_matches_the_old_one_step_by_step():
 # --------------------------------------------------------------------------- at 16,384 ranks
 
 
+def test_regroup_matches_the_rank_by_rank_answers():
+    rng = random.Random(24)
+    checked = 0
+    for _ in range(400):
+        tp, pp = rng.choice([(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (2, 3)])
+        zero = rng.choice([0, 0, 1, 3])
+        shard_group = rng.choice([None, 2]) if zero else None
+        old_dp = rng.randint(1, 6)
+        dp = rng.randint(1, old_dp + 1)
+        size = tp * pp
+        old_world = list(range(old_dp * size))
+        if rng.random() < 0.5:  # whole replicas survive, perhaps reordered, perhaps with newcomers
+            reps = [old_world[i * size : (i + 1) * size] for i in range(old_dp)]
+            rng.shuffle(reps)
+            flat = [r for rep in reps for r in rep][: dp * size]
+            prior = [None if rng.random() < 0.15 else r for r in flat] + [None] * (dp * size - len(flat))
+        else:  # anything: ranks mixed across replicas
+            pool = old_world + [None] * size
+            rng.shuffle(pool)
+            prior = pool[: dp * size]
+        got = regroup(prior, old_dp, dp, tp=tp, pp=pp, zero=zero, shard_group=shard_group)
+        want = old_regroup_rows(prior, old_dp, dp, tp, pp, zero, shard_group)
+        assert [(r.keep_state, r.unchanged_groups) for r in got] == want, (prior, old_dp, dp, tp, pp, zero)
+        checked += sum(1 for r in got if r.unchanged_groups)
+    assert checked > 200  # the layouts did keep groups often enough to test the answer
+
+
 def _cpu(fn, *args):
     t0 = time.process_time()
     out = fn(*args)
@@ -252,6 +314,9 @@ def test_decisions_at_16k_ranks_are_near_linear():
     det = StragglerDetector(1.3, 5)
     compute = {r: 1.0 + (r % 7) * 0.01 for r in range(n)}
     _, straggler_s = _cpu(det.feed, compute)
+    prior = [r if r < 8192 else r + 4 for r in range(n - 4)] + [None] * 4  # a replica lost, a new one
+    _, regroup_s = _cpu(lambda: regroup(prior, 2048, 2048, tp=2, pp=4, zero=0))
+    assert regroup_s < 0.5, regroup_s
     assert peers_s < 2.0 and covering_s < 2.0 and owners_s < 2.0 and straggler_s < 0.5, (
         peers_s,
         covering_s,

@@ -37,6 +37,7 @@ from elastic.control import policies
 from elastic.control.callbacks import Callback, checked
 from elastic.control.controller.reforms import Reformations
 from elastic.control.drain import DrainWatch, shrink_intent
+from elastic.control.gc_pauses import collector_paused
 from elastic.control.health import CommitGate, HealthMonitor, gate_commits
 from elastic.control.outages import Outages
 from elastic.control.recovery_plan import RestoreChoice, complete_replicas
@@ -145,7 +146,10 @@ class Controller(Reformations):
     def _step(self, state: State) -> State:
         handler = getattr(self, f"_on_{state.name}")
         try:
-            return handler(state)
+            if isinstance(state, Running):
+                return handler(state)
+            with collector_paused():  # a re-formation: no collector pause on its path (gc_pauses.py)
+                return handler(state)
         except WorkerFailure as failure:  # a failure while starting, recovering or resizing
             if isinstance(state, Starting):  # recorded like any failure, so its cause is in events.jsonl too
                 self.failures += 1
@@ -242,6 +246,8 @@ class Controller(Reformations):
             logger.debug("reading draining nodes failed: %s", exc)
             return state
         self.group.avoid(set(notices))  # not used to grow back while draining
+        if not notices:  # the common case: no O(ranks) look at the members
+            return state
         live = [m for m in self.group.members if not m.dead]
         hit = self._drain_watch.hit(notices, {m.node_id for m in live})
         if not hit:
