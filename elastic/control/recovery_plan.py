@@ -249,6 +249,8 @@ def replica_peers(
         twin_nodes.setdefault(c, set()).add(nodes[r])
     twins_count = Counter(content)
     on_node = Counter(nodes)
+    if all(len(twin_nodes[c]) > 1 for c in twin_nodes):  # DDP over nodes: every state lives twice already
+        return [None] * n
     shift = ring_shift(nodes, prefer_multiples_of=size)
     nearest = None if shift is not None or len(on_node) < 2 else LeastLoaded(nodes, replica_size=size)
     out: list[int | None] = []
