@@ -159,8 +159,9 @@ class AggregatorCore:
         try:
             d = req.result() if isinstance(req, Future) else ray.get(req, timeout=0)
         except (AgentGone, RayActorError) as exc:
-            if isinstance(exc, ActorUnavailableError):
-                return  # unreachable for now: asked again, its silence keeps counting
+            if isinstance(exc, ActorUnavailableError):  # unreachable: asked again, silent from now
+                self.outstanding.unreachable(c.key, now)
+                return
             self.dead[c.key] = now
             self.outstanding.forget(c.key)
             self.version += 1

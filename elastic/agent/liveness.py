@@ -28,6 +28,11 @@ class Outstanding(Generic[K]):
         """A request to ``key`` left now; a long poll is due back after its wait."""
         self._due[key] = now + answer_within_s
 
+    def unreachable(self, key: K, now: float) -> None:
+        """The request could not reach ``key`` (its connection failed): its answer is due
+        now, not at the end of a long poll it never started, so silence counts from here."""
+        self._due[key] = min(self._due.get(key, now), now)
+
     def answered(self, key: K) -> None:
         self._due.pop(key, None)
 

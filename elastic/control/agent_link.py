@@ -298,8 +298,9 @@ class AgentTree:
     def _take(self, ch: _Channel, ref: Any, taken: Taken) -> None:
         try:
             d: Digest = ray.get(ref, timeout=0)
-        except ActorUnavailableError:
-            return  # asked again; its silence keeps counting
+        except ActorUnavailableError:  # asked again; silent from now (a dead node's agent: probed soon)
+            self.outstanding.unreachable(ch.key, time.monotonic())
+            return
         except RayActorError:
             taken.lost[ch.key] = math.inf
             self.outstanding.forget(ch.key)

@@ -201,6 +201,18 @@ def test_liveness_judges_requests_past_due_not_the_time_since_the_last_reply():
     assert o.silent(now=31.5, threshold_s=10.0) == {"a": 10.5, "b": 10.5}
 
 
+def test_an_unreachable_peer_is_silent_from_the_failed_call_not_the_end_of_its_long_poll():
+    """A node killed whole: the call to its agent fails at once (connection refused). Its
+    silence counts from then, so the driver probes its raylet after the grace, not a long
+    poll (1 s) later; a later failure does not push the moment back."""
+    o = Outstanding()
+    o.issued("a", now=0.0, answer_within_s=1.0)
+    o.unreachable("a", now=0.1)
+    assert o.silent(now=0.6, threshold_s=0.0) == {"a": pytest.approx(0.5)}
+    o.unreachable("a", now=0.5)  # asked again, refused again
+    assert o.overdue_s("a", now=0.6) == pytest.approx(0.5)
+
+
 def test_abort_step_reaches_every_rank_of_the_node_that_is_still_one():
     """The driver's abort of the step in flight is one Signal per node (not a call per rank
     from the driver); the agent passes it to each rank it still watches."""
