@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, ActorUnschedulableError, RayActorError
 
 from elastic.agent.bell import Doorbell
 from elastic.agent.liveness import STARTUP_GRACE_S, Outstanding
@@ -158,7 +158,7 @@ class AggregatorCore:
     def _take(self, c: _Child, req: Any, now: float) -> None:
         try:
             d = req.result() if isinstance(req, Future) else ray.get(req, timeout=0)
-        except (AgentGone, RayActorError) as exc:
+        except (AgentGone, RayActorError, ActorUnschedulableError) as exc:  # (unschedulable: its node left)
             if isinstance(exc, ActorUnavailableError):  # unreachable: asked again, silent from now
                 self.outstanding.unreachable(c.key, now)
                 return

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, ActorUnschedulableError, RayActorError
 
 from elastic.agent.aggregator import CHILD_WAIT_S
 from elastic.agent.liveness import STARTUP_GRACE_S, Outstanding
@@ -301,7 +301,7 @@ class AgentTree:
         except ActorUnavailableError:  # asked again; silent from now (a dead node's agent: probed soon)
             self.outstanding.unreachable(ch.key, time.monotonic())
             return
-        except RayActorError:
+        except (RayActorError, ActorUnschedulableError):  # died; or its replacement's node left meanwhile
             taken.lost[ch.key] = math.inf
             self.outstanding.forget(ch.key)
             return
