@@ -145,6 +145,11 @@ def child(cfg: dict[str, Any]) -> None:
         out["world"] = nodes * per_node
     except Exception as exc:  # reported, not hidden
         out["status"] = f"error: {type(exc).__name__}: {exc}"
+        try:  # what the controller saw, to tell a product fault from the machine's
+            kinds = ("failure", "resize", "restore", "job_end")
+            out["events"] = [e for e in read_events(run_dir) if e["kind"] in kinds][:12]
+        except Exception:  # noqa: BLE001 - no events written
+            pass
     finally:
         started.stop()
     out["load_after"] = os.getloadavg()[0]
