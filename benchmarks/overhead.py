@@ -38,6 +38,10 @@ what throughput is made of::
 
     cpu ratio torchrun/ours (training processes) = X.XX; (whole job) = X.XX
 
+Also printed: the time to first step of each side (median over reps), from the launch of
+its process tree to step 1 done by every rank (for ours: Python, Ray's start, the workers'
+spawn and rendezvous; for torchrun: the launcher and its ranks).
+
 Usage::
 
     .venv/bin/python -m benchmarks.overhead [--workers 2] [--steps 40] [--reps 3]

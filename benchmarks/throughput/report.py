@@ -28,6 +28,7 @@ RUN_KEYS = (
     "window_s",
     "cpu_per_step_s",
     "job_cpu_per_step_s",
+    "first_step_s",
 )
 
 
@@ -69,6 +70,7 @@ def figures(runs: list[dict], tokens_per_step: int) -> dict[str, Any]:
         "job_cpu_per_step_s": {s: statistics.median(r["job_cpu_per_step_s"] for r in rs) for s, rs in by_side.items()},
         "cpu_pair_ratios": [b["cpu_per_step_s"] / o["cpu_per_step_s"] for b, o in zip(base, ours)],
         "job_cpu_pair_ratios": [b["job_cpu_per_step_s"] / o["job_cpu_per_step_s"] for b, o in zip(base, ours)],
+        "first_step_s": {s: statistics.median(r["first_step_s"] for r in rs) for s, rs in by_side.items()},
     }
 
 
@@ -133,6 +135,11 @@ def print_figures(runs: list[dict], fig: dict[str, Any], loss_diff: float) -> No
         f"(per rep {', '.join(f'{x:.3f}' for x in cpu_pairs)}); (whole job) = {statistics.median(job_pairs):.3f} "
         f"(per rep {', '.join(f'{x:.3f}' for x in job_pairs)})"
     )
+    per_rep = {s: ", ".join(f"{r['first_step_s']:.1f}" for r in runs if r["side"] == s) for s in fig["first_step_s"]}
+    print(
+        "time to first step (launch to step 1 done by every rank), median over reps: "
+        + "; ".join(f"{s} {v:.1f} s (per rep {per_rep[s]})" for s, v in fig["first_step_s"].items())
+    )
     print(
         f"ratio of mean tokens/s ours/torchrun = {fig['ratio_of_means']:.2f}; median of the per-rep paired ratios "
         "follows"
@@ -168,5 +175,7 @@ def write_report(
         "job_cpu_per_step_s": fig["job_cpu_per_step_s"],
         "cpu_pair_ratios": fig["cpu_pair_ratios"],
         "job_cpu_pair_ratios": fig["job_cpu_pair_ratios"],
+        "first_step_s": fig["first_step_s"],
+        "first_step_definition": "seconds from the launch of the side's process tree to step 1 done by every rank",
     }
     write_json(path, doc)

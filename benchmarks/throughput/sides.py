@@ -2,7 +2,9 @@
 tree (own session, hard limit) watched by a ``/proc`` CPU sampler: the torchrun baseline
 (``benchmarks/torchrun_ddp_baseline.py`` under ``python -m torch.distributed.run``) and ours
 (``ElasticTrainer`` on a private embedded Ray, ``ours_child``). Runs in the benchmark's
-driver process, and ``ours_child`` in its child.
+driver process, and ``ours_child`` in its child. Each run also records its time to first step
+(``first_step_s``): from the launch of its process tree (``torchrun``; the child that starts
+Ray and ``ElasticTrainer``) to the completion of step 1 by its slowest rank.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 from benchmarks.harness import BENCHMARKS_DIR
 from benchmarks.harness.cluster import embedded_cpus, local_ray
@@ -49,6 +52,7 @@ def run_baseline(spec_path: str, corpus: str, workers: int, out_dir: str, timeou
     env["OMP_NUM_THREADS"] = "1"  # what torchrun sets by default for nproc > 1, made explicit
     log = os.path.join(out_dir, "log.txt")
     is_trainer = lambda c: BASELINE in c and "torch.distributed.run" not in c  # noqa: E731
+    launched = time.time()
     rc, wall, cpu = run_logged(cmd, timeout, env, log, watch=TreeCPU.watching(is_trainer))
     if rc != 0:
         raise RuntimeError(f"torchrun baseline exited {rc}:\n{tail(log)}")
@@ -61,9 +65,8 @@ def run_baseline(spec_path: str, corpus: str, workers: int, out_dir: str, timeou
     losses = [sum(rk["steps"][i]["local_loss"] for rk in ranks) / workers for i in range(n_steps)]
     steps = [rk_step["step"] for rk_step in ranks[0]["steps"]]
     step_times = [max(rk["steps"][i]["step_time_s"] for rk in ranks) for i in range(n_steps)]
-    return summarise_run(
-        "torchrun", steps, ts, losses, step_times, warmup, wall, cpu, workers, extra={"threads": ranks[0]["threads"]}
-    )
+    extra = {"threads": ranks[0]["threads"], "first_step_s": ts[0] - launched}
+    return summarise_run("torchrun", steps, ts, losses, step_times, warmup, wall, cpu, workers, extra=extra)
 
 
 def run_ours(entry: str, spec_path: str, run_dir: str, timeout: float, warmup: int, side: str = "ours") -> dict:
@@ -72,6 +75,7 @@ def run_ours(entry: str, spec_path: str, run_dir: str, timeout: float, warmup: i
     log = run_dir + ".log"
     cmd = module_command(entry, OURS_CHILD_FLAG, spec_path, run_dir)
     is_trainer = lambda c: c.startswith("ray::TrainWorker")  # noqa: E731
+    launched = time.time()
     rc, wall, cpu = run_logged(cmd, timeout, child_env(), log, watch=TreeCPU.watching(is_trainer))
     if rc != 0:
         raise RuntimeError(f"elastic run exited {rc}:\n{tail(log)}")
@@ -93,7 +97,7 @@ def run_ours(entry: str, spec_path: str, run_dir: str, timeout: float, warmup: i
         wall,
         cpu,
         max(dps),
-        extra={"dp": sorted(dps)},
+        extra={"dp": sorted(dps), "first_step_s": step_events[0]["ts"] - launched},
     )
 
 

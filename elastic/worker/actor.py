@@ -50,6 +50,7 @@ from elastic.parallel.live import LiveState
 from elastic.worker.device_peak import peak_flops
 from elastic.worker.hooks import StepHook
 from elastic.worker.outbox import ReportQueue, peer_sender
+from elastic.worker.priority import normal_priority
 from elastic.worker.process_group import ReconfigurableProcessGroup, is_collective_error
 from elastic.worker.trainer import StepAborted, Trainer
 
@@ -92,6 +93,7 @@ class TrainWorker:
         faulthandler.enable(all_threads=True)
         # Ray sizes the actor's CPU share; torch would otherwise use every core per worker.
         torch.set_num_threads(max(1, int(spec.resources.cpus_per_worker)))
+        normal_priority()  # a rank trains at nice 0, not at Ray's worker niceness (15)
         # Everything alive now (torch, Ray, imported modules: ~300k objects) lives as long as
         # the process. Freezing it keeps the full collections that leaving a process group
         # makes (to release the old group) from scanning it again: ~40 ms saved per
