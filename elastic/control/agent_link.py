@@ -114,6 +114,7 @@ class AgentTree:
         self.reports_seen: dict[int, int] = {}  # wid -> the worker's number of its last report taken in
         self.calls = 0  # Ray calls the driver made into the tree (for the control-plane benchmark)
         self.pace = StepPace()
+        self.broken_at: dict[str, float] = {}  # channel -> when a call to it first failed since its last answer
         self.out = Numbered("driver")
         self._cids = itertools.count(1)
         self._agg_ids = itertools.count()
@@ -299,13 +300,19 @@ class AgentTree:
         try:
             d: Digest = ray.get(ref, timeout=0)
         except ActorUnavailableError:  # asked again; silent from now (a dead node's agent: probed soon)
-            self.outstanding.unreachable(ch.key, time.monotonic())
+            now = time.monotonic()
+            self.outstanding.unreachable(ch.key, now)
+            self.broken_at.setdefault(ch.key, now)
+            logger.debug("channel %s unreachable", ch.key)
             return
         except (RayActorError, ActorUnschedulableError):  # died; or its replacement's node left meanwhile
+            self.broken_at.setdefault(ch.key, time.monotonic())
+            logger.debug("channel %s died", ch.key)
             taken.lost[ch.key] = math.inf
             self.outstanding.forget(ch.key)
             return
         self.outstanding.answered(ch.key)
+        self.broken_at.pop(ch.key, None)
         ch.started = True
         ch.acks.update(d.seqs)
         taken.rows.extend(d.rows)

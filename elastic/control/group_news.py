@@ -150,15 +150,16 @@ class GroupNews:
     def _refresh_last_ok(self, now: float) -> None:
         """Each member's ``last_ok`` as the diagnosis reads it: now, less how long it has been
         out of reach (its own poll past due, or its agent's or an aggregator's answer)."""
-        reach = self._unreachable
+        reach, broken = self._unreachable, self.tree.broken_at
         chain_silence: dict[str, float] = {}
         for m in self.members:
             s = chain_silence.get(m.node_id)
             if s is None:
-                s = max((reach.get(k, 0.0) for k in self.tree._chain(m.node_id)), default=0.0)
-                chain_silence[m.node_id] = s
-            silent = max(m.silent_s, s if math.isfinite(s) else 0.0)
-            m.last_ok = now - silent
+                # a dead link: silent since its first failed call (0 when the driver never saw one)
+                ks = [reach.get(k, 0.0) if math.isfinite(reach.get(k, 0.0)) else now - broken.get(k, now)
+                      for k in self.tree._chain(m.node_id)]  # fmt: skip
+                s = chain_silence[m.node_id] = max(ks, default=0.0)
+            m.last_ok = now - max(m.silent_s, s)
 
     # ------------------------------------------------------------------ lost agents and aggregators
     def _supervise(self, lost: dict[str, float]) -> None:
@@ -166,8 +167,9 @@ class GroupNews:
             if key not in self.tree.handles:
                 continue
             is_agent = key not in self.tree.children
-            if is_agent and seconds >= PEER_GRACE_S:
+            if is_agent and (seconds >= PEER_GRACE_S or key in self.tree.broken_at):  # (a failed call: at once)
                 gone = self.raylets.dead({key}, wait_s=0.0, refused_only=not math.isinf(seconds))
+                logger.debug("agent %s out of reach %.3fs: raylet %s", key, seconds, "gone" if gone else "answers")
                 if gone:
                     self._node_lost(key)
                     continue

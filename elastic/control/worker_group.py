@@ -182,6 +182,7 @@ class WorkerGroup(GroupNews):
                     ray.kill(a, no_restart=True)
                 except Exception as kill_exc:  # already gone with its node
                     logger.debug("kill of a new worker failed: %s", kill_exc)
+            logger.warning("a new worker was lost while starting: %s", exc)
             raise ActorDied(f"a new worker was lost while starting: {type(exc).__name__}", ranks=[], nodes=[]) from None
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         self.raylets.update({n["NodeID"]: (n["NodeManagerAddress"], n["NodeManagerPort"]) for n in nodes})

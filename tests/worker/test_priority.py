@@ -1,4 +1,4 @@
-"""``elastic/worker/priority.py``: a rank set back to niceness 0 on every thread."""
+"""``elastic/priority.py``: a rank set back to niceness 0 on every thread."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(60)
 CHILD = textwrap.dedent(
     """
     import json, os, threading
-    from elastic.worker.priority import normal_priority
+    from elastic.priority import normal_priority
     os.setpriority(os.PRIO_PROCESS, 0, 7)  # as Ray's worker_niceness would, before the threads start
     started, done = threading.Event(), threading.Event()
     def idle():

@@ -1,4 +1,5 @@
-"""A rank's CPU priority: a training process runs at normal priority, not Ray's worker niceness.
+"""CPU priority of the job's own processes: a rank and a node's control actors (agent,
+aggregator) run at normal priority, not at Ray's worker niceness.
 
 Ray starts every worker process at ``worker_niceness`` (15 by default), which is meant for
 side work. A rank is the job's main work: at nice 15, any nice-0 process on the host (Ray's
@@ -13,6 +14,10 @@ threads started later inherit it from the thread that starts them. Lowering nice
 ``CAP_SYS_NICE`` (or an ``RLIMIT_NICE`` allowance): without it the rank stays where Ray put
 it, which is logged once (``RAY_worker_niceness=0`` in the environment of ``ray start`` sets
 it for the whole cluster instead).
+
+The node agents and aggregators are set back too: they use ~2% of a core, but at nice 15
+beside ranks at nice 0 they would wait for a core behind every busy rank, and the news of a
+lost peer with them.
 """
 
 from __future__ import annotations
