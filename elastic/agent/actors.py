@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 from elastic.agent.aggregator import CHILD_WAIT_S, AggregatorCore
 from elastic.agent.bell import Doorbell
+from elastic.agent.lifeline import LifelineServer, hold
 from elastic.agent.node import POLL_WAIT_S, AgentGone, NodeCore
 from elastic.agent.ordered import InOrder
 from elastic.agent.ranks import ActorRanks
@@ -82,6 +83,11 @@ class NodeAgent:
         """(node id, pid): for the driver's checks and the tests' faults."""
         return ray.get_runtime_context().get_node_id(), os.getpid()
 
+    @ray.method(concurrency_group="command")
+    def lifeline(self, address: tuple[str, int], ticket: str) -> None:
+        """Hold a lifeline to the parent at ``address`` (``lifeline.py``); a new parent's replaces it."""
+        _relink(self, address, ticket)
+
 
 # The ignore: Ray's stubs for ray.remote(**options) list task options only, not the actor
 # option concurrency_groups (which Ray takes: the bell, digest and command groups).
@@ -93,6 +99,7 @@ class Aggregator:
         normal_priority()  # (as the node agent's)
         self._doorbell = Doorbell(ray.get_runtime_context().current_actor)
         self.core = AggregatorCore(self._doorbell, child_wait_s=child_wait_s)
+        self._lifelines = LifelineServer(ray.util.get_node_ip_address(), on_close=self.core.child_gone)
         self._local: dict[str, Any] = {}  # what local children (virtual nodes) share in this process
         self._order = InOrder()
         threading.Thread(target=_loop, args=(self.core.pump, child_wait_s, "aggregator"), daemon=True).start()
@@ -118,6 +125,8 @@ class Aggregator:
     def _adopt(self, key: str, handle: Any, nodes: list[str]) -> None:
         local = not isinstance(handle, ray.actor.ActorHandle)
         self.core.adopt(key, handle.start(self._local) if local else handle, nodes, local=local)
+        if not local:
+            handle.lifeline.remote(self._lifelines.address, self._lifelines.ticket(key))
 
     @ray.method(concurrency_group="command")
     def route(self, sender: str, seq: int, key: str, nodes: list[str]) -> None:
@@ -125,11 +134,33 @@ class Aggregator:
 
     @ray.method(concurrency_group="command")
     def disown(self, sender: str, seq: int, nodes: list[str]) -> None:
-        self._order.run(sender, seq, self.core.disown, nodes)
+        self._order.run(sender, seq, self._disown, nodes)
+
+    def _disown(self, nodes: list[str]) -> None:
+        for key in self.core.disown(nodes):
+            self._lifelines.forget(key)
 
     @ray.method(concurrency_group="command")
     def where(self) -> tuple[str, int]:
         return ray.get_runtime_context().get_node_id(), os.getpid()
+
+    @ray.method(concurrency_group="command")
+    def lifeline(self, address: tuple[str, int], ticket: str) -> None:
+        _relink(self, address, ticket)
+
+
+def _relink(actor: Any, address: tuple[str, int], ticket: str) -> None:
+    """Hold ``actor``'s lifeline to a parent (``lifeline.py``), closing the one it had; a
+    parent that cannot be reached now leaves the actor without one (its long poll still
+    judges it)."""
+    old = getattr(actor, "_lifeline", None)
+    try:
+        actor._lifeline = hold(address, ticket)
+    except OSError as exc:
+        logger.warning("no lifeline to %s: %s", address, exc)
+        actor._lifeline = None
+    if old is not None:
+        old.close()
 
 
 # What @ray.remote made of the two classes, for the driver's ``.options(...).remote(...)``:

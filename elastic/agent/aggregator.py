@@ -99,8 +99,10 @@ class AggregatorCore:
                 child.nodes |= set(nodes)
                 self.routes.update(dict.fromkeys(nodes, key))
 
-    def disown(self, nodes: list[str]) -> None:
-        """Stop routing ``nodes`` (their agents are gone for good); a child left empty goes."""
+    def disown(self, nodes: list[str]) -> list[str]:
+        """Stop routing ``nodes`` (their agents are gone for good); a child left empty goes.
+        Returns the keys of the children that went."""
+        gone: list[str] = []
         with self.cond:
             for n in nodes:
                 key = self.routes.pop(n, None)
@@ -113,7 +115,22 @@ class AggregatorCore:
                         del self.children[key]
                         self.dead.pop(key, None)
                         self.outstanding.forget(key)
+                        gone.append(key)
             self.version += 1
+        return gone
+
+    def child_gone(self, key: str) -> None:
+        """The lifeline of the child ``key`` ended (``lifeline.py``): its process is gone, so it
+        counts as dead now, not when Ray's call to it gives up."""
+        with self.cond:
+            child = self.children.get(key)
+            if child is None or child.local or key in self.dead:
+                return
+            self.dead[key] = self.clock()
+            self.outstanding.forget(key)
+            self.version += 1
+            self.cond.notify_all()
+        self.bell.ring()
 
     # ------------------------------------------------------------------ the loop
     def pump(self, timeout_s: float) -> None:

@@ -30,6 +30,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, ActorUnschedulableError, RayActorError
 
 from elastic.agent.aggregator import CHILD_WAIT_S
+from elastic.agent.lifeline import LifelineServer
 from elastic.agent.liveness import STARTUP_GRACE_S, Outstanding
 from elastic.agent.ordered import Numbered
 from elastic.messages import CommandDone, Digest, NodeCommand, NodeState, RankReport, StepRows
@@ -118,6 +119,8 @@ class AgentTree:
         self.out = Numbered("driver")
         self._cids = itertools.count(1)
         self._agg_ids = itertools.count()
+        self._lifelines: LifelineServer | None = None  # the channels' lifelines, made at the first actor channel
+        self._ended: set[str] = set()  # channels whose lifeline ended: dead until replaced or removed
 
     # ------------------------------------------------------------------ shape
     def add_nodes(self, nodes: list[str], expected_nodes: int) -> list[str]:
@@ -141,6 +144,7 @@ class AgentTree:
         if level >= (self.depth or 0):
             self.parent[key] = None
             self.channels[key] = _Channel(key, self.handles[key])
+            self._link_lifeline(key)
             return []
         refs: list[Any] = []
         parent = next((k for k in self.levels[level] if len(self.children[k]) < self.fan_in), None)
@@ -160,6 +164,17 @@ class AgentTree:
         for k in chain:
             self.nodes_under[k] |= self.nodes_under[key]
         return refs
+
+    def _link_lifeline(self, key: str) -> None:
+        """Ask the channel ``key``'s actor to hold a lifeline to the driver (``lifeline.py``):
+        its process's end is then seen at once, not when Ray's call to it gives up."""
+        handle = self.handles[key]
+        if not isinstance(handle, ray.actor.ActorHandle):
+            return  # a unit test's recording handle
+        if self._lifelines is None:
+            self._lifelines = LifelineServer(ray.util.get_node_ip_address())
+        handle.lifeline.remote(self._lifelines.address, self._lifelines.ticket(key))
+        self.calls += 1
 
     def _call(self, key: str, method: str, *args: Any) -> Any:
         """A control call to ``key``'s actor, numbered so that it applies in order (``ordered.py``)."""
@@ -204,6 +219,9 @@ class AgentTree:
         if parent is None:
             self.channels[key] = _Channel(key, new)
             self.outstanding.forget(key)
+            self.broken_at.pop(key, None)
+            self._ended.discard(key)
+            self._link_lifeline(key)
         else:
             refs.append(self._call(parent, "adopt", key, new, sorted(self.nodes_under[key])))
         self._applied(refs)
@@ -222,6 +240,9 @@ class AgentTree:
         self.nodes_under.pop(node, None)
         self._channel.pop(node, None)
         self.seen.pop(node, None)
+        self._ended.discard(node)
+        if self._lifelines is not None:
+            self._lifelines.forget(node)
         if parent is None:
             self.channels.pop(node, None)
             self.outstanding.forget(node)
@@ -242,6 +263,9 @@ class AgentTree:
                 logger.debug("kill of %s failed: %s", key, exc)
         self.handles.clear()
         self.channels.clear()
+        if self._lifelines is not None:
+            self._lifelines.close()
+            self._lifelines = None
 
     # ------------------------------------------------------------------ commands
     def send(self, parts: Mapping[str, NodeCommand]) -> int:
@@ -288,6 +312,15 @@ class AgentTree:
             if ch.request in ready_set:
                 ref, ch.request = ch.request, None
                 self._take(ch, ref, taken)
+        if self._lifelines is not None:
+            for key, at in self._lifelines.closed().items():  # its process is gone (lifeline.py)
+                if key in self.channels:
+                    logger.debug("channel %s: lifeline ended", key)
+                    self.broken_at.setdefault(key, at)
+                    self._ended.add(key)
+                    self.outstanding.forget(key)
+        for key in self._ended:  # dead until replaced or removed (Ray's own word may take a second)
+            taken.lost[key] = math.inf
         now = time.monotonic()
         if taken.step:
             self.pace.saw(taken.step, now)

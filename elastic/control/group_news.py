@@ -84,6 +84,7 @@ class GroupNews:
     _notable: set[int]  # worker ids with news
     _news_nodes: set[str]
     _unreachable: dict[str, float]  # tree key -> seconds out of reach, as of the last look
+    _died: dict[str, float]  # agent key -> when the driver saw it dead with its raylet answering
     _gathers: dict[int, Gather]
     _configuring: bool  # a configure is in flight
 
@@ -108,8 +109,8 @@ class GroupNews:
             elif state.node in self._news_nodes:
                 self._clear_news(state.node)
         self._unreachable = dict(taken.lost)
-        if taken.lost:
-            self._supervise(taken.lost)
+        if taken.lost or self._died:  # an agent in its grace is judged again at every look
+            self._supervise({**dict.fromkeys(self._died, math.inf), **taken.lost})
 
     def _apply_state(self, state: NodeState, now: float) -> None:
         self._news_nodes.add(state.node)
@@ -165,13 +166,21 @@ class GroupNews:
     def _supervise(self, lost: dict[str, float]) -> None:
         for key, seconds in lost.items():
             if key not in self.tree.handles:
+                self._died.pop(key, None)
                 continue
             is_agent = key not in self.tree.children
             if is_agent and (seconds >= PEER_GRACE_S or key in self.tree.broken_at):  # (a failed call: at once)
                 gone = self.raylets.dead({key}, wait_s=0.0, refused_only=not math.isinf(seconds))
                 logger.debug("agent %s out of reach %.3fs: raylet %s", key, seconds, "gone" if gone else "answers")
                 if gone:
+                    self._died.pop(key, None)
                     self._node_lost(key)
+                    continue
+                # A dead agent whose raylet still answers: its node may be going down (a kill
+                # takes the node's processes first, its raylet next), so its raylet is asked
+                # again at each look for a grace before the agent is replaced on that node.
+                now = time.monotonic()
+                if math.isinf(seconds) and now - self._died.setdefault(key, now) < PEER_GRACE_S:
                     continue
             # Silence is not acted on while the group re-forms (its ranks' work starves the
             # agents of CPU on a small host; the configure has its own timeout), death is.
@@ -180,6 +189,7 @@ class GroupNews:
                 logger.warning(
                     "%s %s %s: replaced", what, key, "died" if math.isinf(seconds) else f"silent {seconds:.1f}s"
                 )
+                self._died.pop(key, None)
                 self.tree.replace(key)
                 self._relink(key)
                 self._unreachable.pop(key, None)  # its ranks are judged by the new one

@@ -100,6 +100,7 @@ class WorkerGroup(GroupNews):
         self._notable: set[int] = set()
         self._news_nodes: set[str] = set()
         self._unreachable: dict[str, float] = {}
+        self._died: dict[str, float] = {}
         self._gathers: dict[int, Gather] = {}
         self._configuring = False
         self.configure_sent_at: list[float] = []  # driver clock: each configure's requests all sent

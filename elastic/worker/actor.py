@@ -48,11 +48,12 @@ from elastic.messages import (
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.live import LiveState
 from elastic.priority import normal_priority
+from elastic.worker.abort import StepAborted
 from elastic.worker.device_peak import peak_flops
 from elastic.worker.hooks import StepHook
 from elastic.worker.outbox import ReportQueue, peer_sender
 from elastic.worker.process_group import ReconfigurableProcessGroup, is_collective_error
-from elastic.worker.trainer import StepAborted, Trainer
+from elastic.worker.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 

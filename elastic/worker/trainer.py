@@ -33,6 +33,7 @@ from elastic.messages import AnomalyReport, ReportSink, SdcReport, SnapshotRepor
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.engine import TrainEngine
 from elastic.parallel.live import LiveState, release
+from elastic.worker.abort import AbortHooks
 from elastic.worker.anomaly import AnomalyCause, LossMonitor
 from elastic.worker.hooks import StepHook
 from elastic.worker.rng import capture_rng, restore_rng
@@ -79,7 +80,7 @@ class Trainer:
         # instead of computing it to its end, where the first collective would fail.
         self.abort = abort or threading.Event()
         blocks = [] if spec.train.compile else self.engine.spec.blocks(self.engine.module)  # (no graph breaks)
-        self._abort_hooks = [b.register_forward_pre_hook(self._check_abort) for b in blocks]
+        self._abort_hooks = AbortHooks(self.abort, blocks)  # elastic/worker/abort.py
 
     @property
     def engine(self) -> TrainEngine:
@@ -123,18 +124,9 @@ class Trainer:
         self._load_progress(own.objects)
         restore_rng(_rng_of(own.objects))
 
-    def _check_abort(self, module: Any, args: Any) -> None:
-        if self.abort.is_set():
-            raise StepAborted("a peer was lost: the step is abandoned")
-
-    def _remove_abort_hooks(self) -> None:
-        for h in self._abort_hooks:
-            h.remove()
-        self._abort_hooks = []
-
     def release_live(self) -> LiveState | None:
         """Let go of the engine (its process groups and wrappers) and keep its state."""
-        self._remove_abort_hooks()  # a kept module carries no hook of this trainer
+        self._abort_hooks.remove()  # a kept module carries no hook of this trainer
         if self._engine is None:
             return None
         live, self._engine = release(self._engine, self.step, self.rank), None
@@ -184,7 +176,7 @@ class Trainer:
             self.stream.close()
         if self.source is not None:
             self.source.close()
-        self._remove_abort_hooks()
+        self._abort_hooks.remove()
         self._engine = None
 
     # ------------------------------------------------------------------ the step
@@ -387,10 +379,6 @@ class Trainer:
         """Rows of the wrong width or ids outside the vocabulary: a ``CorpusError`` (not retried)."""
         m = self.spec.model
         check_rows(rows, m.seq_len + 1, m.vocab_size, f"{self.spec.data.source} batch {batch_index}")
-
-
-class StepAborted(RuntimeError):
-    """The driver abandoned the step in flight: a peer was lost (a collective's failure, not this rank's)."""
 
 
 def _rng_of(objects: dict[str, Any]) -> dict[str, Any]:

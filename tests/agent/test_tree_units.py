@@ -183,3 +183,29 @@ def test_step_rows_wait_for_the_parents_linger_and_news_does_not():
     assert pace.step_s == pytest.approx(2.0) and pace.linger_s() == pytest.approx(0.2)
     pace.saw(400, 202.5)  # a burst of steps: the linger stays capped
     assert pace.linger_s() <= ROW_LINGER_MAX_S
+
+
+def test_a_child_whose_lifeline_ended_is_reported_dead_at_once():
+    """An actor child's lifeline ended (``lifeline.py``): it is lost (inf) in the next digest,
+    without waiting for its long poll; a local child, a child already replaced or an unknown
+    key is not touched."""
+
+    class Handle:  # an actor child whose digest call never returns (its process is gone)
+        class digest:
+            @staticmethod
+            def remote(*args):
+                return object()
+
+    clock = Clock()
+    agg = AggregatorCore(Doorbell(None), clock=clock, child_wait_s=0.0)
+    agg.adopt("n0", Handle(), ["n0"])
+    agg.adopt("n1", NodeCore("n1", ScriptedRanks(), clock=clock), ["n1"], local=True)
+    assert agg.digest(None, 0.0).lost == {}
+    version = agg.version
+    agg.child_gone("n0")
+    agg.child_gone("n1")  # local: its end is its own process's
+    agg.child_gone("n9")  # not a child
+    assert agg.version == version + 1
+    assert agg.digest(None, 0.0).lost == {"n0": math.inf}
+    agg.adopt("n0", Handle(), ["n0"])  # replaced: alive again
+    assert agg.digest(None, 0.0).lost == {}

@@ -1,0 +1,45 @@
+"""Leaving a step the driver abandoned (``TrainWorker.abort_step``): a peer was lost.
+
+Runs in the worker, on its training thread. Without it a survivor would compute its step
+to the end and learn of the loss only at its next collective, so the recovery would wait
+for the rest of a step that grows with the model. Every block of the model gets a forward
+pre-hook that raises ``StepAborted`` once the abort is set, and, in that hook, a hook on the
+gradient of the block's input, so the backward (most of a step) is left at the next block
+too. Raising in either is safe: the step's gradients are dropped by the next generation
+(``TrainEngine`` clears them when it adopts a kept state), no optimizer step has begun,
+and the DP wrapper that saw the partial backward is replaced.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+class StepAborted(RuntimeError):
+    """The driver abandoned the step in flight: a peer was lost (a collective's failure, not this rank's)."""
+
+
+class AbortHooks:
+    def __init__(self, abort: threading.Event, blocks: Iterable[torch.nn.Module]):
+        self.abort = abort
+        self._handles = [b.register_forward_pre_hook(self._forward) for b in blocks]
+
+    def _forward(self, module: Any, args: Any) -> None:
+        if self.abort.is_set():
+            raise StepAborted("a peer was lost: the step is abandoned")
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
+            x.register_hook(self._backward)
+
+    def _backward(self, grad: Any) -> None:
+        if self.abort.is_set():
+            raise StepAborted("a peer was lost: the step is abandoned (in its backward)")
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
