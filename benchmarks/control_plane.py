@@ -269,8 +269,6 @@ def summarize(args, ctl, probe, cues, stall, stall_at, nodes, wall, load_start, 
         _, t_g, c_g, ev = grows[0]
         out.update(grow_back_s=t_g - cues["back_at"], dp_after_grow=ev["new_dp"])
     out["driver_rpcs_per_s"] = (probe.calls[args.steps] - probe.calls[warm]) / (t_b - t_a)
-    if args.store_ops:
-        out["store_ops_per_rank_per_reform"], out["store_ops_basis"] = store_ops_model(args.ranks, args.ranks_per_node)
     out["loadavg_end"] = os.getloadavg()
     return out
 
@@ -299,7 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 8:
         ap.error("--steps: at least 8 (warm-up, the stall, then the steady steps)")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    ops = store_ops_model(args.ranks, args.ranks_per_node) if args.store_ops else None  # first: on a quiet machine
     out = run(args)
+    if ops is not None:
+        out["store_ops_per_rank_per_reform"], out["store_ops_basis"] = ops
     if not args.no_save:
         save(args.results, out)
     print(json.dumps(out) if args.json else json.dumps(out, indent=1))

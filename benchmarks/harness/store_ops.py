@@ -17,6 +17,8 @@ def store_ops_model(ranks: int, per_node: int) -> tuple[float | None, dict[str, 
     extrapolated along the fitted power of the world size. Counted by the process group's
     own counter (``ReconfigurableProcessGroup.store_ops``) where it has one, else by a
     counting wrapper around its store client."""
+    import queue
+
     import torch.multiprocessing as mp
 
     measured = {}
@@ -30,7 +32,12 @@ def store_ops_model(ranks: int, per_node: int) -> tuple[float | None, dict[str, 
         procs = [ctx.Process(target=_reform_twice, args=(r, tp, dp, server.port, out)) for r in range(world)]
         for p in procs:
             p.start()
-        counts = [out.get(timeout=300) for _ in procs]
+        try:
+            counts = [out.get(timeout=120) for _ in procs]
+        except queue.Empty:  # a rank failed: say so, and keep the rest of the benchmark's figures
+            for p in procs:
+                p.kill()
+            return None, {"error": f"a rank of the gloo re-formation at world {world} gave no count within 120 s"}
         for p in procs:
             p.join(timeout=60)
         measured[world] = max(c for c, _ in counts)
@@ -58,10 +65,14 @@ def _reform_twice(rank: int, tp: int, dp: int, port: int, out: Any) -> None:
         pg.configure(generation, rank, world, ("127.0.0.1", port))
         dims = ParallelDims(dp=dp, tp=tp, pp=1, world_size=world, timeout=pg.rendezvous_timeout)
         dims.build_mesh("cpu")
-        pg.mesh_built([dims.world_mesh[name].get_group() for name in MESH_DIM_NAMES])
+        groups = [dims.world_mesh[name].get_group() for name in MESH_DIM_NAMES]
+        pg.mesh_built(groups)
         pg.built()
         pg.settled()
         count = pg.ops() - before
+        t = torch.ones(1)
+        for g in groups:  # every connection made before anyone leaves (gloo connects lazily)
+            torch.distributed.all_reduce(t, group=g)
     pg.leave()
     out.put((count, pg.source))
 

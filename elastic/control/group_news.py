@@ -148,6 +148,13 @@ class GroupNews:
     def _notable_members(self) -> list[Member]:
         return [self._by_wid[w] for w in self._notable if w in self._by_wid]
 
+    def _out_of_reach(self, nodes: set[str]) -> set[str]:
+        """Those of ``nodes`` whose agent, or a link above it, is unanswered or dead."""
+        bad = set(self._unreachable) | set(self.tree.broken_at) | set(self._died)
+        if not bad:
+            return set()
+        return {n for n in nodes if n not in self.tree.handles or any(k in bad for k in self.tree._chain(n))}
+
     def _refresh_last_ok(self, now: float) -> None:
         """Each member's ``last_ok`` as the diagnosis reads it: now, less how long it has been
         out of reach (its own poll past due, or its agent's or an aggregator's answer)."""
