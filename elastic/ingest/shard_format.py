@@ -24,8 +24,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from elastic.ingest.index import sha256
+from elastic.ingest.parquet_corpus import TOKENS
 
-TOKENS = "tokens"
 FOOTER_TAIL = 8  # a parquet file ends with the footer's length (4 bytes) and the magic "PAR1"
 
 
