@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -45,7 +46,7 @@ class StreamRequest:
         if self.start_row < 0:
             raise ValueError(f"start_row {self.start_row} < 0")
 
-    @property
+    @cached_property
     def intervals(self) -> tuple[tuple[int, int], ...]:
         """The served rows of every batch as ``[lo, hi)`` offsets in it, adjacent slices merged."""
         per = self.global_batch // self.shards
