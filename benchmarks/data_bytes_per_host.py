@@ -244,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the results as one JSON line last")
     args = ap.parse_args(argv)
     logging.getLogger("ray").setLevel(logging.ERROR)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
     results: dict[str, Any] = {**measured_now(), "load_before": os.getloadavg(), "settings": vars(args)}
     tmp = tempfile.mkdtemp(prefix="bytes-per-host-")
     moto = MotoS3("bench")

@@ -39,5 +39,5 @@ def plain_loop(text_dir, tokenizer_path, out_dir, seq_len, rows_per_shard) -> fl
             batch = []
     for e in tok.encode_batch(batch, add_special_tokens=False):
         packer.add(np.append(np.asarray(e.ids, dtype=np.int32), np.int32(eot)))
-    packer.finish()
+    packer.finish(ROWS_PER_GROUP)
     return packer.rows * (seq_len + 1) / (time.perf_counter() - t0)

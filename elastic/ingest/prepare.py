@@ -231,10 +231,17 @@ class _Packer:
             self._rows, self._buffered = ([rest] if len(rest) else []), len(rest)
             self.rows += self.rows_per_shard
 
-    def finish(self) -> None:
-        if self._buffered:
-            self.write(np.concatenate(self._rows))
-            self.rows += self._buffered
+    def finish(self, rows_per_group: int = 1) -> None:
+        """Write the last shard. Its tail that does not fill a whole row group is dropped (fewer
+        than ``rows_per_group`` rows, as the tail shorter than a row is), unless that would
+        leave no row: each epoch then starts on a row-group boundary, so the hosts' slices stay
+        aligned with the groups in every epoch (docs/data.md, "What a host reads")."""
+        keep = self._buffered
+        if self.rows + keep >= rows_per_group:
+            keep -= (self.rows + keep) % rows_per_group
+        if keep:
+            self.write(np.concatenate(self._rows)[:keep])
+            self.rows += keep
         self._rows, self._buffered = [], 0
 
 
@@ -333,7 +340,7 @@ def _prepare(cfg: PrepareConfig, out: Any, written: list[str]) -> PrepareResult:
         for chunk in batch.column("ids").chunks:
             packer.add(chunk.flatten().to_numpy(zero_copy_only=False).astype(np.int32, copy=False))
         progress.show(docs, packer.rows, len(shards), cfg.seq_len + 1, t0)
-    packer.finish()
+    packer.finish(cfg.rows_per_group)
     tokenize_s = time.perf_counter() - t_tok
     if docs == 0:
         raise SpecError("INPUT", f"{redact_uri(cfg.input)} holds no documents (field {cfg.text_field!r} is empty)")
