@@ -139,6 +139,9 @@ class _HostFeeder(RayDataEngine):
                 self._error = None
                 self._kept_from = 0 if self.table is None else self.table.unit_of(req.start_row)
             self._scan = None if self.table is None else self.table.unit_of(req.start_row)
+            # Until every wave has read its first window, this host reads nothing past its own:
+            # its ranks' prefetch moves the window on before the job's first step.
+            self._cap = req.start_row + self.rows_ahead if self._gate is not None else None
             self._turn, self._reported = False, False
             self._lock.notify_all()
             continued, gate, wave = self._continued, self._gate, self.wave
@@ -177,6 +180,20 @@ class _HostFeeder(RayDataEngine):
             if self._epoch == epoch:
                 self._turn = True
                 self._check_first_window()
+                self._lock.notify_all()
+        if gate is not None:
+            self._lift_cap(epoch, gate, waves)
+
+    def _lift_cap(self, epoch: str, gate: Any, waves: int) -> None:
+        """Read past the first window once every host's first window is read (all waves had
+        their turn), or after the wave timeout (a host that died before reporting)."""
+        try:
+            ray.get(gate.wait_turn.remote(waves), timeout=self.timeout_s * (waves + 1))
+        except Exception as exc:  # noqa: BLE001 - a dead or slow host must not stop this one
+            log.warning("wave gate (all waves): %s; reading on anyway", type(exc).__name__)
+        with self._lock:
+            if self._epoch == epoch:
+                self._cap = None
                 self._lock.notify_all()
 
     def _check_first_window(self) -> None:

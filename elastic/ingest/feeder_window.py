@@ -41,6 +41,7 @@ class FeederWindow:
         self._scan: int | None = None  # units before it are held, being read, or not needed
         self._kept_from = 0  # units before it were dropped
         self._seq = 0  # bumped when the stream jumps: reads of an older position are dropped
+        self._cap: int | None = None  # while hosts start in waves: no read past the first window
         self.wave = 0
 
     def _set_index(self, index: CorpusIndex) -> None:
@@ -61,9 +62,11 @@ class FeederWindow:
 
     def _frontier(self) -> int:
         """Units starting before this row are read (lock held): ``rows_ahead`` rows past the
-        oldest row still wanted, and one unit further per wave, so later waves' reads stay apart."""
+        oldest row still wanted, and one unit further per wave, so later waves' reads stay apart;
+        while the hosts start in waves, no further than the stream's first window."""
         _, table = self._corpus()
-        return self._low_row() + self.rows_ahead + self.wave * table.max_unit_rows
+        end = self._low_row() + self.rows_ahead + self.wave * table.max_unit_rows
+        return end if self._cap is None else min(end, self._cap)
 
     def _needed(self, k: int) -> bool:
         _, table = self._corpus()
