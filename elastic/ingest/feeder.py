@@ -141,7 +141,7 @@ class _HostFeeder(RayDataEngine):
             self._scan = None if self.table is None else self.table.unit_of(req.start_row)
             # Until every wave has read its first window, this host reads nothing past its own:
             # its ranks' prefetch moves the window on before the job's first step.
-            self._cap = req.start_row + self.rows_ahead if self._gate is not None else None
+            self._capped = self._gate is not None
             self._turn, self._reported = False, False
             self._lock.notify_all()
             continued, gate, wave = self._continued, self._gate, self.wave
@@ -193,7 +193,7 @@ class _HostFeeder(RayDataEngine):
             log.warning("wave gate (all waves): %s; reading on anyway", type(exc).__name__)
         with self._lock:
             if self._epoch == epoch:
-                self._cap = None
+                self._capped = False
                 self._lock.notify_all()
 
     def _check_first_window(self) -> None:

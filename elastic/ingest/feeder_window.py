@@ -41,7 +41,7 @@ class FeederWindow:
         self._scan: int | None = None  # units before it are held, being read, or not needed
         self._kept_from = 0  # units before it were dropped
         self._seq = 0  # bumped when the stream jumps: reads of an older position are dropped
-        self._cap: int | None = None  # while hosts start in waves: no read past the first window
+        self._capped = False  # while hosts start in waves: no read past the first window
         self.wave = 0
 
     def _set_index(self, index: CorpusIndex) -> None:
@@ -61,22 +61,34 @@ class FeederWindow:
         return min(self._low.values()) if self._low else self._low_default
 
     def _frontier(self) -> int:
-        """Units starting before this row are read (lock held): ``rows_ahead`` rows past the
-        oldest row still wanted, and one unit further per wave, so later waves' reads stay apart;
-        while the hosts start in waves, no further than the stream's first window."""
+        """Units starting before this row are read (lock held): the stream's first window, and
+        ``rows_ahead`` rows past the oldest row still wanted, and one unit further per wave, so
+        later waves' reads stay apart; while the hosts start in waves, no further than the
+        first window."""
         _, table = self._corpus()
-        end = self._low_row() + self.rows_ahead + self.wave * table.max_unit_rows
-        return end if self._cap is None else min(end, self._cap)
+        first = self._first_end()
+        if self._capped:
+            return first
+        return max(self._low_row() + self.rows_ahead + self.wave * table.max_unit_rows, first)
 
     def _needed(self, k: int) -> bool:
         _, table = self._corpus()
         return self.request is None or self.request.needs(*table.span(k))
 
+    def _first_end(self) -> int:
+        """The end of the stream's first window (lock held, the index read): the farthest the
+        window reaches before training consumes anything. Its ranks take up to ``rows_ahead``
+        rows at once (their prefetch), and the window reads ``rows_ahead`` rows (and one unit
+        per wave) past the oldest of them; so no host reads again before the first step, and
+        start-up reads stay within the waves."""
+        _, table = self._corpus()
+        return self._low_default + 2 * self.rows_ahead + self.wave * table.max_unit_rows
+
     def _first_window_held(self) -> bool:
-        """Whether every unit the stream needs in its first ``rows_ahead`` rows is read (lock held)."""
+        """Whether every unit the stream needs in its first window is read (lock held)."""
         if self.table is None:
             return False
-        k, end = self.table.unit_of(self._low_default), self._low_default + self.rows_ahead
+        k, end = self.table.unit_of(self._low_default), self._first_end()
         while True:
             start, _ = self.table.span(k)
             if start >= end:
