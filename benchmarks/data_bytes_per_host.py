@@ -13,10 +13,12 @@ own reading code (``FeederSource.open`` and ``feeder_batches``, what a rank runs
 from this process, one thread per rank, for ``--batches`` batches. The rows of every rank and
 batch are hashed and must be the same under both indexes.
 
-Per configuration: each host's bytes read (index, footers, data; the feeders' counters, and
-their sum checked against the proxy's count), and the ratio of all bytes read to the bytes
-consumed: the bytes of the row groups that hold the consumed rows, each counted once (what one
-reader of exactly those rows would fetch, footers aside).
+Per configuration: each host's bytes read (index, footers, data; the feeders' own counters),
+the bytes the server sent them (the proxy's count, less the driver's one look at the index;
+a difference from the feeders' sum is reported as ``unattributed_bytes``), and the ratio of
+the bytes the server sent to the bytes consumed: the bytes of the row groups that hold the
+consumed rows, each counted once (what one reader of exactly those rows would fetch,
+footers aside).
 
     python -m benchmarks.data_bytes_per_host [--hosts 4,8] [--batches 96] [--global-batch 64]
         [--seq-len 1023] [--rows-per-shard 256] [--rows-per-group 8] [--engine ray_data|threads]
@@ -174,10 +176,21 @@ def run_hosts(moto: MotoS3, corpus: str, hosts: int, args: argparse.Namespace) -
     keys = ("bytes_read", "index_bytes", "footer_bytes", "data_bytes", "gets", "footers", "units_read", "rows_read")
     per_host = [{k: stats[n][k] for k in keys} for n in sorted(stats)]
     gets, proxy_bytes = proxy.counts()
-    return {"per_host": per_host, "hashes": hashes, "proxy_gets": gets, "proxy_bytes": proxy_bytes, "wall_s": wall}
+    repeats: dict[tuple[str, str], list[float]] = {}
+    for t, path, ranged, _ in proxy.served:
+        repeats.setdefault((path, ranged), []).append(t)
+    close = [(k, v) for k, v in repeats.items() if len(v) > hosts + 1]  # more than once per host (and driver)
+    return {
+        "per_host": per_host,
+        "hashes": hashes,
+        "proxy_gets": gets,
+        "proxy_bytes": proxy_bytes,
+        "wall_s": wall,
+        "repeated": [f"{p} {r} x{len(v)}" for (p, r), v in close][:20],
+    }
 
 
-def settled(readers: Any, proxy: Any, index_bytes: int, timeout_s: float = 30.0) -> dict[str, dict[str, Any]]:
+def settled(readers: Any, proxy: Any, index_bytes: int, timeout_s: float = 60.0) -> dict[str, dict[str, Any]]:
     """The feeders' counters once the reads they had in flight when the ranks stopped have
     landed: the server side saw as many bytes as they counted, and at most the driver's look
     at the index besides (or ``timeout_s`` passed)."""
@@ -191,37 +204,48 @@ def settled(readers: Any, proxy: Any, index_bytes: int, timeout_s: float = 30.0)
         time.sleep(0.5)
 
 
-def measure(moto: MotoS3, hosts: int, args: argparse.Namespace) -> dict[str, Any]:
-    consumed = consumed_bytes(
-        moto, args.start_batch * args.global_batch, (args.start_batch + args.batches) * args.global_batch
-    )
+def measure(moto: MotoS3, hosts: int, args: argparse.Namespace, looked_up: set[str]) -> dict[str, Any]:
+    """Both indexes at ``hosts`` hosts. The ratios count what the server saw (less the
+    driver's one look at the index, ``resolve_loader``, once per corpus in this process);
+    the per-host figures are the feeders' own counters, which must add up to it."""
+    g = args.global_batch
+    consumed = consumed_bytes(moto, args.start_batch * g, (args.start_batch + args.batches) * g)
     out: dict[str, Any] = {"hosts": hosts, "consumed_bytes": consumed}
     for corpus in ("v2", "v1"):
         got = run_hosts(moto, corpus, hosts, args)
         total = sum(h["bytes_read"] for h in got["per_host"])
+        index_size = len(moto.client.get_object(Bucket="bench", Key=f"{corpus}/index.json")["Body"].read())
+        driver = 0 if corpus in looked_up else index_size
+        looked_up.add(corpus)
+        server = got["proxy_bytes"] - driver
         out[corpus] = {
-            "bytes_read_total": total,
-            "bytes_read_per_host": [h["bytes_read"] for h in got["per_host"]],
-            "mean_bytes_read_per_host": total / hosts,
+            "bytes_read_total": server,  # at the server side, by the host readers
+            "bytes_read_per_host": [h["bytes_read"] for h in got["per_host"]],  # their own counters
+            "mean_bytes_read_per_host": server / hosts,
             "footer_bytes_total": sum(h["footer_bytes"] for h in got["per_host"]),
             "index_bytes_total": sum(h["index_bytes"] for h in got["per_host"]),
             "data_bytes_total": sum(h["data_bytes"] for h in got["per_host"]),
             "gets_total": sum(h["gets"] for h in got["per_host"]),
-            "proxy_bytes": got["proxy_bytes"],
-            "proxy_gets": got["proxy_gets"],
-            "ratio_read_to_consumed": total / consumed,
+            "server_bytes": got["proxy_bytes"],
+            "server_gets": got["proxy_gets"],
+            "driver_index_bytes": driver,
+            "unattributed_bytes": server - total,  # seen by the server, not counted by a feeder
+            "ratio_read_to_consumed": server / consumed,
             "data_ratio_read_to_consumed": sum(h["data_bytes"] for h in got["per_host"]) / consumed,
             "wall_s": got["wall_s"],
             "per_host": got["per_host"],
             "_hashes": got["hashes"],
         }
-        # The server also saw the driver look the index up once (``resolve_loader``), and nothing else.
-        driver = got["proxy_bytes"] - total
-        out[corpus]["driver_bytes"] = driver
-        if driver not in (0, len(moto.client.get_object(Bucket="bench", Key=f"{corpus}/index.json")["Body"].read())):
-            raise RuntimeError(f"{corpus}: the feeders counted {total} bytes, the server side {got['proxy_bytes']}")
+        if server != total:
+            print(
+                f"WARNING {corpus}: the server saw {server - total:+,} B more than the feeders counted "
+                f"({got['proxy_gets']} GETs, the feeders {sum(h['gets'] for h in got['per_host'])}); "
+                f"read more often than once per host: {got['repeated']}",
+                flush=True,
+            )
+            out[corpus]["repeated"] = got["repeated"]
         print(
-            f"[{hosts} hosts] {corpus}: read {total:,} B for {consumed:,} B consumed: {total / consumed:.3f}x",
+            f"[{hosts} hosts] {corpus}: {server:,} B read, {consumed:,} B consumed: {server / consumed:.3f}x",
             flush=True,
         )
     if out["v2"].pop("_hashes") != out["v1"].pop("_hashes"):
@@ -251,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         os.environ.update(MotoS3.environ(moto.endpoint))
         results["corpus"] = make_corpus(moto, tmp, args)
-        results["runs"] = [measure(moto, int(h), args) for h in args.hosts.split(",")]
+        looked_up: set[str] = set()
+        results["runs"] = [measure(moto, int(h), args, looked_up) for h in args.hosts.split(",")]
     finally:
         moto.stop()
         shutil.rmtree(tmp, ignore_errors=True)
