@@ -143,7 +143,10 @@ class HostReaders:
 
     def close(self) -> None:
         if self.readers:
-            keys = ("gets", "bytes_read", "footer_bytes", "data_bytes", "rows_served", "streams", "continued")
+            keys = (
+                *("gets", "bytes_read", "footer_bytes", "data_bytes", "rows_served"),
+                *("streams", "continued", "executors"),
+            )
             summary = {n[:8]: {k: st.get(k) for k in keys} for n, st in self.stats().items()}
             log.info("data readers at the end of the job (by node): %s", summary)
         self._drop(list(self.readers))
