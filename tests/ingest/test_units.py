@@ -164,3 +164,29 @@ def test_in_process_feeders_read_their_slices_once(tmp_path, per_group):
     assert read <= (10 + 2) * (g + 4 * per_group)
     if per_group == 3:  # groups divide every share (6 rows): every row is read once
         assert read <= (10 + 2) * g
+
+
+@pytest.mark.parametrize("damage", ["row_group", "footer"])
+def test_a_damaged_shard_fails_the_read_naming_it(tmp_path, damage):
+    """A flipped byte in a row group's page (its CRC) or in a footer (its sha256 in the index)
+    is an error for every rank that asks for those rows, never wrong rows."""
+    rows = np.random.default_rng(2).integers(0, 300, size=(96, 9), dtype=np.int32)
+    index = _write(tmp_path, rows, 48, 4)
+    shard = index.shards[1]
+    data = bytearray((tmp_path / shard.path).read_bytes())
+    if damage == "footer":
+        data[shard.footer_offset + 10] ^= 0x01
+    else:
+        meta = parse_footer(bytes(data[shard.footer_offset :]), shard.footer_sha256, shard.path)
+        lo, hi = groups_span(meta, 2, 1)
+        data[hi - 3] ^= 0xFF
+    (tmp_path / shard.path).write_bytes(bytes(data))
+    feeder = _HostFeeder(str(tmp_path), {}, 24, 24, 1, 10.0, "threads")
+    try:
+        feeder.begin(StreamRequest("e0", 0, 12, 1, (0,)))
+        np.testing.assert_array_equal(feeder.rows(0, 12, 0, "e0"), rows[:12])  # shard 0 is sound
+        with pytest.raises(RuntimeError, match="part-00001.parquet"):
+            for b in range(1, 8):
+                feeder.rows(b * 12, 12, 0, "e0")
+    finally:
+        feeder.close()
