@@ -5,8 +5,9 @@ that actor).
 
 Units and what a host needs are ``elastic.ingest.units``'s. The window reads, in stream
 order, every unit the stream's request needs that starts less than ``rows_ahead`` rows (plus
-one unit per wave) past the oldest row any of its ranks still wants, and keeps units back to
-``rows_behind`` rows before it. A version 2 shard's footer is read (once per shard copy along
+one unit per wave) past the oldest row any of its ranks still wants, and at least the
+stream's first window (``_first_end``), and keeps units back to ``rows_behind`` rows before
+it. A version 2 shard's footer is read (once per shard copy along
 the stream) before its row groups; adjacent row groups of one shard are coalesced into one
 ranged read of at most a global batch of rows. Every method whose docstring says "lock held"
 is called with ``_lock`` held by its caller.
