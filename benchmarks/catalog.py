@@ -165,6 +165,13 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ("--only", "1"),
     ),
     Benchmark(
+        "data_bytes_per_host",
+        "bytes read from storage per host at 4 and 8 hosts: row groups a host's replicas consume vs whole shards",
+        "data_bytes_per_host.json",
+        "--out",
+        ("--hosts", "4", "--batches", "24", "--engine", "threads"),
+    ),
+    Benchmark(
         "sweep_vs_grid",
         "`elastic sweep` vs the exhaustive grid: best tokens/s found, search time, memory model error",
         "sweep_vs_grid.json",

@@ -15,7 +15,8 @@ import numpy as np
 def plain_loop(text_dir, tokenizer_path, out_dir, seq_len, rows_per_shard) -> float:
     """The baseline: one process reads, tokenizes (encode_batch), packs and writes; returns tokens/s."""
     from elastic.ingest import tokenizer as toks
-    from elastic.ingest.prepare import _Packer, encode_shard, iter_texts
+    from elastic.ingest.prepare import ROWS_PER_GROUP, _Packer, iter_texts
+    from elastic.ingest.shard_format import encode_shard
 
     t0 = time.perf_counter()
     tok = toks.byte_tokenizer() if tokenizer_path == "byte" else toks.load_file(tokenizer_path)
@@ -25,7 +26,7 @@ def plain_loop(text_dir, tokenizer_path, out_dir, seq_len, rows_per_shard) -> fl
 
     def write(rows):
         with open(os.path.join(out_dir, f"part-{n[0]:05d}.parquet"), "wb") as f:
-            f.write(encode_shard(rows))
+            f.write(encode_shard(rows, ROWS_PER_GROUP))
         n[0] += 1
 
     packer = _Packer(seq_len + 1, rows_per_shard, write)
@@ -38,5 +39,5 @@ def plain_loop(text_dir, tokenizer_path, out_dir, seq_len, rows_per_shard) -> fl
             batch = []
     for e in tok.encode_batch(batch, add_special_tokens=False):
         packer.add(np.append(np.asarray(e.ids, dtype=np.int32), np.int32(eot)))
-    packer.finish()
+    packer.finish(ROWS_PER_GROUP)
     return packer.rows * (seq_len + 1) / (time.perf_counter() - t0)

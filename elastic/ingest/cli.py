@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from elastic.ingest.prepare import FORMATS
+from elastic.ingest.prepare import FORMATS, ROWS_PER_GROUP
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,6 +16,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default="byte", help="byte, bpe:VOCAB_SIZE or PATH/tokenizer.json")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sample; rows hold seq_len + 1 ids")
     parser.add_argument("--rows-per-shard", type=int, default=2048, help="rows per parquet shard")
+    parser.add_argument(
+        "--rows-per-group",
+        type=int,
+        default=ROWS_PER_GROUP,
+        help="rows per parquet row group, the unit a host reader fetches: at most a replica's share of a "
+        f"batch (global_batch / dp) for reads of about what it consumes (default {ROWS_PER_GROUP}; docs/data.md)",
+    )
     parser.add_argument(
         "--address",
         default=None,
@@ -36,6 +43,7 @@ def main(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         seq_len=args.seq_len,
         rows_per_shard=args.rows_per_shard,
+        rows_per_group=args.rows_per_group,
     )
     try:
         check_input(cfg)  # bad input is reported before Ray starts

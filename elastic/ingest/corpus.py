@@ -25,7 +25,6 @@ import hashlib
 import json
 import queue
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -36,9 +35,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from elastic.ingest.parquet_corpus import TOKENS, ParquetCorpus
 from elastic.parallel.batch import grad_accum
 
-TOKENS = "tokens"
 SOURCE_PROTOCOLS = ("file", "s3", "memory")  # the fsspec back ends this project installs and tests
 
 
@@ -167,77 +166,6 @@ def synthetic_corpus(cache_dir: str, num_samples: int, seq_len: int, vocab_size:
     with fs.open(f"{path}/_SUCCESS", "wb") as f:
         f.write(json.dumps(params).encode())
     return uri
-
-
-class ParquetCorpus:
-    """Random access by global row index over a directory of parquet files (via fsspec)."""
-
-    def __init__(self, uri: str, storage_options: dict[str, Any] | None = None, cache_row_groups: int = 8):
-        self.uri = uri
-        self.fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
-        if self.fs.isdir(root):
-            files = sorted(p for p in self.fs.ls(root, detail=False) if p.endswith(".parquet"))
-        else:
-            files = [root]
-        if not files:
-            raise FileNotFoundError(f"no parquet files under {uri}")
-        self._groups: list[tuple[str, int, int]] = []  # (file, row_group, first_row)
-        starts = []
-        total = 0
-        for path in files:
-            with self.fs.open(path, "rb") as f:
-                pf = pq.ParquetFile(f)
-                meta, names = pf.metadata, pf.schema_arrow.names
-            if TOKENS not in names:
-                raise ValueError(f"{path} has no '{TOKENS}' column")
-            for g in range(meta.num_row_groups):
-                self._groups.append((path, g, total))
-                starts.append(total)
-                total += meta.row_group(g).num_rows
-        self.num_rows = total
-        self._starts = np.asarray(starts, dtype=np.int64)
-        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._cache_size = cache_row_groups
-        self.bytes_read = 0
-
-    def _row_group(self, gi: int) -> np.ndarray:
-        if gi in self._cache:
-            self._cache.move_to_end(gi)
-            return self._cache[gi]
-        path, g, _ = self._groups[gi]
-        with self.fs.open(path, "rb") as f:
-            pf = pq.ParquetFile(f)
-            col = pf.read_row_group(g, columns=[TOKENS]).column(TOKENS).combine_chunks()
-            self.bytes_read += pf.metadata.row_group(g).total_byte_size
-        width = col.type.list_size if pa.types.is_fixed_size_list(col.type) else None
-        if width is None:
-            lists = [np.asarray(x, dtype=np.int64) for x in col.to_pylist()]
-            if len({len(x) for x in lists}) > 1:
-                from elastic.errors import CorpusError
-
-                raise CorpusError(f"{path} row group {g}: rows of {sorted({len(x) for x in lists})} ids")
-            arr = np.stack(lists)
-        else:
-            arr = col.flatten().to_numpy().astype(np.int64).reshape(-1, width)
-        self._cache[gi] = arr
-        if len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
-        return arr
-
-    def rows(self, sample_indices: np.ndarray) -> np.ndarray:
-        rows = np.asarray(sample_indices, dtype=np.int64) % self.num_rows
-        out = None
-        groups = np.searchsorted(self._starts, rows, side="right") - 1
-        for gi in np.unique(groups):
-            mask = groups == gi
-            block = self._row_group(int(gi))
-            picked = block[rows[mask] - self._starts[gi]]
-            if out is None:
-                out = np.empty((len(rows), picked.shape[1]), dtype=np.int64)
-            out[mask] = picked
-        if out is None:
-            raise ValueError("ParquetCorpus.rows: no sample indices")
-        return out
 
 
 # --------------------------------------------------------------------------- per-rank stream

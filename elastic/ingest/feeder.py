@@ -3,25 +3,28 @@
 ``elastic.ingest.host_readers``.
 
 The global sample order is ``elastic.ingest.corpus``'s: row ``i`` of the corpus in index order,
-epochs wrapping. A feeder reads that stream shard by shard (one GET per shard, verified
-against the index's sha256), a bounded number of shards ahead of the slowest rank it
-serves, and serves any contiguous range of rows from memory. Every rank of a model
-replica asks the feeder on its replica leader's host, so a TP or PP group reads storage
-once; replicas whose leaders share a host share one read. The feeder holds no CPU of the
-training workers (``num_cpus=0``); ranks on other hosts receive batches through Ray's
-object store.
+epochs wrapping. A feeder reads only the part of that stream its host's replicas consume
+(``elastic.ingest.units``): with a version 2 index, the row groups that overlap their slices
+of each batch (a shard's footer first, one ranged GET verified against the index's sha256,
+then one ranged GET per run of adjacent row groups, every page checksummed); with a version
+1 index, whole shards (one GET each, verified against the index's sha256). It reads a
+bounded number of rows ahead of the slowest rank it serves, and serves any contiguous range
+of its rows from memory. Every rank of a model replica asks the feeder on its replica
+leader's host, so a TP or PP group reads storage once; replicas whose leaders share a host
+share one read. The feeder holds no CPU of the training workers (``num_cpus=0``); ranks on
+other hosts receive batches through Ray's object store.
 
 Feeders belong to the driver and outlive reconfigurations: after a resize or a recovery
 from memory, a host whose feeder already holds (or is reading) the next rows goes on from
 where it was, with no process, index read or Ray Data executor to start. Engine
 ``ray_data`` reads through one Ray Data streaming executor per feeder, kept across steps
 and reconfigurations; it is rebuilt only when the stream must jump (a rollback past what
-is kept, or a restore from storage of an older step), or after ``SEGMENT_UNITS`` shards.
+is kept, or a restore from storage of an older step), or after ``SEGMENT_READS`` reads.
 Engine ``threads`` reads with the feeder's own threads. Staggering (``waves``) and the
 per-host read cap are applied here. See docs/data.md.
 
-Runs in the ``HostFeeder`` actor, one per reading host. The window of shards it keeps (rows
-to shards, eviction) is its base class in ``feeder_window.py``; the shard reads and engine
+Runs in the ``HostFeeder`` actor, one per reading host. The window of units it keeps (what to
+read next, eviction) is its base class in ``feeder_window.py``; the reads and engine
 ``ray_data``'s executor are in ``feeder_reads.py``.
 """
 
@@ -30,7 +33,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -38,10 +40,12 @@ import numpy as np
 import ray
 from ray.actor import ActorClass
 
-from elastic.ingest.feeder_reads import build_executor, close_executor, decode_shard
-from elastic.ingest.feeder_window import FeederWindow
-from elastic.ingest.index import read_index
+from elastic.ingest.feeder_ray_data import RayDataEngine
+from elastic.ingest.feeder_reads import Read, fetch
+from elastic.ingest.index import parse_index, read_index_bytes
 from elastic.ingest.rounds import wave_of
+from elastic.ingest.shard_format import parse_footer
+from elastic.ingest.units import StreamRequest
 from storage import open_storage
 
 log = logging.getLogger(__name__)
@@ -49,7 +53,7 @@ log = logging.getLogger(__name__)
 __all__ = ["HostFeeder"]
 
 
-class _HostFeeder(FeederWindow):
+class _HostFeeder(RayDataEngine):
     """The ``HostFeeder`` actor's body (the module docstring); Ray's handle is ``HostFeeder``."""
 
     def __init__(
@@ -74,9 +78,17 @@ class _HostFeeder(FeederWindow):
         self.host_index = 0
         self._error: BaseException | None = None
         self._stop = False
+        self._gets_inflight = 0  # GETs started and not finished, of any stream (engine threads)
         self.stats: dict[str, Any] = {
             "gets": 0,
-            "bytes_read": 0,
+            "bytes_read": 0,  # every byte fetched from storage: index, footers and data
+            "index_bytes": 0,
+            "footer_bytes": 0,
+            "data_bytes": 0,  # row groups, or whole shards of a version 1 index
+            "footers": 0,  # footers read
+            "units_read": 0,  # row groups (or whole shards) read
+            "rows_read": 0,
+            "rows_served": 0,  # rows handed to ranks (a TP or PP group's ranks each count)
             "wave": 0,
             "gate_wait_s": 0.0,
             "first_read_at": None,
@@ -85,53 +97,55 @@ class _HostFeeder(FeederWindow):
             "executors": 0,  # Ray Data executors built (engine ray_data)
         }
         if engine == "ray_data":
-            self._x = 0  # the current executor; permits of older ones are refused
-            self._x_seq = -1  # the stream position (``_seq``) the current executor reads
-            self._x_base: int | None = None  # the shard of its position 0 (None until the index is read)
-            threading.Thread(target=self._ray_data_reader, daemon=True, name="feeder-ray-data").start()
+            self._start_ray_data()
         else:
             self._pool = ThreadPoolExecutor(max_workers=max(1, max_reads), thread_name_prefix="feeder-read")
             threading.Thread(target=self._schedule, daemon=True, name="feeder-schedule").start()
 
-    def _unit_to_read(self) -> int | None:
-        """The next shard of the stream if it should be read now, else None."""
-        k = self._next_unit
-        if not self._turn or self._error is not None or k is None:
+    def _read_now(self) -> Read | None:
+        """The next read of the stream if it may start now (lock held)."""
+        if not self._turn or self._error is not None or self.table is None:
             return None
-        return k if k < self._unit_of(self._low_row()) + self.lookahead else None
+        cap = self.request.global_batch if self.request is not None else self.rows_ahead
+        return self._next_read(max(1, cap))
 
     # ------------------------------------------------------------------ a new layout
-    def begin(self, epoch: str, start_row: int, host_index: int, hosts: int, waves: int, gate: Any = None) -> bool:
-        """Serve a new stream from ``start_row`` on (a new layout, or a rollback in one).
+    def begin(self, req: StreamRequest, gate: Any = None) -> bool:
+        """Serve a new stream (``req``: a new layout, or a rollback in one).
 
-        Idempotent per ``epoch``: every rank this feeder serves calls it, the first one
-        counts. The stream goes on if this feeder holds or is reading every shard from
-        ``start_row``'s on; otherwise it jumps there. Returns whether it went on.
+        Idempotent per ``req.epoch``: every rank this feeder serves calls it, the first one
+        counts. The stream goes on if nothing this feeder dropped or skipped lies at or after
+        ``req.start_row``: it keeps what it holds and reads what the new layout's slices need
+        and it lacks. Otherwise it jumps there. Returns whether it went on.
         """
         with self._lock:
-            if epoch == self._epoch:
+            if req.epoch == self._epoch:
                 return self._continued
-            self._epoch, self.host_index = epoch, host_index
-            self.wave = self.stats["wave"] = wave_of(host_index, hosts, waves)
-            self._gate = gate if waves > 1 and hosts > 1 else None
+            self._epoch, self.host_index, self.request = req.epoch, req.host_index, req
+            self.wave = self.stats["wave"] = wave_of(req.host_index, req.hosts, req.waves)
+            self._gate = gate if req.waves > 1 and req.hosts > 1 else None
             self._low.clear()
-            self._low_default = start_row
+            self._low_default = req.start_row
             self.stats["streams"] += 1
-            self._continued = self.index is not None and self._error is None and self._holds_from(start_row)
+            self._continued = self._error is None and self._can_go_on(req.start_row)
             if self._continued:
                 self.stats["continued"] += 1
             else:
                 self._seq += 1
                 self._units.clear()
                 self._inflight.clear()
+                self._footers.clear()
+                self._footers_inflight.clear()
                 self._error = None
-                self._next_unit = None if self.index is None else self._unit_of(start_row)
-            if self.index is not None:
-                self._set_lookahead()
+                self._kept_from = 0 if self.table is None else self.table.unit_of(req.start_row)
+            self._scan = None if self.table is None else self.table.unit_of(req.start_row)
+            # Until every wave has read its first window, this host reads nothing past its own:
+            # its ranks' prefetch moves the window on before the job's first step.
+            self._capped = self._gate is not None
             self._turn, self._reported = False, False
             self._lock.notify_all()
             continued, gate, wave = self._continued, self._gate, self.wave
-        threading.Thread(target=self._take_turn, args=(epoch, gate, wave, waves), daemon=True).start()
+        threading.Thread(target=self._take_turn, args=(req.epoch, gate, wave, req.waves), daemon=True).start()
         return continued
 
     def _take_turn(self, epoch: str, gate: Any, wave: int, waves: int) -> None:
@@ -150,9 +164,10 @@ class _HostFeeder(FeederWindow):
             self.stats["first_read_at"] = time.time()
         if self.index is None:
             try:
-                index = read_index(self.root, self.storage_options)
-                if index is None:
+                raw = read_index_bytes(self.root, self.storage_options)
+                if raw is None:
                     raise FileNotFoundError(f"{self.root} has no index.json: not a prepared corpus")
+                index = parse_index(self.root, raw)
             except BaseException as exc:  # surfaced to every caller of rows()
                 with self._lock:
                     self._error = exc
@@ -160,11 +175,25 @@ class _HostFeeder(FeederWindow):
                 return
             with self._lock:
                 self._set_index(index)
-                self.stats["gets"] += 1
+                self._count(len(raw), "index_bytes")
         with self._lock:
             if self._epoch == epoch:
                 self._turn = True
                 self._check_first_window()
+                self._lock.notify_all()
+        if gate is not None:
+            self._lift_cap(epoch, gate, waves)
+
+    def _lift_cap(self, epoch: str, gate: Any, waves: int) -> None:
+        """Read past the first window once every host's first window is read (all waves had
+        their turn), or after the wave timeout (a host that died before reporting)."""
+        try:
+            ray.get(gate.wait_turn.remote(waves), timeout=self.timeout_s * (waves + 1))
+        except Exception as exc:  # noqa: BLE001 - a dead or slow host must not stop this one
+            log.warning("wave gate (all waves): %s; reading on anyway", type(exc).__name__)
+        with self._lock:
+            if self._epoch == epoch:
+                self._capped = False
                 self._lock.notify_all()
 
     def _check_first_window(self) -> None:
@@ -174,130 +203,72 @@ class _HostFeeder(FeederWindow):
             if self._gate is not None:
                 self._gate.done.remote(self.host_index)
 
-    def _store(self, k: int, rows: np.ndarray, nbytes: int) -> None:
+    def _count(self, nbytes: int, kind: str) -> None:
         self.stats["gets"] += 1
         self.stats["bytes_read"] += nbytes
-        self._units[k] = rows
-        self._check_first_window()
+        self.stats[kind] += nbytes
+
+    def _store(self, read: Read, got: Any, meta: Any, nbytes: int) -> None:
+        """A read's result (lock held): a verified footer (``meta`` parsed), or rows."""
+        if read.kind == "footer":
+            self._count(nbytes, "footer_bytes")
+            self.stats["footers"] += 1
+            self._footers_inflight.discard(read.unit)
+            self._footers[read.unit] = (meta, got)
+        else:
+            self._count(nbytes, "data_bytes")
+            self.stats["units_read"] += read.count
+            self.stats["rows_read"] += len(got)
+            self._put_units(read.unit, got)
+            self._check_first_window()
+        self._lock.notify_all()
+
+    def _failed(self, read: Read, exc: BaseException) -> None:
+        """A read that failed (lock held): every caller of rows() is told."""
+        self._error = exc
+        self._footers_inflight.discard(read.unit) if read.kind == "footer" else None
         self._lock.notify_all()
 
     # ------------------------------------------------------------------ engine "threads"
     def _schedule(self) -> None:
-        """Start reads in order, at most ``max_reads`` in flight, up to ``lookahead`` shards ahead."""
+        """Start reads in order, at most ``max_reads`` GETs in flight, up to the window's frontier."""
         with self._lock:
             while not self._stop:
-                if self.index is not None:
+                if self.table is not None:
                     self._evict()
-                k = self._unit_to_read() if len(self._inflight) < self.max_reads else None
-                if k is not None:
-                    self._next_unit = k + 1
-                    self._inflight.add(k)
-                    self._pool.submit(self._read, k, self._seq)
+                read = self._read_now() if self._gets_inflight < self.max_reads else None
+                if read is not None:
+                    meta = None
+                    if read.kind == "groups" and self.table is not None:
+                        meta = self._footers[self.table.stream_shard(read.unit)][0]
+                    self._gets_inflight += 1
+                    self._pool.submit(self._read, read, meta, self._seq)
                     continue
                 self._lock.wait(timeout=1.0)
 
-    def _read(self, k: int, seq: int) -> None:
-        index = self._corpus()
-        shard = index.shards[k % self.n]
+    def _read(self, read: Read, meta: Any, seq: int) -> None:
         try:
-            data = self.fs.cat_file(index.uri(shard))  # one GET
-            rows = decode_shard(data, shard.sha256, shard.path)
+            got, nbytes = fetch(self.fs, read, meta)
+            if read.kind == "footer":
+                meta = parse_footer(got, read.digest, read.name)  # type: ignore[arg-type]
             with self._lock:
                 if seq == self._seq:
-                    self._store(k, rows, len(data))
+                    self._store(read, got, meta, nbytes)
+                else:  # a stream that jumped: the bytes were fetched all the same
+                    self._count(nbytes, "footer_bytes" if read.kind == "footer" else "data_bytes")
         except BaseException as exc:  # surfaced to every caller of rows()
             with self._lock:
                 if seq == self._seq:
-                    self._error = exc
+                    self._failed(read, exc)
         finally:
             with self._lock:
-                if seq == self._seq:
-                    self._inflight.discard(k)
+                self._gets_inflight -= 1
                 self._lock.notify_all()
-
-    # ------------------------------------------------------------------ engine "ray_data"
-    def _ray_data_reader(self) -> None:
-        """Take shards, in order, from one Ray Data streaming executor that lives as long as
-        the stream goes on.
-
-        The executor's items are stream positions ``0, 1, ...``; its read tasks (at most
-        ``max_reads``) ask this feeder for a *permit* before each GET (``permit``), which
-        names the shard and is given only in this host's turn and while the window has
-        room. So reads follow consumption and the waves exactly as with engine
-        ``threads``; the executor never runs ahead on its own (an object-store cap would
-        make it spin a core), and its tasks hold their worker processes between reads. A
-        jump (``_seq``) ends the executor: its waiting tasks get no permit and return at
-        once; the next one starts from the new position, before this host's turn if it
-        comes later, so its processes are up when reading may begin."""
-        it: Iterator[dict[str, np.ndarray]] | None = None
-        x, spent = 0, False
-        while True:
-            with self._lock:
-                while not self._stop and self._epoch is None:
-                    self._lock.wait(timeout=1.0)
-                if self._stop:
-                    break
-                rebuild = it is None or spent or self._x_seq != self._seq
-                if rebuild:
-                    self._x = x = self._x + 1
-                    self._x_seq, self._x_base = self._seq, self._next_unit
-                    self._lock.notify_all()  # permits of the old executor end
-            try:
-                if rebuild or it is None:
-                    close_executor(it)
-                    it, spent = build_executor(x, self.max_reads, self.storage_options, self.timeout_s), False
-                    with self._lock:
-                        self.stats["executors"] += 1
-                batch = next(it)
-            except StopIteration:
-                spent = True
-                continue
-            except BaseException as exc:  # surfaced to every caller of rows()
-                close_executor(it)
-                it = None
-                with self._lock:
-                    if self._x_seq == self._seq:
-                        self._error = exc
-                        self._lock.notify_all()
-                continue
-            k, nbytes = int(batch["unit"][0]), int(batch["nbytes"][0])
-            with self._lock:
-                if nbytes < 0 or self._x_seq != self._seq:
-                    continue  # a task of an ended executor, or of a stream that jumped
-                if k == self._next_unit:
-                    self._next_unit = k + 1
-                    self._store(k, np.asarray(batch["tokens"][0], dtype=np.int32), nbytes)
-                else:  # never expected: the executor keeps the order
-                    self._error = RuntimeError(f"Ray Data returned shard {k}, expected {self._next_unit}")
-                    self._lock.notify_all()
-        close_executor(it)
-
-    def permit(self, x: int, pos: int, timeout_s: float) -> tuple[int, str, str] | None | bool:
-        """Asked by a read task of executor ``x`` before reading its stream position ``pos``:
-        ``(shard number, uri, sha256)`` once it may read it; None if that executor ended
-        (the task returns without reading); False after ``timeout_s`` (ask again)."""
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            while True:
-                if self._stop or x != self._x or self._x_seq != self._seq:
-                    return None
-                if self._x_base is None:
-                    self._x_base = self._next_unit
-                if self._turn and self._error is None and self._x_base is not None:
-                    k = self._x_base + pos
-                    if k < self._unit_of(self._low_row()) + self.lookahead:
-                        index = self._corpus()
-                        shard = index.shards[k % self.n]
-                        return k, index.uri(shard), shard.sha256
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._lock.wait(timeout=min(left, 1.0))
 
     # ------------------------------------------------------------------ serving
     def rows(self, start: int, count: int, key: Any = None, epoch: str | None = None) -> np.ndarray:
         """Global rows ``[start, start + count)`` of stream ``epoch`` (the current one when
-        None) as int64 ``[count, seq_len + 1]``. ``key`` names the caller (its DP rank): the
+        None) as int64 ``[count, seq_len + 1]``. ``key`` names the caller (its data shard): the
         oldest row any caller still wants bounds the window."""
         deadline = time.monotonic() + self.timeout_s
         parts: list[np.ndarray] = []
@@ -305,32 +276,42 @@ class _HostFeeder(FeederWindow):
             if epoch is not None and epoch != self._epoch:  # a rank of an old layout, still prefetching
                 raise RuntimeError(f"data feeder: stream {epoch} was replaced by {self._epoch}")
             self._low[key] = start
-            if self.index is not None:
+            if self.table is not None:
                 self._evict()
             self._lock.notify_all()
-            while self.index is None or self._next_unit is None:
+            while self.table is None or self._scan is None:
                 if self._error is not None:
                     raise RuntimeError(f"data feeder read failed: {self._error}") from self._error
                 if not self._lock.wait(timeout=max(0.0, deadline - time.monotonic())):
                     raise TimeoutError(f"data feeder: the index was not read within {self.timeout_s:g}s")
-            row, end = start, start + count
+            table, row, end = self.table, start, start + count
             while row < end:
-                k = self._unit_of(row)
+                k = table.unit_of(row)
                 while k not in self._units:
                     if self._error is not None:
                         raise RuntimeError(f"data feeder read failed: {self._error}") from self._error
-                    if k < self._next_unit and k not in self._inflight:
-                        raise RuntimeError(f"rows {row}.. were evicted from the feeder (a rank fell behind)")
+                    self._check_servable(k, row)
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise TimeoutError(f"data feeder: rows {row}.. not read within {self.timeout_s:g}s")
                     self._lock.wait(timeout=left)
                 unit = self._units[k]
-                lo = row - self._unit_start(k)
+                lo = row - table.span(k)[0]
                 take = min(end - row, len(unit) - lo)
                 parts.append(unit[lo : lo + take])
                 row += take
+            self.stats["rows_served"] += count
         return np.concatenate(parts).astype(np.int64)
+
+    def _check_servable(self, k: int, row: int) -> None:
+        """Unit ``k`` (holding ``row``) is asked for and not here (lock held): an error if it
+        never will be."""
+        if k < self._kept_from:
+            raise RuntimeError(f"rows {row}.. were evicted from the feeder (a rank fell behind)")
+        if self._scan is not None and k < self._scan and k not in self._inflight:
+            if not self._needed(k):
+                raise RuntimeError(f"rows {row}.. are not in the slices this feeder serves ({self.request})")
+            raise RuntimeError(f"rows {row}.. were evicted from the feeder (a rank fell behind)")
 
     def ready(self, epoch: str, timeout_s: float) -> bool:
         """Block until stream ``epoch``'s first window is read (its wave's turn came and went)."""
@@ -353,7 +334,7 @@ class _HostFeeder(FeederWindow):
 
     def get_stats(self) -> dict[str, Any]:
         with self._lock:
-            return dict(self.stats, cached_units=len(self._units))
+            return dict(self.stats, cached_units=len(self._units), cached_footers=len(self._footers))
 
     def close(self) -> None:
         with self._lock:

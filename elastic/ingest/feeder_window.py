@@ -1,10 +1,16 @@
-"""A host feeder's window on the corpus stream: which shards it holds or is reading, where
-each global row lives, and what to drop (no Ray; the base of the ``HostFeeder`` actor in
-``feeder.py``, so it runs in that actor).
+"""A host feeder's window on the corpus stream: which units (row groups, or whole shards of a
+version 1 index) it holds or is reading, which it still needs, what to read next and what to
+drop (no I/O and no Ray; the base of the ``HostFeeder`` actor in ``feeder.py``, so it runs in
+that actor).
 
-Shard ``k`` of the stream is shard ``k % n`` of the index in epoch ``k // n``: row ``i`` of
-the corpus in index order, epochs wrapping (``elastic.ingest.corpus``'s global order). Every
-method whose docstring says "lock held" is called with ``_lock`` held by its caller.
+Units and what a host needs are ``elastic.ingest.units``'s. The window reads, in stream
+order, every unit the stream's request needs that starts less than ``rows_ahead`` rows (plus
+one unit per wave) past the oldest row any of its ranks still wants, and at least the
+stream's first window (``_first_end``), and keeps units back to ``rows_behind`` rows before
+it. A version 2 shard's footer is read (once per shard copy along
+the stream) before its row groups; adjacent row groups of one shard are coalesced into one
+ranged read of at most a global batch of rows. Every method whose docstring says "lock held"
+is called with ``_lock`` held by its caller.
 """
 
 from __future__ import annotations
@@ -14,7 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from elastic.ingest.feeder_reads import Read
 from elastic.ingest.index import CorpusIndex
+from elastic.ingest.shard_format import groups_span
+from elastic.ingest.units import StreamRequest, UnitTable
 
 
 class FeederWindow:
@@ -22,64 +31,145 @@ class FeederWindow:
         self.rows_ahead, self.rows_behind = rows_ahead, rows_behind
         self._lock = threading.Condition()
         self.index: CorpusIndex | None = None  # read in this host's first turn: the index is a read too
-        self.n, self.total, self.starts = 0, 0, np.zeros(0, dtype=np.int64)  # the index's shards, rows, first rows
-        self._units: dict[int, np.ndarray] = {}
-        self._inflight: set[int] = set()
-        self._low: dict[Any, int] = {}  # per serving key (a DP rank): the first row it still needs
+        self.table: UnitTable | None = None
+        self.request: StreamRequest | None = None  # the stream served now
+        self._units: dict[int, np.ndarray] = {}  # unit -> its rows
+        self._inflight: set[int] = set()  # units being read
+        self._footers: dict[int, Any] = {}  # stream shard -> (parsed footer, its bytes)
+        self._footers_inflight: set[int] = set()
+        self._low: dict[Any, int] = {}  # per serving key (a data shard): the first row it still needs
         self._low_default = 0
-        self._next_unit: int | None = None  # the next shard to read, in stream order
+        self._scan: int | None = None  # units before it are held, being read, or not needed
+        self._kept_from = 0  # units before it were dropped
         self._seq = 0  # bumped when the stream jumps: reads of an older position are dropped
-        self.wave, self.lookahead = 0, 1
+        self._capped = False  # while hosts start in waves: no read past the first window
+        self.wave = 0
 
     def _set_index(self, index: CorpusIndex) -> None:
         """The corpus index, once read (lock held)."""
-        self.index, self.n, self.total, self.starts = index, len(index.shards), index.num_rows, index.starts
-        self._set_lookahead()
-        if self._next_unit is None:
-            self._next_unit = self._unit_of(self._low_default)
+        self.index, self.table = index, UnitTable(index)
+        if self._scan is None:
+            self._scan = self._kept_from = self.table.unit_of(self._low_default)
 
-    def _corpus(self) -> CorpusIndex:
-        """The corpus index: read before any shard can be asked for (the stream starts after it)."""
-        if self.index is None:
-            raise RuntimeError("data feeder: a shard was asked for before the corpus index was read")
-        return self.index
-
-    # ------------------------------------------------------------------ global row <-> shard
-    def _unit_of(self, row: int) -> int:
-        epoch, r = divmod(row, self.total)
-        return epoch * self.n + int(np.searchsorted(self.starts, r, side="right") - 1)
-
-    def _unit_start(self, k: int) -> int:
-        return (k // self.n) * self.total + int(self.starts[k % self.n])
+    def _corpus(self) -> tuple[CorpusIndex, UnitTable]:
+        """The corpus index: read before any unit can be asked for (the stream starts after it)."""
+        if self.index is None or self.table is None:
+            raise RuntimeError("data feeder: a unit was asked for before the corpus index was read")
+        return self.index, self.table
 
     # ------------------------------------------------------------------ the window
     def _low_row(self) -> int:
         return min(self._low.values()) if self._low else self._low_default
 
-    def _first_window(self) -> range:
-        first = self._unit_of(self._low_default)
-        return range(first, first + self.lookahead)
+    def _frontier(self) -> int:
+        """Units starting before this row are read (lock held): the stream's first window, and
+        ``rows_ahead`` rows past the oldest row still wanted, and one unit further per wave, so
+        later waves' reads stay apart; while the hosts start in waves, no further than the
+        first window."""
+        _, table = self._corpus()
+        first = self._first_end()
+        if self._capped:
+            return first
+        return max(self._low_row() + self.rows_ahead + self.wave * table.max_unit_rows, first)
+
+    def _needed(self, k: int) -> bool:
+        _, table = self._corpus()
+        return self.request is None or self.request.needs(*table.span(k))
+
+    def _first_end(self) -> int:
+        """The end of the stream's first window (lock held, the index read): the farthest the
+        window reaches before training consumes anything. Its ranks take up to ``rows_ahead``
+        rows at once (their prefetch), and the window reads ``rows_ahead`` rows (and one unit
+        per wave) past the oldest of them; so no host reads again before the first step, and
+        start-up reads stay within the waves."""
+        _, table = self._corpus()
+        return self._low_default + 2 * self.rows_ahead + self.wave * table.max_unit_rows
 
     def _first_window_held(self) -> bool:
-        """Whether the stream's first ``lookahead`` shards are read (lock held)."""
-        return self.index is not None and all(k in self._units for k in self._first_window())
-
-    def _holds_from(self, row: int) -> bool:
-        """Whether every shard from ``row``'s on is held or being read (lock held)."""
-        u0 = self._unit_of(row)
-        if self._next_unit is None or u0 > self._next_unit:
+        """Whether every unit the stream needs in its first window is read (lock held)."""
+        if self.table is None:
             return False
-        return all(k in self._units or k in self._inflight for k in range(u0, self._next_unit))
+        k, end = self.table.unit_of(self._low_default), self._first_end()
+        while True:
+            start, _ = self.table.span(k)
+            if start >= end:
+                return True
+            if k not in self._units and self._needed(k):
+                return False
+            k += 1
 
-    def _set_lookahead(self) -> None:
-        # Shards ahead of the oldest row still wanted: enough for ``rows_ahead`` rows, plus one
-        # per wave: later waves read further ahead, so their steady-state reads stay apart too.
-        smallest = min(s.rows for s in self._corpus().shards)
-        self.lookahead = -(-self.rows_ahead // smallest) + 1 + self.wave
+    def _can_go_on(self, row: int) -> bool:
+        """Whether a stream from ``row`` continues what this window holds (lock held): nothing
+        it needs from there was dropped, and the reads have not been skipped past it."""
+        if self.table is None or self._scan is None:
+            return False
+        return self._kept_from <= self.table.unit_of(row) <= self._scan
 
     def _evict(self) -> None:
-        """Drop shards wholly before ``rows_behind`` rows under the oldest row still wanted
-        (lock held): a rollback of a step or two still finds its rows here."""
-        keep = self._unit_of(max(0, self._low_row() - self.rows_behind))
+        """Drop units wholly before ``rows_behind`` rows under the oldest row still wanted, and
+        the footers of shards before them (lock held): a rollback of a step or two still finds
+        its rows here."""
+        _, table = self._corpus()
+        keep = table.unit_of(max(0, self._low_row() - self.rows_behind))
+        if keep <= self._kept_from:
+            return
+        self._kept_from = keep
         for k in [k for k in self._units if k < keep]:
             del self._units[k]
+        first_shard = table.stream_shard(keep)
+        for s in [s for s in self._footers if s < first_shard]:
+            del self._footers[s]
+
+    def _next_read(self, cap_rows: int) -> Read | None:
+        """The next read of the stream, if one may start now, marked as started (lock held):
+        the footer of the next needed unit's shard if it is not here yet, else the run of
+        needed units from there (of one shard, at most ``cap_rows`` rows)."""
+        index, table = self._corpus()
+        if self._scan is None:
+            return None
+        frontier, k = self._frontier(), self._scan
+        while True:
+            start, _ = table.span(k)
+            if start >= frontier:
+                return None
+            if k in self._units or k in self._inflight or not self._needed(k):
+                k += 1
+                self._scan = k
+                continue
+            break
+        _, j, g = table.locate(k)
+        shard = index.shards[j]
+        uri = index.uri(shard)
+        if not shard.ranged:
+            self._inflight.add(k)
+            return Read("shard", k, 1, uri, 0, shard.bytes, shard.sha256, shard.bytes, 0)
+        key = table.stream_shard(k)
+        if key not in self._footers:
+            if key in self._footers_inflight:
+                return None  # its footer is on its way
+            self._footers_inflight.add(key)
+            off, length = int(shard.footer_offset or 0), int(shard.footer_bytes or 0)
+            return Read("footer", key, 0, uri, off, off + length, shard.footer_sha256 or "", shard.bytes, 0)
+        last, rows, count = table.last_unit_of_shard(k), 0, 0
+        while k + count <= last:
+            u = k + count
+            u_start, u_rows = table.span(u)
+            if count and (u_start >= frontier or rows + u_rows > cap_rows):
+                break
+            if u in self._units or u in self._inflight or not self._needed(u):
+                break
+            rows, count = rows + u_rows, count + 1
+        self._inflight.update(range(k, k + count))
+        meta, footer = self._footers[key]
+        lo, hi = groups_span(meta, g, count)
+        return Read("groups", k, count, uri, lo, hi, shard.footer_sha256 or "", shard.bytes, g, footer)
+
+    def _put_units(self, first: int, rows: np.ndarray) -> None:
+        """Rows read for units ``first ..`` (lock held): split per unit."""
+        _, table = self._corpus()
+        k, at = first, 0
+        while at < len(rows):
+            _, n = table.span(k)
+            self._units[k] = rows[at : at + n]
+            self._inflight.discard(k)
+            at, k = at + n, k + 1

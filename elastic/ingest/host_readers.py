@@ -16,6 +16,7 @@ import ray
 
 from elastic.ingest.feeder import HostFeeder
 from elastic.ingest.index import read_index
+from elastic.ingest.units import StreamRequest, served_slices
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,10 @@ class HostReaders:
 
     def close(self) -> None:
         if self.readers:
-            keys = ("gets", "bytes_read", "streams", "continued", "executors")
+            keys = (
+                *("gets", "bytes_read", "footer_bytes", "data_bytes", "rows_served"),
+                *("streams", "continued", "executors"),
+            )
             summary = {n[:8]: {k: st.get(k) for k in keys} for n, st in self.stats().items()}
             log.info("data readers at the end of the job (by node): %s", summary)
         self._drop(list(self.readers))
@@ -188,17 +192,32 @@ class FeederSource:
 
     def open(self, layout: Any, dp_rank: int, start_batch: int):
         """``(batch_index, rows)`` from ``start_batch`` on; returns once this host's first
-        window is read (its wave came)."""
+        window is read (its wave came). ``layout.dp`` is the layout's data shards (dp * ep)
+        and ``dp_rank`` this rank's (``ParallelDims.data_shard``)."""
         self._gen += 1
-        d, p = self.data_cfg, self.plan
-        epoch = f"{p['epoch']}-{self._gen}"
-        start_row = start_batch * layout.global_batch
-        begin = self.feeder.begin.remote(epoch, start_row, p["feeder_host"], p["hosts"], d.waves, p["gate"])
+        begin = self.feeder.begin.remote(self.request(layout, start_batch), self.plan["gate"])
         ray.get(begin, timeout=COLD_START_S)  # a new feeder's actor may still be starting
+        d, epoch = self.data_cfg, f"{self.plan['epoch']}-{self._gen}"
         # A late wave waits for the earlier ones first, and a new feeder starts its processes.
         wait_s = COLD_START_S + self.timeout_s * (d.waves + 2)
         ray.get(self.feeder.ready.remote(epoch, wait_s), timeout=wait_s + self.timeout_s)
         return feeder_batches(self.feeder, layout, dp_rank, start_batch, self.timeout_s, epoch)
+
+    def request(self, layout: Any, start_batch: int) -> StreamRequest:
+        """The stream this rank's host reader serves from ``start_batch`` on: the same for every
+        rank of the host (the slices of all its replicas), so the first one to ask begins it."""
+        p = self.plan
+        served = served_slices(p.get("replicas", (0,)), p.get("dp", 1), layout.dp)
+        return StreamRequest(
+            epoch=f"{p['epoch']}-{self._gen}",
+            start_row=start_batch * layout.global_batch,
+            global_batch=layout.global_batch,
+            shards=layout.dp,
+            served=served,
+            host_index=p["feeder_host"],
+            hosts=p["hosts"],
+            waves=self.data_cfg.waves,
+        )
 
     def close(self) -> None:
         """Nothing to release: the reader belongs to the driver and serves the next layout."""

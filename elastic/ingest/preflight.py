@@ -9,7 +9,9 @@ line naming ``data.source`` and the file (exit 2), and no failure budget is spen
 Cheap at any corpus size: a prepared corpus's ``index.json`` (its ``seq_len`` and
 vocabulary), the footers of at most ``MAX_FOOTERS`` files (the first, the last and evenly
 spaced ones between: schema, row count, each row group's min and max id from the column
-statistics and its value count), and ``SAMPLE_ROWS`` rows of the first file read for real.
+statistics when the file has them (``elastic prepare`` writes none: its index's vocabulary
+is checked instead) and its value count), and ``SAMPLE_ROWS`` rows of the first file read
+for real.
 What the sample cannot see is caught as it is read (``RankStream``: a ``CorpusError``,
 which ends the job at once rather than being retried).
 """

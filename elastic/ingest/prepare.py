@@ -4,14 +4,15 @@ Ray Data reads the input files (``file://`` or ``s3://``; JSON lines, parquet or
 text) and tokenizes documents in parallel on the cluster's CPUs, in input order
 (``preserve_order``). The driver then packs the token stream, each document followed by the
 end-of-text token, into rows of ``seq_len + 1`` ids, cuts them into shards of
-``rows_per_shard`` rows and writes them with an index (``elastic.ingest.index``). Packing is
+``rows_per_shard`` rows in row groups of ``rows_per_group`` (``elastic.ingest.shard_format``)
+and writes them with an index (``elastic.ingest.index``: version 2, which says where each
+shard's footer is, so a host reader can fetch only the row groups it needs). Packing is
 sequential over an ordered stream, so the output is byte-identical whatever the cluster
 size or the number of blocks. The tail shorter than one row is dropped. See docs/data.md.
 """
 
 from __future__ import annotations
 
-import io
 import os
 import sys
 import time
@@ -27,9 +28,14 @@ import pyarrow.parquet as pq
 from elastic.errors import SpecError
 from elastic.ingest import tokenizer as toks
 from elastic.ingest.index import CorpusIndex, Shard, sha256, write_index
+from elastic.ingest.shard_format import encode_shard, footer_span
 from storage import open_storage, redact_uri
 
 FORMATS = ("jsonl", "parquet", "text")
+# A replica's share of a batch (global_batch / dp) is typically 8 to 64 rows: groups of 8 let a
+# host fetch about what it consumes, and keep the footer (about 100 bytes per group) small
+# next to rows of a few KB (docs/data.md, "What a host reads").
+ROWS_PER_GROUP = 8
 _EXT = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".txt": "text", ".py": "text"}
 
 
@@ -42,6 +48,7 @@ class PrepareConfig:
     tokenizer: str = "byte"
     seq_len: int = 64
     rows_per_shard: int = 2048
+    rows_per_group: int = ROWS_PER_GROUP  # rows per parquet row group: the unit a host reader fetches
     storage_options: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
     blocks: int | None = None  # Ray Data read blocks (default: Ray's choice); the output does not depend on it
@@ -224,20 +231,34 @@ class _Packer:
             self._rows, self._buffered = ([rest] if len(rest) else []), len(rest)
             self.rows += self.rows_per_shard
 
-    def finish(self) -> None:
-        if self._buffered:
-            self.write(np.concatenate(self._rows))
-            self.rows += self._buffered
+    def finish(self, rows_per_group: int = 1) -> None:
+        """Write the last shard. Its tail that does not fill a whole row group is dropped (fewer
+        than ``rows_per_group`` rows, as the tail shorter than a row is), unless that would
+        leave no row: each epoch then starts on a row-group boundary, so the hosts' slices stay
+        aligned with the groups in every epoch (docs/data.md, "What a host reads")."""
+        keep = self._buffered
+        if self.rows + keep >= rows_per_group:
+            keep -= (self.rows + keep) % rows_per_group
+        if keep:
+            self.write(np.concatenate(self._rows)[:keep])
+            self.rows += keep
         self._rows, self._buffered = [], 0
 
 
-def encode_shard(rows: np.ndarray) -> bytes:
-    width = rows.shape[1]
-    flat = pa.array(np.ascontiguousarray(rows, dtype=np.int32).reshape(-1))
-    table = pa.table({"tokens": pa.FixedSizeListArray.from_arrays(flat, width)})
-    buf = io.BytesIO()
-    pq.write_table(table, buf, row_group_size=len(rows))
-    return buf.getvalue()
+def shard_entry(name: str, rows: np.ndarray, rows_per_group: int) -> tuple[bytes, Shard]:
+    """A shard's bytes and its (version 2) index entry."""
+    data = encode_shard(rows, rows_per_group)
+    off, length = footer_span(data)
+    return data, Shard(
+        path=name,
+        rows=len(rows),
+        bytes=len(data),
+        sha256=sha256(data),
+        footer_offset=off,
+        footer_bytes=length,
+        footer_sha256=sha256(data[off:]),
+        rows_per_group=rows_per_group,
+    )
 
 
 def check_input(cfg: PrepareConfig) -> tuple[Any, list[str], str]:
@@ -247,6 +268,10 @@ def check_input(cfg: PrepareConfig) -> tuple[Any, list[str], str]:
         raise SpecError("--seq-len", f"must be >= 1, got {cfg.seq_len}")
     if cfg.rows_per_shard < 1:
         raise SpecError("--rows-per-shard", f"must be >= 1, got {cfg.rows_per_shard}")
+    if not 1 <= cfg.rows_per_group <= cfg.rows_per_shard:
+        raise SpecError(
+            "--rows-per-group", f"must be from 1 to --rows-per-shard ({cfg.rows_per_shard}), got {cfg.rows_per_group}"
+        )
     tspec = toks.parse_tokenizer(cfg.tokenizer)
     if tspec.kind == "file":
         toks.eot_id(toks.load_file(tspec.path))
@@ -299,10 +324,9 @@ def _prepare(cfg: PrepareConfig, out: Any, written: list[str]) -> PrepareResult:
         out.put_bytes(uri, data)
 
     def write(rows: np.ndarray) -> None:
-        data = encode_shard(rows)
-        name = f"part-{len(shards):05d}.parquet"
-        put(name, data)
-        shards.append(Shard(path=name, rows=len(rows), bytes=len(data), sha256=sha256(data)))
+        data, shard = shard_entry(f"part-{len(shards):05d}.parquet", rows, cfg.rows_per_group)
+        put(shard.path, data)
+        shards.append(shard)
 
     packer = _Packer(cfg.seq_len + 1, cfg.rows_per_shard, write)
     tokenized = ds.map_batches(
@@ -316,7 +340,7 @@ def _prepare(cfg: PrepareConfig, out: Any, written: list[str]) -> PrepareResult:
         for chunk in batch.column("ids").chunks:
             packer.add(chunk.flatten().to_numpy(zero_copy_only=False).astype(np.int32, copy=False))
         progress.show(docs, packer.rows, len(shards), cfg.seq_len + 1, t0)
-    packer.finish()
+    packer.finish(cfg.rows_per_group)
     tokenize_s = time.perf_counter() - t_tok
     if docs == 0:
         raise SpecError("INPUT", f"{redact_uri(cfg.input)} holds no documents (field {cfg.text_field!r} is empty)")

@@ -27,6 +27,8 @@ class ReadPlan:
     feeder_node: str  # node of this rank's replica leader: the host whose feeder serves it
     feeder_host: int  # that host's index among the reading hosts
     hosts: int  # reading hosts (distinct replica-leader nodes)
+    replicas: tuple[int, ...] = (0,)  # the DP ranks whose leader is on that host: what its feeder serves
+    dp: int = 1  # replicas in the layout
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -36,10 +38,19 @@ def read_plans(node_ids: list[str], replica_size: int, epoch: str) -> list[ReadP
     """One plan per rank (ranks in order; replica ``d`` is ranks ``[d*rs, (d+1)*rs)``)."""
     leaders = [node_ids[d] for d in range(0, len(node_ids), replica_size)]
     hosts: dict[str, int] = {}
-    for n in leaders:
+    served: dict[str, list[int]] = {}
+    for d, n in enumerate(leaders):
         hosts.setdefault(n, len(hosts))
+        served.setdefault(n, []).append(d)
     return [
-        ReadPlan(epoch, leaders[r // replica_size], hosts[leaders[r // replica_size]], len(hosts))
+        ReadPlan(
+            epoch,
+            leaders[r // replica_size],
+            hosts[leaders[r // replica_size]],
+            len(hosts),
+            tuple(served[leaders[r // replica_size]]),
+            len(leaders),
+        )
         for r in range(len(node_ids))
     ]
 

@@ -32,6 +32,7 @@ class CountingProxy:
         self.gets = 0
         self.bytes = 0
         self.paths: list[tuple[float, str]] = []  # (time, path) of every counted GET, as it starts
+        self.served: list[tuple[float, str, str, int]] = []  # (time, path, Range header, bytes) as each ends
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -70,6 +71,8 @@ class CountingProxy:
                         with proxy._lock:
                             proxy.gets += 1
                             proxy.bytes += len(data)
+                            path, ranged = self.path.split("?", 1)[0], self.headers.get("Range") or ""
+                            proxy.served.append((time.time(), path, ranged, len(data)))
                 finally:
                     if counted:
                         proxy._change(-1)

@@ -1,11 +1,15 @@
-"""The host feeder serves exactly the native reader's rows, at any DP and start batch, and a
-job trained from it matches the native reader step by step."""
+"""The host feeder serves exactly the native reader's rows, at any DP, start batch and set of
+served slices, reads only what its slices consume, and a job trained from it matches the
+native reader step by step (a version 1 index too, read whole-shard)."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import ray
 
@@ -13,11 +17,16 @@ from elastic import ElasticTrainer
 from elastic.ingest.corpus import BatchLayout, ParquetCorpus
 from elastic.ingest.feeder import HostFeeder
 from elastic.ingest.host_readers import feeder_batches, resolve_loader
+from elastic.ingest.index import read_index
 from elastic.ingest.prepare import PrepareConfig, prepare
+from elastic.ingest.shard_format import group_span
+from elastic.ingest.units import StreamRequest
 from elastic.testing.texts import stdlib_texts, write_jsonl
 from jobs import JobSpec
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
+
+G = 24  # global batch: data shards of 24, 12, 8, 6 and 3 rows at dp 1, 2, 3, 4 and 8
 
 
 @pytest.fixture
@@ -25,65 +34,146 @@ def local_corpus(ray_local, tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
     write_jsonl(str(root / "in"), stdlib_texts(("json",)))
     out = str(root / "out")
-    prepare(PrepareConfig(str(root / "in"), out, tokenizer="byte", seq_len=16, rows_per_shard=50, progress=False))
+    cfg = PrepareConfig(str(root / "in"), out, tokenizer="byte", seq_len=16, rows_per_shard=48, progress=False)
+    cfg.rows_per_group = 3
+    prepare(cfg)
     return out
 
 
-def _feeder(uri, start_row, rows_ahead=64, max_reads=2, engine="threads"):
-    feeder = HostFeeder.remote(uri, {}, rows_ahead, rows_ahead, max_reads, 30.0, engine)
-    ray.get(feeder.begin.remote("e0", start_row, 0, 1, 1, None), timeout=30)
-    return feeder
+def as_version_1(src: str, dst: str) -> str:
+    """The same shards under an index as an older ``elastic prepare`` wrote it (version 1)."""
+    shutil.copytree(src, dst)
+    raw = json.load(open(f"{src}/index.json"))
+    raw["version"] = 1
+    raw["shards"] = [{k: s[k] for k in ("path", "rows", "bytes", "sha256")} for s in raw["shards"]]
+    with open(f"{dst}/index.json", "w") as f:
+        json.dump(raw, f)
+    return dst
 
 
-def _check(feeder, native, layout, start_batch, batches, epoch=None):
-    streams = [feeder_batches(feeder, layout, r, start_batch, 30.0, epoch) for r in range(layout.dp)]
+def _feeder(uri, rows_ahead=2 * G, max_reads=2, engine="threads"):
+    return HostFeeder.remote(uri, {}, rows_ahead, rows_ahead + G, max_reads, 30.0, engine)
+
+
+def _begin(feeder, epoch: str, start_batch: int, dp: int, served: tuple[int, ...]) -> bool:
+    went_on = ray.get(feeder.begin.remote(StreamRequest(epoch, start_batch * G, G, dp, served)), timeout=60)
+    ray.get(feeder.ready.remote(epoch, 60.0), timeout=90)
+    return went_on
+
+
+def _check(hosts, native, dp: int, start_batch: int, batches: int, epoch: str) -> None:
+    """Every data shard's rows from its host's feeder, batch by batch, equal the native reader's."""
+    layout = BatchLayout(global_batch=G, micro_batch=1, dp=dp)
+    streams = {r: feeder_batches(f, layout, r, start_batch, 30.0, epoch) for f, served in hosts for r in served}
     for b in range(start_batch, start_batch + batches):
-        for r, s in enumerate(streams):
-            got_b, rows = next(s)
+        for r in range(dp):
+            got_b, rows = next(streams[r])
             assert got_b == b
             np.testing.assert_array_equal(rows, native.rows(layout.rank_samples(b, r)))
 
 
 @pytest.mark.parametrize("engine", ["ray_data", "threads"])
 def test_feeder_rows_equal_the_native_reader_at_any_dp_and_start(local_corpus, engine):
+    """Three feeders (hosts) share each layout's data shards, adjacent or not."""
     native = ParquetCorpus(local_corpus)
-    total = native.num_rows
-    for dp, start_batch in [(1, 0), (2, 3), (3, 7), (2, total // 12)]:  # the last one wraps past the epoch end
-        layout = BatchLayout(global_batch=12, micro_batch=2, dp=dp)
-        feeder = _feeder(local_corpus, start_batch * 12, engine=engine)
-        _check(feeder, native, layout, start_batch, 30)
-        stats = ray.get(feeder.get_stats.remote())
-        # a bounded window, not the whole corpus: 3 shards ahead of the slowest rank, 64 rows (<= 3 shards) kept behind
-        assert stats["gets"] >= 1 and stats["cached_units"] <= 8
-        ray.kill(feeder)
+    end = native.num_rows // G  # the wrap case starts 2 batches before the epoch's end
+    feeders = [_feeder(local_corpus, max_reads=1, engine=engine) for _ in range(3)]
+    for i, (dp, start, assignment) in enumerate(
+        [
+            (1, 0, [(0,)]),
+            (2, 3, [(0,), (1,)]),
+            (3, 7, [(0, 2), (1,)]),
+            (4, end - 2, [(0,), (1, 3), (2,)]),
+            (8, 5, [(0, 3, 5), (1, 2), (4, 6, 7)]),
+        ]
+    ):
+        hosts = list(zip(feeders, assignment))
+        for f, served in hosts:
+            _begin(f, f"e{i}", start, dp, served)
+        _check(hosts, native, dp, start, 6, f"e{i}")
+    stats = ray.get([f.get_stats.remote() for f in feeders])
+    for st in stats:
+        assert st["bytes_read"] == st["index_bytes"] + st["footer_bytes"] + st["data_bytes"] > 0
+        assert st["cached_units"] <= (2 * G + G + G) // 3 + 4  # a bounded window: ahead + behind
+    for f in feeders:
+        ray.kill(f)
 
 
 @pytest.mark.parametrize("engine", ["ray_data", "threads"])
 def test_a_feeder_goes_on_across_layouts_and_jumps_only_when_it_must(local_corpus, engine):
-    """A new layout at the next batch (a resize, a recovery from memory) or a batch back (a
-    rollback) continues the stream the feeder holds: no new read of the index, and for
-    engine ray_data the same executor. A start it does not hold (a restore from storage of
-    an old step) jumps there. Rows equal the native reader's throughout."""
+    """Two hosts. A new layout at the next batch (a resize 4 -> 3 -> 4, a recovery from memory)
+    or a batch back (a rollback) continues the stream each feeder holds: no new read of the
+    index, for engine ray_data the same executor, and only the units the new slices need and
+    it lacks are read. A start it does not hold (a restore from storage of an old step) jumps
+    there. Rows equal the native reader's throughout."""
     native = ParquetCorpus(local_corpus)
-    feeder = _feeder(local_corpus, 0, rows_ahead=36, engine=engine)
-    _check(feeder, native, BatchLayout(global_batch=12, micro_batch=2, dp=2), 0, 10)
-    for epoch, dp, start, goes_on in (
-        ("e1", 3, 10, True),
-        ("e2", 1, 16, True),
-        ("e3", 2, 2, False),
-        ("e4", 3, 60, False),
+    a, b = _feeder(local_corpus, engine=engine), _feeder(local_corpus, engine=engine)
+    for epoch, dp, start, served_a, served_b, goes_on in (
+        ("e0", 4, 0, (0, 1), (2, 3), False),  # the first stream of each
+        ("e1", 3, 6, (0, 1), (2,), True),  # host b lost a replica
+        ("e2", 4, 12, (0, 1), (2, 3), True),  # and got it back: b reads rows 12..15 of each batch too
+        ("e3", 4, 17, (0, 1), (2, 3), True),  # a rollback of one step
+        ("e4", 4, 2, (0, 1), (2, 3), False),  # a restore from storage of an old step
+        ("e5", 3, 60, (0, 1), (2,), False),
     ):
-        assert ray.get(feeder.begin.remote(epoch, start * 12, 0, 1, 1, None), timeout=30) is goes_on, epoch
-        assert ray.get(feeder.begin.remote(epoch, start * 12, 0, 1, 1, None), timeout=30) is goes_on  # idempotent
-        ray.get(feeder.ready.remote(epoch, 30.0), timeout=60)
-        _check(feeder, native, BatchLayout(global_batch=12, micro_batch=2, dp=dp), start, 8, epoch)
+        assert _begin(a, epoch, start, dp, served_a) is goes_on, epoch
+        assert _begin(b, epoch, start, dp, served_b) is goes_on, epoch
+        assert ray.get(a.begin.remote(StreamRequest(epoch, start * G, G, dp, served_a)), timeout=30) is goes_on
+        _check([(a, served_a), (b, served_b)], native, dp, start, 6, epoch)
     with pytest.raises(ray.exceptions.RayTaskError, match="replaced"):  # an old layout's rank is refused
-        ray.get(feeder.rows.remote(0, 4, 0, "e1"), timeout=30)
-    stats = ray.get(feeder.get_stats.remote())
-    assert stats["streams"] == 5 and stats["continued"] == 2
-    if engine == "ray_data":
-        assert stats["executors"] == 3  # the first stream's, and one per jump
-    ray.kill(feeder)
+        ray.get(a.rows.remote(0, 4, 0, "e1"), timeout=30)
+    with pytest.raises(ray.exceptions.RayTaskError, match="not in the slices"):  # b does not serve slice 0
+        ray.get(b.rows.remote(66 * G, 8, 0, "e5"), timeout=30)
+    for st in ray.get([a.get_stats.remote(), b.get_stats.remote()]):
+        assert st["streams"] == 6 and st["continued"] == 3 and st["gets"] > 0
+        assert st["index_bytes"] == os.path.getsize(f"{local_corpus}/index.json")  # read once
+        if engine == "ray_data":
+            assert st["executors"] == 3  # the first stream's, and one per jump
+    ray.kill(a)
+    ray.kill(b)
+
+
+def _group_bytes(uri: str) -> tuple[np.ndarray, np.ndarray]:
+    """First global row and bytes of every row group of the corpus, from the shards' footers."""
+    starts, sizes, base = [], [], 0
+    for shard in read_index(uri).shards:
+        meta = pq.read_metadata(f"{uri}/{shard.path}")
+        for g in range(meta.num_row_groups):
+            lo, hi = group_span(meta, g)
+            starts.append(base)
+            sizes.append(hi - lo)
+            base += meta.row_group(g).num_rows
+    return np.asarray(starts), np.asarray(sizes)
+
+
+def test_feeders_read_about_what_their_replicas_consume(local_corpus, tmp_path):
+    """dp 4, one feeder per DP rank (as on 4 hosts), 40 batches. The bytes of the rows
+    consumed are those of the row groups holding them, each counted once. With a version 2
+    index the four feeders' data reads add up to at most (40 + 2) / 40 of that: the window
+    reads 2 batches past the last one consumed, and the row groups (3 rows) divide each
+    rank's share (6 rows), so no group is read by two feeders. Whole shards (a version 1
+    index, the same files) cost each feeder the whole stream: about 4x."""
+    old = as_version_1(local_corpus, str(tmp_path / "v1"))
+    starts, sizes = _group_bytes(local_corpus)
+    start, batches, dp = 2, 40, 4
+    first, last = np.searchsorted(starts, start * G, "right") - 1, np.searchsorted(starts, (start + batches) * G)
+    consumed = int(sizes[first:last].sum())
+    ratio = {}
+    for name, uri in (("v2", local_corpus), ("v1", old)):
+        feeders = [_feeder(uri) for _ in range(dp)]
+        for r, f in enumerate(feeders):
+            _begin(f, "e0", start, dp, (r,))
+        _check([(f, (r,)) for r, f in enumerate(feeders)], ParquetCorpus(uri), dp, start, batches, "e0")
+        stats = ray.get([f.get_stats.remote() for f in feeders])
+        ratio[name] = sum(st["data_bytes"] for st in stats) / consumed
+        if name == "v2":
+            reached = (start + batches + 2) * G // 48 - start * G // 48 + 1  # shards of 48 rows
+            assert all(st["footers"] <= reached for st in stats)  # each shard's footer once per feeder
+        for f in feeders:
+            ray.kill(f)
+    print(f"data bytes read / bytes consumed at dp 4: row groups {ratio['v2']:.3f}, whole shards {ratio['v1']:.3f}")
+    assert 1.0 <= ratio["v2"] <= (batches + 2) / batches
+    assert ratio["v1"] > 3.5
 
 
 def _spec(source: str, loader: str) -> JobSpec:
@@ -94,7 +184,7 @@ def _spec(source: str, loader: str) -> JobSpec:
             "data": {"source": source, "loader": loader},
             "parallel": {"micro_batch": 2},
             "elastic": {"min_dp": 2, "max_dp": 2, "collective_timeout_s": 20},
-            "train": {"steps": 10, "global_batch": 8, "lr": 3.0e-3},
+            "train": {"steps": 6, "global_batch": 8, "lr": 3.0e-3},
             "checkpoint": {"every_steps": 0},
         }
     )
@@ -105,15 +195,20 @@ def _steps(run_dir: str) -> list[dict]:
 
 
 def test_training_through_ray_data_matches_the_native_reader(local_corpus, tmp_path):
+    """The default loader on a version 2 corpus, and the feeder on the same shards under a
+    version 1 index (an older ``elastic prepare``: whole-shard reads), train step by step as
+    the native reader does."""
     assert resolve_loader(_spec(local_corpus, "auto").data, local_corpus) == "ray_data"  # the default path
+    old = as_version_1(local_corpus, str(tmp_path / "v1"))
     got = {}
-    for loader in ("ray_data", "native"):
-        run_dir = str(tmp_path / loader)
-        ElasticTrainer(_spec(local_corpus, loader), run_dir=run_dir).fit()
-        got[loader] = _steps(run_dir)
-    assert len(got["ray_data"]) == len(got["native"]) == 10
-    for a, b in zip(got["ray_data"], got["native"]):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6) and a["grad_norm"] == pytest.approx(
-            b["grad_norm"], rel=1e-6
-        )
-        assert a["data_wait_s"] >= 0 and "data_wait_s" in b
+    for name, source, loader in (("v2", local_corpus, "ray_data"), ("v1", old, "feeder"), ("native", old, "native")):
+        run_dir = str(tmp_path / name)
+        ElasticTrainer(_spec(source, loader), run_dir=run_dir).fit()
+        got[name] = _steps(run_dir)
+    assert len(got["v2"]) == len(got["v1"]) == len(got["native"]) == 6
+    for a, b, c in zip(got["v2"], got["v1"], got["native"]):
+        for x in (a, b):
+            assert x["loss"] == pytest.approx(c["loss"], rel=1e-6) and x["grad_norm"] == pytest.approx(
+                c["grad_norm"], rel=1e-6
+            )
+        assert a["data_wait_s"] >= 0 and "data_wait_s" in c

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
@@ -39,6 +40,7 @@ def test_byte_packing_matches_a_plain_loop(ray_local, jsonl, docs, tmp_path):
     # The known answer: every document's UTF-8 bytes then end-of-text (256), cut into rows of 32.
     stream = np.concatenate([np.append(np.frombuffer(t.encode(), dtype=np.uint8), 256) for _, t in docs])
     n = len(stream) // 32
+    n -= n % 8  # the tail that does not fill a row group (8 rows) is dropped too
     rows = _rows(out)
     assert rows.shape == (n, 32) and res.rows == n and res.docs == len(docs)
     np.testing.assert_array_equal(rows, stream[: n * 32].reshape(n, 32))
@@ -46,6 +48,15 @@ def test_byte_packing_matches_a_plain_loop(ray_local, jsonl, docs, tmp_path):
     assert index["seq_len"] == 31 and index["tokenizer"]["kind"] == "byte" and index["tokenizer"]["eot_id"] == 256
     assert [s["rows"] for s in index["shards"]] == [100] * (n // 100) + ([n % 100] if n % 100 else [])
     assert all(len(s["sha256"]) == 64 for s in index["shards"])
+    # Version 2: each shard's footer is where the index says, with its digest; groups of 8 rows.
+    assert index["version"] == 2
+    for s in index["shards"]:
+        data = open(f"{out}/{s['path']}", "rb").read()
+        assert s["footer_offset"] + s["footer_bytes"] == len(data) == s["bytes"] and s["rows_per_group"] == 8
+        assert hashlib.sha256(data[s["footer_offset"] :]).hexdigest() == s["footer_sha256"]
+        meta = pq.read_metadata(f"{out}/{s['path']}")
+        groups = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+        assert groups == [8] * (s["rows"] // 8) + ([s["rows"] % 8] if s["rows"] % 8 else [])
 
 
 def test_output_does_not_depend_on_parallelism(ray_local, jsonl, tmp_path):
@@ -77,12 +88,19 @@ def test_bpe_trains_on_the_input_and_round_trips(ray_local, jsonl, docs, tmp_pat
 
 @pytest.mark.parametrize(
     "case, field",
-    [("missing_field", "--text-field"), ("empty_input", "INPUT"), ("bad_tokenizer", "--tokenizer")],
+    [
+        ("missing_field", "--text-field"),
+        ("empty_input", "INPUT"),
+        ("bad_tokenizer", "--tokenizer"),
+        ("bad_group", "--rows-per-group"),
+    ],
 )
 def test_bad_input_exits_2_with_one_line(ray_local, jsonl, tmp_path, capsys, case, field):
     args = ["prepare", jsonl, str(tmp_path / "out")]
     if case == "missing_field":
         args += ["--text-field", "body"]
+    elif case == "bad_group":
+        args += ["--rows-per-shard", "16", "--rows-per-group", "17"]
     elif case == "empty_input":
         (tmp_path / "empty").mkdir()
         args[1] = str(tmp_path / "empty")

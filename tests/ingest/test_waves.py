@@ -26,6 +26,8 @@ def test_ranks_of_a_replica_read_from_their_leaders_host():
     plans = read_plans(["a", "b", "a", "c", "c", "d"], replica_size=2, epoch="e")
     assert [p.feeder_node for p in plans] == ["a", "a", "a", "a", "c", "c"]
     assert [p.feeder_host for p in plans] == [0, 0, 0, 0, 1, 1] and {p.hosts for p in plans} == {2}
+    # Each host's feeder serves the replicas led there: (0, 1) on a, (2,) on c, of 3.
+    assert [p.replicas for p in plans] == [(0, 1)] * 4 + [(2,)] * 2 and {p.dp for p in plans} == {3}
 
 
 def test_restore_read_rounds_by_wave_then_per_host_cap():

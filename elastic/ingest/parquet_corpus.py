@@ -1,0 +1,108 @@
+"""Random access by global row index over a directory of parquet files: the native reader
+(``data.loader: native``), the reference every other reader is tested against, and the
+preflight's and the per-rank Ray Data pipeline's reader. Runs in the rank that reads
+(``elastic.ingest.corpus.RankStream``) or in a Ray Data actor.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+TOKENS = "tokens"
+
+READ_ROWS = 1024  # rows a ParquetCorpus reads at once (consecutive row groups of one file)
+
+
+def _as_rows(col: Any, where: str) -> np.ndarray:
+    """A ``tokens`` column (fixed-size or variable lists) as int64 ``[rows, width]``."""
+    width = col.type.list_size if pa.types.is_fixed_size_list(col.type) else None
+    if width is not None:
+        return col.flatten().to_numpy().astype(np.int64).reshape(-1, width)
+    lists = [np.asarray(x, dtype=np.int64) for x in col.to_pylist()]
+    if len({len(x) for x in lists}) > 1:
+        from elastic.errors import CorpusError
+
+        raise CorpusError(f"{where}: rows of {sorted({len(x) for x in lists})} ids")
+    return np.stack(lists)
+
+
+class ParquetCorpus:
+    """Random access by global row index over a directory of parquet files (via fsspec)."""
+
+    def __init__(self, uri: str, storage_options: dict[str, Any] | None = None, cache_row_groups: int = 8):
+        self.uri = uri
+        self.fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+        if self.fs.isdir(root):
+            files = sorted(p for p in self.fs.ls(root, detail=False) if p.endswith(".parquet"))
+        else:
+            files = [root]
+        if not files:
+            raise FileNotFoundError(f"no parquet files under {uri}")
+        self._groups: list[tuple[str, int, int]] = []  # (file, row_group, first_row)
+        self._meta: dict[str, Any] = {}  # each file's footer, read once here
+        starts = []
+        total = 0
+        for path in files:
+            with self.fs.open(path, "rb") as f:
+                pf = pq.ParquetFile(f)
+                meta, names = pf.metadata, pf.schema_arrow.names
+            if TOKENS not in names:
+                raise ValueError(f"{path} has no '{TOKENS}' column")
+            self._meta[path] = meta
+            for g in range(meta.num_row_groups):
+                self._groups.append((path, g, total))
+                starts.append(total)
+                total += meta.row_group(g).num_rows
+        self.num_rows = total
+        self._starts = np.asarray(starts, dtype=np.int64)
+        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._cache_size = cache_row_groups
+        self.bytes_read = 0
+
+    def _row_group(self, gi: int) -> np.ndarray:
+        """Row group ``gi``'s rows. A miss reads it with the next groups of its file, up to
+        ``READ_ROWS`` rows, in one open: a prepared corpus's groups are a few rows each."""
+        if gi in self._cache:
+            self._cache.move_to_end(gi)
+            return self._cache[gi]
+        path, g, first = self._groups[gi]
+        last = gi
+        while last + 1 < len(self._groups) and self._groups[last + 1][0] == path:
+            if self._groups[last + 1][2] + 1 - first > READ_ROWS:
+                break
+            last += 1
+        meta = self._meta[path]
+        with self.fs.open(path, "rb") as f:
+            pf = pq.ParquetFile(f, metadata=meta)
+            col = pf.read_row_groups(list(range(g, g + last - gi + 1)), columns=[TOKENS]).column(TOKENS)
+        self.bytes_read += sum(meta.row_group(h).total_byte_size for h in range(g, g + last - gi + 1))
+        arr = _as_rows(col.combine_chunks(), f"{path} row groups {g}..{g + last - gi}")
+        at = 0
+        for h in range(gi, last + 1):
+            n = meta.row_group(self._groups[h][1]).num_rows
+            self._cache[h] = arr[at : at + n]
+            at += n
+        while len(self._cache) > max(self._cache_size, 2 * (last - gi + 1)):
+            self._cache.popitem(last=False)
+        return self._cache[gi]
+
+    def rows(self, sample_indices: np.ndarray) -> np.ndarray:
+        rows = np.asarray(sample_indices, dtype=np.int64) % self.num_rows
+        out = None
+        groups = np.searchsorted(self._starts, rows, side="right") - 1
+        for gi in np.unique(groups):
+            mask = groups == gi
+            block = self._row_group(int(gi))
+            picked = block[rows[mask] - self._starts[gi]]
+            if out is None:
+                out = np.empty((len(rows), picked.shape[1]), dtype=np.int64)
+            out[mask] = picked
+        if out is None:
+            raise ValueError("ParquetCorpus.rows: no sample indices")
+        return out
