@@ -334,9 +334,10 @@ class Signal:
 
 @dataclass(frozen=True)
 class Query:
-    """A call to some ranks of the node, answered by one ``CommandDone``: ``snapshot_holdings``,
-    ``save_checkpoint(timeout_s)``, or ``flush`` (every report they produced so far comes up
-    before the answer, which carries the node's state)."""
+    """A call to some ranks of the node, answered by one ``CommandDone``: ``snapshot_holdings``
+    (with ``timeout_s``: each rank answers once its ``run()`` has ended, waiting that long at
+    most), ``save_checkpoint(timeout_s)``, or ``flush`` (every report they produced so far
+    comes up before the answer, which carries the node's state)."""
 
     method: Literal["snapshot_holdings", "save_checkpoint", "flush"]
     wids: tuple[int, ...] | None = None  # None: every rank of the node

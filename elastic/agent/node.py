@@ -297,7 +297,7 @@ class NodeCore:
             if part.method == "flush":
                 self._flush(cid, wids)
             else:
-                query_args = (part.timeout_s,) if part.method == "save_checkpoint" else ()
+                query_args = (part.timeout_s,) if part.timeout_s else ()
                 self._gather(cid, {wid: (part.method, query_args) for wid in wids})
 
     def _live(self) -> list[_Rank]:

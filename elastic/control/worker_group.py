@@ -30,12 +30,13 @@ from elastic.control import drain
 from elastic.control.agent_link import FAN_IN, AgentTree
 from elastic.control.diagnosis import NODE_PROBE_S, RayletProbe, diagnose
 from elastic.control.group_configure import RPC_TIMEOUT_S, build_requests, configure_through, lost_failure_of
-from elastic.control.group_news import Gather, GroupNews, by_node, wids_by_node
-from elastic.control.recovery_plan import Holdings, ReformPlan
+from elastic.control.group_news import Gather, by_node, wids_by_node
+from elastic.control.group_queries import GroupQueries
+from elastic.control.recovery_plan import ReformPlan
 from elastic.control.worker_group_api import ConfigureResult, Observation
 from elastic.errors import ActorDied
 from elastic.ingest.host_readers import HostReaders
-from elastic.messages import Attach, Detach, Launch, Query, RunOutcome, Signal, WorkerInfo
+from elastic.messages import Attach, Detach, Launch, RunOutcome, Signal, WorkerInfo
 from elastic.placement.planned import PlannedSlots, placement_fields
 from elastic.placement.slots import ReplicaSlots, group_tables
 from elastic.worker import TrainWorker
@@ -48,7 +49,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.1  # how long one look at the group waits for news
-SNAPSHOT_QUERY_S = 10.0  # how long the snapshot holdings query waits for answers, in all
 
 
 @dataclass
@@ -72,7 +72,7 @@ class Member:
     quiet: bool = False  # its run ended and nothing was asked of it since: all it reported is in
 
 
-class WorkerGroup(GroupNews):
+class WorkerGroup(GroupQueries):
     planned_placement = True  # docs/placement.md; False: the old one PACK group per replica, in Ray's order
     agent_fan_in = FAN_IN  # children per aggregator of the agent tree (agent_link.py)
 
@@ -101,6 +101,7 @@ class WorkerGroup(GroupNews):
         self._news_nodes: set[str] = set()
         self._unreachable: dict[str, float] = {}
         self._died: dict[str, float] = {}
+        self._holdings_ahead: tuple[frozenset[int], Gather] | None = None  # asked with an abort (abort_steps)
         self._gathers: dict[int, Gather] = {}
         self._configuring = False
         self.configure_sent_at: list[float] = []  # driver clock: each configure's requests all sent
@@ -251,23 +252,6 @@ class WorkerGroup(GroupNews):
     def rack_of(self, node_id: str) -> str:
         return self._node_labels.get(node_id, {}).get("rack", "")
 
-    def snapshot_holdings(self, members: Sequence[Member]) -> list[Holdings | None]:
-        """Each member's memory-tier holdings; None for one that is gone or silent.
-
-        Members on a node whose raylet refuses connections are not asked: a call to an
-        actor on a lost node can hang until Ray notices the loss. Only nodes out of reach
-        (their agent, or a link above it, unanswered or dead) are probed: every other node
-        answered the tree just now (at 16k ranks, probing every raylet was a quarter of a
-        second of the recovery's decision).
-        """
-        gone = self.raylets.dead(self._out_of_reach({m.node_id for m in members}), wait_s=0.0)
-        asked = [m for m in members if m.node_id not in gone and not m.dead]
-        expect = wids_by_node(asked)
-        g = self._command({n: Query("snapshot_holdings", tuple(ws)) for n, ws in expect.items()}, expect)
-        self._wait_for(g, SNAPSHOT_QUERY_S)
-        self._done(g)
-        return [g.replies.get(m.wid) for m in members]
-
     # ------------------------------------------------------------------ running
     def launch(self, last_step: int) -> None:
         nodes = wids_by_node([m for m in self.members if not m.dead])
@@ -295,32 +279,8 @@ class WorkerGroup(GroupNews):
             return False
         return all(m.run_result is not None for m in self.members)
 
-    def drain_results(self, members: Sequence[Member], timeout: float = 10.0) -> list[tuple[int, Any]]:
-        """The results ``members`` reported that the controller has not seen yet: every
-        agent sends up all its ranks reported before it answers. A member whose run ended
-        with nothing asked of it since is not asked: all it reported came with its end."""
-        expect = wids_by_node([m for m in members if not m.dead and not m.quiet])
-        g = self._command({n: Query("flush", tuple(ws)) for n, ws in expect.items()}, expect)
-        self._wait_for(g, timeout)
-        self._done(g)
-        for node, state in g.states.items():
-            for m in self._members_on(node) if state.step > 0 else ():
-                m.step = max(m.step, state.step)
-        taken, self._inbox = self._inbox, []
-        return taken
-
     def request_stop(self) -> None:
         self.tree.send(dict.fromkeys(wids_by_node([m for m in self.members if not m.dead]), Signal("request_stop")))
-
-    def save_checkpoints(self, timeout: float) -> None:
-        """After a stop at a step boundary: every rank writes the live step to storage."""
-        live = [m for m in self.members if not m.dead]
-        for m in live:
-            m.quiet = False  # its checkpoint's upload reports come after its run's end
-        expect = wids_by_node(live)
-        g = self._command({n: Query("save_checkpoint", tuple(ws), timeout) for n, ws in expect.items()}, expect)
-        self._wait_for(g, timeout)
-        self._done(g)
 
     def wait_runs(self, members: Sequence[Member], timeout: float) -> list[Member]:
         """Wait for ``members``' run() calls to return; returns those that did not."""
@@ -347,12 +307,6 @@ class WorkerGroup(GroupNews):
         }
         if detach:
             self.tree.send(detach)
-
-    def abort_steps(self, members: Sequence[Member]) -> None:
-        """A peer was lost: every member leaves the step in flight at its next block (fire
-        and forget, through the members' node agents: one message per aggregator link, not
-        one actor call per rank from the driver)."""
-        self.tree.send(dict.fromkeys(wids_by_node(members), Signal("abort_step")))
 
     def shrink(self, members: Sequence[Member], excluded: Sequence[int]) -> None:
         """NCCL: every member shrinks the group without the ``excluded`` ranks, at once

@@ -1,4 +1,5 @@
-"""Leaving a step the driver abandoned (``TrainWorker.abort_step``): a peer was lost.
+"""Leaving a step the driver abandoned (``TrainWorker.abort_step``: a peer was lost), and
+saying whose failure ended a run (``classify``).
 
 Runs in the worker, on its training thread. Without it a survivor would compute its step
 to the end and learn of the loss only at its next collective, so the recovery would wait
@@ -17,6 +18,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+from elastic.errors import CorpusError
+from elastic.messages import RunOutcome
+from elastic.worker.process_group import is_collective_error
 
 
 class StepAborted(RuntimeError):
@@ -43,3 +48,16 @@ class AbortHooks:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def classify(exc: Exception, step: int, blocked_s: float, collective_timeout_s: float) -> RunOutcome:
+    """Whose failure ended a run: a collective's (a peer went away, or it timed out) or this
+    rank's own. By exception type (``is_collective_error``) and by how long the failing call
+    was blocked, never by message text."""
+    detail = f"{type(exc).__name__}: {str(exc)[:300]}"
+    if isinstance(exc, StepAborted):
+        return RunOutcome("error", step, "peer", detail)
+    if not is_collective_error(exc):
+        return RunOutcome("error", step, "worker_error", detail, retryable=not isinstance(exc, CorpusError))
+    timed_out = blocked_s >= 0.9 * collective_timeout_s
+    return RunOutcome("error", step, "timeout" if timed_out else "peer", detail)

@@ -34,7 +34,6 @@ import torch
 
 from elastic.checkpoint.memory_tier import MemoryTier, Snapshot
 from elastic.checkpoint.peer_fetch import layout_of, needed_owners
-from elastic.errors import CorpusError
 from elastic.ingest.corpus import ParquetCorpus
 from elastic.messages import (
     ConfigureReply,
@@ -48,11 +47,11 @@ from elastic.messages import (
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.live import LiveState
 from elastic.priority import normal_priority
-from elastic.worker.abort import StepAborted
+from elastic.worker.abort import classify
 from elastic.worker.device_peak import peak_flops
 from elastic.worker.hooks import StepHook
 from elastic.worker.outbox import ReportQueue, peer_sender
-from elastic.worker.process_group import ReconfigurableProcessGroup, is_collective_error
+from elastic.worker.process_group import ReconfigurableProcessGroup
 from elastic.worker.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -83,6 +82,8 @@ class TrainWorker:
         self._outcome: RunOutcome | None = None  # how the last run() ended
         self._stop = threading.Event()
         self._abort = threading.Event()  # the driver abandoned the step in flight (abort_step)
+        self._idle = threading.Event()  # no run() in progress
+        self._idle.set()
         self.hook = step_hook
         if step_hook is not None:
             step_hook.attach(self._stop, self._touch_beat)
@@ -162,8 +163,11 @@ class TrainWorker:
         return self.group.shrink(excluded)
 
     @ray.method(concurrency_group="control")
-    def snapshot_holdings(self) -> dict[int, list[int]]:
-        """Owner rank -> steps this worker can serve from memory."""
+    def snapshot_holdings(self, after_run_s: float = 0.0) -> dict[int, list[int]]:
+        """Owner rank -> steps this worker can serve from memory; with ``after_run_s``, as of the
+        end of the run in progress, waited for that long at most (asked with ``abort_step``)."""
+        if after_run_s > 0:
+            self._idle.wait(after_run_s)
         return self.tier.holdings()
 
     @ray.method(concurrency_group="control")
@@ -331,11 +335,13 @@ class TrainWorker:
         if trainer is None:
             raise RuntimeError("run() before configure(): no trainer")
         self.tier.keep_layout(trainer.layout)  # every peer has restored by now
+        self._idle.clear()
         try:
             outcome = self._train(trainer, last_step)
         finally:
             self._phase = "idle"
             self._beat = time.monotonic()
+            self._idle.set()
         if outcome.status == "error":
             # Outside the except block, so the traceback no longer pins the frames that hold
             # the process group: dropping every reference closes its connections, and peers
@@ -357,22 +363,8 @@ class TrainWorker:
             self.tier.wait()
             return RunOutcome("done", trainer.step)
         except Exception as exc:
-            return self._classify(exc, time.monotonic() - trainer.last_progress)
-
-    def _classify(self, exc: Exception, blocked_s: float) -> RunOutcome:
-        """Whose failure: a collective's (a peer went away, or it timed out) or this rank's own.
-
-        By exception type (see ``is_collective_error``) and by how long the failing call
-        was blocked, never by message text.
-        """
-        detail = f"{type(exc).__name__}: {str(exc)[:300]}"
-        step = self.trainer.step if self.trainer is not None else 0
-        if isinstance(exc, StepAborted):
-            return RunOutcome("error", step, "peer", detail)
-        if not is_collective_error(exc):
-            return RunOutcome("error", step, "worker_error", detail, retryable=not isinstance(exc, CorpusError))
-        timed_out = blocked_s >= 0.9 * self.spec.elastic.collective_timeout_s
-        return RunOutcome("error", step, "timeout" if timed_out else "peer", detail)
+            step = self.trainer.step if self.trainer is not None else 0
+            return classify(exc, step, time.monotonic() - trainer.last_progress, self.spec.elastic.collective_timeout_s)
 
     # ------------------------------------------------------------------ helpers
     def _pick_device(self) -> torch.device:
