@@ -1,0 +1,57 @@
+"""Leaving an abandoned step (elastic/worker/abort.py): at the next block of the forward or
+of the backward, and without changing the step's math when nothing is abandoned."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from elastic.worker.abort import AbortHooks, StepAborted
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _blocks(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def test_hooks_change_nothing_when_no_step_is_abandoned():
+    x = torch.randn(3, 8)
+    plain, hooked = _blocks(), _blocks()
+    plain(x).sum().backward()
+    AbortHooks(threading.Event(), list(hooked))
+    hooked(x.requires_grad_()).sum().backward()
+    for a, b in zip(_grads(plain), _grads(hooked)):
+        assert a is not None and b is not None and torch.equal(a, b)
+
+
+def test_an_abort_in_the_forward_leaves_at_the_next_block():
+    model, abort = _blocks(), threading.Event()
+    AbortHooks(abort, list(model))
+    model[1].register_forward_hook(lambda *_: abort.set())  # the driver's abort arrives during block 1
+    with pytest.raises(StepAborted):
+        model(torch.randn(3, 8))
+
+
+def test_an_abort_in_the_backward_leaves_at_the_next_block():
+    """The abort arrives while the last block's backward runs: the gradient of its input is
+    checked, so the backward stops there and the first blocks get no gradient."""
+    model, abort = _blocks(), threading.Event()
+    hooks = AbortHooks(abort, list(model))
+    out = model(torch.randn(3, 8, requires_grad=True))
+    out.register_hook(lambda g: abort.set())  # the first thing the backward does
+    with pytest.raises(StepAborted, match="backward"):
+        out.sum().backward()
+    assert model[3][0].weight.grad is not None  # the block in flight finished
+    assert all(p.grad is None for p in model[0].parameters())  # the backward never got here
+    hooks.remove()
+    abort.clear()
+    model(torch.randn(3, 8)).sum().backward()  # removed: nothing raises any more
