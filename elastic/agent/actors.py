@@ -124,9 +124,10 @@ class Aggregator:
 
     def _adopt(self, key: str, handle: Any, nodes: list[str]) -> None:
         local = not isinstance(handle, ray.actor.ActorHandle)
+        ticket = None if local else self._lifelines.ticket(key)  # first: the old child's end is no news now
         self.core.adopt(key, handle.start(self._local) if local else handle, nodes, local=local)
-        if not local:
-            handle.lifeline.remote(self._lifelines.address, self._lifelines.ticket(key))
+        if ticket is not None:
+            handle.lifeline.remote(self._lifelines.address, ticket)
 
     @ray.method(concurrency_group="command")
     def route(self, sender: str, seq: int, key: str, nodes: list[str]) -> None:
