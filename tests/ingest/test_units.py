@@ -15,7 +15,7 @@ import pytest
 
 from elastic.ingest.corpus import BatchLayout, ParquetCorpus
 from elastic.ingest.feeder import _HostFeeder
-from elastic.ingest.index import CorpusIndex, Shard, parse_index, read_index, write_index
+from elastic.ingest.index import CorpusIndex, Shard, parse_index, read_index
 from elastic.ingest.shard_format import decode_groups, groups_span, parse_footer
 from elastic.ingest.sidecar import (
     chunks_span,
@@ -24,9 +24,9 @@ from elastic.ingest.sidecar import (
     read_sidecar,
     record_digest,
     records_span,
-    shard_entry,
 )
 from elastic.ingest.units import StreamRequest, UnitTable, served_slices
+from elastic.testing.corpora import write_corpus
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -79,17 +79,7 @@ def test_the_unit_table_maps_every_row_both_ways():
 
 
 def _write(root, rows: np.ndarray, rows_per_shard: int, rows_per_group: int, version: int = 3) -> CorpusIndex:
-    """Shards (with their sidecars from version 3) and an index of ``version``, as ``prepare``."""
-    shards = []
-    for i, start in enumerate(range(0, len(rows), rows_per_shard)):
-        data, side, shard = shard_entry(f"part-{i:05d}.parquet", rows[start : start + rows_per_shard], rows_per_group)
-        (root / shard.path).write_bytes(data)
-        if version == 3:
-            (root / str(shard.groups_path)).write_bytes(side)
-        shards.append(shard)
-    index = CorpusIndex(str(root), rows.shape[1] - 1, {"vocab_size": 300}, tuple(shards)).as_version(version)
-    write_index(str(root), index)
-    return index
+    return write_corpus(str(root), rows, rows_per_shard, rows_per_group, version)
 
 
 def test_row_groups_read_alone_are_verified(tmp_path):
