@@ -15,10 +15,10 @@ from elastic.ingest.sidecar import shard_entry
 
 
 def write_corpus(
-    root: str, rows: np.ndarray, rows_per_shard: int, rows_per_group: int, version: int = 3
+    root: str, rows: np.ndarray, rows_per_shard: int, rows_per_group: int, version: int = 3, vocab_size: int = 300
 ) -> CorpusIndex:
-    """``rows`` (``[n, seq_len + 1]`` ids below 300) as a corpus under ``root`` with an index of
-    ``version`` (the sidecars written only for version 3)."""
+    """``rows`` (``[n, seq_len + 1]`` ids below ``vocab_size``) as a corpus under ``root`` with
+    an index of ``version`` (the sidecars written only for version 3)."""
     os.makedirs(root, exist_ok=True)
     shards = []
     for i, start in enumerate(range(0, len(rows), rows_per_shard)):
@@ -29,7 +29,7 @@ def write_corpus(
             with open(os.path.join(root, str(shard.groups_path)), "wb") as f:
                 f.write(side)
         shards.append(shard)
-    index = CorpusIndex(root, rows.shape[1] - 1, {"vocab_size": 300}, tuple(shards)).as_version(version)
+    index = CorpusIndex(root, rows.shape[1] - 1, {"vocab_size": vocab_size}, tuple(shards)).as_version(version)
     write_index(root, index)
     return index
 
