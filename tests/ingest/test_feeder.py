@@ -151,9 +151,10 @@ def test_feeders_read_about_what_their_replicas_consume(ray_local, tmp_path):
     the group's mini-footer and its entry) per group it reads and no other metadata, so data
     and metadata together are at most ``(24 + 2) / 24 * (1 + W / g)`` of what is consumed
     (``g`` the smallest group), a term of the corpus that no number of hosts changes; the
-    index (once per feeder) aside. Version 2 (the same shards): each feeder reads the footer
-    of every shard its stream reaches, which grows with the hosts (at dp 4 already more
-    than version 3's records). Version 1: whole shards cost each feeder the whole stream."""
+    index (once per feeder) aside. A version 2 index would have each feeder read the footer
+    of every shard its stream reaches, which grows with the hosts (at dp 4 already more than
+    version 3's records; ``test_units`` measures it at dp 2, 4 and 8). Version 1 (the same
+    shards): whole shards cost each feeder the whole stream."""
     rows = np.random.default_rng(5).integers(0, 300, size=(14 * 48, 1025), dtype=np.int32)
     v3 = str(tmp_path / "v3")
     index = write_corpus(v3, rows, 48, 3)
@@ -163,7 +164,7 @@ def test_feeders_read_about_what_their_replicas_consume(ray_local, tmp_path):
     first, last = np.searchsorted(starts, start * G, "right") - 1, np.searchsorted(starts, (start + batches) * G)
     consumed = int(sizes[first:last].sum())  # the whole run in one epoch: (2 + 24 + 2) * 24 = 14 * 48 rows
     ratio, meta = {}, {}
-    for version in (3, 2, 1):
+    for version in (3, 1):
         uri = v3 if version == 3 else as_version(v3, str(tmp_path / f"v{version}"), version)
         feeders = [_feeder(uri) for _ in range(dp)]
         for r, f in enumerate(feeders):
@@ -179,16 +180,13 @@ def test_feeders_read_about_what_their_replicas_consume(ray_local, tmp_path):
             assert all(st["footer_bytes"] == width * st["units_read"] for st in stats)
             both = ratio[3] + meta[3] / consumed
             assert 1.0 <= both <= (batches + 2) / batches * (1 + width / sizes.min()), both
-        if version == 2:
-            reached = (start + batches + 2) * G // 48 - start * G // 48 + 1  # shards of 48 rows
-            assert all(st["footers"] <= reached for st in stats)  # each shard's footer once per feeder
-            assert meta[2] >= dp * sum(s.footer_bytes or 0 for s in index.shards[1 : 1 + batches * G // 48])
+    footers = dp * sum(s.footer_bytes or 0 for s in index.shards[1 : 1 + batches * G // 48])  # version 2, at least
     print(
-        f"bytes read / bytes consumed at dp 4: data {ratio[3]:.3f} (v3), {ratio[2]:.3f} (v2), {ratio[1]:.3f} (v1); "
-        f"metadata {meta[3] / consumed:.3f} (v3 records), {meta[2] / consumed:.3f} (v2 footers)"
+        f"bytes read / bytes consumed at dp 4: data {ratio[3]:.3f} (v3), {ratio[1]:.3f} (v1); "
+        f"metadata {meta[3] / consumed:.3f} (v3 records; v2 footers would be {footers / consumed:.3f} or more)"
     )
-    assert all(1.0 <= ratio[v] <= (batches + 2) / batches for v in (3, 2))
-    assert meta[3] < meta[2]
+    assert 1.0 <= ratio[3] <= (batches + 2) / batches
+    assert meta[3] < footers
     assert ratio[1] > 3.5
 
 
