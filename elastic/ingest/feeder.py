@@ -314,6 +314,15 @@ class _HostFeeder(RayDataEngine):
             self.stats["rows_served"] += count
         return np.concatenate(parts).astype(np.int64)
 
+    def release(self, key: Any, epoch: str | None) -> None:
+        """A rank of stream ``epoch`` left it (its layout ended): its rows no longer move the
+        window on, so once every rank has left, the reads stop where they are (those in flight
+        finish). A stream replaced since is not touched."""
+        with self._lock:
+            if epoch is None or epoch == self._epoch:
+                self._low.pop(key, None)
+                self._lock.notify_all()
+
     def _check_servable(self, k: int, row: int) -> None:
         """Unit ``k`` (holding ``row``) is asked for and not here (lock held): an error if it
         never will be."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -305,5 +306,27 @@ def test_a_damaged_shard_fails_the_read_naming_it(tmp_path, version, damage):
         with pytest.raises(RuntimeError, match="part-00001"):
             for b in range(1, 8):
                 feeder.rows(b * 12, 12, 0, "e0")
+    finally:
+        feeder.close()
+
+
+def test_a_stream_its_ranks_left_reads_no_further(tmp_path):
+    """When a layout ends, its ranks close their streams (``feeder_batches`` tells the feeder):
+    the window stops where it is, so the next layout's waves do not meet the old layout's
+    read-ahead. A release naming another stream changes nothing."""
+    rows = np.random.default_rng(6).integers(0, 300, size=(480, 9), dtype=np.int32)
+    index = _write(tmp_path, rows, 48, 3)
+    g = 24
+    feeder = _HostFeeder(str(tmp_path), {}, 4 * g, 5 * g, 1, 10.0, "threads")
+    try:
+        feeder.begin(StreamRequest("e0", 0, g, 1, (0,)))
+        for b in range(9):  # past the first window (8 batches): the window now reaches batch 12
+            feeder.rows(b * g, g, 0, "e0")
+        feeder.release(0, "e1")
+        feeder.release(0, "e0")
+        time.sleep(0.5)  # the read in flight lands; no other starts
+        held = feeder.get_stats()["units_read"]
+        time.sleep(0.3)
+        assert feeder.get_stats()["units_read"] == held < UnitTable(index).unit_of(12 * g)
     finally:
         feeder.close()
