@@ -166,7 +166,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     ),
     Benchmark(
         "data_bytes_per_host",
-        "bytes read from storage per host at 4 and 8 hosts: row groups a host's replicas consume vs whole shards",
+        "bytes read from storage per host at 4 and 8 hosts: row groups a host's replicas consume with their own "
+        "metadata (index v3) vs after every shard's footer (v2) vs whole shards (v1)",
         "data_bytes_per_host.json",
         "--out",
         ("--hosts", "4", "--batches", "24", "--engine", "threads"),

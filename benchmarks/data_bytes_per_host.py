@@ -1,24 +1,28 @@
 """Bytes read from storage per host, at 4 and 8 hosts: host readers that fetch only the row
-groups their replicas consume (a version 2 index) against the old behaviour (the same shards
-under a version 1 index: every host reads every shard whole). See docs/data.md.
+groups their replicas consume and those groups' own metadata (a version 3 index: row-group
+sidecars), against the same shards under a version 2 index (the same row groups, after the
+footer of every shard a host's stream reaches) and a version 1 index (every host reads every
+shard whole). See docs/data.md.
 
 Setup: a moto S3 server on loopback behind the counting proxy (``elastic/testing/s3proxy.py``),
 which counts every GET and its bytes at the server side. ``elastic prepare`` makes the corpus
-on ``s3://`` from stdlib sources (byte tokenizer); the version 1 twin is the same shard
-objects copied under an index without the version 2 fields. For each host count, a local
+on ``s3://`` from stdlib sources (byte tokenizer); the version 2 and version 1 twins are the
+same shard objects copied (without the sidecars) under the index an older ``elastic prepare``
+wrote (``CorpusIndex.as_version``). For each host count, a local
 multi-node Ray cluster (``ray.cluster_utils.Cluster``: a CPU-less head and one node per host)
 runs the product's own pieces: the driver's ``HostReaders.plans`` makes one ``HostFeeder``
 actor per host, pinned to its node (one replica per host, so dp = hosts), and each DP rank's
 own reading code (``FeederSource.open`` and ``feeder_batches``, what a rank runs) is called
 from this process, one thread per rank, for ``--batches`` batches. The rows of every rank and
-batch are hashed and must be the same under both indexes.
+batch are hashed and must be the same under the three indexes.
 
-Per configuration: each host's bytes read (index, footers, data; the feeders' own counters),
+Per configuration: each host's bytes read (index, metadata: footers or sidecar records,
+data; the feeders' own counters),
 the bytes the server sent them (the proxy's count, less the driver's one look at the index;
 a difference from the feeders' sum is reported as ``unattributed_bytes``), and the ratio of
 the bytes the server sent to the bytes consumed: the bytes of the row groups that hold the
 consumed rows, each counted once (what one reader of exactly those rows would fetch,
-footers aside).
+metadata aside).
 
     python -m benchmarks.data_bytes_per_host [--hosts 4,8] [--batches 96] [--global-batch 64]
         [--seq-len 1023] [--rows-per-shard 256] [--rows-per-group 8] [--engine ray_data|threads]
@@ -59,27 +63,35 @@ TEXT_PACKAGES = (
 )
 
 
+CORPORA = ("v3", "v2", "v1")  # s3://bench/<name>: the index versions measured, side by side
+
+
 def make_corpus(moto: MotoS3, tmp: str, args: argparse.Namespace) -> dict[str, Any]:
-    """``s3://bench/v2`` (prepared) and ``s3://bench/v1`` (the same shards, a version 1 index)."""
-    from elastic.ingest.index import read_index
+    """``s3://bench/v3`` (prepared), ``s3://bench/v2`` and ``s3://bench/v1`` (the same shards
+    under older indexes, without the sidecars)."""
+    from elastic.ingest.index import read_index, write_index
     from elastic.ingest.prepare import PrepareConfig, prepare
     from elastic.testing.texts import stdlib_texts, write_jsonl
 
     text = os.path.join(tmp, "text")
     write_jsonl(text, stdlib_texts(TEXT_PACKAGES), per_file=16)
     opts = moto.options()
-    cfg = PrepareConfig(text, "s3://bench/v2", tokenizer="byte", seq_len=args.seq_len, progress=False)
+    cfg = PrepareConfig(text, "s3://bench/v3", tokenizer="byte", seq_len=args.seq_len, progress=False)
     cfg.rows_per_shard, cfg.rows_per_group, cfg.storage_options = args.rows_per_shard, args.rows_per_group, opts
     with local_ray(2, log_level=logging.ERROR):
         result = prepare(cfg)
-    index = read_index("s3://bench/v2", opts)
-    for shard in index.shards:
-        moto.client.copy_object(Bucket="bench", Key=f"v1/{shard.path}", CopySource=f"bench/v2/{shard.path}")
-    raw = json.loads(moto.client.get_object(Bucket="bench", Key="v2/index.json")["Body"].read())
-    raw["version"] = 1
-    raw["shards"] = [{k: s[k] for k in ("path", "rows", "bytes", "sha256")} for s in raw["shards"]]
-    moto.client.put_object(Bucket="bench", Key="v1/index.json", Body=json.dumps(raw).encode())
+    index = read_index("s3://bench/v3", opts)
+    if index is None or index.version != 3:
+        raise RuntimeError("elastic prepare did not write a version 3 index")
+    for version in (2, 1):
+        for shard in index.shards:
+            moto.client.copy_object(Bucket="bench", Key=f"v{version}/{shard.path}", CopySource=f"bench/v3/{shard.path}")
+        write_index(f"s3://bench/v{version}", index.as_version(version), opts)
+    index_bytes = {
+        c: len(moto.client.get_object(Bucket="bench", Key=f"{c}/index.json")["Body"].read()) for c in CORPORA
+    }
     data_bytes = sum(s.bytes - (s.footer_bytes or 0) for s in index.shards)
+    groups = sum(s.groups for s in index.shards)
     return {
         "rows": result.rows,
         "shards": len(index.shards),
@@ -89,7 +101,11 @@ def make_corpus(moto: MotoS3, tmp: str, args: argparse.Namespace) -> dict[str, A
         "bytes": sum(s.bytes for s in index.shards),
         "footer_bytes": sum(s.footer_bytes or 0 for s in index.shards),
         "stored_bytes_per_row": data_bytes / result.rows,
-        "footer_bytes_per_group": sum(s.footer_bytes or 0 for s in index.shards) / sum(s.groups for s in index.shards),
+        "footer_bytes_per_group": sum(s.footer_bytes or 0 for s in index.shards) / groups,
+        "sidecar_bytes": sum(s.groups_bytes or 0 for s in index.shards),
+        "record_bytes": max(s.groups_record_bytes or 0 for s in index.shards),  # W: a group's metadata in v3
+        "index_bytes": index_bytes,
+        "index_bytes_per_shard": {c: n / len(index.shards) for c, n in index_bytes.items()},
     }
 
 
@@ -103,11 +119,11 @@ def consumed_bytes(moto: MotoS3, start_row: int, end_row: int) -> int:
     from elastic.ingest.units import UnitTable
 
     opts = moto.options()
-    index = read_index("s3://bench/v2", opts)
+    index = read_index("s3://bench/v3", opts)
     fs = s3fs.S3FileSystem(**opts)
     sizes: list[int] = []
     for shard in index.shards:
-        with fs.open(f"bench/v2/{shard.path}", "rb") as f:
+        with fs.open(f"bench/v3/{shard.path}", "rb") as f:
             meta = pq.ParquetFile(f).metadata
         sizes += [group_span(meta, g)[1] - group_span(meta, g)[0] for g in range(meta.num_row_groups)]
     table = UnitTable(index)
@@ -205,13 +221,13 @@ def settled(readers: Any, proxy: Any, index_bytes: int, timeout_s: float = 60.0)
 
 
 def measure(moto: MotoS3, hosts: int, args: argparse.Namespace, looked_up: set[str]) -> dict[str, Any]:
-    """Both indexes at ``hosts`` hosts. The ratios count what the server saw (less the
+    """The three indexes at ``hosts`` hosts. The ratios count what the server saw (less the
     driver's one look at the index, ``resolve_loader``, once per corpus in this process);
     the per-host figures are the feeders' own counters, which must add up to it."""
     g = args.global_batch
     consumed = consumed_bytes(moto, args.start_batch * g, (args.start_batch + args.batches) * g)
     out: dict[str, Any] = {"hosts": hosts, "consumed_bytes": consumed}
-    for corpus in ("v2", "v1"):
+    for corpus in CORPORA:
         got = run_hosts(moto, corpus, hosts, args)
         total = sum(h["bytes_read"] for h in got["per_host"])
         index_size = len(moto.client.get_object(Bucket="bench", Key=f"{corpus}/index.json")["Body"].read())
@@ -222,7 +238,8 @@ def measure(moto: MotoS3, hosts: int, args: argparse.Namespace, looked_up: set[s
             "bytes_read_total": server,  # at the server side, by the host readers
             "bytes_read_per_host": [h["bytes_read"] for h in got["per_host"]],  # their own counters
             "mean_bytes_read_per_host": server / hosts,
-            "footer_bytes_total": sum(h["footer_bytes"] for h in got["per_host"]),
+            "footer_bytes_total": sum(h["footer_bytes"] for h in got["per_host"]),  # metadata: footers or records
+            "metadata_ratio_to_consumed": sum(h["footer_bytes"] for h in got["per_host"]) / consumed,
             "index_bytes_total": sum(h["index_bytes"] for h in got["per_host"]),
             "data_bytes_total": sum(h["data_bytes"] for h in got["per_host"]),
             "gets_total": sum(h["gets"] for h in got["per_host"]),
@@ -248,9 +265,11 @@ def measure(moto: MotoS3, hosts: int, args: argparse.Namespace, looked_up: set[s
             f"[{hosts} hosts] {corpus}: {server:,} B read, {consumed:,} B consumed: {server / consumed:.3f}x",
             flush=True,
         )
-    if out["v2"].pop("_hashes") != out["v1"].pop("_hashes"):
-        raise RuntimeError(f"{hosts} hosts: the ranks' rows differ between the two indexes")
-    out["v1_over_v2"] = out["v1"]["bytes_read_total"] / out["v2"]["bytes_read_total"]
+    hashes = {c: out[c].pop("_hashes") for c in CORPORA}
+    if len({json.dumps(h) for h in hashes.values()}) != 1:
+        raise RuntimeError(f"{hosts} hosts: the ranks' rows differ between the indexes")
+    out["v2_over_v3"] = out["v2"]["bytes_read_total"] / out["v3"]["bytes_read_total"]
+    out["v1_over_v3"] = out["v1"]["bytes_read_total"] / out["v3"]["bytes_read_total"]
     return out
 
 
@@ -283,11 +302,15 @@ def main(argv: list[str] | None = None) -> int:
     results["load_after"] = os.getloadavg()
     write_json(args.out, results, newline=False)
     for run in results["runs"]:
-        v2, v1 = run["v2"], run["v1"]
+        v3, v2, v1 = (run[c] for c in CORPORA)
         print(
-            f"{run['hosts']} hosts: bytes read / bytes consumed: row groups (v2) {v2['ratio_read_to_consumed']:.3f}x, "
-            f"whole shards (v1) {v1['ratio_read_to_consumed']:.3f}x; per host "
-            f"{v2['mean_bytes_read_per_host']:,.0f} B against {v1['mean_bytes_read_per_host']:,.0f} B"
+            f"{run['hosts']} hosts: bytes read / bytes consumed: row groups with their records (v3) "
+            f"{v3['ratio_read_to_consumed']:.3f}x (metadata {v3['metadata_ratio_to_consumed']:.3f}x), "
+            f"row groups after footers (v2) {v2['ratio_read_to_consumed']:.3f}x (metadata "
+            f"{v2['metadata_ratio_to_consumed']:.3f}x), whole shards (v1) {v1['ratio_read_to_consumed']:.3f}x; "
+            "per host "
+            f"{v3['mean_bytes_read_per_host']:,.0f} B, {v2['mean_bytes_read_per_host']:,.0f} B, "
+            f"{v1['mean_bytes_read_per_host']:,.0f} B"
         )
     if args.json:
         print(json.dumps(results))

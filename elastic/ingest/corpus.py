@@ -268,6 +268,9 @@ class RankStream:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        close = getattr(self._source, "close", None)
+        if close is not None and not self._thread.is_alive():  # a generator: its reader is told
+            close()
 
 
 # --------------------------------------------------------------------------- Ray Data

@@ -4,10 +4,13 @@
 
 The global sample order is ``elastic.ingest.corpus``'s: row ``i`` of the corpus in index order,
 epochs wrapping. A feeder reads only the part of that stream its host's replicas consume
-(``elastic.ingest.units``): with a version 2 index, the row groups that overlap their slices
-of each batch (a shard's footer first, one ranged GET verified against the index's sha256,
-then one ranged GET per run of adjacent row groups, every page checksummed); with a version
-1 index, whole shards (one GET each, verified against the index's sha256). It reads a
+(``elastic.ingest.units``): the row groups that overlap their slices of each batch. With a
+version 3 index, per run of adjacent row groups one ranged GET of their records in the
+shard's sidecar (each group's own footer) and one of their chunks, every group checked
+against its record's digest and every page against its CRC: no whole footer is read. With
+a version 2 index, a shard's footer first (one ranged GET verified against the index's
+sha256), then one ranged GET per run; with a version 1 index, whole shards (one GET each,
+verified against the index's sha256). It reads a
 bounded number of rows ahead of the slowest rank it serves, and serves any contiguous range
 of its rows from memory. Every rank of a model replica asks the feeder on its replica
 leader's host, so a TP or PP group reads storage once; replicas whose leaders share a host
@@ -34,14 +37,14 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import ray
 from ray.actor import ActorClass
 
 from elastic.ingest.feeder_ray_data import RayDataEngine
-from elastic.ingest.feeder_reads import Read, fetch
+from elastic.ingest.feeder_reads import Fetched, Read, fetch
 from elastic.ingest.index import parse_index, read_index_bytes
 from elastic.ingest.rounds import wave_of
 from elastic.ingest.shard_format import parse_footer
@@ -81,11 +84,11 @@ class _HostFeeder(RayDataEngine):
         self._gets_inflight = 0  # GETs started and not finished, of any stream (engine threads)
         self.stats: dict[str, Any] = {
             "gets": 0,
-            "bytes_read": 0,  # every byte fetched from storage: index, footers and data
+            "bytes_read": 0,  # every byte fetched from storage: index, metadata and data
             "index_bytes": 0,
-            "footer_bytes": 0,
+            "footer_bytes": 0,  # metadata: footers (version 2), row groups' sidecar records (version 3)
             "data_bytes": 0,  # row groups, or whole shards of a version 1 index
-            "footers": 0,  # footers read
+            "footers": 0,  # metadata reads: footers (version 2), runs' sidecar records (version 3)
             "units_read": 0,  # row groups (or whole shards) read
             "rows_read": 0,
             "rows_served": 0,  # rows handed to ranks (a TP or PP group's ranks each count)
@@ -208,18 +211,26 @@ class _HostFeeder(RayDataEngine):
         self.stats["bytes_read"] += nbytes
         self.stats[kind] += nbytes
 
-    def _store(self, read: Read, got: Any, meta: Any, nbytes: int) -> None:
+    def _count_read(self, gets: int, done: Fetched) -> None:
+        """A read's GETs and bytes (lock held), whether or not its result is kept: a read
+        that fetched metadata (a footer, a run's records) counts one metadata read."""
+        self.stats["gets"] += gets
+        self.stats["bytes_read"] += done.data_bytes + done.meta_bytes
+        self.stats["data_bytes"] += done.data_bytes
+        self.stats["footer_bytes"] += done.meta_bytes
+        self.stats["footers"] += done.meta_bytes > 0
+
+    def _store(self, read: Read, done: Fetched, meta: Any) -> None:
         """A read's result (lock held): a verified footer (``meta`` parsed), or rows."""
+        self._count_read(read.gets, done)
         if read.kind == "footer":
-            self._count(nbytes, "footer_bytes")
-            self.stats["footers"] += 1
             self._footers_inflight.discard(read.unit)
-            self._footers[read.unit] = (meta, got)
+            self._footers[read.unit] = (meta, done.got)
         else:
-            self._count(nbytes, "data_bytes")
+            rows = cast(np.ndarray, done.got)
             self.stats["units_read"] += read.count
-            self.stats["rows_read"] += len(got)
-            self._put_units(read.unit, got)
+            self.stats["rows_read"] += len(rows)
+            self._put_units(read.unit, rows)
             self._check_first_window()
         self._lock.notify_all()
 
@@ -248,14 +259,14 @@ class _HostFeeder(RayDataEngine):
 
     def _read(self, read: Read, meta: Any, seq: int) -> None:
         try:
-            got, nbytes = fetch(self.fs, read, meta)
+            done = fetch(self.fs, read, meta)
             if read.kind == "footer":
-                meta = parse_footer(got, read.digest, read.name)  # type: ignore[arg-type]
+                meta = parse_footer(done.got, read.digest, read.name)  # type: ignore[arg-type]
             with self._lock:
                 if seq == self._seq:
-                    self._store(read, got, meta, nbytes)
+                    self._store(read, done, meta)
                 else:  # a stream that jumped: the bytes were fetched all the same
-                    self._count(nbytes, "footer_bytes" if read.kind == "footer" else "data_bytes")
+                    self._count_read(read.gets, done)
         except BaseException as exc:  # surfaced to every caller of rows()
             with self._lock:
                 if seq == self._seq:
@@ -302,6 +313,15 @@ class _HostFeeder(RayDataEngine):
                 row += take
             self.stats["rows_served"] += count
         return np.concatenate(parts).astype(np.int64)
+
+    def release(self, key: Any, epoch: str | None) -> None:
+        """A rank of stream ``epoch`` left it (its layout ended): its rows no longer move the
+        window on, so once every rank has left, the reads stop where they are (those in flight
+        finish). A stream replaced since is not touched."""
+        with self._lock:
+            if epoch is None or epoch == self._epoch:
+                self._low.pop(key, None)
+                self._lock.notify_all()
 
     def _check_servable(self, k: int, row: int) -> None:
         """Unit ``k`` (holding ``row``) is asked for and not here (lock held): an error if it

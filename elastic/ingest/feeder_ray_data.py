@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from elastic.ingest.feeder_reads import Read, fetch
+from elastic.ingest.feeder_reads import Fetched, Read, fetch
 from elastic.ingest.feeder_window import FeederWindow
 from elastic.ingest.shard_format import parse_footer
 from storage import open_storage
@@ -42,10 +42,10 @@ class RayDataEngine(FeederWindow):
     def _read_now(self) -> Read | None:
         raise NotImplementedError
 
-    def _count(self, nbytes: int, kind: str) -> None:
+    def _count_read(self, gets: int, done: Fetched) -> None:
         raise NotImplementedError
 
-    def _store(self, read: Read, got: Any, meta: Any, nbytes: int) -> None:
+    def _store(self, read: Read, done: Fetched, meta: Any) -> None:
         raise NotImplementedError
 
     def _failed(self, read: Read, exc: BaseException) -> None:
@@ -107,15 +107,16 @@ class RayDataEngine(FeederWindow):
 
     def _take(self, x: int, batch: dict[str, np.ndarray]) -> None:
         """One read delivered by executor ``x``: stored if its stream is still the current one."""
-        pos, nbytes = int(batch["pos"][0]), int(batch["nbytes"][0])
-        if nbytes < 0:
+        pos, gets = int(batch["pos"][0]), int(batch["gets"][0])
+        if gets < 0:
             return  # a task of an ended executor
         with self._lock:
             read = self._x_reads.pop(pos, None) if x == self._x else None
             current = read is not None and self._x_seq == self._seq
+        nbytes = (int(batch["data_bytes"][0]), int(batch["meta_bytes"][0]))
         if read is None or not current:
             with self._lock:  # a stream that jumped: the bytes were fetched all the same
-                self._count(nbytes, "data_bytes" if batch["footer"].size <= 1 else "footer_bytes")
+                self._count_read(gets, Fetched(b"", *nbytes))
             return
         try:
             if read.kind == "footer":
@@ -129,7 +130,7 @@ class RayDataEngine(FeederWindow):
             return
         with self._lock:
             if self._x_seq == self._seq:
-                self._store(read, got, meta, nbytes)
+                self._store(read, Fetched(got, *nbytes), meta)
 
     def permit(self, x: int, pos: int, timeout_s: float) -> Read | None | bool:
         """Asked by a read task of executor ``x`` before its read number ``pos``: the ``Read``
@@ -205,7 +206,13 @@ def close_executor(it: Iterator[Any] | None) -> None:
 # that does many reads opens its connection once.
 _FS: dict[str, Any] = {}
 
-_SKIP = {"pos": np.asarray([-1]), "tokens": np.zeros((1, 1, 1), dtype=np.int32), "footer": np.zeros((1, 1), np.uint8)}
+_SKIP = {
+    "pos": np.asarray([-1]),
+    "tokens": np.zeros((1, 1, 1), dtype=np.int32),
+    "footer": np.zeros((1, 1), np.uint8),
+    "data_bytes": np.asarray([0], dtype=np.int64),
+    "meta_bytes": np.asarray([0], dtype=np.int64),
+}
 
 
 def read_units(
@@ -219,14 +226,20 @@ def read_units(
         if grant is not False:
             break
     if grant is None:
-        return dict(_SKIP, nbytes=np.asarray([-1]))
+        return dict(_SKIP, gets=np.asarray([-1]))
     key = repr(sorted(storage_options.items()))
     if key not in _FS:
         _FS[key] = open_storage(grant.uri, storage_options).fs
-    got, nbytes = fetch(_FS[key], grant)
-    out = dict(_SKIP, pos=np.asarray([pos]), nbytes=np.asarray([nbytes], dtype=np.int64))
-    if isinstance(got, bytes):
-        out["footer"] = np.frombuffer(got, dtype=np.uint8)[None]
+    done = fetch(_FS[key], grant)
+    out = dict(
+        _SKIP,
+        pos=np.asarray([pos]),
+        gets=np.asarray([grant.gets]),
+        data_bytes=np.asarray([done.data_bytes], dtype=np.int64),
+        meta_bytes=np.asarray([done.meta_bytes], dtype=np.int64),
+    )
+    if isinstance(done.got, bytes):
+        out["footer"] = np.frombuffer(done.got, dtype=np.uint8)[None]
     else:
-        out["tokens"] = got[None]
+        out["tokens"] = done.got[None]
     return out

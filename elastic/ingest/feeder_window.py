@@ -7,9 +7,10 @@ Units and what a host needs are ``elastic.ingest.units``'s. The window reads, in
 order, every unit the stream's request needs that starts less than ``rows_ahead`` rows (plus
 one unit per wave) past the oldest row any of its ranks still wants, and at least the
 stream's first window (``_first_end``), and keeps units back to ``rows_behind`` rows before
-it. A version 2 shard's footer is read (once per shard copy along
-the stream) before its row groups; adjacent row groups of one shard are coalesced into one
-ranged read of at most a global batch of rows. Every method whose docstring says "lock held"
+it. Adjacent row groups of one shard are coalesced into one read of at most a global batch
+of rows: with a version 3 index, their sidecar records and then their chunks; with a
+version 2 index, one ranged read after the shard's footer (read once per shard copy along
+the stream). Every method whose docstring says "lock held"
 is called with ``_lock`` held by its caller.
 """
 
@@ -23,6 +24,7 @@ import numpy as np
 from elastic.ingest.feeder_reads import Read
 from elastic.ingest.index import CorpusIndex
 from elastic.ingest.shard_format import groups_span
+from elastic.ingest.sidecar import records_span
 from elastic.ingest.units import StreamRequest, UnitTable
 
 
@@ -122,8 +124,9 @@ class FeederWindow:
 
     def _next_read(self, cap_rows: int) -> Read | None:
         """The next read of the stream, if one may start now, marked as started (lock held):
-        the footer of the next needed unit's shard if it is not here yet, else the run of
-        needed units from there (of one shard, at most ``cap_rows`` rows)."""
+        the run of needed units from the next one (of one shard, at most ``cap_rows`` rows),
+        with its sidecar records (version 3); for a version 2 shard, its footer first if it
+        is not here yet."""
         index, table = self._corpus()
         if self._scan is None:
             return None
@@ -143,6 +146,11 @@ class FeederWindow:
         if not shard.ranged:
             self._inflight.add(k)
             return Read("shard", k, 1, uri, 0, shard.bytes, shard.sha256, shard.bytes, 0)
+        if shard.sidecar:  # version 3: the run's records from the sidecar, then its chunks
+            count = self._run(k, frontier, cap_rows)
+            lo, hi = records_span(shard, g, count)
+            side = index.sidecar_uri(shard)
+            return Read("run", k, count, uri, lo, hi, shard.sha256, shard.bytes, g, shard=shard, sidecar=side)
         key = table.stream_shard(k)
         if key not in self._footers:
             if key in self._footers_inflight:
@@ -150,6 +158,15 @@ class FeederWindow:
             self._footers_inflight.add(key)
             off, length = int(shard.footer_offset or 0), int(shard.footer_bytes or 0)
             return Read("footer", key, 0, uri, off, off + length, shard.footer_sha256 or "", shard.bytes, 0)
+        count = self._run(k, frontier, cap_rows)
+        meta, footer = self._footers[key]
+        lo, hi = groups_span(meta, g, count)
+        return Read("groups", k, count, uri, lo, hi, shard.footer_sha256 or "", shard.bytes, g, footer)
+
+    def _run(self, k: int, frontier: int, cap_rows: int) -> int:
+        """The needed units from ``k`` on that one read takes, marked as being read (lock
+        held): adjacent, of one shard, starting before ``frontier``, at most ``cap_rows`` rows."""
+        _, table = self._corpus()
         last, rows, count = table.last_unit_of_shard(k), 0, 0
         while k + count <= last:
             u = k + count
@@ -160,9 +177,7 @@ class FeederWindow:
                 break
             rows, count = rows + u_rows, count + 1
         self._inflight.update(range(k, k + count))
-        meta, footer = self._footers[key]
-        lo, hi = groups_span(meta, g, count)
-        return Read("groups", k, count, uri, lo, hi, shard.footer_sha256 or "", shard.bytes, g, footer)
+        return count
 
     def _put_units(self, first: int, rows: np.ndarray) -> None:
         """Rows read for units ``first ..`` (lock held): split per unit."""

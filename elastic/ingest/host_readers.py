@@ -26,13 +26,20 @@ COLD_START_S = 90.0
 
 
 def feeder_batches(feeder, layout: Any, dp_rank: int, start_batch: int, timeout_s: float, epoch: str | None = None):
-    """``(batch_index, rows)`` for ``dp_rank`` from ``start_batch`` on, in order."""
+    """``(batch_index, rows)`` for ``dp_rank`` from ``start_batch`` on, in order. Closed (its
+    rank left the layout), it tells the feeder, which then reads no further for it."""
     b = start_batch
-    while True:
-        start = b * layout.global_batch + dp_rank * layout.per_rank
-        rows = ray.get(feeder.rows.remote(start, layout.per_rank, dp_rank, epoch), timeout=timeout_s)
-        yield b, rows if rows.flags.writeable else rows.copy()  # object-store arrays are read-only
-        b += 1
+    try:
+        while True:
+            start = b * layout.global_batch + dp_rank * layout.per_rank
+            rows = ray.get(feeder.rows.remote(start, layout.per_rank, dp_rank, epoch), timeout=timeout_s)
+            yield b, rows if rows.flags.writeable else rows.copy()  # object-store arrays are read-only
+            b += 1
+    finally:
+        try:
+            feeder.release.remote(dp_rank, epoch)
+        except Exception as exc:  # noqa: BLE001 - the feeder (or Ray) is already gone
+            log.debug("release of a feeder stream: %s", exc)
 
 
 _INDEXED: dict[tuple[str, str], bool] = {}

@@ -11,14 +11,21 @@ sha256 and ``rows_per_group``: every row group holds that many rows but the last
 them a host reader fetches the footer alone (one ranged GET, verified) and then only the
 byte ranges of the row groups its replicas consume (``elastic.ingest.units``,
 ``elastic.ingest.shard_format``). A version 1 index (no such fields) is read whole-shard,
-as before. See docs/data.md.
+as before.
+
+Version 3 adds, per shard, its row-group sidecar (``elastic.ingest.sidecar``): ``groups_path``,
+``groups_bytes`` and ``groups_record_bytes`` (the width of each group's record). With it a host
+reader fetches each run of row groups with its groups' own metadata, and never a whole
+footer: what it reads of metadata grows with what it consumes, not with the corpus. Its
+records are verified against the shard's ``sha256``. The version 2 fields stay (a version 3
+entry is a version 2 entry plus the sidecar). See docs/data.md.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -26,8 +33,9 @@ import numpy as np
 from storage import open_storage
 
 INDEX = "index.json"
-VERSION = 2
+VERSION = 3
 _V2_FIELDS = ("footer_offset", "footer_bytes", "footer_sha256", "rows_per_group")
+_V3_FIELDS = ("groups_path", "groups_bytes", "groups_record_bytes")
 
 
 @dataclass(frozen=True)
@@ -41,11 +49,24 @@ class Shard:
     footer_bytes: int | None = None
     footer_sha256: str | None = None
     rows_per_group: int | None = None
+    # version 3: its row-group sidecar (None: version 1 or 2)
+    groups_path: str | None = None  # relative to the corpus root
+    groups_bytes: int | None = None
+    groups_record_bytes: int | None = None
 
     @property
     def ranged(self) -> bool:
-        """Whether its row groups can be read alone (a version 2 entry)."""
+        """Whether its row groups can be read alone (a version 2 or 3 entry)."""
         return self.rows_per_group is not None and self.footer_offset is not None
+
+    @property
+    def sidecar(self) -> bool:
+        """Whether its row groups' metadata can be read per group (a version 3 entry)."""
+        return self.ranged and self.groups_path is not None and bool(self.groups_record_bytes)
+
+    @property
+    def version(self) -> int:
+        return 3 if self.sidecar else 2 if self.ranged else 1
 
     @property
     def groups(self) -> int:
@@ -54,7 +75,8 @@ class Shard:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        return d if self.ranged else {k: v for k, v in d.items() if k not in _V2_FIELDS}
+        drop = {1: _V2_FIELDS + _V3_FIELDS, 2: _V3_FIELDS, 3: ()}[self.version]
+        return {k: v for k, v in d.items() if k not in drop}
 
 
 @dataclass(frozen=True)
@@ -75,11 +97,23 @@ class CorpusIndex:
 
     @property
     def version(self) -> int:
-        """2 when every shard says where its footer and row groups are, else 1."""
-        return 2 if self.shards and all(s.ranged for s in self.shards) else 1
+        """The oldest of its shards' versions: 3 when every shard has a row-group sidecar, 2
+        when every one says where its footer and row groups are, else 1."""
+        return min((s.version for s in self.shards), default=1)
+
+    def as_version(self, version: int) -> CorpusIndex:
+        """The same shards under an index of ``version`` (1 to 3) at most, as an older
+        ``elastic prepare`` wrote it: the newer fields dropped (benchmarks and tests)."""
+        drop = {1: _V2_FIELDS + _V3_FIELDS, 2: _V3_FIELDS, 3: ()}[version]
+        unset: dict[str, Any] = dict.fromkeys(drop)
+        shards = tuple(replace(s, **unset) for s in self.shards)
+        return replace(self, shards=shards)
 
     def uri(self, shard: Shard) -> str:
         return f"{self.root.rstrip('/')}/{shard.path}"
+
+    def sidecar_uri(self, shard: Shard) -> str:
+        return f"{self.root.rstrip('/')}/{shard.groups_path}"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -103,15 +137,16 @@ def write_index(root: str, index: CorpusIndex, storage_options: dict[str, Any] |
 
 
 def parse_index(root: str, data: bytes) -> CorpusIndex:
-    """An ``index.json``'s bytes as a ``CorpusIndex`` (version 1 or 2). A version 2 entry that
-    lacks one of its fields is read as version 1 (whole-shard reads)."""
+    """An ``index.json``'s bytes as a ``CorpusIndex`` (version 1, 2 or 3). An entry that lacks
+    one of its version's fields is read as the version below (version 1: whole-shard reads)."""
     raw = json.loads(data)
     if int(raw.get("version", 1)) > VERSION:
         raise ValueError(f"{INDEX} version {raw['version']} is newer than this reader (version {VERSION})")
     shards = []
     for s in raw["shards"]:
-        v2 = {k: s[k] for k in _V2_FIELDS if k in s} if all(k in s for k in _V2_FIELDS) else {}
-        shards.append(Shard(path=s["path"], rows=int(s["rows"]), bytes=int(s["bytes"]), sha256=s["sha256"], **v2))
+        v2 = {k: s[k] for k in _V2_FIELDS} if all(k in s for k in _V2_FIELDS) else {}
+        v3 = {k: s[k] for k in _V3_FIELDS} if v2 and all(k in s for k in _V3_FIELDS) else {}
+        shards.append(Shard(path=s["path"], rows=int(s["rows"]), bytes=int(s["bytes"]), sha256=s["sha256"], **v2, **v3))
     return CorpusIndex(root=root, seq_len=int(raw["seq_len"]), tokenizer=raw["tokenizer"], shards=tuple(shards))
 
 

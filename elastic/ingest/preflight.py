@@ -7,7 +7,8 @@ model.vocab_size)``) fails every rank the same way on every retry; found here it
 line naming ``data.source`` and the file (exit 2), and no failure budget is spent.
 
 Cheap at any corpus size: a prepared corpus's ``index.json`` (its ``seq_len`` and
-vocabulary), the footers of at most ``MAX_FOOTERS`` files (the first, the last and evenly
+vocabulary; with a version 3 index, the size of up to ``MAX_FOOTERS`` of its row-group
+sidecars), the footers of at most ``MAX_FOOTERS`` files (the first, the last and evenly
 spaced ones between: schema, row count, each row group's min and max id from the column
 statistics when the file has them (``elastic prepare`` writes none: its index's vocabulary
 is checked instead) and its value count), and ``SAMPLE_ROWS`` rows of the first file read
@@ -19,7 +20,7 @@ which ends the job at once rather than being retried).
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec
 import pyarrow as pa
@@ -27,12 +28,13 @@ import pyarrow.parquet as pq
 
 from elastic.errors import CorpusError, SpecError
 from elastic.ingest.corpus import TOKENS
-from elastic.ingest.index import read_index
+from elastic.ingest.index import CorpusIndex, read_index
 from storage import redact_uri
 
 log = logging.getLogger(__name__)
 
 MAX_FOOTERS = 64
+T = TypeVar("T")
 SAMPLE_ROWS = 256
 
 
@@ -51,10 +53,11 @@ def check_corpus(data: Any, seq_len: int, vocab_size: int) -> None:
             log.warning("data.source not checked from the driver (%s): the readers will check it", type(exc).__name__)
             return
         raise SpecError("data.source", f"{data.source} cannot be read: {_reason(exc)}") from None
-    if is_dir:  # a prepared corpus is a directory with an index.json
-        _check_index(data, seq_len, vocab_size)
+    index = _check_index(data, seq_len, vocab_size) if is_dir else None  # a prepared corpus has an index.json
     for path in _spread(files, MAX_FOOTERS):
         _check_footer(fs, path, seq_len, vocab_size)
+    if index is not None:
+        _check_sidecars(fs, index, data.source)
     _check_sample(fs, files[0], seq_len, vocab_size)
 
 
@@ -85,13 +88,13 @@ def _parquet_files(source: str, options: dict[str, Any]) -> tuple[Any, list[str]
     return fs, [root], False
 
 
-def _check_index(data: Any, seq_len: int, vocab_size: int) -> None:
+def _check_index(data: Any, seq_len: int, vocab_size: int) -> CorpusIndex | None:
     try:
         index = read_index(data.source, data.storage_options)
     except Exception as exc:  # noqa: BLE001 - a damaged index: the shards are checked below anyway
         raise SpecError("data.source", f"{redact_uri(data.source)}/index.json is unreadable: {_reason(exc)}") from None
     if index is None:
-        return
+        return None
     if index.seq_len != seq_len:
         raise SpecError(
             "data.source",
@@ -104,6 +107,22 @@ def _check_index(data: Any, seq_len: int, vocab_size: int) -> None:
             "data.source",
             f"{redact_uri(data.source)} was tokenized with a vocabulary of {vocab}; model.vocab_size is {vocab_size}",
         )
+    return index
+
+
+def _check_sidecars(fs: Any, index: CorpusIndex, source: str) -> None:
+    """A version 3 corpus's row-group sidecars (the first, the last and evenly spaced ones)
+    are there, of the size the index says: the host readers read every group's metadata
+    from them (one size query each)."""
+    shards = _spread([s for s in index.shards if s.sidecar], MAX_FOOTERS)
+    for shard in shards:
+        name = f"{redact_uri(source).rstrip('/')}/{shard.groups_path}"
+        try:
+            size = int(fs.size(fsspec.core.strip_protocol(index.sidecar_uri(shard))))
+        except Exception as exc:  # noqa: BLE001 - missing or unreadable
+            raise SpecError("data.source", f"{name} (the row-group sidecar of {shard.path}): {_reason(exc)}") from None
+        if size != shard.groups_bytes:
+            raise SpecError("data.source", f"{name}: {size} bytes; its index.json says {shard.groups_bytes}")
 
 
 def _check_footer(fs: Any, path: str, seq_len: int, vocab_size: int) -> None:
@@ -173,7 +192,7 @@ def _leaf_column(meta: Any) -> int:
     raise AssertionError("no leaf column of tokens")  # the arrow schema named it
 
 
-def _spread(files: list[str], most: int) -> list[str]:
+def _spread(files: list[T], most: int) -> list[T]:
     """At most ``most`` of ``files``: all of them, or the first, the last and evenly spaced ones."""
     if len(files) <= most:
         return files

@@ -5,8 +5,9 @@ text) and tokenizes documents in parallel on the cluster's CPUs, in input order
 (``preserve_order``). The driver then packs the token stream, each document followed by the
 end-of-text token, into rows of ``seq_len + 1`` ids, cuts them into shards of
 ``rows_per_shard`` rows in row groups of ``rows_per_group`` (``elastic.ingest.shard_format``)
-and writes them with an index (``elastic.ingest.index``: version 2, which says where each
-shard's footer is, so a host reader can fetch only the row groups it needs). Packing is
+and writes each with its row-group sidecar (``elastic.ingest.sidecar``: every group's own
+footer) and an index (``elastic.ingest.index``: version 3, which names both, so a host reader
+fetches only the row groups it needs and their metadata). Packing is
 sequential over an ordered stream, so the output is byte-identical whatever the cluster
 size or the number of blocks. The tail shorter than one row is dropped. See docs/data.md.
 """
@@ -27,8 +28,8 @@ import pyarrow.parquet as pq
 
 from elastic.errors import SpecError
 from elastic.ingest import tokenizer as toks
-from elastic.ingest.index import CorpusIndex, Shard, sha256, write_index
-from elastic.ingest.shard_format import encode_shard, footer_span
+from elastic.ingest.index import CorpusIndex, Shard, write_index
+from elastic.ingest.sidecar import shard_entry
 from storage import open_storage, redact_uri
 
 FORMATS = ("jsonl", "parquet", "text")
@@ -245,22 +246,6 @@ class _Packer:
         self._rows, self._buffered = [], 0
 
 
-def shard_entry(name: str, rows: np.ndarray, rows_per_group: int) -> tuple[bytes, Shard]:
-    """A shard's bytes and its (version 2) index entry."""
-    data = encode_shard(rows, rows_per_group)
-    off, length = footer_span(data)
-    return data, Shard(
-        path=name,
-        rows=len(rows),
-        bytes=len(data),
-        sha256=sha256(data),
-        footer_offset=off,
-        footer_bytes=length,
-        footer_sha256=sha256(data[off:]),
-        rows_per_group=rows_per_group,
-    )
-
-
 def check_input(cfg: PrepareConfig) -> tuple[Any, list[str], str]:
     """Everything about the input and the options that can be checked without Ray (``SpecError``
     naming ``INPUT`` or the flag): returns the input's filesystem, files and format."""
@@ -324,8 +309,9 @@ def _prepare(cfg: PrepareConfig, out: Any, written: list[str]) -> PrepareResult:
         out.put_bytes(uri, data)
 
     def write(rows: np.ndarray) -> None:
-        data, shard = shard_entry(f"part-{len(shards):05d}.parquet", rows, cfg.rows_per_group)
+        data, side, shard = shard_entry(f"part-{len(shards):05d}.parquet", rows, cfg.rows_per_group)
         put(shard.path, data)
+        put(str(shard.groups_path), side)
         shards.append(shard)
 
     packer = _Packer(cfg.seq_len + 1, cfg.rows_per_shard, write)

@@ -10,8 +10,10 @@ A reader that knows the footer (``footer_span`` says where it is; its sha256 is 
 index) fetches only the byte ranges of the row groups it needs (``group_span``) and decodes
 them with ``decode_groups``: pyarrow reads them through ``RangeFile``, a file that holds only
 the fetched bytes, and verifies every page's checksum. A whole shard is verified against the
-index's sha256 (``decode_shard``). Runs wherever shards are written (``elastic prepare``) or
-read (the host feeders and their Ray Data read tasks).
+index's sha256 (``decode_shard``). With a version 3 index a reader needs no footer at all:
+each row group's own metadata is in the shard's sidecar (``elastic.ingest.sidecar``). Runs
+wherever shards are written (``elastic prepare``) or read (the host feeders and their Ray
+Data read tasks).
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from elastic.ingest.parquet_corpus import TOKENS
 FOOTER_TAIL = 8  # a parquet file ends with the footer's length (4 bytes) and the magic "PAR1"
 
 
-def encode_shard(rows: np.ndarray, rows_per_group: int) -> bytes:
-    """``rows`` (``[n, width]`` ids) as a parquet shard (see the module docstring)."""
+def encode_shard(rows: np.ndarray, rows_per_group: int, store_schema: bool = True) -> bytes:
+    """``rows`` (``[n, width]`` ids) as a parquet shard (see the module docstring).
+    ``store_schema=False`` leaves the Arrow schema out of the footer (a sidecar's
+    mini-footers: ``elastic.ingest.sidecar``); the column chunks are the same."""
     width = rows.shape[1]
     flat = pa.array(np.ascontiguousarray(rows, dtype=np.int32).reshape(-1))
     table = pa.table({TOKENS: pa.FixedSizeListArray.from_arrays(flat, width)})
@@ -43,6 +47,7 @@ def encode_shard(rows: np.ndarray, rows_per_group: int) -> bytes:
         write_page_checksum=True,
         use_dictionary=False,
         compression="zstd",
+        store_schema=store_schema,
     )
     return buf.getvalue()
 
@@ -111,7 +116,8 @@ class RangeFile(io.RawIOBase):
         return n
 
 
-def _rows(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
+def rows_of(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """A ``tokens`` column (lists of one length) as int32 ``[rows, width]``."""
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks()
     return col.flatten().to_numpy().astype(np.int32, copy=False).reshape(len(col), -1)
@@ -125,7 +131,7 @@ def decode_groups(
     source = RangeFile(size, start, blob)
     try:
         pf = pq.ParquetFile(source, metadata=meta, page_checksum_verification=True)
-        rows = _rows(pf.read_row_groups(list(range(first, first + count)), columns=[TOKENS]).column(TOKENS))
+        rows = rows_of(pf.read_row_groups(list(range(first, first + count)), columns=[TOKENS]).column(TOKENS))
     except (OSError, pa.ArrowException) as exc:
         raise OSError(f"{name} row groups {first}..{first + count - 1}: {exc}") from exc
     want = sum(meta.row_group(g).num_rows for g in range(first, first + count))
@@ -138,4 +144,4 @@ def decode_shard(data: bytes, digest: str, name: str) -> np.ndarray:
     """A shard's bytes, verified against the index's sha256, as int32 rows."""
     if sha256(data) != digest:
         raise OSError(f"{name}: checksum mismatch (damaged or replaced shard)")
-    return _rows(pq.read_table(io.BytesIO(data), columns=[TOKENS]).column(TOKENS))
+    return rows_of(pq.read_table(io.BytesIO(data), columns=[TOKENS]).column(TOKENS))

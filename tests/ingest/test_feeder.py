@@ -1,12 +1,12 @@
 """The host feeder serves exactly the native reader's rows, at any DP, start batch and set of
-served slices, reads only what its slices consume, and a job trained from it matches the
-native reader step by step (a version 1 index too, read whole-shard)."""
+served slices, reads only what its slices consume (metadata included: a version 3 corpus's
+row-group records, in proportion to the groups read), and a job trained from it matches the
+native reader step by step (version 2 and 1 indexes too: by footer, and whole-shard)."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -21,6 +21,7 @@ from elastic.ingest.index import read_index
 from elastic.ingest.prepare import PrepareConfig, prepare
 from elastic.ingest.shard_format import group_span
 from elastic.ingest.units import StreamRequest
+from elastic.testing.corpora import as_version, write_corpus
 from elastic.testing.texts import stdlib_texts, write_jsonl
 from jobs import JobSpec
 
@@ -38,17 +39,6 @@ def local_corpus(ray_local, tmp_path_factory):
     cfg.rows_per_group = 3
     prepare(cfg)
     return out
-
-
-def as_version_1(src: str, dst: str) -> str:
-    """The same shards under an index as an older ``elastic prepare`` wrote it (version 1)."""
-    shutil.copytree(src, dst)
-    raw = json.load(open(f"{src}/index.json"))
-    raw["version"] = 1
-    raw["shards"] = [{k: s[k] for k in ("path", "rows", "bytes", "sha256")} for s in raw["shards"]]
-    with open(f"{dst}/index.json", "w") as f:
-        json.dump(raw, f)
-    return dst
 
 
 def _feeder(uri, rows_ahead=2 * G, max_reads=2, engine="threads"):
@@ -72,12 +62,14 @@ def _check(hosts, native, dp: int, start_batch: int, batches: int, epoch: str) -
             np.testing.assert_array_equal(rows, native.rows(layout.rank_samples(b, r)))
 
 
-@pytest.mark.parametrize("engine", ["ray_data", "threads"])
-def test_feeder_rows_equal_the_native_reader_at_any_dp_and_start(local_corpus, engine):
-    """Three feeders (hosts) share each layout's data shards, adjacent or not."""
-    native = ParquetCorpus(local_corpus)
+@pytest.mark.parametrize("engine, version", [("ray_data", 3), ("threads", 3), ("threads", 2)])
+def test_feeder_rows_equal_the_native_reader_at_any_dp_and_start(local_corpus, tmp_path, engine, version):
+    """Three feeders (hosts) share each layout's data shards, adjacent or not (version 3: by
+    row-group records; version 2: by footer)."""
+    uri = local_corpus if version == 3 else as_version(local_corpus, str(tmp_path / "old"), version)
+    native = ParquetCorpus(uri)
     end = native.num_rows // G  # the wrap case starts 2 batches before the epoch's end
-    feeders = [_feeder(local_corpus, max_reads=1, engine=engine) for _ in range(3)]
+    feeders = [_feeder(uri, max_reads=1, engine=engine) for _ in range(3)]
     for i, (dp, start, assignment) in enumerate(
         [
             (1, 0, [(0,)]),
@@ -95,6 +87,8 @@ def test_feeder_rows_equal_the_native_reader_at_any_dp_and_start(local_corpus, e
     for st in stats:
         assert st["bytes_read"] == st["index_bytes"] + st["footer_bytes"] + st["data_bytes"] > 0
         assert st["cached_units"] <= (2 * G + G + G) // 3 + 4  # a bounded window: ahead + behind
+        if version == 3:  # no footer: one read of records per read of row groups, two GETs each
+            assert st["gets"] == 1 + 2 * st["footers"] and st["cached_footers"] == 0
     for f in feeders:
         ray.kill(f)
 
@@ -146,34 +140,54 @@ def _group_bytes(uri: str) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(starts), np.asarray(sizes)
 
 
-def test_feeders_read_about_what_their_replicas_consume(local_corpus, tmp_path):
-    """dp 4, one feeder per DP rank (as on 4 hosts), 40 batches. The bytes of the rows
-    consumed are those of the row groups holding them, each counted once. With a version 2
-    index the four feeders' data reads add up to at most (40 + 2) / 40 of that: the window
-    reads 2 batches past the last one consumed, and the row groups (3 rows) divide each
-    rank's share (6 rows), so no group is read by two feeders. Whole shards (a version 1
-    index, the same files) cost each feeder the whole stream: about 4x."""
-    old = as_version_1(local_corpus, str(tmp_path / "v1"))
-    starts, sizes = _group_bytes(local_corpus)
-    start, batches, dp = 2, 40, 4
+def test_feeders_read_about_what_their_replicas_consume(ray_local, tmp_path):
+    """dp 4, one feeder per DP rank (as on 4 hosts), 24 batches, on rows of 1,025 ids in
+    groups of 3 rows (about 3.5 kB each) and shards of 48. The bytes consumed are those of
+    the row groups holding the consumed rows, each counted once.
+
+    The four feeders' data reads add up to at most (24 + 2) / 24 of that: the window reads 2
+    batches past the last one consumed, and the groups divide each rank's share (6 rows), so
+    no group is read by two feeders. Version 3: each feeder reads one record (``W`` bytes:
+    the group's mini-footer and its entry) per group it reads and no other metadata, so data
+    and metadata together are at most ``(24 + 2) / 24 * (1 + W / g)`` of what is consumed
+    (``g`` the smallest group), a term of the corpus that no number of hosts changes; the
+    index (once per feeder) aside. A version 2 index would have each feeder read the footer
+    of every shard its stream reaches, which grows with the hosts (at dp 4 already more than
+    version 3's records; ``test_units`` measures it at dp 2, 4 and 8). Version 1 (the same
+    shards): whole shards cost each feeder the whole stream."""
+    rows = np.random.default_rng(5).integers(0, 300, size=(14 * 48, 1025), dtype=np.int32)
+    v3 = str(tmp_path / "v3")
+    index = write_corpus(v3, rows, 48, 3)
+    width = int(index.shards[0].groups_record_bytes or 0)
+    starts, sizes = _group_bytes(v3)
+    start, batches, dp = 2, 24, 4
     first, last = np.searchsorted(starts, start * G, "right") - 1, np.searchsorted(starts, (start + batches) * G)
-    consumed = int(sizes[first:last].sum())
-    ratio = {}
-    for name, uri in (("v2", local_corpus), ("v1", old)):
+    consumed = int(sizes[first:last].sum())  # the whole run in one epoch: (2 + 24 + 2) * 24 = 14 * 48 rows
+    ratio, meta = {}, {}
+    for version in (3, 1):
+        uri = v3 if version == 3 else as_version(v3, str(tmp_path / f"v{version}"), version)
         feeders = [_feeder(uri) for _ in range(dp)]
         for r, f in enumerate(feeders):
             _begin(f, "e0", start, dp, (r,))
         _check([(f, (r,)) for r, f in enumerate(feeders)], ParquetCorpus(uri), dp, start, batches, "e0")
         stats = ray.get([f.get_stats.remote() for f in feeders])
-        ratio[name] = sum(st["data_bytes"] for st in stats) / consumed
-        if name == "v2":
-            reached = (start + batches + 2) * G // 48 - start * G // 48 + 1  # shards of 48 rows
-            assert all(st["footers"] <= reached for st in stats)  # each shard's footer once per feeder
         for f in feeders:
             ray.kill(f)
-    print(f"data bytes read / bytes consumed at dp 4: row groups {ratio['v2']:.3f}, whole shards {ratio['v1']:.3f}")
-    assert 1.0 <= ratio["v2"] <= (batches + 2) / batches
-    assert ratio["v1"] > 3.5
+        ratio[version] = sum(st["data_bytes"] for st in stats) / consumed
+        meta[version] = sum(st["footer_bytes"] for st in stats)
+        assert all(st["index_bytes"] == os.path.getsize(f"{uri}/index.json") for st in stats)
+        if version == 3:
+            assert all(st["footer_bytes"] == width * st["units_read"] for st in stats)
+            both = ratio[3] + meta[3] / consumed
+            assert 1.0 <= both <= (batches + 2) / batches * (1 + width / sizes.min()), both
+    footers = dp * sum(s.footer_bytes or 0 for s in index.shards[1 : 1 + batches * G // 48])  # version 2, at least
+    print(
+        f"bytes read / bytes consumed at dp 4: data {ratio[3]:.3f} (v3), {ratio[1]:.3f} (v1); "
+        f"metadata {meta[3] / consumed:.3f} (v3 records; v2 footers would be {footers / consumed:.3f} or more)"
+    )
+    assert 1.0 <= ratio[3] <= (batches + 2) / batches
+    assert meta[3] < footers
+    assert ratio[1] > 3.5
 
 
 def _spec(source: str, loader: str) -> JobSpec:
@@ -195,20 +209,22 @@ def _steps(run_dir: str) -> list[dict]:
 
 
 def test_training_through_ray_data_matches_the_native_reader(local_corpus, tmp_path):
-    """The default loader on a version 2 corpus, and the feeder on the same shards under a
-    version 1 index (an older ``elastic prepare``: whole-shard reads), train step by step as
-    the native reader does."""
+    """The default loader on a version 3 corpus (what ``elastic prepare`` writes), and on the
+    same shards under a version 2 index (by footer) and the feeder under a version 1 index
+    (whole shards), as older ``elastic prepare`` wrote them, train step by step as the native
+    reader does."""
     assert resolve_loader(_spec(local_corpus, "auto").data, local_corpus) == "ray_data"  # the default path
-    old = as_version_1(local_corpus, str(tmp_path / "v1"))
+    v2 = as_version(local_corpus, str(tmp_path / "v2"), 2)
+    v1 = as_version(local_corpus, str(tmp_path / "v1"), 1)
+    runs = (("v3", local_corpus, "ray_data"), ("v2", v2, "ray_data"), ("v1", v1, "feeder"), ("native", v1, "native"))
     got = {}
-    for name, source, loader in (("v2", local_corpus, "ray_data"), ("v1", old, "feeder"), ("native", old, "native")):
+    for name, source, loader in runs:
         run_dir = str(tmp_path / name)
         ElasticTrainer(_spec(source, loader), run_dir=run_dir).fit()
         got[name] = _steps(run_dir)
-    assert len(got["v2"]) == len(got["v1"]) == len(got["native"]) == 6
-    for a, b, c in zip(got["v2"], got["v1"], got["native"]):
-        for x in (a, b):
-            assert x["loss"] == pytest.approx(c["loss"], rel=1e-6) and x["grad_norm"] == pytest.approx(
-                c["grad_norm"], rel=1e-6
-            )
-        assert a["data_wait_s"] >= 0 and "data_wait_s" in c
+    assert [len(steps) for steps in got.values()] == [6, 6, 6, 6]
+    for *readers, native in zip(got["v3"], got["v2"], got["v1"], got["native"]):
+        for x in readers:
+            assert x["loss"] == pytest.approx(native["loss"], rel=1e-6)
+            assert x["grad_norm"] == pytest.approx(native["grad_norm"], rel=1e-6)
+            assert x["data_wait_s"] >= 0

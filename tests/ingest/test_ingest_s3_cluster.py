@@ -3,7 +3,8 @@ training from ``s3://`` on a 4-node cluster, with a node lost mid-run.
 
 A counting proxy between the job and the server measures the GETs in flight at the
 server side: with ``data.waves: 4`` and ``data.max_reads_per_host: 1`` there is at most
-``ceil(4 / 4) * 1 = 1`` at start-up and during the recovery.
+``ceil(4 / 4) * 1 = 1`` while the hosts read their first windows, at start-up and during the
+recovery.
 """
 
 from __future__ import annotations
@@ -55,12 +56,22 @@ def _upload_text(moto_s3, bucket: str, local: str) -> None:
         client.upload_file(os.path.join(local, name), bucket, f"text/{name}")
 
 
-def _peak_until_next_step(proxy: CountingProxy, events: list[dict], t0: float, after_restore: bool = False) -> int:
-    """Most GETs in flight from ``t0`` to the first step after it (after the next restore:
-    steps the survivors finished before a failure may be committed after it)."""
-    start = next(e["ts"] for e in events if e["kind"] == "restore" and e["ts"] > t0) if after_restore else t0
-    t1 = next(e["ts"] for e in events if e["kind"] == "step" and e["ts"] > start)
-    return proxy.peak(t0, t1)
+def _startup_peak(proxy: CountingProxy, events: list[dict], t0: float) -> int:
+    """Most GETs in flight from ``t0`` to the job's start: the first configure returns once
+    every host has read its first window, in waves. From there on the hosts read side by
+    side, as training consumes (the first step's own prefetch included)."""
+    return proxy.peak(t0, next(e["ts"] for e in events if e["kind"] == "job_start" and e["ts"] > t0))
+
+
+def _recovery_peak(proxy: CountingProxy, events: list[dict], t0: float) -> int:
+    """Most GETs in flight while the survivors read the new layout's first windows: the
+    configure after the failure ends with them (each rank begins its stream after the
+    rendezvous, the rebuild and the restore; the rest of the configure's wall time, the
+    restore event's ``configure_other_s``, holds it) and returns once they are read (the
+    restore event). The reads the old layout had in flight when its ranks left finish at
+    the steady state's pace, not in waves."""
+    restore = next(e for e in events if e["kind"] == "restore" and e["ts"] > t0)
+    return proxy.peak(restore["ts"] - restore["breakdown"]["configure_other_s"], restore["ts"])
 
 
 def test_s3_text_prepared_then_trained_with_a_node_loss(ray_cluster, moto_s3, s3_bucket, tmp_path, monkeypatch):
@@ -83,7 +94,7 @@ def test_s3_text_prepared_then_trained_with_a_node_loss(ray_cluster, moto_s3, s3
         ref_dir = str(tmp_path / "ref")
         ElasticTrainer(spec, run_dir=ref_dir).fit()
         ref = {e["step"]: (e["loss"], e["grad_norm"]) for e in read_events(ref_dir) if e["kind"] == "step"}
-        startup_peak = _peak_until_next_step(proxy, read_events(ref_dir), 0.0)
+        startup_peak = _startup_peak(proxy, read_events(ref_dir), 0.0)
         t_second = time.time()
 
         injector = FaultInjector([Fault("kill_node", at_step=FAULT_STEP, node_index=2)], cluster=ray_cluster)
@@ -106,8 +117,8 @@ def test_s3_text_prepared_then_trained_with_a_node_loss(ray_cluster, moto_s3, s3
         assert e["grad_norm"] == pytest.approx(want_norm, rel=1e-5), e["step"]
     bound = math.ceil(4 / 4) * 1
     restore_ts = next(e["ts"] for e in events if e["kind"] == "failure")
-    recovery_peak = _peak_until_next_step(proxy, events, restore_ts, after_restore=True)
-    startup_peak_2 = _peak_until_next_step(proxy, events, t_second)
+    recovery_peak = _recovery_peak(proxy, events, restore_ts)
+    startup_peak_2 = _startup_peak(proxy, events, t_second)
     print(
         f"GETs in flight: start-up {startup_peak}, {startup_peak_2}; after the node loss {recovery_peak}; bound {bound}"
     )

@@ -12,6 +12,7 @@ import pytest
 from elastic.ingest import tokenizer as toks
 from elastic.ingest.index import read_index
 from elastic.ingest.prepare import PrepareConfig, prepare
+from elastic.ingest.sidecar import read_sidecar
 from elastic.testing.texts import stdlib_texts, write_jsonl
 from jobs.cli import main as cli_main
 
@@ -48,15 +49,21 @@ def test_byte_packing_matches_a_plain_loop(ray_local, jsonl, docs, tmp_path):
     assert index["seq_len"] == 31 and index["tokenizer"]["kind"] == "byte" and index["tokenizer"]["eot_id"] == 256
     assert [s["rows"] for s in index["shards"]] == [100] * (n // 100) + ([n % 100] if n % 100 else [])
     assert all(len(s["sha256"]) == 64 for s in index["shards"])
-    # Version 2: each shard's footer is where the index says, with its digest; groups of 8 rows.
-    assert index["version"] == 2
-    for s in index["shards"]:
+    # Version 3: each shard's footer is where the index says, with its digest; groups of 8 rows;
+    # its sidecar next to it reads back as the shard's rows, group by group.
+    assert index["version"] == 3
+    at = 0
+    for s, shard in zip(index["shards"], read_index(out).shards):
         data = open(f"{out}/{s['path']}", "rb").read()
         assert s["footer_offset"] + s["footer_bytes"] == len(data) == s["bytes"] and s["rows_per_group"] == 8
         assert hashlib.sha256(data[s["footer_offset"] :]).hexdigest() == s["footer_sha256"]
         meta = pq.read_metadata(f"{out}/{s['path']}")
         groups = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
         assert groups == [8] * (s["rows"] // 8) + ([s["rows"] % 8] if s["rows"] % 8 else [])
+        side = open(f"{out}/{s['groups_path']}", "rb").read()
+        assert s["groups_path"] == s["path"].replace(".parquet", ".groups") and len(side) == s["groups_bytes"]
+        np.testing.assert_array_equal(read_sidecar(side, shard, data), rows[at : at + s["rows"]])
+        at += s["rows"]
 
 
 def test_output_does_not_depend_on_parallelism(ray_local, jsonl, tmp_path):
@@ -66,8 +73,10 @@ def test_output_does_not_depend_on_parallelism(ray_local, jsonl, tmp_path):
         prepare(
             PrepareConfig(jsonl, out, tokenizer="bpe:400", seq_len=64, rows_per_shard=64, blocks=blocks, progress=False)
         )
-        index = json.load(open(f"{out}/index.json"))
-        shas.append(([s["sha256"] for s in index["shards"]], index["tokenizer"]["sha256"]))
+        raw = open(f"{out}/index.json", "rb").read()
+        index = json.loads(raw)
+        sides = [hashlib.sha256(open(f"{out}/{s['groups_path']}", "rb").read()).hexdigest() for s in index["shards"]]
+        shas.append(([s["sha256"] for s in index["shards"]], sides, hashlib.sha256(raw).hexdigest()))
     assert shas[0] == shas[1] and len(shas[0][0]) > 3
 
 

@@ -1,11 +1,14 @@
 """What a host reader reads, without Ray: the units of the stream, which of them a host's
-slices need (against brute force), the shard format's ranged reads and their checks, the
-index versions, and the feeder's window in-process on real files (its reads, bytes and
-rows against the native reader)."""
+slices need (against brute force), the shard format's ranged reads and their checks (by
+the footer, version 2; by the row-group sidecar, version 3), the index versions, and the
+feeder's window in-process on real files (its reads, bytes and rows against the native
+reader; its metadata bytes against the groups it reads)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -13,10 +16,18 @@ import pytest
 
 from elastic.ingest.corpus import BatchLayout, ParquetCorpus
 from elastic.ingest.feeder import _HostFeeder
-from elastic.ingest.index import CorpusIndex, Shard, parse_index, read_index, write_index
-from elastic.ingest.prepare import shard_entry
+from elastic.ingest.index import CorpusIndex, Shard, parse_index, read_index
 from elastic.ingest.shard_format import decode_groups, groups_span, parse_footer
+from elastic.ingest.sidecar import (
+    chunks_span,
+    decode_run,
+    parse_records,
+    read_sidecar,
+    record_digest,
+    records_span,
+)
 from elastic.ingest.units import StreamRequest, UnitTable, served_slices
+from elastic.testing.corpora import write_corpus
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -68,20 +79,13 @@ def test_the_unit_table_maps_every_row_both_ways():
     assert table.last_unit_of_shard(1) == 2 and table.last_unit_of_shard(3) == 3
 
 
-def _write(root, rows: np.ndarray, rows_per_shard: int, rows_per_group: int) -> CorpusIndex:
-    shards = []
-    for i, start in enumerate(range(0, len(rows), rows_per_shard)):
-        data, shard = shard_entry(f"part-{i:05d}.parquet", rows[start : start + rows_per_shard], rows_per_group)
-        (root / shard.path).write_bytes(data)
-        shards.append(shard)
-    index = CorpusIndex(str(root), rows.shape[1] - 1, {"vocab_size": 300}, tuple(shards))
-    write_index(str(root), index)
-    return index
+def _write(root, rows: np.ndarray, rows_per_shard: int, rows_per_group: int, version: int = 3) -> CorpusIndex:
+    return write_corpus(str(root), rows, rows_per_shard, rows_per_group, version)
 
 
 def test_row_groups_read_alone_are_verified(tmp_path):
     rows = np.random.default_rng(0).integers(0, 300, size=(50, 9), dtype=np.int32)
-    index = _write(tmp_path, rows, 50, 4)
+    index = _write(tmp_path, rows, 50, 4, version=2)
     shard = index.shards[0]
     data = (tmp_path / shard.path).read_bytes()
     footer = data[shard.footer_offset :]
@@ -105,21 +109,82 @@ def test_row_groups_read_alone_are_verified(tmp_path):
         parse_footer(bytes(bad), shard.footer_sha256, shard.path)
 
 
-def test_a_version_1_index_reads_as_whole_shards(tmp_path):
+def test_row_groups_read_with_their_sidecar_records_are_verified(tmp_path):
+    """Version 3: a run's records (one range of the sidecar) place its chunks (one range of the
+    shard), and each group decodes from its chunk and mini-footer alone. A flipped byte in a
+    chunk (page data or page header), in a mini-footer or in a record's fields, a record of
+    another group or another shard: an error naming the shard, never wrong rows."""
+    rows = np.random.default_rng(3).integers(0, 300, size=(50, 9), dtype=np.int32)
+    index = _write(tmp_path, rows, 25, 4)
+    shard, other = index.shards
+    data, side = (tmp_path / shard.path).read_bytes(), (tmp_path / str(shard.groups_path)).read_bytes()
+    assert index.version == 3 and shard.groups_bytes == len(side) == 16 + 7 * shard.groups_record_bytes
+    np.testing.assert_array_equal(read_sidecar(side, shard, data), rows[:25])
+    for first, count in ((0, 1), (2, 3), (6, 1), (0, 7)):
+        lo, hi = records_span(shard, first, count)
+        records = parse_records(side[lo:hi], shard, first, count)
+        c_lo, c_hi = chunks_span(records)
+        assert (c_lo, c_hi) == groups_span(pq.read_metadata(tmp_path / shard.path), first, count)
+        got = decode_run(records, c_lo, data[c_lo:c_hi], shard)
+        np.testing.assert_array_equal(got, rows[first * 4 : min(25, (first + count) * 4)])
+
+    def run(side_bytes: bytes, data_bytes: bytes, first: int = 2, count: int = 2) -> np.ndarray:
+        lo, hi = records_span(shard, first, count)
+        records = parse_records(side_bytes[lo:hi], shard, first, count)
+        c_lo, c_hi = chunks_span(records)
+        return decode_run(records, c_lo, data_bytes[c_lo:c_hi], shard)
+
+    lo, _ = records_span(shard, 3, 1)
+    c_lo, c_hi = chunks_span(parse_records(side[lo : lo + shard.groups_record_bytes], shard, 3, 1))
+    width = shard.groups_record_bytes
+    for what, at in {
+        "page data": c_hi - 3,
+        "page header": c_lo + 2,  # not covered by the page's CRC: by the record's digest
+        "chunk offset": lo,
+        "chunk length": lo + 8,
+        "mini-footer length": lo + 16,
+        "rows": lo + 20,
+        "digest": lo + 24,
+        "mini-footer": lo + 40 + 20,
+    }.items():
+        bad = {"side": bytearray(side), "data": bytearray(data)}
+        bad["data" if what.startswith("page") else "side"][at] ^= 0x01
+        with pytest.raises(OSError, match="part-00000.parquet row group 3"):
+            run(bytes(bad["side"]), bytes(bad["data"]))
+    # A page damaged before its record was made (the record vouches for the bytes): its CRC.
+    record = parse_records(side[lo : lo + width], shard, 3, 1)[0]
+    chunk = bytearray(data[c_lo:c_hi])
+    chunk[-3] ^= 0x01
+    digest = record_digest(shard.sha256, 3, record.offset, record.length, record.rows, record.footer, bytes(chunk))
+    with pytest.raises(OSError, match="row group 3: .*CRC"):
+        decode_run([dataclasses.replace(record, digest=digest)], c_lo, bytes(chunk), shard)
+    swapped = bytearray(side)  # group 3's record in group 2's place: its digest names group 3
+    swapped[16 + 2 * width : 16 + 3 * width] = side[16 + 3 * width : 16 + 4 * width]
+    with pytest.raises(OSError, match="part-00000.parquet row group 2"):
+        run(bytes(swapped), data, count=1)
+    other_side = (tmp_path / str(other.groups_path)).read_bytes()  # another shard's records
+    with pytest.raises(OSError, match="part-00000.parquet row group"):
+        run(other_side, data)
+
+
+def test_older_indexes_read_as_they_were_written(tmp_path):
+    """A version 3 index is version 2's plus the sidecars; versions 2 and 1 (an older
+    ``elastic prepare``) parse back as themselves and are read by footer or whole shard."""
     rows = np.arange(40 * 5, dtype=np.int32).reshape(40, 5)
     index = _write(tmp_path, rows, 16, 4)
     raw = json.loads((tmp_path / "index.json").read_text())
-    assert raw["version"] == 2 and raw["shards"][0]["rows_per_group"] == 4
-    for s in raw["shards"]:  # what an older `elastic prepare` wrote
-        for key in ("footer_offset", "footer_bytes", "footer_sha256", "rows_per_group"):
-            del s[key]
-    raw["version"] = 1
-    old = parse_index(str(tmp_path), json.dumps(raw).encode())
-    assert old.version == 1 and not any(s.ranged for s in old.shards)
-    assert UnitTable(old).total_units == 3 and UnitTable(index).total_units == 4 + 4 + 2
-    assert json.loads(json.dumps(old.to_json()))["version"] == 1 and "rows_per_group" not in old.to_json()["shards"][0]
-    assert read_index(str(tmp_path)) == index
-    raw["version"] = 3
+    assert raw["version"] == 3 and raw["shards"][0]["groups_path"] == "part-00000.groups"
+    assert read_index(str(tmp_path)) == index and all(s.sidecar for s in index.shards)
+    for version, units in ((2, 4 + 4 + 2), (1, 3)):
+        old = json.loads(json.dumps(index.as_version(version).to_json()))
+        assert old["version"] == version and "groups_path" not in old["shards"][0]
+        assert ("rows_per_group" in old["shards"][0]) is (version == 2)
+        parsed = parse_index(str(tmp_path), json.dumps(old).encode())
+        assert parsed.version == version and parsed == index.as_version(version)
+        assert UnitTable(parsed).total_units == units and not any(s.sidecar for s in parsed.shards)
+    raw["shards"][1].pop("groups_record_bytes")  # an entry missing a field is read as the version below
+    assert [s.version for s in parse_index(str(tmp_path), json.dumps(raw).encode()).shards] == [3, 2, 3]
+    raw["version"] = 4
     with pytest.raises(ValueError, match="newer than this reader"):
         parse_index(str(tmp_path), json.dumps(raw).encode())
 
@@ -131,6 +196,48 @@ def _consume(feeders, layout: BatchLayout, hosts: list[tuple[int, ...]], batches
                 got = feeders[h].rows(b * layout.global_batch + r * layout.per_rank, layout.per_rank, r, None)
                 if native is not None:
                     np.testing.assert_array_equal(got, native.rows(layout.rank_samples(b, r)))
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_metadata_read_follows_the_groups_read_not_the_hosts(tmp_path, version):
+    """One feeder per data shard, as on dp hosts, at dp 2, 4 and 8; 12 batches of 24 rows,
+    groups of 3 rows (they divide every share, so the hosts together read each consumed group
+    once). Version 3: each feeder reads one record (``W`` bytes) per group it reads and
+    nothing else of metadata, so the hosts together read the same metadata at any dp, and
+    what they read is at most ``(B + 2) / B * (1 + W / g)`` of the consumed groups' bytes
+    (``B`` batches consumed and 2 read ahead, ``g`` the smallest group), plus the index.
+    Version 2: each reads the footer of every shard its stream reaches: it grows with dp."""
+    rows = np.random.default_rng(4).integers(0, 300, size=(480, 257), dtype=np.int32)
+    index = _write(tmp_path, rows, 48, 3, version)
+    g, batches, width = 24, 12, index.as_version(3).shards[0].groups_record_bytes or 0
+    spans = [groups_span(pq.read_metadata(tmp_path / s.path), k, 1) for s in index.shards for k in range(16)]
+    group_bytes = np.asarray([hi - lo for lo, hi in spans])
+    meta, consumed_groups = {}, batches * g // 3
+    for dp in (2, 4, 8):
+        feeders = [_HostFeeder(str(tmp_path), {}, 2 * g, 3 * g, 2, 10.0, "threads") for _ in range(dp)]
+        try:
+            for r, f in enumerate(feeders):
+                f.begin(StreamRequest("e0", 2 * g, g, dp, (r,)))
+            _consume(feeders, BatchLayout(g, 1, dp), [(r,) for r in range(dp)], range(2, 2 + batches))
+            stats = [f.get_stats() for f in feeders]
+        finally:
+            for f in feeders:
+                f.close()
+        meta[dp] = sum(st["footer_bytes"] for st in stats)
+        units = sum(st["units_read"] for st in stats)
+        assert consumed_groups <= units <= (batches + 2) * g // 3
+        if version == 3:
+            assert all(st["footer_bytes"] == width * st["units_read"] for st in stats)
+            data = sum(st["data_bytes"] for st in stats)
+            consumed = int(group_bytes[2 * g // 3 : (2 + batches) * g // 3].sum())
+            assert (data + meta[dp]) / consumed <= (batches + 2) / batches * (1 + width / group_bytes.min())
+        else:  # every feeder read the footers of the 6 shards that hold batches 2 .. 13
+            footers = sum(s.footer_bytes or 0 for s in index.shards[1:7])
+            assert meta[dp] >= dp * footers
+    if version == 3:
+        assert max(meta.values()) <= width * (batches + 2) * g // 3
+    else:
+        assert meta[8] > 3 * meta[2]
 
 
 @pytest.mark.parametrize("per_group", [3, 5])
@@ -166,27 +273,60 @@ def test_in_process_feeders_read_their_slices_once(tmp_path, per_group):
         assert read <= (10 + 2) * g
 
 
-@pytest.mark.parametrize("damage", ["row_group", "footer"])
-def test_a_damaged_shard_fails_the_read_naming_it(tmp_path, damage):
-    """A flipped byte in a row group's page (its CRC) or in a footer (its sha256 in the index)
-    is an error for every rank that asks for those rows, never wrong rows."""
+@pytest.mark.parametrize(
+    "version, damage", [(2, "row_group"), (2, "footer"), (3, "row_group"), (3, "mini_footer"), (3, "no_sidecar")]
+)
+def test_a_damaged_shard_fails_the_read_naming_it(tmp_path, version, damage):
+    """A flipped byte in a row group's chunk (version 2: its page's CRC; version 3: its
+    record's digest), in a footer (version 2: its sha256 in the index) or in a group's
+    mini-footer in the sidecar (version 3: its record's digest), or a sidecar that is not
+    there, is an error naming the shard for every rank that asks for those rows, never
+    wrong rows."""
     rows = np.random.default_rng(2).integers(0, 300, size=(96, 9), dtype=np.int32)
-    index = _write(tmp_path, rows, 48, 4)
+    index = _write(tmp_path, rows, 48, 4, version)
     shard = index.shards[1]
     data = bytearray((tmp_path / shard.path).read_bytes())
+    side_path = tmp_path / str(index.as_version(3).shards[1].groups_path or "part-00001.groups")
+    lo, hi = groups_span(pq.read_metadata(tmp_path / shard.path), 2, 1)
     if damage == "footer":
         data[shard.footer_offset + 10] ^= 0x01
-    else:
-        meta = parse_footer(bytes(data[shard.footer_offset :]), shard.footer_sha256, shard.path)
-        lo, hi = groups_span(meta, 2, 1)
+    elif damage == "row_group":
         data[hi - 3] ^= 0xFF
+    elif damage == "mini_footer":
+        side = bytearray(side_path.read_bytes())
+        side[records_span(shard, 2, 1)[0] + 40 + 10] ^= 0x01
+        side_path.write_bytes(bytes(side))
+    else:
+        side_path.unlink()
     (tmp_path / shard.path).write_bytes(bytes(data))
     feeder = _HostFeeder(str(tmp_path), {}, 24, 24, 1, 10.0, "threads")
     try:
         feeder.begin(StreamRequest("e0", 0, 12, 1, (0,)))
         np.testing.assert_array_equal(feeder.rows(0, 12, 0, "e0"), rows[:12])  # shard 0 is sound
-        with pytest.raises(RuntimeError, match="part-00001.parquet"):
+        with pytest.raises(RuntimeError, match="part-00001"):
             for b in range(1, 8):
                 feeder.rows(b * 12, 12, 0, "e0")
+    finally:
+        feeder.close()
+
+
+def test_a_stream_its_ranks_left_reads_no_further(tmp_path):
+    """When a layout ends, its ranks close their streams (``feeder_batches`` tells the feeder):
+    the window stops where it is, so the next layout's waves do not meet the old layout's
+    read-ahead. A release naming another stream changes nothing."""
+    rows = np.random.default_rng(6).integers(0, 300, size=(480, 9), dtype=np.int32)
+    index = _write(tmp_path, rows, 48, 3)
+    g = 24
+    feeder = _HostFeeder(str(tmp_path), {}, 4 * g, 5 * g, 1, 10.0, "threads")
+    try:
+        feeder.begin(StreamRequest("e0", 0, g, 1, (0,)))
+        for b in range(9):  # past the first window (8 batches): the window now reaches batch 12
+            feeder.rows(b * g, g, 0, "e0")
+        feeder.release(0, "e1")
+        feeder.release(0, "e0")
+        time.sleep(0.5)  # the read in flight lands; no other starts
+        held = feeder.get_stats()["units_read"]
+        time.sleep(0.3)
+        assert feeder.get_stats()["units_read"] == held < UnitTable(index).unit_of(12 * g)
     finally:
         feeder.close()

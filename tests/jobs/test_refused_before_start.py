@@ -25,6 +25,7 @@ import yaml
 from elastic import ray_join
 from elastic.errors import SpecError
 from elastic.run_dirs import JobIdentity, claim_locations
+from elastic.testing.corpora import write_corpus
 from jobs import JobSpec
 from jobs.cli import main
 
@@ -257,6 +258,8 @@ def _corpora(root) -> dict[str, tuple[str, str]]:
     _parquet(f"{root}/indexed/part-00000.parquet", good)
     with open(f"{root}/indexed/index.json", "w") as f:
         json.dump({"seq_len": 32, "tokenizer": {"vocab_size": 64}, "shards": []}, f)
+    write_corpus(f"{root}/nosidecar", good, 32, 8, vocab_size=64)  # version 3, one sidecar lost
+    os.remove(f"{root}/nosidecar/part-00001.groups")
     return {
         "wide": (f"{root}/wide", "part-0.parquet: rows of 34 ids; model.seq_len + 1 = 17"),
         "ids": (f"{root}/ids", "token ids from 0 to 999"),
@@ -267,6 +270,7 @@ def _corpora(root) -> dict[str, tuple[str, str]]:
         "corrupt": (f"{root}/corrupt", "part-0.parquet is not a readable parquet file"),
         "strings": (f"{root}/strings.parquet", "not a list of token ids"),
         "indexed": (f"{root}/indexed", "was prepared with --seq-len 32"),
+        "nosidecar": (f"{root}/nosidecar", "nosidecar/part-00001.groups (the row-group sidecar of part-00001.parquet)"),
     }
 
 
