@@ -58,6 +58,7 @@ def pytest_runtest_makereport(item, call):
 class _RayState:
     kind: str | None = None
     cluster = None
+    cluster_nodes: set = set()
 
 
 def _shutdown() -> None:
@@ -94,22 +95,58 @@ def ray_local():
 
 @pytest.fixture
 def ray_cluster():
-    """A fresh 4-node local cluster: a CPU-less head and 4 one-worker nodes.
+    """A 4-node local cluster: a CPU-less head and 4 one-worker nodes, as a test found it.
 
-    Fresh per test because tests remove and add nodes.
+    Tests remove, add and drain nodes, so a cluster is handed on only when the last test left
+    it as it was made: the same five nodes alive, none draining, every CPU free once the last
+    driver's actors are gone (a new driver connection each test). Otherwise a fresh one.
     """
+    import ray
+
+    if not _cluster_as_made():
+        _shutdown()
+        _new_cluster()
+    yield _RayState.cluster
+    if ray.is_initialized():
+        ray.shutdown()  # the test's actors end with its driver
+
+
+def _new_cluster() -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    _shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     for _ in range(4):
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     _RayState.kind, _RayState.cluster = "cluster", cluster
-    yield cluster
-    _shutdown()
+    _RayState.cluster_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+
+
+def _cluster_as_made(timeout_s: float = 15.0) -> bool:
+    """Whether the cluster the last test used is as ``_new_cluster`` made it (see ray_cluster)."""
+    import time
+
+    import ray
+    from ray._private.state import state as gcs_state
+
+    if _RayState.kind != "cluster" or _RayState.cluster is None:
+        return False
+    try:
+        if not ray.is_initialized():
+            ray.init(address=_RayState.cluster.address, log_to_driver=False)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            if alive != _RayState.cluster_nodes or gcs_state.get_draining_nodes():
+                return False
+            if ray.available_resources().get("CPU", 0) == 4 and ray.cluster_resources().get("CPU", 0) == 4:
+                return True
+            time.sleep(0.25)
+    except Exception:  # a cluster that cannot answer is not handed on
+        return False
+    return False
 
 
 @pytest.fixture

@@ -6,6 +6,9 @@ every configure request sent) and how long the loss took to be seen. The simulat
 the decision time to every re-formation and takes the larger of the two detection times,
 at the job's size: a power law through the two largest measured sizes (one size: that
 value), evaluated at ``gpus``, and named in ``--json``'s sources with the file's date.
+Beyond the largest run the decision grows at least linearly (its work is O(N) in the
+ranks: a smaller run measured on a busier machine must not make it shrink with the job),
+and the detection does not shrink.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ class ControlPlane:
     source: str
 
     def decision_s(self, gpus: int) -> float:
-        return _power_law([(r, d) for r, d, _ in self.points], gpus)
+        return _power_law([(r, d) for r, d, _ in self.points], gpus, min_k=1.0)
 
     def detect_s(self, gpus: int) -> float:
-        return _power_law([(r, d) for r, _, d in self.points], gpus)
+        return _power_law([(r, d) for r, _, d in self.points], gpus, min_k=0.0)
 
     def describe(self, gpus: int) -> str:
         sizes = ", ".join(f"{r:,}" for r, _, _ in self.points)
@@ -38,11 +41,12 @@ class ControlPlane:
         )
 
 
-def _power_law(points: list[tuple[int, float]], x: int) -> float:
+def _power_law(points: list[tuple[int, float]], x: int, min_k: float) -> float:
+    """Through the two largest points; beyond the largest with an exponent of ``min_k`` at least."""
     (x1, y1), (x2, y2) = (points[-2], points[-1]) if len(points) > 1 else (points[-1], points[-1])
-    if x1 == x2 or y1 <= 0 or y2 <= 0:
-        return y2
-    k = math.log(y2 / y1) / math.log(x2 / x1)
+    k = math.log(y2 / y1) / math.log(x2 / x1) if x1 != x2 and y1 > 0 and y2 > 0 else 0.0
+    if x > x2:
+        k = max(k, min_k)
     return y2 * (x / x2) ** k
 
 

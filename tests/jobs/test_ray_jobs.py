@@ -129,7 +129,7 @@ def _stop_head(temp: str) -> None:
             except ProcessLookupError:
                 pass
         if sig == signal.SIGTERM:
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 3  # a private head: no need to wait long for its SIGTERM
             while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
                 time.sleep(0.2)
     shutil.rmtree(temp, ignore_errors=True)
