@@ -55,8 +55,9 @@ class ReformCurve:
 
     def control_s(self, gpus: int) -> float:
         """The driver's decision at ``gpus`` ranks: linear between the measured rank counts,
-        beyond the largest along its last segment; 0 without control_plane.json (the
-        decision measured at 16 ranks is in ``fixed_s``)."""
+        beyond the largest in proportion to the ranks (the decision's work is O(N); a last
+        segment that falls, from a smaller run on a busier machine, is not followed); 0
+        without control_plane.json (the decision measured at 16 ranks is in ``fixed_s``)."""
         pts = sorted(self.control)
         if not pts:
             return 0.0
@@ -66,7 +67,7 @@ class ReformCurve:
             if gpus <= b:
                 return ta + (tb - ta) * (gpus - a) / (b - a)
         (a, ta), (b, tb) = pts[-2], pts[-1]
-        return tb + (tb - ta) * (gpus - b) / (b - a)
+        return tb + max(tb - ta, tb * (b - a) / b) * (gpus - b) / (b - a)
 
     def reconfigure_s(self, gpus: int) -> float:
         return self.fixed_s + self.comm_s(gpus) + self.control_s(gpus)

@@ -264,7 +264,12 @@ def test_reform_curve_goes_through_the_cited_points_and_interpolates_the_control
     assert c.comm_s(16384) < c.comm_s(100_000) < 2 * scaling.NCCLX[1]
     assert c.control_s(1024) == pytest.approx(0.2) and c.control_s(16384) == pytest.approx(1.0)
     assert c.control_s(8704) == pytest.approx(0.6)
-    assert c.control_s(31744) == pytest.approx(1.8)  # beyond the last point, along its slope
+    # Beyond the last point: the steeper of its segment and proportion to the ranks.
+    assert c.control_s(31744) == pytest.approx(1.0 * 31744 / 16384)
+    steep = _curve(control=[(1024, 0.01), (16384, 1.0)])  # a segment steeper than proportion
+    assert steep.control_s(31744) == pytest.approx(1.0 + 0.99 * (31744 - 16384) / (16384 - 1024))
+    falling = _curve(control=[(4096, 0.76), (16384, 0.65)])  # never falls with the job
+    assert falling.control_s(100_000) == pytest.approx(0.65 * 100_000 / 16384)
     assert _curve().control_s(100_000) == 0.0
     assert c.reconfigure_s(16384) == pytest.approx(1.0 + c.comm_s(16384) + 1.0)
 
