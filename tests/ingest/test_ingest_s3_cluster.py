@@ -15,6 +15,7 @@ import time
 
 import boto3
 import pytest
+from waiting import wait_until
 
 from elastic import ElasticTrainer
 from elastic.events import read_events
@@ -95,6 +96,14 @@ def test_s3_text_prepared_then_trained_with_a_node_loss(ray_cluster, moto_s3, s3
         ElasticTrainer(spec, run_dir=ref_dir).fit()
         ref = {e["step"]: (e["loss"], e["grad_norm"]) for e in read_events(ref_dir) if e["kind"] == "step"}
         startup_peak = _startup_peak(proxy, read_events(ref_dir), 0.0)
+        # The second run's start-up is measured from when the first run's reads are over
+        # (none in flight, none begun for a second): reads of a job that has ended must stop.
+        wait_until(
+            lambda: proxy.inflight == 0 and time.time() - (proxy.events[-1][0] if proxy.events else 0.0) > 1.0,
+            30,
+            "the first run's reads to stop",
+            0.1,
+        )
         t_second = time.time()
 
         injector = FaultInjector([Fault("kill_node", at_step=FAULT_STEP, node_index=2)], cluster=ray_cluster)
