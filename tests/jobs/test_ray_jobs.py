@@ -242,7 +242,7 @@ def test_ray_job_submit_runs_jobs_train_and_ray_job_stop_leaves_a_resumable_chec
         config,
         "--run-dir",
         stop_dir,
-        *_sets(["train.steps=100000", "checkpoint.every_steps=2"]),  # far more than it can reach: `ray job stop` ends it
+        *_sets(["train.steps=100000", "checkpoint.every_steps=2"]),  # more than it reaches: `ray job stop` ends it
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     _wait(
