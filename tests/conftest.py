@@ -55,6 +55,9 @@ def pytest_runtest_makereport(item, call):
 # --------------------------------------------------------------------------- Ray runtimes
 
 
+CLUSTER_NODES = 4  # ray_cluster's one-CPU worker nodes
+
+
 class _RayState:
     kind: str | None = None
     cluster = None
@@ -116,7 +119,7 @@ def _new_cluster() -> None:
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    for _ in range(4):
+    for _ in range(CLUSTER_NODES):
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
@@ -141,7 +144,7 @@ def _cluster_as_made(timeout_s: float = 15.0) -> bool:
             alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
             if alive != _RayState.cluster_nodes or gcs_state.get_draining_nodes():
                 return False
-            if ray.available_resources().get("CPU", 0) == 4 and ray.cluster_resources().get("CPU", 0) == 4:
+            if ray.available_resources().get("CPU", 0) == ray.cluster_resources().get("CPU", 0) == CLUSTER_NODES:
                 return True
             time.sleep(0.25)
     except Exception:  # a cluster that cannot answer is not handed on

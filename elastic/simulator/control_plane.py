@@ -5,8 +5,8 @@ measures, per rank count, the driver's decision time after a node loss (failure 
 every configure request sent) and how long the loss took to be seen. The simulator adds
 the decision time to every re-formation and takes the larger of the two detection times,
 at the job's size: a power law through the two largest measured sizes (one size: that
-value), evaluated at ``gpus``, and named in ``--json``'s sources with the file's date.
-Beyond the largest run the decision grows at least linearly (its work is O(N) in the
+value up to it), evaluated at ``gpus``, and named in ``--json``'s sources with the file's
+date. Beyond the largest run the decision grows at least linearly (its work is O(N) in the
 ranks: a smaller run measured on a busier machine must not make it shrink with the job),
 and the detection does not shrink.
 """

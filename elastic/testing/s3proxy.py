@@ -105,6 +105,13 @@ class CountingProxy:
             level = n
         return best
 
+    def idle_s(self) -> float:
+        """Seconds since the last counted GET ended with none left in flight (0 while any is)."""
+        with self._lock:
+            if self.inflight:
+                return 0.0
+            return time.time() - (self.events[-1][0] if self.events else 0.0)
+
     def counts(self) -> tuple[int, int]:
         with self._lock:
             return self.gets, self.bytes

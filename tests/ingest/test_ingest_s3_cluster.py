@@ -99,7 +99,7 @@ def test_s3_text_prepared_then_trained_with_a_node_loss(ray_cluster, moto_s3, s3
         # The second run's start-up is measured from when the first run's reads are over
         # (none in flight, none begun for a second): reads of a job that has ended must stop.
         wait_until(
-            lambda: proxy.inflight == 0 and time.time() - (proxy.events[-1][0] if proxy.events else 0.0) > 1.0,
+            lambda: proxy.idle_s() > 1.0,
             30,
             "the first run's reads to stop",
             0.1,
