@@ -31,7 +31,7 @@ from storage.errors import (
     StorageError,
     StorageUnavailable,
 )
-from storage.fs import FsspecStorage, Storage, open_storage, redact, redact_uri
+from storage.fs import FsspecStorage, Storage, open_storage, redact, redact_uri, url_to_fs
 from storage.manifest import Damage, FileRecord, Manifest
 from storage.retry import RetryPolicy, call_with_retry, is_transient
 from storage.store import CheckpointInfo, CheckpointStore, PruneReport
@@ -42,6 +42,7 @@ __all__ = [
     "open_storage",
     "redact",
     "redact_uri",
+    "url_to_fs",
     "RetryPolicy",
     "call_with_retry",
     "is_transient",

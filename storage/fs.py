@@ -148,6 +148,14 @@ def open_storage(uri: str, storage_options: dict[str, Any] | None = None) -> Fss
     return FsspecStorage(fsspec.filesystem(protocol, **options))
 
 
+def url_to_fs(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """``fsspec.core.url_to_fs`` with our option names translated as :func:`open_storage`
+    does (``region``, ``endpoint_url``, the AWS variables): the filesystem and ``uri``'s path
+    on it. Untranslated, s3fs rejects ``region`` with a TypeError."""
+    fs = open_storage(uri, storage_options).fs
+    return fs, fs._strip_protocol(uri)
+
+
 def s3_options(options: dict[str, Any]) -> dict[str, Any]:
     """Translate our option names and the AWS env vars into s3fs arguments."""
     opts = dict(options)

@@ -9,10 +9,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from storage import url_to_fs
 
 TOKENS = "tokens"
 
@@ -37,7 +38,7 @@ class ParquetCorpus:
 
     def __init__(self, uri: str, storage_options: dict[str, Any] | None = None, cache_row_groups: int = 8):
         self.uri = uri
-        self.fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+        self.fs, root = url_to_fs(uri, storage_options)
         if self.fs.isdir(root):
             files = sorted(p for p in self.fs.ls(root, detail=False) if p.endswith(".parquet"))
         else:

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from elastic.errors import CorpusError, SpecError
 from elastic.ingest.corpus import TOKENS
 from elastic.ingest.index import CorpusIndex, read_index
-from storage import redact_uri
+from storage import redact_uri, url_to_fs
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def check_rows(rows: Any, row_width: int, vocab_size: int, where: str) -> None:
 
 def _parquet_files(source: str, options: dict[str, Any]) -> tuple[Any, list[str], bool]:
     """The source's filesystem, its parquet files in order, and whether it is a directory."""
-    fs, root = fsspec.core.url_to_fs(source, **(options or {}))
+    fs, root = url_to_fs(source, options)
     if fs.isdir(root):
         files = sorted(p for p in fs.ls(root, detail=False) if p.endswith(".parquet"))
         if not files:

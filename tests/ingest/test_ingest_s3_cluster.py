@@ -4,7 +4,8 @@ training from ``s3://`` on a 4-node cluster, with a node lost mid-run.
 A counting proxy between the job and the server measures the GETs in flight at the
 server side: with ``data.waves: 4`` and ``data.max_reads_per_host: 1`` there is at most
 ``ceil(4 / 4) * 1 = 1`` while the hosts read their first windows, at start-up and during the
-recovery.
+recovery. The driver's own check of the corpus (its footers and index, before anything
+starts) comes before those windows and is counted apart.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import math
 import os
 import time
 
-import boto3
 import pytest
 from waiting import wait_until
 
+import elastic.api
 from elastic import ElasticTrainer
 from elastic.events import read_events
 from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault
@@ -46,13 +47,7 @@ def _spec(source: str, options: dict, waves: int) -> JobSpec:
 
 
 def _upload_text(moto_s3, bucket: str, local: str) -> None:
-    client = boto3.client(
-        "s3",
-        endpoint_url=moto_s3.endpoint,
-        aws_access_key_id=moto_s3.options()["key"],
-        aws_secret_access_key=moto_s3.options()["secret"],
-        region_name="us-east-1",
-    )
+    client = moto_s3.client()
     for name in sorted(os.listdir(local)):
         client.upload_file(os.path.join(local, name), bucket, f"text/{name}")
 
@@ -90,12 +85,21 @@ def test_s3_text_prepared_then_trained_with_a_node_loss(ray_cluster, moto_s3, s3
     rc = cli_main(["prepare", f"s3://{s3_bucket}/text", corpus, "--seq-len", "16", "--rows-per-shard", "200"])
     assert rc == 0
     proxy = CountingProxy(moto_s3.endpoint, prefix=f"/{s3_bucket}/corpus")
+    checked: list[tuple[float, float]] = []  # the driver's corpus checks: (start, end)
+
+    def timed_check(*args, **kwargs):
+        t = time.time()
+        check_corpus(*args, **kwargs)
+        checked.append((t, time.time()))
+
+    check_corpus = elastic.api.check_corpus
+    monkeypatch.setattr(elastic.api, "check_corpus", timed_check)
     try:
         spec = _spec(corpus, dict(opts, endpoint_url=proxy.endpoint), waves=4)
         ref_dir = str(tmp_path / "ref")
         ElasticTrainer(spec, run_dir=ref_dir).fit()
         ref = {e["step"]: (e["loss"], e["grad_norm"]) for e in read_events(ref_dir) if e["kind"] == "step"}
-        startup_peak = _startup_peak(proxy, read_events(ref_dir), 0.0)
+        startup_peak = _startup_peak(proxy, read_events(ref_dir), checked[0][1])
         # The second run's start-up is measured from when the first run's reads are over
         # (none in flight, none begun for a second): reads of a job that has ended must stop.
         wait_until(
@@ -104,7 +108,6 @@ def test_s3_text_prepared_then_trained_with_a_node_loss(ray_cluster, moto_s3, s3
             "the first run's reads to stop",
             0.1,
         )
-        t_second = time.time()
 
         injector = FaultInjector([Fault("kill_node", at_step=FAULT_STEP, node_index=2)], cluster=ray_cluster)
         slow = [worker_fault("slow", step=1, rank=r, seconds=0.1) for r in range(4)]
@@ -127,13 +130,18 @@ def test_s3_text_prepared_then_trained_with_a_node_loss(ray_cluster, moto_s3, s3
     bound = math.ceil(4 / 4) * 1
     restore_ts = next(e["ts"] for e in events if e["kind"] == "failure")
     recovery_peak = _recovery_peak(proxy, events, restore_ts)
-    startup_peak_2 = _startup_peak(proxy, events, t_second)
+    startup_peak_2 = _startup_peak(proxy, events, checked[1][1])
     print(
         f"GETs in flight: start-up {startup_peak}, {startup_peak_2}; after the node loss {recovery_peak}; bound {bound}"
     )
     assert startup_peak <= bound and startup_peak_2 <= bound and recovery_peak <= bound
     assert proxy.gets > 0
+    # The driver checked the corpus on S3 itself (its index and footers), not left it to the
+    # readers: our option names (region, endpoint_url) reach s3fs translated.
+    first_check = [p for t, p in proxy.paths if checked[0][0] <= t <= checked[0][1]]
+    assert [p for p in first_check if p.endswith("/index.json")] == [f"/{s3_bucket}/corpus/index.json"], first_check
+    assert any(p.endswith(".parquet") for p in first_check), first_check
     # The host readers outlive the recovery: the survivors' readers go on with the stream they
     # hold, so the run reads the index once per host (4), not again for the new layout.
-    index_reads = [p for t, p in proxy.paths if t >= t_second and p.endswith("/index.json")]
+    index_reads = [p for t, p in proxy.paths if t > checked[1][1] and p.endswith("/index.json")]
     assert len(index_reads) == 4, index_reads

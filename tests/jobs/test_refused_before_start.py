@@ -281,6 +281,26 @@ def test_a_corpus_that_cannot_train_is_refused_naming_the_file(capsys, tmp_path)
     assert not (tmp_path / "run").exists()
 
 
+def test_a_corpus_on_s3_is_checked_with_our_storage_options(capsys, tmp_path, moto_s3, s3_bucket):
+    """The options as users write them (``region``, ``endpoint_url``) reach s3fs translated: the
+    driver reads the corpus on S3 and refuses it, where s3fs once raised a TypeError on
+    ``region`` and the check was skipped with a warning."""
+    corpora = _corpora(str(tmp_path / "corpora"))
+    opts = json.dumps(moto_s3.options())
+    for name in ("wide", "indexed"):
+        local, says = corpora[name]
+        for f in os.listdir(local):
+            moto_s3.client().upload_file(os.path.join(local, f), s3_bucket, f"{name}/{f}")
+        source = f"s3://{s3_bucket}/{name}"
+        line = _refused(
+            capsys,
+            _run_args(tmp_path, *TINY_MODEL, f"data.source={source}", f"data.storage_options={opts}"),
+            "data.source",
+        )
+        assert says in line, (name, line)
+    assert not (tmp_path / "run").exists()
+
+
 # --------------------------------------------------------------------------- the cluster address
 
 

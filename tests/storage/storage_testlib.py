@@ -53,30 +53,26 @@ class MotoS3:
             "skip_instance_cache": True,
         }
 
-    def new_bucket(self) -> str:
+    def client(self):
+        """A boto3 S3 client of this server (for set-up and inspection, not the code under test)."""
         import boto3
 
-        name = f"ckpt-{uuid.uuid4().hex[:12]}"
-        client = boto3.client(
+        return boto3.client(
             "s3",
             endpoint_url=self.endpoint,
             aws_access_key_id=FAKE_KEY,
             aws_secret_access_key=FAKE_SECRET,
             region_name="us-east-1",
         )
+
+    def new_bucket(self) -> str:
+        name = f"ckpt-{uuid.uuid4().hex[:12]}"
+        client = self.client()
         client.create_bucket(Bucket=name)
         return name
 
     def all_objects(self, bucket: str) -> dict[str, bytes]:
-        import boto3
-
-        client = boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            aws_access_key_id=FAKE_KEY,
-            aws_secret_access_key=FAKE_SECRET,
-            region_name="us-east-1",
-        )
+        client = self.client()
         keys = [
             o["Key"]
             for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
