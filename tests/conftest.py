@@ -58,6 +58,13 @@ def pytest_runtest_makereport(item, call):
 CLUSTER_NODES = 4  # ray_cluster's one-CPU worker nodes
 
 
+def pytest_collection_modifyitems(config, items):
+    """The tests on the 4-node cluster run last, one after another, so that the cluster is made
+    once and repaired between them (``ray_cluster``), not made again each time a test on a
+    single-node Ray ran in between. Otherwise the files' order (the sort is stable)."""
+    items.sort(key=lambda item: "ray_cluster" in getattr(item, "fixturenames", ()))
+
+
 class _RayState:
     kind: str | None = None
     cluster = None
@@ -102,11 +109,12 @@ def ray_cluster():
 
     Tests remove, add and drain nodes, so a cluster is handed on only when the last test left
     it as it was made: the same five nodes alive, none draining, every CPU free once the last
-    driver's actors are gone (a new driver connection each test). Otherwise a fresh one.
+    driver's actors are gone (a new driver connection each test). Otherwise it is repaired
+    (the nodes a test lost, drained or added replaced by fresh ones) or, failing that, made anew.
     """
     import ray
 
-    if not _cluster_as_made():
+    if not _cluster_as_made() and not _repaired():
         _shutdown()
         _new_cluster()
     yield _RayState.cluster
@@ -125,6 +133,38 @@ def _new_cluster() -> None:
     ray.init(address=cluster.address, log_to_driver=False)
     _RayState.kind, _RayState.cluster = "cluster", cluster
     _RayState.cluster_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+
+
+def _repaired() -> bool:
+    """Bring back to how ``_new_cluster`` made it a cluster whose head still answers (a test
+    lost, drained or added nodes): the nodes that are not one of the made ones alive and
+    undrained go, fresh one-CPU nodes take the lost ones' places. Some seconds per node,
+    against a new head and four nodes; False (then a fresh cluster) when it cannot."""
+    import ray
+    from ray._private.state import state as gcs_state
+
+    cluster = _RayState.cluster
+    if _RayState.kind != "cluster" or cluster is None or cluster.head_node is None:
+        return False
+    try:
+        if not ray.is_initialized():
+            ray.init(address=cluster.address, log_to_driver=False)
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        draining = set(gcs_state.get_draining_nodes())
+        kept = {cluster.head_node.node_id}
+        for node in list(cluster.worker_nodes):
+            nid = node.node_id
+            if nid in _RayState.cluster_nodes and nid in alive and nid not in draining and len(kept) <= CLUSTER_NODES:
+                kept.add(nid)
+            else:
+                cluster.remove_node(node)
+        while len(kept) <= CLUSTER_NODES:
+            kept.add(cluster.add_node(num_cpus=1).node_id)
+        cluster.wait_for_nodes()
+    except Exception:  # anything amiss: a fresh cluster
+        return False
+    _RayState.cluster_nodes = kept
+    return _cluster_as_made()
 
 
 def _cluster_as_made(timeout_s: float = 15.0) -> bool:
