@@ -101,11 +101,21 @@ class FeederWindow:
             k += 1
 
     def _can_go_on(self, row: int) -> bool:
-        """Whether a stream from ``row`` continues what this window holds (lock held): nothing
-        it needs from there was dropped, and the reads have not been skipped past it."""
+        """Whether a stream from ``row`` continues what this window holds (lock held, the new
+        request set): nothing it needs from there was dropped, and ``row`` is within the
+        stream's reach (the scan, or the last unit held or being read: the scan itself moves
+        on only when the next read is planned, which with engine ``ray_data`` waits for the
+        executor's next task). What the new stream needs begins at its first needed unit,
+        which may lie past ``row``'s: a host that gets a slice back (a replica returns) needs
+        rows from inside the batch, and the units before them may be gone."""
         if self.table is None or self._scan is None:
             return False
-        return self._kept_from <= self.table.unit_of(row) <= self._scan
+        start = first = self.table.unit_of(row)
+        last = start if self.request is None else self.table.unit_of(row + self.request.global_batch)
+        while first < last and not self._needed(first):  # one batch holds a row of every slice
+            first += 1
+        reach = max([self._scan, *(k + 1 for k in self._units), *(k + 1 for k in self._inflight)])
+        return self._kept_from <= first and start <= reach
 
     def _evict(self) -> None:
         """Drop units wholly before ``rows_behind`` rows under the oldest row still wanted, and

@@ -330,3 +330,30 @@ def test_a_stream_its_ranks_left_reads_no_further(tmp_path):
         assert feeder.get_stats()["units_read"] == held < UnitTable(index).unit_of(12 * g)
     finally:
         feeder.close()
+
+
+def test_a_window_goes_on_within_its_reach_from_the_first_unit_it_needs(tmp_path):
+    """Whether a new layout's stream goes on: the stream's reach decides (the last unit held
+    or being read), not the scan, which moves only when the next read is planned (with
+    engine ray_data, when the executor asks); and a host that gets a slice back needs the
+    units from its first needed one, not from the batch's start."""
+    from elastic.ingest.feeder_window import FeederWindow
+
+    rows = np.random.default_rng(8).integers(0, 300, size=(480, 9), dtype=np.int32)
+    g, index = 24, _write(tmp_path, rows, 48, 3)
+    w = FeederWindow(2 * g, 3 * g)
+    w.request, w._low_default = StreamRequest("e1", 6 * g, g, 3, (2,)), 6 * g
+    w._set_index(index)
+    t = w.table
+    for b in range(6, 12):  # slice 2 of batches 6..11 read, the next read not planned yet
+        for k in range(t.unit_of(b * g + 16), t.unit_of(b * g + 23) + 1):
+            w._units[k] = rows[:3]
+    w._scan = t.unit_of(11 * g + 16)
+    w.request = StreamRequest("e2", 12 * g, g, 4, (2, 3))  # the host gets slice 3 back
+    assert w._can_go_on(12 * g)
+    w._kept_from = t.unit_of(12 * g + 12)  # dropped up to the first row slices 2 and 3 need
+    assert w._can_go_on(12 * g)
+    w._kept_from += 1
+    assert not w._can_go_on(12 * g)  # a needed unit is gone: a jump
+    w._kept_from = 0
+    assert not w._can_go_on(60 * g)  # far past the stream's reach: a jump
