@@ -38,9 +38,15 @@ class StragglerEpisode:
     slowdown: float  # the slowest rank's own compute over the median of its peers, last step
 
 
+MIN_EXCESS_S = 0.005  # a straggler is also this much over its peers' median (see StragglerDetector)
+
+
 class StragglerDetector:
     """A rank whose own compute exceeds ``factor`` x the median of its peers' for ``steps``
-    committed steps in a row is a straggler. One episode is reported once, when it starts;
+    committed steps in a row, and by at least ``MIN_EXCESS_S``, is a straggler. (The floor:
+    on a step of a few milliseconds, a tiny model's, the caches' and the scheduler's noise
+    alone passes 30% now and then; a rank that costs its peers 5 ms a step or more is what
+    is worth a report.) One episode is reported once, when it starts;
     a rank that falls back under the factor for a step ends its episode.
 
     The median of the *peers* (the rank itself left out) is robust: one slow rank cannot
@@ -75,7 +81,7 @@ class StragglerDetector:
         ref = peer_medians(own)
         safe = np.where(ref > 0, ref, 1.0)
         ratios = np.where(ref > 0, own / safe, 1.0)
-        slow = ratios > self.factor
+        slow = (ratios > self.factor) & (own - ref >= MIN_EXCESS_S)
         slow_ranks = set(ranks[slow].tolist())
         present = set(ranks.tolist()) if self._run else set()
         for rank in [r for r in self._run if r not in slow_ranks and r in present]:  # the episode ends

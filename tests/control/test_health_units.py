@@ -210,3 +210,11 @@ def test_lemon_tracker_spares_a_one_node_job_and_software_errors():
         assert soft.blame(["n1"], ["n0", "n1"], "worker_error") == []
     assert soft.blame(["n1"], ["n0", "n1"], "actor_died") == []
     assert soft.blame(["n1"], ["n0", "n1"], "node_lost") == ["n1"]
+
+
+def test_a_few_milliseconds_over_is_noise_not_a_straggler():
+    """On a 7 ms step 36% over is 2.5 ms: under the 5 ms floor, no report; 10 ms over is one."""
+    det = StragglerDetector(factor=1.3, steps=1)
+    assert det.feed({0: 0.007, 1: 0.007, 2: 0.0095, 3: 0.007}) is None
+    ep = det.feed({0: 0.007, 1: 0.007, 2: 0.017, 3: 0.007})
+    assert ep is not None and ep.ranks == [2]
