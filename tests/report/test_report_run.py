@@ -11,6 +11,7 @@ import statistics
 import sys
 import threading
 import time
+import uuid
 import urllib.request
 
 import pytest
@@ -93,7 +94,9 @@ def test_node_loss_live_metrics_and_report(fast_metrics, ray_cluster, tmp_path, 
 
     spec = elastic_spec(min_dp=1, max_dp=4)
     spec.train = spec.train.model_copy(update={"tensorboard": True})
-    run_dir = str(tmp_path / "run")
+    # A name of its own: the cluster (and its metrics, counters included) outlives the test,
+    # and other tests' runs are named "run" too.
+    run_dir = str(tmp_path / f"metrics-{uuid.uuid4().hex[:8]}")
     run = os.path.basename(run_dir)
     injector = FaultInjector([Fault("kill_node", at_step=FAULT_STEP, node_index=1)], cluster=ray_cluster)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
