@@ -11,8 +11,8 @@ import statistics
 import sys
 import threading
 import time
-import uuid
 import urllib.request
+import uuid
 
 import pytest
 from elastic_testlib import FAULT_STEP, STEPS, elastic_spec, events_of
