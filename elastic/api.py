@@ -19,6 +19,7 @@ from elastic.events import EventLog, RunResult, write_summary
 from elastic.ingest.corpus import synthetic_corpus
 from elastic.ingest.preflight import check_corpus
 from elastic.models.config import token_shape
+from elastic.priority import control_process
 from elastic.progress import ProgressDisplay, format_summary
 from elastic.report.metrics import start_metrics
 from elastic.report.print_report import print_report
@@ -68,6 +69,10 @@ class ElasticTrainer:
         return self.spec.checkpoint.uri or os.path.join(self.run_dir, "checkpoints")
 
     def fit(self) -> RunResult:
+        with control_process():  # the control loop above busy ranks on this host (elastic/priority.py)
+            return self._fit()
+
+    def _fit(self) -> RunResult:
         target = self._check_before_start()
         started_ray = ray_join.connect(target, _embedded(self.spec)) if target is not None else False
         events = EventLog(self.run_dir)

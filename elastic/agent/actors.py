@@ -27,7 +27,7 @@ from elastic.agent.node import POLL_WAIT_S, AgentGone, NodeCore
 from elastic.agent.ordered import InOrder
 from elastic.agent.ranks import ActorRanks
 from elastic.messages import Digest, NodeCommand
-from elastic.priority import normal_priority
+from elastic.priority import control_priority
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class NodeAgent:
     calls to real ones."""
 
     def __init__(self, node: str, poll_wait_s: float = POLL_WAIT_S, virtual: Any = None):
-        normal_priority()  # at Ray's worker niceness (15) busy ranks at nice 0 would starve it: news waits
+        control_priority()  # above busy ranks where allowed, else at 0: at Ray's niceness (15) news would wait
         self._doorbell = Doorbell(ray.get_runtime_context().current_actor)
         backend = ActorRanks(self._doorbell) if virtual is None else virtual.backend(node, self._doorbell)
         self.core = NodeCore(node, backend, poll_wait_s=poll_wait_s)
@@ -96,7 +96,7 @@ class Aggregator:
     """Merges the digests of a bounded number of children into one per answer."""
 
     def __init__(self, child_wait_s: float = CHILD_WAIT_S):
-        normal_priority()  # (as the node agent's)
+        control_priority()  # (as the node agent's)
         self._doorbell = Doorbell(ray.get_runtime_context().current_actor)
         self.core = AggregatorCore(self._doorbell, child_wait_s=child_wait_s)
         self._lifelines = LifelineServer(ray.util.get_node_ip_address(), on_close=self.core.child_gone)

@@ -3,12 +3,17 @@ saying whose failure ended a run (``classify``).
 
 Runs in the worker, on its training thread. Without it a survivor would compute its step
 to the end and learn of the loss only at its next collective, so the recovery would wait
-for the rest of a step that grows with the model. Every block of the model gets a forward
-pre-hook that raises ``StepAborted`` once the abort is set, and, in that hook, a hook on the
-gradient of the block's input, so the backward (most of a step) is left at the next block
-too. Raising in either is safe: the step's gradients are dropped by the next generation
-(``TrainEngine`` clears them when it adopts a kept state), no optimizer step has begun,
-and the DP wrapper that saw the partial backward is replaced.
+for the rest of a step that grows with the model. Every block of the model, and every
+module with parameters inside it (the linear layers: a block's matmuls are most of its
+time), gets a forward pre-hook that raises ``StepAborted`` once the abort is set, and, in
+that hook, a hook on the gradient of the module's input, so the backward (most of a step)
+is left at the next layer too: the wait is one layer's compute, not one block's, which
+grows with the model's width. A block's check runs before its parallel wrapper's own
+pre-hooks (FSDP's all-gather of the block). Raising in either is safe: the step's
+gradients are dropped by the next generation (``TrainEngine`` clears them when it adopts a
+kept state), no optimizer step has begun, FSDP's unsharded stand-ins of an interrupted
+block are not what is kept (``elastic/parallel/live.py``), and the DP wrapper that saw the
+partial backward is replaced.
 """
 
 from __future__ import annotations
@@ -31,11 +36,19 @@ class StepAborted(RuntimeError):
 class AbortHooks:
     def __init__(self, abort: threading.Event, blocks: Iterable[torch.nn.Module]):
         self.abort = abort
-        self._handles = [b.register_forward_pre_hook(self._forward) for b in blocks]
+        self._handles = []
+        for block in blocks:
+            self._handles.append(block.register_forward_pre_hook(self._check, prepend=True))
+            self._handles.append(block.register_forward_pre_hook(self._forward))
+            for layer in _layers(block):
+                self._handles.append(layer.register_forward_pre_hook(self._forward))
 
-    def _forward(self, module: Any, args: Any) -> None:
+    def _check(self, module: Any, args: Any) -> None:
         if self.abort.is_set():
             raise StepAborted("a peer was lost: the step is abandoned")
+
+    def _forward(self, module: Any, args: Any) -> None:
+        self._check(module, args)
         x = args[0] if args else None
         if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
             x.register_hook(self._backward)
@@ -48,6 +61,12 @@ class AbortHooks:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def _layers(block: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules inside ``block`` that hold parameters of their own (linear layers, norms,
+    embeddings), where a step can be left between two layers."""
+    return [m for m in block.modules() if m is not block and any(True for _ in m.parameters(recurse=False))]
 
 
 def classify(exc: Exception, step: int, blocked_s: float, collective_timeout_s: float) -> RunOutcome:

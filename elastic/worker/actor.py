@@ -46,7 +46,7 @@ from elastic.messages import (
 )
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.live import LiveState
-from elastic.priority import normal_priority
+from elastic.priority import control_priority, training_thread
 from elastic.worker.abort import classify
 from elastic.worker.device_peak import peak_flops
 from elastic.worker.hooks import StepHook
@@ -95,7 +95,9 @@ class TrainWorker:
         faulthandler.enable(all_threads=True)
         # Ray sizes the actor's CPU share; torch would otherwise use every core per worker.
         torch.set_num_threads(max(1, int(spec.resources.cpus_per_worker)))
-        normal_priority()  # a rank trains at nice 0, not at Ray's worker niceness (15)
+        # Ray's worker niceness is 15: the control threads at -5 where allowed, else 0; the
+        # training thread goes to 0 with its first call (elastic/priority.py).
+        control_priority()
         # Everything alive now (torch, Ray, imported modules: ~300k objects) lives as long as
         # the process. Freezing it keeps the full collections that leaving a process group
         # makes (to release the old group) from scanning it again: ~40 ms saved per
@@ -152,7 +154,7 @@ class TrainWorker:
 
     @ray.method(concurrency_group="control")
     def abort_step(self) -> None:
-        """A peer was lost: leave the step in flight at the next block (gloo: instead of at the
+        """A peer was lost: leave the step in flight at the next layer (instead of at the
         first collective, up to a step later)."""
         self._abort.set()
 
@@ -194,6 +196,7 @@ class TrainWorker:
         On any error it leaves the half-formed group before raising, so that peers blocked
         on this rank fail at once.
         """
+        training_thread()
         try:
             return self._configure(req)
         except BaseException:
@@ -329,6 +332,7 @@ class TrainWorker:
     @ray.method(concurrency_group="train")
     def run(self, last_step: int) -> RunOutcome:
         """Train until ``last_step`` or an agreed stop; errors are returned, not raised."""
+        training_thread()
         self._phase = "train"
         self._runs, self._outcome = self._runs + 1, None
         trainer = self.trainer

@@ -1,5 +1,6 @@
-"""Leaving an abandoned step (elastic/worker/abort.py): at the next block of the forward or
-of the backward, and without changing the step's math when nothing is abandoned."""
+"""Leaving an abandoned step (elastic/worker/abort.py): at the next block, or the next layer
+inside a block, of the forward or of the backward, and without changing the step's math
+when nothing is abandoned."""
 
 from __future__ import annotations
 
@@ -55,3 +56,29 @@ def test_an_abort_in_the_backward_leaves_at_the_next_block():
     hooks.remove()
     abort.clear()
     model(torch.randn(3, 8)).sum().backward()  # removed: nothing raises any more
+
+
+def _wide_blocks() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)) for _ in range(3)])
+
+
+def test_an_abort_inside_a_block_leaves_at_its_next_layer():
+    """A block's layers are checked too: the wait is one layer's compute, not one block's."""
+    model, abort = _wide_blocks(), threading.Event()
+    AbortHooks(abort, list(model))
+    ran: list[int] = []
+    model[1][0].register_forward_hook(lambda *_: abort.set())  # arrives during block 1's first layer
+    model[1][2].register_forward_hook(lambda *_: ran.append(1))
+    with pytest.raises(StepAborted):
+        model(torch.randn(3, 8))
+    assert ran == []  # block 1's second layer never ran
+
+    model, abort = _wide_blocks(), threading.Event()
+    AbortHooks(abort, list(model))
+    out = model(torch.randn(3, 8, requires_grad=True))
+    out.register_hook(lambda g: abort.set())  # the backward's first thing: the last layer's
+    with pytest.raises(StepAborted, match="backward"):
+        out.sum().backward()
+    assert model[2][2].weight.grad is not None  # the layer in flight finished
+    assert model[2][0].weight.grad is None  # the same block's first layer never got its gradient

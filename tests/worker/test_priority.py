@@ -46,3 +46,55 @@ def test_every_thread_back_to_niceness_zero():
     assert got["before"] == 7
     assert got["after"] == [0] and got["threads"] >= 2, got  # the idle thread too
     assert got["late"] == [0], got
+
+
+RANK = textwrap.dedent(
+    """
+    import json, os, threading
+    from elastic.priority import CONTROL_NICE, control_priority, control_process, training_thread
+    def nice(tid=0):
+        return os.getpriority(os.PRIO_PROCESS, tid)
+    os.setpriority(os.PRIO_PROCESS, 0, 15)  # Ray's worker_niceness
+    seen = {}
+    def train():  # a rank's training thread, started by Ray before the actor's __init__
+        go.wait()
+        seen["train_before"] = nice()
+        training_thread()
+        seen["train"] = nice()
+        child = threading.Thread(target=lambda: seen.__setitem__("started_by_train", nice()))
+        child.start()
+        child.join()
+    go = threading.Event()
+    t = threading.Thread(target=train)
+    t.start()
+    seen["process"] = control_priority()
+    go.set()
+    t.join()
+    seen["control"] = nice()
+    os.setpriority(os.PRIO_PROCESS, 0, 3)  # a driver's thread at 3: raised during fit(), back after
+    with control_process():
+        seen["in_fit"] = nice()
+        late = threading.Thread(target=lambda: seen.__setitem__("started_in_fit", nice()))
+        late.start()
+        late.join()
+    seen["after_fit"] = nice()
+    seen["CONTROL_NICE"] = CONTROL_NICE
+    print(json.dumps(seen))
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_control_threads_above_the_training_thread_and_fit_restores_the_driver():
+    if os.geteuid() != 0:
+        pytest.skip("lowering niceness needs CAP_SYS_NICE")
+    out = subprocess.run([sys.executable, "-c", RANK], capture_output=True, text=True, timeout=50, check=True)
+    got = json.loads(out.stdout)
+    c = got["CONTROL_NICE"]
+    assert c < 0
+    # Every thread of the rank at the control niceness, then the training thread (and what it
+    # starts) back at 0.
+    assert got["process"] == got["control"] == got["train_before"] == c, got
+    assert got["train"] == got["started_by_train"] == 0, got
+    # The driver's thread during fit(), the threads fit() started, and the thread afterwards.
+    assert got["in_fit"] == got["started_in_fit"] == c and got["after_fit"] == 3, got
