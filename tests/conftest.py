@@ -104,17 +104,20 @@ def ray_local():
 
 
 @pytest.fixture
-def ray_cluster():
+def ray_cluster(request):
     """A 4-node local cluster: a CPU-less head and 4 one-worker nodes, as a test found it.
 
     Tests remove, add and drain nodes, so a cluster is handed on only when the last test left
     it as it was made: the same five nodes alive, none draining, every CPU free once the last
     driver's actors are gone (a new driver connection each test). Otherwise it is repaired
     (the nodes a test lost, drained or added replaced by fresh ones) or, failing that, made anew.
+    A test marked ``fresh_cluster`` always gets a new one (Ray's metrics agent on the head keeps
+    counting across the runs a cluster has seen).
     """
     import ray
 
-    if not _cluster_as_made() and not _repaired():
+    fresh = request.node.get_closest_marker("fresh_cluster") is not None
+    if fresh or (not _cluster_as_made() and not _repaired()):
         _shutdown()
         _new_cluster()
     yield _RayState.cluster

@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 import urllib.request
-import uuid
 
 import pytest
 from elastic_testlib import FAULT_STEP, STEPS, elastic_spec, events_of
@@ -87,6 +86,7 @@ def wait_for(predicate, timeout_s: float, what: str):
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+@pytest.mark.fresh_cluster  # a handed-on head's metrics agent counted earlier runs' node losses (19, not 1)
 def test_node_loss_live_metrics_and_report(fast_metrics, ray_cluster, tmp_path, monkeypatch):
     from tracking_fakes import FakeWandb
 
@@ -94,9 +94,7 @@ def test_node_loss_live_metrics_and_report(fast_metrics, ray_cluster, tmp_path, 
 
     spec = elastic_spec(min_dp=1, max_dp=4)
     spec.train = spec.train.model_copy(update={"tensorboard": True})
-    # A name of its own: the cluster (and its metrics, counters included) outlives the test,
-    # and other tests' runs are named "run" too.
-    run_dir = str(tmp_path / f"metrics-{uuid.uuid4().hex[:8]}")
+    run_dir = str(tmp_path / "run")
     run = os.path.basename(run_dir)
     injector = FaultInjector([Fault("kill_node", at_step=FAULT_STEP, node_index=1)], cluster=ray_cluster)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
