@@ -37,12 +37,18 @@ CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
-def test_every_thread_back_to_niceness_zero():
+def _child(code: str) -> dict:
+    """What ``code``, run in a fresh interpreter, printed as JSON (lowering niceness needs
+    CAP_SYS_NICE: skipped without root)."""
     if os.geteuid() != 0:
         pytest.skip("lowering niceness needs CAP_SYS_NICE")
-    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=50, check=True)
-    got = json.loads(out.stdout)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, check=True)
+    return json.loads(out.stdout)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_every_thread_back_to_niceness_zero():
+    got = _child(CHILD)
     assert got["before"] == 7
     assert got["after"] == [0] and got["threads"] >= 2, got  # the idle thread too
     assert got["late"] == [0], got
@@ -86,10 +92,7 @@ RANK = textwrap.dedent(
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
 def test_control_threads_above_the_training_thread_and_fit_restores_the_driver():
-    if os.geteuid() != 0:
-        pytest.skip("lowering niceness needs CAP_SYS_NICE")
-    out = subprocess.run([sys.executable, "-c", RANK], capture_output=True, text=True, timeout=50, check=True)
-    got = json.loads(out.stdout)
+    got = _child(RANK)
     c = got["CONTROL_NICE"]
     assert c < 0
     # Every thread of the rank at the control niceness, then the training thread (and what it
