@@ -46,12 +46,8 @@ def normal_priority() -> int:
     """Set every thread of this process to niceness 0 where it is above; returns the
     niceness the process had (that of the calling thread)."""
     before = os.getpriority(os.PRIO_PROCESS, 0)
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:  # not Linux: the process's niceness is the only one
-        tids = [0]
     denied = 0
-    for tid in tids:
+    for tid in _threads():
         try:
             if os.getpriority(os.PRIO_PROCESS, tid) > 0:
                 os.setpriority(os.PRIO_PROCESS, tid, 0)
