@@ -216,7 +216,7 @@ def cluster_costs(
     if curve is not None:
         init = curve.comm_s(gpus)  # both strategies: the same communicator library
         # the driver's decision is added once below, from the control-plane benchmark
-        # (load_control_plane), so not with the curve's own copy of it (curve.control_s)
+        # (load_control_plane), so not through curve.control_s (the same figure) as well
         reconfigure = curve.fixed_s + curve.comm_s(gpus)
         if curve.kept_state:
             restore_memory = curve.survivor_restore_s(shard)

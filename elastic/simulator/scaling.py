@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic.simulator.control_plane import ControlPlane, load_control_plane
+
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 RECOVERY_SCALING = "recovery_scaling.json"
 CONTROL_PLANE = "control_plane.json"
@@ -43,7 +45,7 @@ class ReformCurve:
     rendezvous_per_rank_s: float  # measured gloo rendezvous growth per rank (reported, not used at GPU scale)
     ratios: dict[str, float | None]  # measured cost ratios by world and state size
     kept_state: bool  # the measured survivors restored nothing
-    control: list[tuple[int, float]] = field(default_factory=list)  # (ranks, decision s) from control_plane.json
+    control: ControlPlane | None = None  # the driver's decision, from control_plane.json
     sources: dict[str, str] = field(default_factory=dict)
 
     def comm_s(self, gpus: int) -> float:
@@ -54,20 +56,10 @@ class ReformCurve:
         return t1 * (max(gpus, 1) / n1) ** k
 
     def control_s(self, gpus: int) -> float:
-        """The driver's decision at ``gpus`` ranks: linear between the measured rank counts,
-        beyond the largest in proportion to the ranks (the decision's work is O(N); a last
-        segment that falls, from a smaller run on a busier machine, is not followed); 0
+        """The driver's decision at ``gpus`` ranks, as the cost model charges it
+        (``ControlPlane.decision_s``: one extrapolation of control_plane.json for both); 0
         without control_plane.json (the decision measured at 16 ranks is in ``fixed_s``)."""
-        pts = sorted(self.control)
-        if not pts:
-            return 0.0
-        if len(pts) == 1 or gpus <= pts[0][0]:
-            return pts[0][1] * (gpus / pts[0][0] if gpus > pts[0][0] else 1.0)
-        for (a, ta), (b, tb) in zip(pts, pts[1:]):
-            if gpus <= b:
-                return ta + (tb - ta) * (gpus - a) / (b - a)
-        (a, ta), (b, tb) = pts[-2], pts[-1]
-        return tb + max(tb - ta, tb * (b - a) / b) * (gpus - b) / (b - a)
+        return self.control.decision_s(gpus) if self.control is not None else 0.0
 
     def reconfigure_s(self, gpus: int) -> float:
         return self.fixed_s + self.comm_s(gpus) + self.control_s(gpus)
@@ -105,20 +97,15 @@ def load_curve() -> ReformCurve | None:
         (w0, r0), (w1, r1) = dp
         slope = (r1 - r0) / (w1 - w0) if r0 is not None and r1 is not None else 0.0
     kept = [k for n in big for k in sc[n].get("ranks_kept_state", []) if k]
-    control: list[tuple[int, float]] = []
-    cp = _read(CONTROL_PLANE)
-    if cp:
-        for ranks, run in cp.get("runs", {}).items():
-            if run.get("recovery_decision_s") is not None:
-                control.append((int(ranks), float(run["recovery_decision_s"])))
+    control = load_control_plane(RESULTS_DIR / CONTROL_PLANE)
     sources = {
         "fixed_s": f"{fixed:.2f} s: decide + free + rebuild + restore + RPCs, the largest median of {big} ({where})",
         "comm_s": f"bounded by a cold NCCL init: power law through MegaScale {MEGASCALE[1]:g} s at {MEGASCALE[0]} GPUs "
         f"(NSDI 2024) and NCCLX {NCCLX[1]:.1f} s at {NCCLX[0]} GPUs (arXiv 2510.20171: stock 265 s, 11x faster); "
         "a shrink in place needs no bootstrap",
         "control_s": (
-            f"driver decision from benchmarks/results/{CONTROL_PLANE} at {sorted(r for r, _ in control)} ranks"
-            if control
+            f"driver decision from benchmarks/results/{CONTROL_PLANE} at {[r for r, _, _ in control.points]} ranks"
+            if control is not None
             else f"{CONTROL_PLANE} absent: the driver's decision measured at 16 ranks (in fixed_s), not scaled"
         ),
         "survivor_restore_s": f"survivors kept their state in the measured runs ({kept}): parameter shards copied "

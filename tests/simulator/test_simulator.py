@@ -11,6 +11,7 @@ import pytest
 
 from elastic.control import policies
 from elastic.simulator import cli, model, scaling
+from elastic.simulator.control_plane import ControlPlane
 from elastic.simulator.costs import (
     CAUSES,
     LLAMA3_DAYS,
@@ -250,26 +251,23 @@ def test_elastic_cli_has_simulate(capsys):
     assert set(json.loads(capsys.readouterr().out)) == {"inplace"}
 
 
-def _curve(fixed_s: float = 1.0, control=()) -> scaling.ReformCurve:
+def _curve(fixed_s: float = 1.0, control=None) -> scaling.ReformCurve:
     return scaling.ReformCurve(
-        fixed_s=fixed_s, rendezvous_per_rank_s=0.0, ratios={}, kept_state=True, control=list(control),
+        fixed_s=fixed_s, rendezvous_per_rank_s=0.0, ratios={}, kept_state=True, control=control,
         sources={k: "test" for k in ("fixed_s", "comm_s", "control_s", "survivor_restore_s", "rendezvous_per_rank_s")},
     )  # fmt: skip
 
 
-def test_reform_curve_goes_through_the_cited_points_and_interpolates_the_control_plane():
-    c = _curve(control=[(1024, 0.2), (16384, 1.0)])
+def test_reform_curve_goes_through_the_cited_points_and_charges_the_control_plane_as_the_costs_do():
+    cp = ControlPlane(((1024, 0.2, 0.1), (16384, 1.0, 0.2)), "test")
+    c = _curve(control=cp)
     assert c.comm_s(scaling.MEGASCALE[0]) == pytest.approx(scaling.MEGASCALE[1])
     assert c.comm_s(scaling.NCCLX[0]) == pytest.approx(scaling.NCCLX[1])
     assert c.comm_s(16384) < c.comm_s(100_000) < 2 * scaling.NCCLX[1]
-    assert c.control_s(1024) == pytest.approx(0.2) and c.control_s(16384) == pytest.approx(1.0)
-    assert c.control_s(8704) == pytest.approx(0.6)
-    # Beyond the last point: the steeper of its segment and proportion to the ranks.
-    assert c.control_s(31744) == pytest.approx(1.0 * 31744 / 16384)
-    steep = _curve(control=[(1024, 0.01), (16384, 1.0)])  # a segment steeper than proportion
-    assert steep.control_s(31744) == pytest.approx(1.0 + 0.99 * (31744 - 16384) / (16384 - 1024))
-    falling = _curve(control=[(4096, 0.76), (16384, 0.65)])  # never falls with the job
-    assert falling.control_s(100_000) == pytest.approx(0.65 * 100_000 / 16384)
+    # one extrapolation of control_plane.json: what --json's reform_curve shows is what the costs charge
+    for gpus in (1024, 8704, 16384, 31744, 100_000):
+        assert c.control_s(gpus) == cp.decision_s(gpus)
+    assert c.control_s(16384) == pytest.approx(1.0) and c.control_s(32768) == pytest.approx(2.0)
     assert _curve().control_s(100_000) == 0.0
     assert c.reconfigure_s(16384) == pytest.approx(1.0 + c.comm_s(16384) + 1.0)
 
