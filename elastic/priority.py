@@ -19,7 +19,9 @@ The control plane goes a step further where the host allows it (``CAP_SYS_NICE``
 node agents, the aggregators, a rank's threads other than its training thread (Ray's RPC
 threads, the control calls ``abort_step`` and ``snapshot_holdings``) and the driver's thread
 during ``fit()`` run at ``CONTROL_NICE`` (-5), the training thread and what it starts
-(gloo's threads, the snapshot copies, torch's intra-op pool) at 0. On a host whose cores
+(gloo's threads, the snapshot copies, torch's intra-op pool) at 0, and a snapshot copy
+still running when a peer is lost at ``BACKGROUND_NICE`` (10; ``MemoryTier.yield_copy``).
+Raising niceness needs no capability. On a host whose cores
 the training keeps busy (CPU training, or data work beside the GPUs), a lost peer's news,
 the abort and the survivors' answers then do not queue behind the compute: on this 2-core
 machine the news of a node loss under a 0.5 GB model took twice as long from the kill as
@@ -40,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 CONTROL_NICE = -5  # the control plane's threads, where the host allows it (module docstring)
 TRAIN_NICE = 0
+BACKGROUND_NICE = 10  # work that must not delay a recovery: a snapshot copy after a peer was lost
 
 
 def normal_priority() -> int:
@@ -101,6 +104,14 @@ def training_thread() -> None:
             os.setpriority(os.PRIO_PROCESS, tid, TRAIN_NICE)
     except OSError:
         pass
+
+
+def background_thread(tid: int) -> None:
+    """Thread ``tid`` of this process at ``BACKGROUND_NICE`` (raising niceness is always
+    allowed; a thread that ended is left alone)."""
+    with contextlib.suppress(OSError):
+        if os.getpriority(os.PRIO_PROCESS, tid) < BACKGROUND_NICE:
+            os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_NICE)
 
 
 @contextlib.contextmanager

@@ -14,6 +14,17 @@ The copy runs on a background thread (on CUDA: non-blocking device-to-host copie
 side stream). The training loop only has to call :meth:`wait` before it next mutates the
 state (the optimizer step), so the copy overlaps the next forward/backward.
 
+A copy in flight already counts as held (:meth:`holdings`): the state it copies does not
+change before it is done (the next optimizer step waits for it, in this generation or the
+next), and :meth:`get` waits for it. So a recovery does not wait for the copy of the step it
+resumes from: a survivor keeping its live state needs only the step's data position and RNG
+(:meth:`progress`, copied before the copy starts), and a peer fetching the snapshot waits
+for the copy at that moment. When a peer is lost, the copy also gives way to the recovery
+(:meth:`yield_copy`: its thread drops to ``BACKGROUND_NICE``); on a host whose cores the
+ranks keep busy it otherwise takes the CPU the survivors need to leave their step and
+re-form (a 0.5 GB state's copy on this 2-core machine: about 0.1 s per rank, right when a
+peer lost after a step is noticed).
+
 Peer replicas: a rank can hold copies of other ranks' snapshots (``store_replica``), so a
 lost rank's shard can be served by a survivor on another node. With a ``replicate_to``
 sender set, every completed own snapshot is also sent to the rank's peer by a background
@@ -35,6 +46,7 @@ from typing import Any
 import torch
 
 from elastic.checkpoint.snapshot import Snapshot, alloc_like, copy_plain, flatten_state, same_structure, unflatten_state
+from elastic.priority import background_thread
 from storage.records import ShardRecord
 
 # Snapshot and unflatten_state are imported from here by the worker and the restore path.
@@ -60,6 +72,8 @@ class MemoryTier:
         self.replicated: list[tuple[int, float, int]] = []  # (step, seconds, bytes) delivered, newest last
         self.replication_errors = 0
         self._protected: int | None = None  # an own snapshot kept until another is protected (docs/health.md)
+        self._copy_tid: int | None = None  # the copy thread's native id while it runs
+        self._yielding = False  # a peer was lost: the copy in flight runs in the background (yield_copy)
 
     # ------------------------------------------------------------------ own snapshots
     def snapshot_async(self, step: int, rank: int, state: dict[str, Any], layout: dict[str, int]) -> float:
@@ -70,6 +84,7 @@ class MemoryTier:
         t0 = time.perf_counter()
         self.wait()
         self.wait_replication()
+        self._yielding = False  # a new copy runs at the training thread's priority
         tensors, objects = flatten_state(state)
         buf = self._buffer_for(tensors)
         buf.step, buf.rank, buf.layout, buf.complete = step, rank, dict(layout), False
@@ -88,6 +103,9 @@ class MemoryTier:
 
     def _copy(self, buf: Snapshot, tensors: dict[str, Any], ready: Any = None) -> None:
         t0 = time.perf_counter()
+        self._copy_tid = threading.get_native_id()
+        if self._yielding:  # asked before this thread had its id
+            background_thread(self._copy_tid)
         try:
             dsts, srcs = [], []
             for key, src in tensors.items():
@@ -118,6 +136,16 @@ class MemoryTier:
             with self._lock:
                 self._own.remove(buf)
             self._error = exc
+        finally:
+            self._copy_tid = None
+
+    def yield_copy(self) -> None:
+        """A peer was lost: the copy in flight (if any) gives way to the recovery's work
+        (its thread at ``BACKGROUND_NICE``); the next snapshot's copy runs as before."""
+        self._yielding = True
+        tid = self._copy_tid
+        if tid is not None:
+            background_thread(tid)
 
     def wait(self) -> float:
         """Block until the copy in flight is done; returns the seconds waited."""
@@ -226,18 +254,22 @@ class MemoryTier:
             return max(done, key=lambda s: s.step) if done else None
 
     def holdings(self) -> dict[int, list[int]]:
-        """Owner rank -> steps this process can serve (own snapshots and peer replicas)."""
+        """Owner rank -> steps this process can serve (own snapshots, the one in flight
+        included, and peer replicas)."""
         with self._lock:
             out: dict[int, set[int]] = {}
-            for s in self._own:
-                if s.complete:
-                    out.setdefault(s.rank, set()).add(s.step)
+            for s in self._own:  # complete, or in flight (module docstring)
+                out.setdefault(s.rank, set()).add(s.step)
             for owner, held in self._replicas.items():
                 out.setdefault(owner, set()).update(held)
             return {owner: sorted(steps) for owner, steps in out.items()}
 
     def get(self, owner: int, step: int, lease: bool = False) -> Snapshot:
-        """``owner``'s snapshot of ``step``: an own one taken as that rank, or a peer replica."""
+        """``owner``'s snapshot of ``step``: an own one taken as that rank (once its copy is
+        done), or a peer replica."""
+        thread = self._thread
+        if thread is not None and self._in_flight(owner, step) is not None:
+            thread.join()  # its failure leaves it out of ``_own``: the lookup below then fails
         with self._lock:
             for s in self._own:
                 if s.step == step and s.rank == owner and s.complete:
@@ -246,6 +278,20 @@ class MemoryTier:
             if step in self._replicas.get(owner, {}):
                 return self._replicas[owner][step]
         raise KeyError(f"no complete snapshot of rank {owner} at step {step} here")
+
+    def progress(self, owner: int, step: int) -> dict[str, Any]:
+        """The plain values (step, data position, RNG) of the own snapshot of ``step`` taken
+        as ``owner``, its copy done or not: a survivor resuming from its live state needs
+        only these."""
+        with self._lock:
+            for s in self._own:
+                if s.step == step and s.rank == owner:
+                    return s.objects
+        raise KeyError(f"no own snapshot of step {step} as rank {owner}")
+
+    def _in_flight(self, owner: int, step: int) -> Snapshot | None:
+        with self._lock:
+            return next((s for s in self._own if s.step == step and s.rank == owner and not s.complete), None)
 
     def keep_layout(self, layout: dict[str, int]) -> None:
         """Forget snapshots and replicas taken under another layout (after a resize has settled).

@@ -155,13 +155,16 @@ class TrainWorker:
     @ray.method(concurrency_group="control")
     def abort_step(self) -> None:
         """A peer was lost: leave the step in flight at the next layer (instead of at the
-        first collective, up to a step later)."""
+        first collective, up to a step later). A snapshot copy in flight gives way."""
         self._abort.set()
+        self.tier.yield_copy()
 
     @ray.method(concurrency_group="control")
     def shrink_group(self, excluded: tuple[int, ...]) -> bool:
         """A replica was lost (NCCL): shrink the group without ``excluded`` now, which aborts
-        the collective the train thread may be blocked in (``ReconfigurableProcessGroup.shrink``)."""
+        the collective the train thread may be blocked in (``ReconfigurableProcessGroup.shrink``).
+        A snapshot copy in flight gives way."""
+        self.tier.yield_copy()
         return self.group.shrink(excluded)
 
     @ray.method(concurrency_group="control")
@@ -256,7 +259,7 @@ class TrainWorker:
         t1 = time.perf_counter()
         self._peer_bytes = 0
         if kept is not None:  # a survivor holding the resumed step: restores nothing
-            trainer.load_live(kept, self.tier.get(kept.rank, req.step))
+            trainer.load_live(kept, self.tier.progress(kept.rank, req.step))  # its copy may still run
             bytes_read = 0
         else:
             bytes_read = self._restore(trainer, req.restore)

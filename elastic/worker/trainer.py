@@ -115,14 +115,14 @@ class Trainer:
         """This rank's tensors by snapshot path (what a restore fills; DTensors kept)."""
         return flat_target(self.engine)[0]
 
-    def load_live(self, live: LiveState, own: Snapshot) -> None:
+    def load_live(self, live: LiveState, objects: dict[str, Any]) -> None:
         """Resume a survivor from its own live state (the module kept whole, or its local
-        shards copied in); only the step, data position and RNG come from ``own``, its own
-        snapshot of the same step."""
+        shards copied in); only the step, data position and RNG come from ``objects``, the
+        plain values of its own snapshot of the same step (``MemoryTier.progress``)."""
         if live.params is not None:
-            load_live_into(self.engine, live, own.objects)
-        self._load_progress(own.objects)
-        restore_rng(_rng_of(own.objects))
+            load_live_into(self.engine, live, objects)
+        self._load_progress(objects)
+        restore_rng(_rng_of(objects))
 
     def release_live(self) -> LiveState | None:
         """Let go of the engine (its process groups and wrappers) and keep its state."""

@@ -151,3 +151,46 @@ def test_a_leased_buffer_is_never_overwritten():
     assert torch.equal(leased.tensors["app/w"], torch.full((64, 64), 1.0))
     tier.release(leased)
     assert tier.steps() == [4, 5]
+
+
+def test_a_copy_in_flight_counts_as_held_and_gives_way_to_a_recovery(monkeypatch):
+    """A recovery does not wait for the copy of the step it resumes from: the copy in flight
+    is in the holdings, its plain values are there at once, ``get`` waits for its tensors,
+    and after a peer's loss its thread runs at the background niceness."""
+    import os
+
+    from elastic.priority import BACKGROUND_NICE
+
+    entered, gate = threading.Event(), threading.Event()
+    real_copy = torch._foreach_copy_
+    seen: dict = {}
+
+    def held_copy(dsts, srcs, **kw):  # the real copy, once the test lets it go
+        seen["tid"] = threading.get_native_id()
+        entered.set()
+        assert gate.wait(30), "the test never opened the gate"
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, seen["tid"])
+        return real_copy(dsts, srcs, **kw)
+
+    own = MemoryTier()
+    own.snapshot_async(3, 0, _state(3.0, 3), LAYOUT)
+    own.wait()
+    monkeypatch.setattr(torch, "_foreach_copy_", held_copy)
+    own.snapshot_async(4, 0, _state(4.0, 4), LAYOUT)
+    assert entered.wait(30), "the copy of step 4 never started"
+    assert own.steps() == [3]  # complete ones only
+    assert own.holdings() == {0: [3, 4]}  # the one in flight counts
+    assert own.progress(0, 4)["train/step"] == 4  # without waiting for the copy
+    before = os.getpriority(os.PRIO_PROCESS, seen["tid"])
+    own.yield_copy()
+    got: dict = {}
+    reader = threading.Thread(target=lambda: got.update(snap=own.get(0, 4)), daemon=True)
+    reader.start()
+    reader.join(0.2)  # one-sided: a get that did not wait would have returned by now
+    assert reader.is_alive() and not got, "get returned a snapshot whose copy was not done"
+    gate.set()
+    reader.join(30)
+    assert torch.equal(got["snap"].tensors["app/w"], torch.full((64, 64), 4.0))
+    assert seen["nice"] == max(before, BACKGROUND_NICE)
+    own.wait()
+    assert own.steps() == [3, 4]
