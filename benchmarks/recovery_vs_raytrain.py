@@ -77,6 +77,7 @@ from benchmarks.recovery.scenario import (
     MODEL_ENV,
     MODELS,
     NODES,
+    NODES_ENV,
     SIDES,
     TORCHFT_SIDES,
     param_count,
@@ -125,6 +126,7 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--keep", action="store_true", help="keep the working directory (logs, events, progress)")
     ap.add_argument("--model", choices=sorted(MODELS), default=None, help="model size (default small)")
+    ap.add_argument("--nodes", type=int, choices=(2, 3, 4), default=None, help="nodes, one worker each (default 4)")
     ap.add_argument("--_child", help=argparse.SUPPRESS)
     return ap
 
@@ -144,13 +146,33 @@ def check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     return sides
 
 
+def _without(argv: list[str], flags: dict[str, Any]) -> list[str]:
+    """``argv`` less the given flags and their values (both ``--flag value`` and ``--flag=value``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in flags:
+            skip = True
+            continue
+        if any(a.startswith(f + "=") for f in flags):
+            continue
+        out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
-    if args.model is not None and MODELS[args.model] is not MODEL:  # re-run with the size fixed for the children
-        env = dict(os.environ, **{MODEL_ENV: args.model})
-        rest = [a for a in (argv if argv is not None else sys.argv[1:]) if a != args.model and a != "--model"]
-        rest = [a for a in rest if not a.startswith("--model=")]
+    model_set = args.model is not None and MODELS[args.model] is not MODEL
+    if model_set or (args.nodes is not None and args.nodes != NODES):  # re-run with the scenario fixed for the children
+        env = dict(os.environ)
+        if args.model is not None:
+            env[MODEL_ENV] = args.model
+        if args.nodes is not None:
+            env[NODES_ENV] = str(args.nodes)
+        rest = _without(argv if argv is not None else sys.argv[1:], {"--model": args.model, "--nodes": args.nodes})
         return subprocess.call(module_command(ENTRY, *rest), env=env)
     if args._child:
         run_child(args._child)
