@@ -6,6 +6,11 @@ server side: with ``data.waves: 4`` and ``data.max_reads_per_host: 1`` there is 
 ``ceil(4 / 4) * 1 = 1`` while the hosts read their first windows, at start-up and during the
 recovery. The driver's own check of the corpus (its footers and index, before anything
 starts) comes before those windows and is counted apart.
+
+The fault-free reference is the same spec trained by one rank in the test's process, without
+Ray (``single_rank_metrics``), reading the same ``s3://`` corpus with the native reader
+straight from the server (not through the proxy): the same samples per step by another reader,
+at dp 1 instead of the cluster's 4 and 3.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 import time
 
 import pytest
+from elastic_testlib import REL_SAME_ORDER, single_rank_metrics
 from waiting import wait_until
 
 import elastic.api
@@ -94,25 +100,15 @@ def test_s3_text_prepared_then_trained_with_a_node_loss(ray_cluster, moto_s3, s3
 
     check_corpus = elastic.api.check_corpus
     monkeypatch.setattr(elastic.api, "check_corpus", timed_check)
+    spec = _spec(corpus, dict(opts, endpoint_url=proxy.endpoint), waves=4)
     try:
-        spec = _spec(corpus, dict(opts, endpoint_url=proxy.endpoint), waves=4)
-        ref_dir = str(tmp_path / "ref")
-        ElasticTrainer(spec, run_dir=ref_dir).fit()
-        ref = {e["step"]: (e["loss"], e["grad_norm"]) for e in read_events(ref_dir) if e["kind"] == "step"}
-        startup_peak = _startup_peak(proxy, read_events(ref_dir), checked[0][1])
-        # The second run's start-up is measured from when the first run's reads are over
-        # (none in flight, none begun for a second): reads of a job that has ended must stop.
-        wait_until(
-            lambda: proxy.idle_s() > 1.0,
-            30,
-            "the first run's reads to stop",
-            0.1,
-        )
-
+        ref = single_rank_metrics(_spec(corpus, opts, waves=4), str(tmp_path / "ref-data"))
         injector = FaultInjector([Fault("kill_node", at_step=FAULT_STEP, node_index=2)], cluster=ray_cluster)
         slow = [worker_fault("slow", step=1, rank=r, seconds=0.1) for r in range(4)]
         run_dir = str(tmp_path / "run")
         result = ElasticTrainer(spec, run_dir=run_dir, callbacks=[injector], step_hook=WorkerFaults(slow)).fit()
+        # Reads of a job that has ended must stop (none in flight, none begun for a second).
+        wait_until(lambda: proxy.idle_s() > 1.0, 30, "the run's reads to stop", 0.1)
     finally:
         proxy.close()
     events = read_events(run_dir)
@@ -122,19 +118,21 @@ def test_s3_text_prepared_then_trained_with_a_node_loss(ray_cluster, moto_s3, s3
     assert all("data_wait_s" in e and e["data_wait_s"] >= 0 for e in steps)
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.3  # it learns
     # Exactly the next samples after the node loss: every step matches the fault-free run
-    # (other DP degrees sum the same micro-batch gradients in another order: 1e-5).
+    # (dp 4 and 3 sum the same micro-batch gradients as dp 1 in another order: 1e-5).
+    assert sorted(ref) == list(range(1, STEPS + 1))
+    worst = max(abs(g - w) / abs(w) for e in steps for g, w in zip((e["loss"], e["grad_norm"]), ref[e["step"]]))
+    print(f"max relative difference to the single-rank reference: {worst:.2e}")
     for e in steps:
         want_loss, want_norm = ref[e["step"]]
-        assert e["loss"] == pytest.approx(want_loss, rel=1e-5), e["step"]
-        assert e["grad_norm"] == pytest.approx(want_norm, rel=1e-5), e["step"]
+        assert e["loss"] == pytest.approx(want_loss, rel=REL_SAME_ORDER), e["step"]
+        assert e["grad_norm"] == pytest.approx(want_norm, rel=REL_SAME_ORDER), e["step"]
     bound = math.ceil(4 / 4) * 1
+    assert len(checked) == 1  # the driver checked the corpus once, before the run
+    startup_peak = _startup_peak(proxy, events, checked[0][1])
     restore_ts = next(e["ts"] for e in events if e["kind"] == "failure")
     recovery_peak = _recovery_peak(proxy, events, restore_ts)
-    startup_peak_2 = _startup_peak(proxy, events, checked[1][1])
-    print(
-        f"GETs in flight: start-up {startup_peak}, {startup_peak_2}; after the node loss {recovery_peak}; bound {bound}"
-    )
-    assert startup_peak <= bound and startup_peak_2 <= bound and recovery_peak <= bound
+    print(f"GETs in flight: start-up {startup_peak}; after the node loss {recovery_peak}; bound {bound}")
+    assert startup_peak <= bound and recovery_peak <= bound
     assert proxy.gets > 0
     # The driver checked the corpus on S3 itself (its index and footers), not left it to the
     # readers: our option names (region, endpoint_url) reach s3fs translated.
@@ -142,6 +140,8 @@ def test_s3_text_prepared_then_trained_with_a_node_loss(ray_cluster, moto_s3, s3
     assert [p for p in first_check if p.endswith("/index.json")] == [f"/{s3_bucket}/corpus/index.json"], first_check
     assert any(p.endswith(".parquet") for p in first_check), first_check
     # The host readers outlive the recovery: the survivors' readers go on with the stream they
-    # hold, so the run reads the index once per host (4), not again for the new layout.
-    index_reads = [p for t, p in proxy.paths if t > checked[1][1] and p.endswith("/index.json")]
-    assert len(index_reads) == 4, index_reads
+    # hold, so the run reads the index once per host (4), not again for the new layout. The
+    # driver looks it up once more, to pick the loader (once per driver process and corpus:
+    # ``elastic.ingest.host_readers.resolve_loader``; the bucket is new to this test).
+    index_reads = [p for t, p in proxy.paths if t > checked[0][1] and p.endswith("/index.json")]
+    assert len(index_reads) == 1 + 4, index_reads
