@@ -32,7 +32,8 @@ from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(400)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SLOW_S = 0.25  # rank 0 sleeps this long before every step: a signal lands mid-run
+SLOW_S = 0.25  # rank 0 works this much longer before every step (a busy loop): a signal lands mid-run
+PACE_S = 0.05  # the drain tests: every rank works this much more per step (steps in flight, not a race to the end)
 
 
 def _spec_file(tmp_path, ckpt_uri: str) -> str:
@@ -85,7 +86,7 @@ def test_sigterm_stops_checkpoints_and_resumes(ray_cluster, reference_losses_clu
     spec_file = _spec_file(tmp_path, ckpt)
     first, second = str(tmp_path / "first"), str(tmp_path / "second")
     proc = _start(spec_file, first, ray_cluster.address, "--fault", f"slow@1:rank=0:seconds={SLOW_S}")
-    t_signal = _signal_at(proc, first, 10, signal.SIGTERM)
+    t_signal = _signal_at(proc, first, 4, signal.SIGTERM)
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 143, err[-3000:]
     summary = json.load(open(os.path.join(first, "summary.json")))
@@ -180,13 +181,16 @@ def test_drain_shrinks_at_a_boundary_then_grows_back(ray_cluster, reference_loss
     # No failure is expected at all: a long heartbeat keeps a loaded machine's slow poll
     # answer (the paced ranks burn CPU) from being taken for a hung rank.
     spec = elastic_spec(min_dp=1, max_dp=4, grow_check_s=0.5, heartbeat_timeout_s=30)
+    # The node comes back 1 s after the notice: while the paced steps at dp 3 still run (the
+    # 24 steps after the drain take some seconds), then the holds keep the run from ending
+    # before it grows back.
     injector = FaultInjector(
-        [Fault("drain", at_step=8, node_index=3, deadline_s=30.0, return_after_s=3.0)],
+        [Fault("drain", at_step=8, node_index=3, deadline_s=30.0, return_after_s=1.0)],
         cluster=ray_cluster,
         node_args={"num_cpus": 1},
     )
     marker = str(tmp_path / "node-returned")
-    faults = [worker_fault("slow", step=1, rank=r, seconds=0.15) for r in range(4)]
+    faults = [worker_fault("slow", step=1, rank=r, seconds=PACE_S) for r in range(4)]
     faults += [worker_fault("hold", step=1, rank=r, seconds=120, marker=marker, below_dp=4) for r in range(4)]
     run_dir = str(tmp_path / "run")
     result = ElasticTrainer(
@@ -223,7 +227,7 @@ def test_drain_with_a_near_deadline_drops_the_replica_at_once(ray_cluster, refer
     injector = FaultInjector(
         [Fault("drain", at_step=8, node_index=3, deadline_s=1.0)], cluster=ray_cluster, node_args={"num_cpus": 1}
     )
-    faults = [worker_fault("slow", step=1, rank=r, seconds=0.15) for r in range(4)]
+    faults = [worker_fault("slow", step=1, rank=r, seconds=PACE_S) for r in range(4)]
     run_dir = str(tmp_path / "run")
     result = ElasticTrainer(spec, run_dir=run_dir, callbacks=[injector], step_hook=WorkerFaults(faults)).fit()
     assert result.status == "succeeded"

@@ -3,6 +3,8 @@
 The head is started with the project's own environment (``ray[default]``: the Jobs server
 lives in the dashboard), on a private temp dir and free ports, and stopped in teardown. The
 head's address file goes to that private temp dir, so no other process joins it by accident.
+One head, with Ray's token authentication as every shipped cluster config has it, serves
+both tests of this file (a module fixture): a head costs some tens of seconds on 2 cores.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -45,13 +48,6 @@ TINY = [
 
 def _wait(condition, timeout: float, what: str, every: float = 0.5):
     return wait_until(condition, timeout, what, every)
-
-
-@pytest.fixture
-def ray_head(tmp_path_factory):
-    """A real head serving the Jobs API; yields (env, gcs address, dashboard URL)."""
-    with _head(tmp_path_factory, RAY_AUTH_MODE="disabled") as head:
-        yield head
 
 
 @contextlib.contextmanager
@@ -167,61 +163,32 @@ def _committed(env, uri) -> list[int]:
     )
 
 
-def test_ray_job_submit_runs_jobs_train_and_ray_job_stop_leaves_a_resumable_checkpoint(ray_head, tmp_path):
-    env, gcs, url = ray_head
-    config = "examples/quickstart.yaml"  # inside the uploaded working dir
-    # 1. A job that runs to the end, and the same spec run directly: same losses.
-    job_dir, ref_dir = str(tmp_path / "job"), str(tmp_path / "ref")
-    proc = _ray(
-        env,
-        "job",
-        "submit",
-        "--address",
-        url,
-        "--working-dir",
-        ".",
-        "--submission-id",
-        "elastic-ok",
-        "--",
-        "python",
-        "-m",
-        "jobs.train",
-        config,
-        "--run-dir",
-        job_dir,
-        *_sets(["train.steps=6", "checkpoint.every_steps=3"]),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert _job_status(env, url, "elastic-ok") == "SUCCEEDED" and "succeeded" in proc.stdout + proc.stderr
-    summary = json.load(open(f"{job_dir}/summary.json"))
-    assert summary["status"] == "succeeded" and summary["steps"] == 6 and summary["failures"] == 0
-    steps = [e for e in read_events(job_dir) if e["kind"] == "step"]
-    assert [e["step"] for e in steps] == list(range(1, 7)) and summary["final_loss"] == pytest.approx(steps[-1]["loss"])
-    ref = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jobs.cli",
-            "run",
-            config,
-            "--run-dir",
-            ref_dir,
-            "--address",
-            gcs,
-            *_sets(["train.steps=6", "checkpoint.every_steps=0"]),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=ROOT,
-    )
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    ref_losses = {e["step"]: e["loss"] for e in read_events(ref_dir) if e["kind"] == "step"}
-    for e in steps:  # same spec, same DP (2): the same losses
-        assert e["loss"] == pytest.approx(ref_losses[e["step"]], rel=1e-5), e["step"]
+def _committed_in_events(run_dir: str) -> list[int]:
+    """The steps of the storage checkpoints a run's events report committed (none yet: [])."""
+    try:
+        events = read_events(run_dir)
+        return [e["step"] for e in events if e["kind"] == "checkpoint" and e["tier"] == "storage" and e["committed"]]
+    except (OSError, ValueError):  # not written yet, or a line being written
+        return []
 
-    # 2. `ray job stop` mid-run: the workers end and a committed checkpoint remains.
+
+# A learning-rate schedule that does not depend on ``train.steps`` (a 5-step warmup, then
+# constant): the stopped job (100000 steps), its resume and a reference run of fewer steps
+# follow one trajectory, so they can be compared step by step. The warmup still makes the
+# rate depend on the step, so a resume that restarted the schedule would show in the losses.
+STEP_FREE_SCHEDULE = ["train.warmup_steps=5", "train.min_lr_ratio=1.0"]
+SLOW_S = 0.2
+
+
+def test_ray_job_submit_runs_jobs_train_and_ray_job_stop_leaves_a_resumable_checkpoint(token_head, tmp_path):
+    """A job submitted with `ray job submit` runs `jobs.train`; `ray job stop` ends it at a step
+    boundary with a committed checkpoint of that step and no worker left; `--resume` goes on
+    from there, and the job's steps, then the resumed ones, have the losses of a direct
+    `elastic run` never stopped (rel 1e-5). (A submitted job that runs to SUCCEEDED: the
+    README recipe's test, on the same head.)"""
+    env, gcs, url = token_head
+    env = {**env, "RAY_AUTH_MODE": "token"}  # the head requires Ray's token
+    config = "examples/quickstart.yaml"  # inside the uploaded working dir
     stop_dir = str(tmp_path / "stopped")
     uri = f"{stop_dir}/checkpoints"
     proc = _ray(
@@ -242,15 +209,29 @@ def test_ray_job_submit_runs_jobs_train_and_ray_job_stop_leaves_a_resumable_chec
         config,
         "--run-dir",
         stop_dir,
-        *_sets(["train.steps=100000", "checkpoint.every_steps=2"]),  # more than it reaches: `ray job stop` ends it
+        # More steps than it reaches: `ray job stop` ends it. Rank 0 paced (SLOW_S of work
+        # before each step, the losses unchanged) so that it stops after tens of steps, not
+        # hundreds: the reference run below replays every step the job made.
+        "--fault",
+        f"slow@1:rank=0:seconds={SLOW_S}",
+        *_sets(["train.steps=100000", "checkpoint.every_steps=2", *STEP_FREE_SCHEDULE]),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _wait(
-        lambda: _committed(env, uri) or _job_status(env, url, "elastic-stop") in ("FAILED", "SUCCEEDED"),
-        240,
-        "a committed checkpoint",
-    )
+    # The job's own events say when a checkpoint was committed (read here: the run dir is
+    # local); Ray's status, a CLI call of some seconds, only every 10 s, for a job that ended.
+    asked = [time.monotonic()]
+
+    def committed_or_ended() -> bool:
+        if _committed_in_events(stop_dir) or os.path.exists(f"{stop_dir}/summary.json"):
+            return True
+        if time.monotonic() - asked[0] < 10:
+            return False
+        asked[0] = time.monotonic()
+        return _job_status(env, url, "elastic-stop") in ("FAILED", "SUCCEEDED", "STOPPED")
+
+    _wait(committed_or_ended, 240, "a committed checkpoint", every=0.2)
     assert _job_status(env, url, "elastic-stop") == "RUNNING"
+    # `ray job stop` waits for the job to end (without --no-wait).
     assert _ray(env, "job", "stop", "--address", url, "elastic-stop", timeout=120).returncode == 0
     _wait(lambda: _job_status(env, url, "elastic-stop") == "STOPPED", 120, "the job to be STOPPED")
 
@@ -275,8 +256,12 @@ def test_ray_job_submit_runs_jobs_train_and_ray_job_stop_leaves_a_resumable_chec
     # SIGTERM stopped it at a step boundary with a checkpoint of that step (docs/stopping.md).
     summary = json.load(open(f"{stop_dir}/summary.json"))
     assert summary["status"] == "stopped" and summary["stop"]["signal"] == "SIGTERM", summary
+    assert summary["failures"] == 0, summary
     stop_step = summary["stop"]["checkpoint_step"]
     assert stop_step == summary["steps"], summary
+    steps = [e for e in read_events(stop_dir) if e["kind"] == "step"]
+    assert [e["step"] for e in steps] == list(range(1, stop_step + 1))
+    assert summary["final_loss"] == pytest.approx(steps[-1]["loss"])
     committed = _committed(env, uri)
     assert committed and max(committed) == stop_step and all(s % 2 == 0 or s == stop_step for s in committed)
     newest = max(committed)
@@ -289,42 +274,56 @@ def test_ray_job_submit_runs_jobs_train_and_ray_job_stop_leaves_a_resumable_chec
     )
     # Uncommitted attempts may remain; every committed one verifies.
     assert verify.returncode == 0, verify.stdout + verify.stderr
-    resumed = str(tmp_path / "resumed")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jobs.cli",
-            "run",
-            config,
-            "--run-dir",
-            resumed,
-            "--address",
-            gcs,
-            "--resume",
-            *_sets([f"train.steps={newest + 2}", "checkpoint.every_steps=2", f"checkpoint.uri={uri}"]),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=ROOT,
+
+    def direct_run(run_dir, *extra, sets):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "jobs.cli",
+                "run",
+                config,
+                "--run-dir",
+                run_dir,
+                "--address",
+                gcs,
+                *extra,
+                *_sets([f"train.steps={newest + 2}", *STEP_FREE_SCHEDULE, *sets]),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+            cwd=ROOT,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return read_events(run_dir)
+
+    resumed = direct_run(
+        str(tmp_path / "resumed"), "--resume", sets=["checkpoint.every_steps=2", f"checkpoint.uri={uri}"]
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    events = read_events(resumed)
-    assert [(e["source"], e["step"]) for e in events if e["kind"] == "restore"] == [("storage", newest)]
-    assert [e["step"] for e in events if e["kind"] == "step"] == [newest + 1, newest + 2]
+    assert [(e["source"], e["step"]) for e in resumed if e["kind"] == "restore"] == [("storage", newest)]
+    resumed_steps = [e for e in resumed if e["kind"] == "step"]
+    assert [e["step"] for e in resumed_steps] == [newest + 1, newest + 2]
+    # The same spec at the same DP (2), never stopped, run directly: the same losses.
+    ref = direct_run(str(tmp_path / "ref"), sets=["checkpoint.every_steps=0"])
+    ref_losses = {e["step"]: e["loss"] for e in ref if e["kind"] == "step"}
+    assert sorted(ref_losses) == list(range(1, newest + 3))
+    for e in steps + resumed_steps:
+        assert e["loss"] == pytest.approx(ref_losses[e["step"]], rel=1e-5), e["step"]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def token_head(tmp_path_factory):
-    """A head with Ray token authentication, on a machine (HOME) where ~/.ray/auth_token exists,
-    as after any ``ray.init`` of Ray 2.60; yields (env without RAY_AUTH_MODE, dashboard URL)."""
+    """One head for this file's tests, with Ray token authentication, on a machine (HOME)
+    where ~/.ray/auth_token exists, as after any ``ray.init`` of Ray 2.60; yields (env without
+    RAY_AUTH_MODE, gcs address, dashboard URL): a client sends the token only once it sets
+    ``RAY_AUTH_MODE=token``."""
     home = tmp_path_factory.mktemp("home")
     (home / ".ray").mkdir()
     (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
-    with _head(tmp_path_factory, HOME=str(home), RAY_AUTH_MODE="token") as (env, _, url):
-        yield {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}, url
+    with _head(tmp_path_factory, HOME=str(home), RAY_AUTH_MODE="token") as (env, gcs, url):
+        yield {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}, gcs, url
 
 
 def _readme_recipe() -> tuple[str, str]:
@@ -339,8 +338,9 @@ def _readme_recipe() -> tuple[str, str]:
 
 def test_readme_ray_jobs_recipe_works_as_written_with_token_auth(token_head, tmp_path):
     """The README's lines run through bash as written (the address pointed at this head, a
-    tiny model and a run directory appended); without its export the head refuses them."""
-    env, url = token_head
+    tiny model and a run directory appended); without its export the head refuses them. With
+    it, the job runs `jobs.train` to the end and Ray reports it SUCCEEDED."""
+    env, _, url = token_head
     export, submit = _readme_recipe()
     assert "http://127.0.0.1:8265" in submit
     job_dir = str(tmp_path / "job")
@@ -352,6 +352,12 @@ def test_readme_ray_jobs_recipe_works_as_written_with_token_auth(token_head, tmp
     proc = subprocess.run(
         ["bash", "-c", f"{export}\n{line}"], capture_output=True, text=True, timeout=400, env=env, cwd=ROOT
     )
+    out = proc.stdout + proc.stderr
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    job_id = re.search(r"Job '([^']+)' succeeded", out)
+    assert job_id, out[-3000:]
+    assert _job_status({**env, "RAY_AUTH_MODE": "token"}, url, job_id.group(1)) == "SUCCEEDED"
     summary = json.load(open(f"{job_dir}/summary.json"))
-    assert summary["status"] == "succeeded" and summary["steps"] == 3
+    assert summary["status"] == "succeeded" and summary["steps"] == 3 and summary["failures"] == 0, summary
+    steps = [e for e in read_events(job_dir) if e["kind"] == "step"]
+    assert [e["step"] for e in steps] == [1, 2, 3] and summary["final_loss"] == pytest.approx(steps[-1]["loss"])
