@@ -19,6 +19,7 @@ from benchmarks.harness.cluster import start_cluster
 from benchmarks.harness.kill import add_node_now, kill_node_now, rejoin_figures
 from benchmarks.harness.proc import arm_deadline
 from benchmarks.harness.results import write_json
+from benchmarks.recovery.scenario import NODES
 from elastic.control.callbacks import Callback
 
 
@@ -79,7 +80,7 @@ def ours_child(cfg: dict[str, Any]) -> None:
     ctl_log.addHandler(records)
     ctl_log.setLevel(logging.INFO)
     t0 = time.time()
-    started = start_cluster()
+    started = start_cluster(NODES)
     out["cluster_start_s"] = time.time() - t0
     cb = KillAndReturn(started.cluster, out, cfg["kill_step"], cfg["kill_rank"], cfg["return_delay_s"])
     try:

@@ -114,7 +114,7 @@ def raytrain_child(cfg: dict[str, Any]) -> None:
     arm_deadline(cfg["side_timeout"], cfg["out"], out)
     spec, progress = side_inputs(cfg)
     t0 = time.time()
-    started = start_cluster(system_config=cfg.get("system_config"))
+    started = start_cluster(NODES, system_config=cfg.get("system_config"))
     out["cluster_start_s"] = time.time() - t0
     stop = threading.Event()
 

@@ -140,7 +140,7 @@ def raytrain_torchft_child(cfg: dict[str, Any]) -> None:
     # infeasible: fit() fails at start with ControllerError "The actor is not schedulable"
     # (measured here). So this side's head has 1 CPU, and the workers ask for a resource only
     # the 4 worker nodes carry, so that none is placed on the head.
-    started = start_cluster(head_cpus=1, node_resources={RTFT_NODE_RESOURCE: 1})
+    started = start_cluster(NODES, head_cpus=1, node_resources={RTFT_NODE_RESOURCE: 1})
     out["cluster_start_s"] = time.time() - t0
     stop = threading.Event()
     return_due: list[float] = []

@@ -86,7 +86,7 @@ def torchft_child(cfg: dict[str, Any]) -> None:
     out["torchft_version"] = torchft_version()
     spec, progress = side_inputs(cfg)
     t0 = time.time()
-    started = start_cluster()
+    started = start_cluster(NODES)
     cluster = started.cluster
     out["cluster_start_s"] = time.time() - t0
     # min_replicas=1: the survivors may go on alone. join_timeout 10 s: a healthy replica
