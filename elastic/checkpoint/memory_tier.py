@@ -22,8 +22,8 @@ resumes from: a survivor keeping its live state needs only the step's data posit
 for the copy at that moment. When a peer is lost, the copy also gives way to the recovery
 (:meth:`yield_copy`: its thread drops to ``BACKGROUND_NICE``); on a host whose cores the
 ranks keep busy it otherwise takes the CPU the survivors need to leave their step and
-re-form (a 0.5 GB state's copy on this 2-core machine: about 0.1 s per rank, right when a
-peer lost after a step is noticed).
+re-form (a 0.5 GB state's copy on this 2-core machine: about 0.1 s per rank, still running
+in 1 of 3 survivors when a loss right after a step was noticed, in one instrumented run).
 
 Peer replicas: a rank can hold copies of other ranks' snapshots (``store_replica``), so a
 lost rank's shard can be served by a survivor on another node. With a ``replicate_to``
