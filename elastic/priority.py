@@ -111,7 +111,7 @@ def background_thread(tid: int) -> None:
     allowed; a thread that ended is left alone)."""
     with contextlib.suppress(OSError):
         if os.getpriority(os.PRIO_PROCESS, tid) < BACKGROUND_NICE:
-            os.setpriority(os.PRIO_PROCESS, tid, BACKGROUND_NICE)
+            _set(tid, BACKGROUND_NICE)
 
 
 @contextlib.contextmanager
