@@ -62,3 +62,11 @@ def theil_sen_slope(points: list[tuple[int, float]]) -> float:
     """Median of the pairwise slopes: robust to a burst of load from another tenant."""
     slopes = [(t2 - t1) / (s2 - s1) for i, (s1, t1) in enumerate(points) for s2, t2 in points[i + 1 :] if s2 != s1]
     return statistics.median(slopes)
+
+
+def median_interval(done_ts: Iterable[float]) -> float | None:
+    """The median time between consecutive completions (``done_ts``: one per step, any
+    order): a steady step's length. None with fewer than two."""
+    ts = sorted(done_ts)
+    gaps = [b - a for a, b in zip(ts, ts[1:])]
+    return statistics.median(gaps) if gaps else None

@@ -17,6 +17,7 @@ from benchmarks.harness.results import package_version, utc_stamp, write_json
 from benchmarks.harness.stats import fmt, fmt_summary, summary
 from benchmarks.recovery.scenario import (
     GLOBAL_BATCH,
+    MICRO_BATCH,
     MODEL,
     NODES,
     RAY_TUNED_ENV,
@@ -32,7 +33,12 @@ DEFINITIONS = {
     "completed "
     "by every rank at the smaller size, from the workers' own per-step timestamps",
     "lost_steps": "the last step any worker completed before the recovery minus the step training resumed from",
+    "steady_step_at_new_size_s": "median interval between the completions of the steps at the smaller size",
+    "recovery_less_step_s": "recovery_s less steady_step_at_new_size_s: the recovery without the first step's "
+    "own work, which differs between sides (rows_per_worker_at_new_size: ours and Ray Train keep the global "
+    "batch, so each survivor trains more rows; a TorchFT replica keeps its rows and the global batch shrinks)",
 }
+FIRST_STEP_KEYS = ("steady_step_at_new_size_s", "recovery_less_step_s", "rows_per_worker_at_new_size")
 
 
 def _fmt_bd(bd: dict[str, float] | None) -> str:
@@ -85,6 +91,9 @@ def summarise(res: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "lost_steps": summary([r.get("lost_steps") for r in runs]),
             "statuses": [r.get("status") for r in runs],
         }
+        for k in FIRST_STEP_KEYS:
+            if any(k in r for r in runs):
+                s[k] = summary([r.get(k) for r in runs])
         keys = sorted({k for r in runs for k in (r.get("breakdown") or {})})
         s["breakdown"] = {k: summary([(r.get("breakdown") or {}).get(k) for r in runs]) for k in keys}
         if any("rejoin_s" in r for r in runs):
@@ -112,6 +121,10 @@ def ratios(summ: dict[str, Any]) -> dict[str, float]:
         b = summ.get(base, {}).get("recovery_s")
         if o and b:
             out[f"ours/{base}"] = o["median"] / b["median"]
+        o_less = summ.get("ours", {}).get("recovery_less_step_s")
+        b_less = summ.get(base, {}).get("recovery_less_step_s")
+        if o_less and b_less and b_less["median"] > 0:
+            out[f"ours/{base}_less_step"] = o_less["median"] / b_less["median"]
     return out
 
 
@@ -124,6 +137,12 @@ def print_side(side: str, s: dict[str, Any]) -> None:
         f"{fmt_summary(s['lost_steps'], 'step(s)', '.0f')}"
         + (f"; node added back -> first step at full size {fmt_summary(s['rejoin_s'])}" if s.get("rejoin_s") else "")
     )
+    if s.get("recovery_less_step_s"):
+        print(
+            f"{'':19s}less a steady step at the smaller size ({fmt_summary(s['steady_step_at_new_size_s'])}, "
+            f"{fmt_summary(s['rows_per_worker_at_new_size'], 'rows per worker', '.0f')}): "
+            f"{fmt_summary(s['recovery_less_step_s'])}"
+        )
     if "completed" in s:
         done = sum(1 for c in s["completed"] if c)
         print(f"{'':19s}job completed in {done} of {len(s['completed'])} run(s)")
@@ -184,6 +203,7 @@ def scenario(args: argparse.Namespace, state_mb: float) -> dict[str, Any]:
         "model": MODEL,
         "state_mb": round(state_mb, 1),
         "global_batch": GLOBAL_BATCH,
+        "micro_batch": MICRO_BATCH,
         "steps": args.steps,
         "steps_ours_torchft": args.rejoin_steps if args.return_delay >= 0 else args.steps,
         "kill_step": args.kill_step,

@@ -5,17 +5,22 @@ job, and each baseline's settings. Imported by the driver and by every side's ch
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
 from benchmarks.harness.results import results_path
+from benchmarks.harness.stats import median_interval
 
 # ``--nodes 3`` (one worker each) fits the 100m size's state and snapshots in a 24 GB host;
 # the choice reaches every side's child process through BENCH_RECOVERY_NODES.
 NODES_ENV = "BENCH_RECOVERY_NODES"
 NODES = int(os.environ.get(NODES_ENV, "4"))
-GLOBAL_BATCH = 12  # divisible by every DP degree from 1 to 4 with micro-batch 1
-MICRO_BATCH = 1
+GLOBAL_BATCH = 12  # divisible by every DP degree from 1 to 4
+# The largest micro-batch that divides every rank's share at every DP degree the job can take
+# (1 to NODES), as a user would pick it: 1 at 4 nodes (shares 12, 6, 4, 3), 2 at 3 nodes. The
+# TorchFT sides run their replica's rows in one forward.
+MICRO_BATCH = math.gcd(*(GLOBAL_BATCH // d for d in range(1, NODES + 1)))
 # ``--model small`` (the default): 4,207,104 parameters, 16.8 MB of fp32 weights + 33.7 MB of
 # AdamW moments = 50.5 MB of state. ``--model 10m``: 11,162,240 parameters (134 MB of state).
 # ``--model 100m``: 102,305,280 parameters (1.23 GB of state).
@@ -57,3 +62,17 @@ def spec_dict(steps: int, corpus_uri: str) -> dict[str, Any]:
         "train": {"steps": steps, "global_batch": GLOBAL_BATCH, "lr": 3.0e-3},
         "checkpoint": {"every_steps": 5, "memory_every_steps": 1},
     }
+
+
+def first_step_work(recovery_s: float, done_ts: list[float], rows_per_worker: int) -> dict[str, Any]:
+    """What the first step at the smaller size weighs in a side's ``recovery_s``: the rows
+    each worker trains in a step there (ours and Ray Train keep the global batch, so a
+    survivor trains more; TorchFT's replicas keep their share, so the global batch shrinks),
+    the steady step there (median interval between the completions ``done_ts`` of that
+    size's steps, the first included), and the recovery less that step."""
+    out: dict[str, Any] = {"rows_per_worker_at_new_size": rows_per_worker}
+    step_s = median_interval(done_ts)
+    if step_s is not None:
+        out["steady_step_at_new_size_s"] = step_s
+        out["recovery_less_step_s"] = recovery_s - step_s
+    return out

@@ -19,7 +19,7 @@ from benchmarks.harness.cluster import start_cluster
 from benchmarks.harness.kill import add_node_now, kill_node_now, rejoin_figures
 from benchmarks.harness.proc import arm_deadline
 from benchmarks.harness.results import write_json
-from benchmarks.recovery.scenario import NODES
+from benchmarks.recovery.scenario import GLOBAL_BATCH, NODES, first_step_work
 from elastic.control.callbacks import Callback
 
 
@@ -127,6 +127,7 @@ def analyse_ours(events: list[dict[str, Any]], out: dict[str, Any]) -> dict[str,
     first = after[0]
     res["first_step_at_new_size"] = first["step"]
     res["recovery_s"] = first["ts"] - kill_ts
+    res.update(first_step_work(res["recovery_s"], [e["ts"] for e in after], GLOBAL_BATCH // new_dp))
     r = restores[0] if restores else None
     if r is not None:
         res["resume_step"] = r["step"]

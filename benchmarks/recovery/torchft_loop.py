@@ -16,7 +16,7 @@ from typing import Any
 
 from benchmarks.harness.kill import rejoin_figures
 from benchmarks.recovery.progress import kill_rank_node, read_progress
-from benchmarks.recovery.scenario import NODES
+from benchmarks.recovery.scenario import GLOBAL_BATCH, NODES, first_step_work
 
 
 @dataclass
@@ -232,6 +232,11 @@ def analyse_torchft(recs: list[dict[str, Any]], out: dict[str, Any]) -> dict[str
     res["new_size"] = size
     res["first_step_at_new_size"] = first_step
     res["recovery_s"] = max(done) - kill_ts
+    at_size: dict[int, float] = {}  # step -> its last survivor's completion, while the quorum is this size
+    for r in smaller:
+        if r["participants"] == size and r["step"] >= first_step:
+            at_size[r["step"]] = max(at_size.get(r["step"], 0.0), r["ts"])
+    res.update(first_step_work(res["recovery_s"], list(at_size.values()), GLOBAL_BATCH // NODES))
     # Lost: steps completed (committed) by any worker before the recovery that the new group
     # did not keep. Survivors keep their state in place: resume = last committed step before
     # the first step at the new size.
