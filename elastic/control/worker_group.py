@@ -73,7 +73,6 @@ class Member:
 
 
 class WorkerGroup(GroupQueries):
-    planned_placement = True  # docs/placement.md; False: the old one PACK group per replica, in Ray's order
     agent_fan_in = FAN_IN  # children per aggregator of the agent tree (agent_link.py)
 
     def __init__(self, spec: JobSpec, corpus_uri: str, step_hook: StepHook | None = None, storage_uri: str = ""):
@@ -108,10 +107,7 @@ class WorkerGroup(GroupQueries):
 
     # ------------------------------------------------------------------ seams (the control-plane benchmark's)
     def _make_slots(self) -> ReplicaSlots:
-        if self.planned_placement:
-            return PlannedSlots(self.spec, self.raylets)
-        p = self.spec.parallel
-        return ReplicaSlots(self.spec.resources, self.replica_size, p.tp, p.pp)
+        return PlannedSlots(self.spec, self.raylets)  # docs/placement.md
 
     def _make_agent(self, node: str) -> Any:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
