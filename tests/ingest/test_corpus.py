@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -57,3 +59,19 @@ def test_rank_stream_prefetches_in_order_and_surfaces_errors(tmp_path):
     with pytest.raises(RuntimeError, match="expected 0"):
         broken.next(timeout=10)
     broken.close()
+
+
+def test_closing_a_stream_does_not_wait_for_its_reader_to_poll(tmp_path, monkeypatch):
+    """A re-formation closes every rank's stream: a reader blocked on the full queue must
+    stop at once, not at its put's next timeout (made 60 s here, beyond close's 5 s join)."""
+    import elastic.ingest.corpus as corpus_mod
+
+    monkeypatch.setattr(corpus_mod, "PUT_POLL_S", 60.0)
+    corpus = ParquetCorpus(synthetic_corpus(str(tmp_path), 64, 8, 50, seed=0))
+    stream = RankStream(corpus, BatchLayout(8, 2, 2), dp_rank=0, start_batch=0, prefetch=1)
+    stream.next()  # the reader has put batch 0 and is now blocked on batch 2's put (queue of 1)
+    deadline = time.monotonic() + 10
+    while stream._queue.qsize() < 1 and time.monotonic() < deadline:  # batch 1 is in, the next put blocks
+        time.sleep(0.01)
+    stream.close()
+    assert not stream._thread.is_alive()
