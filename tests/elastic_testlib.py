@@ -88,7 +88,7 @@ def assert_matches_reference(
 
 def single_rank_metrics(spec: JobSpec, cache_dir: str) -> dict[int, tuple[float, float]]:
     """The fault-free trajectory of ``spec`` trained by one rank in this process, without Ray:
-    the worker's own ``Trainer`` at dp 1 (tp 1, pp 1) on a world-size-1 gloo group
+    the worker's own ``Trainer`` at dp 1 (tp, pp, ep, cp 1) on a world-size-1 gloo group
     (``elastic/testing/single_rank.py``), reading the spec's corpus with the native reader
     (``ParquetCorpus``: the synthetic corpus written under ``cache_dir``, or the spec's
     ``data.source`` with its ``storage_options``). The same samples per step as any DP degree
@@ -104,7 +104,7 @@ def single_rank_metrics(spec: JobSpec, cache_dir: str) -> dict[int, tuple[float,
     from elastic.worker.trainer import Trainer
 
     spec = spec.model_copy(deep=True)
-    spec.parallel.tp = spec.parallel.pp = 1
+    spec.parallel.tp = spec.parallel.pp = spec.parallel.ep = spec.parallel.cp = 1
     d, m = spec.data, spec.model
     if d.source == "synthetic":
         corpus = ParquetCorpus(synthetic_corpus(cache_dir, d.num_samples, m.seq_len, m.vocab_size, spec.seed))

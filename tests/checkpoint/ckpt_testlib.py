@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any
 
 import pytest
@@ -51,3 +52,23 @@ def assert_same_metrics(
     for s in steps:
         assert got[s][0] == pytest.approx(want[s][0], rel=rel), f"step {s}: loss {got[s][0]} vs {want[s][0]}"
         assert got[s][1] == pytest.approx(want[s][1], rel=rel), f"step {s}: grad norm {got[s][1]} vs {want[s][1]}"
+
+
+_DP1: dict[str, dict[int, tuple[float, float]]] = {}
+
+
+def dp1_reference(tiny: dict, steps: int, cache_dir: str, **sections: dict) -> dict[int, tuple[float, float]]:
+    """(loss, grad norm) per step of the fault-free ``ckpt_spec(tiny, ...)`` run of ``steps``
+    steps (``sections`` update it), trained by one rank in the test's process
+    (``single_rank_metrics``: the worker's own ``Trainer`` and samples at dp 1), not a Ray
+    run; once per session for each spec."""
+    import json
+
+    from elastic_testlib import single_rank_metrics
+
+    spec = ckpt_spec(tiny, os.path.join(cache_dir, "unused"), **{"train": {"steps": steps}, **sections})
+    key = json.dumps(spec.model_dump(mode="json", exclude={"checkpoint": {"uri"}}), sort_keys=True)
+    if key not in _DP1:
+        _DP1[key] = single_rank_metrics(spec, cache_dir)
+    assert sorted(_DP1[key]) == list(range(1, steps + 1))
+    return _DP1[key]

@@ -23,10 +23,8 @@ import uuid
 
 import pytest
 import yaml
-from ckpt_testlib import ckpt_raw, ckpt_spec, events, losses
+from ckpt_testlib import ckpt_raw, dp1_reference, events, losses
 from waiting import wait_until
-
-from elastic import ElasticTrainer
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420)]
 
@@ -40,12 +38,9 @@ def _cli(*args: str, env: dict | None = None, timeout: float = 240) -> subproces
 
 
 def _reference(tiny, tmp_path) -> dict[int, float]:
-    spec = ckpt_spec(
-        tiny, str(tmp_path / "unused"), train={"steps": STEPS}, elastic={"max_dp": 1}, checkpoint={"every_steps": 0}
-    )
-    run_dir = str(tmp_path / "reference")
-    assert ElasticTrainer(spec, run_dir=run_dir).fit().status == "succeeded"
-    return losses(run_dir)
+    """The fault-free losses at dp 1 (one rank in this process: the CLI's dp-1 reduction order)."""
+    ref = dp1_reference(tiny, STEPS, str(tmp_path / "ref"), elastic={"max_dp": 1}, checkpoint={"every_steps": 0})
+    return {step: loss for step, (loss, _) in ref.items()}
 
 
 def _assert_resumed(run_dir: str, from_step: int, reference: dict[int, float]) -> None:

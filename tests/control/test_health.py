@@ -10,8 +10,9 @@ import sys
 
 import pytest
 import yaml
-from elastic_testlib import elastic_spec, events_of, step_metrics
+from elastic_testlib import STEPS, elastic_spec, events_of, step_metrics
 
+from elastic import ElasticTrainer
 from elastic.events import read_events
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -27,6 +28,15 @@ def _cli_run(tmp_path, name, spec, address, *faults):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, json.load(open(f"{run_dir}/summary.json"))
+
+
+def _api_run(tmp_path, name, spec):
+    """A fault-free run through the Python API on the cluster this process is connected to
+    (the same controller and workers as ``elastic run``, without a second interpreter's start)."""
+    run_dir = str(tmp_path / name)
+    result = ElasticTrainer(spec, run_dir=run_dir).fit()
+    assert result.status == "succeeded" and result.steps == spec.train.steps
+    return run_dir
 
 
 def _spec(steps, **elastic):
@@ -51,8 +61,7 @@ def test_straggler_reported_within_5_steps_and_never_falsely(ray_cluster, tmp_pa
     """100 fault-free steps at dp 4: no straggler reported. Then rank 2 made slower by 30% of
     that run's median step time from step 10: reported within 5 steps, naming rank 2 and its node."""
     address = ray_cluster.address
-    clean, summary = _cli_run(tmp_path, "clean", _spec(100, min_dp=4, max_dp=4), address)
-    assert summary["status"] == "succeeded" and summary["steps"] == 100
+    clean = _api_run(tmp_path, "clean", _spec(100, min_dp=4, max_dp=4))
     assert events_of(clean, "straggler") == []
     step_time = statistics.median(e["step_time_s"] for e in events_of(clean, "step")[10:])
     seconds = round(0.3 * step_time, 4)
@@ -86,17 +95,23 @@ def test_straggler_evicted_and_its_node_excluded(ray_cluster, tmp_path):
 
 
 @pytest.mark.parametrize("dp,rank", [(3, 1), (2, 0)])
-def test_bitflip_detected_repaired_and_loss_exact(ray_cluster, tmp_path, dp, rank):
+def test_bitflip_detected_repaired_and_loss_exact(ray_cluster, reference_losses_cluster, tmp_path, dp, rank):
     """A low mantissa bit flipped in one weight at step 12 (no loss spike: silent). Checks every
     5 steps: found at step 15, every rank rolls back to step 10 and replays the same samples.
     At dp 3 the vote names the odd replica; at dp 2 nobody can, and both roll back. The
     later checks pass (every replica bitwise identical again) and every step's loss and grad
-    norm equal those of the fault-free run without checks, exactly."""
+    norm equal those of the fault-free run without checks, exactly: at dp 2 the session's
+    fault-free run of the same job (``reference_losses_cluster``: dp 2, 32 steps), at dp 3 a
+    run made here."""
     address = ray_cluster.address
-    spec = _spec(22, min_dp=dp, max_dp=dp, sdc_check_every=5)
-    ref, _ = _cli_run(tmp_path, "ref", _spec(22, min_dp=dp, max_dp=dp), address)  # checks off
+    steps = STEPS if dp == 2 else 22
+    spec = _spec(steps, min_dp=dp, max_dp=dp, sdc_check_every=5)
+    if dp == 2:
+        want = reference_losses_cluster
+    else:
+        want = step_metrics(_api_run(tmp_path, "ref", _spec(steps, min_dp=dp, max_dp=dp)))  # checks off
     run_dir, summary = _cli_run(tmp_path, "flip", spec, address, f"bitflip@12:rank={rank}:bit=20")
-    assert summary["status"] == "succeeded" and summary["steps"] == 22
+    assert summary["status"] == "succeeded" and summary["steps"] == steps
     sdc = events_of(run_dir, "sdc")
     assert len(sdc) == 1, sdc
     assert sdc[0]["step"] == 15 and sdc[0]["restored_step"] == 10 and sdc[0]["action"] == "repair"
@@ -106,6 +121,6 @@ def test_bitflip_detected_repaired_and_loss_exact(ray_cluster, tmp_path, dp, ran
         assert sdc[0]["ranks"] == [0, 1] and sdc[0]["replica"] is None
     assert [f["cause"] for f in events_of(run_dir, "failure")] == ["sdc"]
     assert events_of(run_dir, "failure")[0]["nodes"] if dp == 3 else True
-    got, want = step_metrics(run_dir), step_metrics(ref)
-    assert sorted(got) == sorted(want) == list(range(1, 23))
+    got = step_metrics(run_dir)
+    assert sorted(got) == sorted(want) == list(range(1, steps + 1))
     assert got == want  # bitwise: the same state at step 10, the same samples after it

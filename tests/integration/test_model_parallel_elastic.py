@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from elastic_testlib import REL_SAME_ORDER, assert_matches_reference, elastic_spec, events_of, step_metrics
+from elastic_testlib import (
+    REL_SAME_ORDER,
+    assert_matches_reference,
+    elastic_spec,
+    events_of,
+    single_rank_metrics,
+    step_metrics,
+)
 
 from elastic import ElasticTrainer
 from elastic.faults import Fault, FaultInjector
@@ -23,11 +30,9 @@ def _spec(**elastic):
 
 
 def test_dp2_tp2_loses_a_node_and_continues_at_dp1(ray_cluster, tmp_path):
-    # Fault-free reference on the same cluster first (same seed, data, global batch).
-    ref_dir = str(tmp_path / "ref")
-    ref = ElasticTrainer(_spec(min_dp=2), run_dir=ref_dir).fit()
-    assert ref.status == "succeeded" and ref.dp_history == [[0, 2]]
-    reference = step_metrics(ref_dir)
+    # Fault-free reference: the same job (seed, data, global batch) trained by one rank in this
+    # process (tp 1, dp 1), not a second cluster run.
+    reference = single_rank_metrics(_spec(min_dp=2), str(tmp_path / "ref-data"))
 
     injector = FaultInjector([Fault("kill_node", at_step=6, node_index=2)], cluster=ray_cluster)
     spec = _spec()
@@ -42,5 +47,5 @@ def test_dp2_tp2_loses_a_node_and_continues_at_dp1(ray_cluster, tmp_path):
     assert result.recoveries[0].lost_steps == 0
     # Not the 60 s collective timeout: survivors are freed by the failed ranks leaving.
     assert result.recoveries[0].recover_s < spec.elastic.collective_timeout_s, result.recoveries
-    # dp 2 -> dp 1 at tp 2 against the fault-free dp 2 run (measured: printed).
+    # dp 2 -> dp 1 at tp 2 against the fault-free single-rank run (measured: printed).
     assert_matches_reference(step_metrics(trainer.run_dir), reference, rel=REL_SAME_ORDER, steps=STEPS)

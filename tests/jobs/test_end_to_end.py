@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import yaml
+from elastic_testlib import single_rank_metrics
 
 from elastic import ElasticTrainer
 from elastic.events import read_events
@@ -28,16 +29,16 @@ def _losses(run_dir: str) -> dict[int, float]:
 
 
 def test_dp2_matches_dp1_per_step(ray_local, tiny_spec_dict, tmp_path):
-    """Same seed, data and global batch: DP changes neither the samples nor the loss scale."""
-    runs = {}
-    for dp in (1, 2):
-        raw = dict(tiny_spec_dict, elastic=dict(tiny_spec_dict["elastic"], min_dp=dp, max_dp=dp))
-        spec = JobSpec.from_dict(raw)
-        trainer = ElasticTrainer(spec, run_dir=str(tmp_path / f"dp{dp}"))
-        result = trainer.fit()
-        assert result.status == "succeeded" and result.steps == 8
-        assert result.dp_history == [[0, dp]]
-        runs[dp] = _losses(trainer.run_dir)
+    """Same seed, data and global batch: DP changes neither the samples nor the loss scale.
+    dp 1 is the worker's own ``Trainer`` as one rank in this process (``single_rank_metrics``),
+    dp 2 a run on Ray."""
+    raw = dict(tiny_spec_dict, elastic=dict(tiny_spec_dict["elastic"], min_dp=2, max_dp=2))
+    trainer = ElasticTrainer(JobSpec.from_dict(raw), run_dir=str(tmp_path / "dp2"))
+    result = trainer.fit()
+    assert result.status == "succeeded" and result.steps == 8
+    assert result.dp_history == [[0, 2]]
+    dp1 = single_rank_metrics(JobSpec.from_dict(tiny_spec_dict), str(tmp_path / "dp1-data"))
+    runs = {1: {step: loss for step, (loss, _) in dp1.items()}, 2: _losses(trainer.run_dir)}
     assert sorted(runs[1]) == list(range(1, 9))
     for step, loss in runs[1].items():
         assert runs[2][step] == pytest.approx(loss, rel=1e-5), step

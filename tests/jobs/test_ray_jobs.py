@@ -20,10 +20,12 @@ import sys
 import time
 
 import pytest
+from elastic_testlib import single_rank_metrics
 from waiting import wait_until
 
 from elastic.events import read_events
 from elastic.testing.ports import free_port as _free_port
+from jobs import JobSpec
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -184,7 +186,7 @@ def test_ray_job_submit_runs_jobs_train_and_ray_job_stop_leaves_a_resumable_chec
     """A job submitted with `ray job submit` runs `jobs.train`; `ray job stop` ends it at a step
     boundary with a committed checkpoint of that step and no worker left; `--resume` goes on
     from there, and the job's steps, then the resumed ones, have the losses of a direct
-    `elastic run` never stopped (rel 1e-5). (A submitted job that runs to SUCCEEDED: the
+    one-rank run never stopped (rel 1e-5). (A submitted job that runs to SUCCEEDED: the
     README recipe's test, on the same head.)"""
     env, gcs, url = token_head
     env = {**env, "RAY_AUTH_MODE": "token"}  # the head requires Ray's token
@@ -305,9 +307,11 @@ def test_ray_job_submit_runs_jobs_train_and_ray_job_stop_leaves_a_resumable_chec
     assert [(e["source"], e["step"]) for e in resumed if e["kind"] == "restore"] == [("storage", newest)]
     resumed_steps = [e for e in resumed if e["kind"] == "step"]
     assert [e["step"] for e in resumed_steps] == [newest + 1, newest + 2]
-    # The same spec at the same DP (2), never stopped, run directly: the same losses.
-    ref = direct_run(str(tmp_path / "ref"), sets=["checkpoint.every_steps=0"])
-    ref_losses = {e["step"]: e["loss"] for e in ref if e["kind"] == "step"}
+    # The same spec never stopped, trained by one rank in this process (``single_rank_metrics``:
+    # the same samples per step, the whole batch on one rank): the same losses.
+    overrides = [*TINY, f"train.steps={newest + 2}", *STEP_FREE_SCHEDULE, "checkpoint.every_steps=0"]
+    ref = single_rank_metrics(JobSpec.from_yaml(os.path.join(ROOT, config), overrides=overrides), str(tmp_path / "ref"))
+    ref_losses = {step: loss for step, (loss, _) in ref.items()}
     assert sorted(ref_losses) == list(range(1, newest + 3))
     for e in steps + resumed_steps:
         assert e["loss"] == pytest.approx(ref_losses[e["step"]], rel=1e-5), e["step"]

@@ -117,7 +117,21 @@ def state_dict_matches_fresh(engine: TrainEngine) -> tuple[bool, bool]:
 
 def train_layouts(rank: int, world: int, out_dir: str, layouts: list[Layout], model_cfg=MODEL, train=TRAIN) -> dict:
     """Train every layout in turn on one world-sized process group."""
+    return train_layout_groups(rank, world, out_dir, [(layouts, model_cfg, train)])[0]
+
+
+def train_layout_groups(rank: int, world: int, out_dir: str, groups: list[tuple]) -> list[dict]:
+    """``train_layouts`` for each ``(layouts, model_cfg, train)`` of ``groups``, in turn, on
+    one spawn of the ranks (one process group): a result dict per group."""
     init_group(rank, world, os.path.join(out_dir, "store"))
+    per_group = []
+    for layouts, model_cfg, train in groups:
+        per_group.append(_train_each(rank, world, layouts, model_cfg, train))
+    dist.destroy_process_group()
+    return per_group
+
+
+def _train_each(rank: int, world: int, layouts: list[Layout], model_cfg, train) -> dict:
     results = {}
     for layout in layouts:
         t0 = time.perf_counter()
@@ -148,7 +162,6 @@ def train_layouts(rank: int, world: int, out_dir: str, layouts: list[Layout], mo
             "state_dict_cached": cached,
         }
         del engine
-    dist.destroy_process_group()
     return results
 
 
@@ -273,14 +286,17 @@ def compile_resize(rank: int, world: int, out_dir: str, before: Layout, after: L
     return {"before": first, "after": second}
 
 
-def probe_memory(rank: int, world: int, out_dir: str, layouts: list[Layout], model_cfg, train, steps: int) -> dict:
-    """Each layout's peak live tensor bytes on this rank, in its last of ``steps`` steps."""
+def probe_memory(rank: int, world: int, out_dir: str, groups: list[tuple]) -> list[dict]:
+    """For each group ``(layouts, model_cfg, train, steps)``: each layout's peak live tensor
+    bytes on this rank, in its last of ``steps`` steps (every group on one spawn of the ranks)."""
     init_group(rank, world, os.path.join(out_dir, "store"))
-    results = {}
-    for layout in layouts:
-        engine = make_engine(layout, world, model_cfg, train, probe_step=steps)
-        train_steps(engine, layout, range(steps))
-        results[layout.name] = {"peak": engine.probed_peak_bytes, "grad_accum": engine.grad_accum}
-        del engine
+    results = []
+    for layouts, model_cfg, train, steps in groups:
+        results.append({})
+        for layout in layouts:
+            engine = make_engine(layout, world, model_cfg, train, probe_step=steps)
+            train_steps(engine, layout, range(steps))
+            results[-1][layout.name] = {"peak": engine.probed_peak_bytes, "grad_accum": engine.grad_accum}
+            del engine
     dist.destroy_process_group()
     return results

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 from parallel_harness import SEED, TRAIN, Layout, reference_run, run_ranks
-from parallel_workers import resize_and_resume, train_layouts
+from parallel_workers import resize_and_resume, train_layout_groups, train_layouts
 
 from elastic.models.config import LlamaConfig
 from elastic.models.spec import model_spec
@@ -73,8 +73,15 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> list[dict]:
-    return run_ranks(4, train_layouts, (LAYOUTS, LLAMA), tmp_path_factory.mktemp("llama"))
+def layout_runs(tmp_path_factory) -> list[list[dict]]:
+    """The fp32 and the bf16 layouts on one spawn of the 4 ranks: per rank, [fp32, bf16]."""
+    groups = [(LAYOUTS, LLAMA, TRAIN), ([layout for layout, _, _ in BF16_LAYOUTS], LLAMA, TRAIN_BF16)]
+    return run_ranks(4, train_layout_groups, (groups,), tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def runs(layout_runs) -> list[dict]:
+    return [rank[0] for rank in layout_runs]
 
 
 @pytest.mark.timeout(300)
@@ -105,10 +112,9 @@ def test_llama_tp_shards_heads_and_swiglu(runs):
 
 
 @pytest.fixture(scope="module")
-def bf16_runs(tmp_path_factory) -> tuple[dict, list[dict]]:
+def bf16_runs(layout_runs, tmp_path_factory) -> tuple[dict, list[dict]]:
     refs = run_ranks(1, train_layouts, (BF16_REFS, LLAMA, TRAIN_BF16), tmp_path_factory.mktemp("bf16ref"))[0]
-    layouts = [layout for layout, _, _ in BF16_LAYOUTS]
-    return refs, run_ranks(4, train_layouts, (layouts, LLAMA, TRAIN_BF16), tmp_path_factory.mktemp("bf16"))
+    return refs, [rank[1] for rank in layout_runs]
 
 
 @pytest.mark.timeout(400)

@@ -14,8 +14,8 @@ after another), so the whole file costs two launches.
 from __future__ import annotations
 
 import pytest
-from parallel_harness import SEED, Layout, reference_run, run_ranks
-from parallel_workers import resize_and_resume, train_layouts
+from parallel_harness import SEED, TRAIN, Layout, reference_run, run_ranks
+from parallel_workers import resize_and_resume, train_layout_groups
 
 from elastic.models.config import LlamaConfig
 from elastic.models.spec import model_spec
@@ -66,13 +66,20 @@ def moe_reference() -> tuple[list[float], list[float]]:
 
 
 @pytest.fixture(scope="module")
-def moe_runs(tmp_path_factory) -> list[dict]:
-    return run_ranks(4, train_layouts, (MOE_LAYOUTS, MOE), tmp_path_factory.mktemp("moe"))
+def layout_runs(tmp_path_factory) -> list[list[dict]]:
+    """The MoE and the CP layouts on one spawn of the 4 ranks: per rank, [moe, cp]."""
+    groups = [(MOE_LAYOUTS, MOE, TRAIN), (CP_LAYOUTS, LLAMA, TRAIN)]
+    return run_ranks(4, train_layout_groups, (groups,), tmp_path_factory.mktemp("moe-cp"))
 
 
 @pytest.fixture(scope="module")
-def cp_runs(tmp_path_factory) -> list[dict]:
-    return run_ranks(4, train_layouts, (CP_LAYOUTS, LLAMA), tmp_path_factory.mktemp("cp"))
+def moe_runs(layout_runs) -> list[dict]:
+    return [rank[0] for rank in layout_runs]
+
+
+@pytest.fixture(scope="module")
+def cp_runs(layout_runs) -> list[dict]:
+    return [rank[1] for rank in layout_runs]
 
 
 def _check(runs: list[dict], layouts: list[Layout], cfg: LlamaConfig, reference: tuple | None = None) -> None:
