@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import ActorUnavailableError, ActorUnschedulableError, RayActorError
+from ray.exceptions import ActorUnavailableError, ActorUnschedulableError, OutOfMemoryError, RayActorError
 
 from elastic.agent.bell import Doorbell
 from elastic.agent.liveness import STARTUP_GRACE_S, Outstanding
@@ -34,6 +34,11 @@ from elastic.agent.node import LINGER_S, REPORT_SILENCE_S, AgentGone
 from elastic.agent.ordered import Numbered
 from elastic.agent.rows import merge_rows
 from elastic.messages import Digest, NodeCommand, NodeState, StepRows
+
+# What a call to an agent or aggregator raises when its process is gone: it died, its node
+# left (unschedulable), or Ray's memory monitor killed it (OutOfMemoryError is not a
+# RayActorError: it reached fit() and failed the job, seen at 100M parameters on this host).
+ACTOR_GONE = (RayActorError, ActorUnschedulableError, OutOfMemoryError)
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +180,7 @@ class AggregatorCore:
     def _take(self, c: _Child, req: Any, now: float) -> None:
         try:
             d = req.result() if isinstance(req, Future) else ray.get(req, timeout=0)
-        except (AgentGone, RayActorError, ActorUnschedulableError) as exc:  # (unschedulable: its node left)
+        except (AgentGone, *ACTOR_GONE) as exc:
             if isinstance(exc, ActorUnavailableError):  # unreachable: asked again, silent from now
                 self.outstanding.unreachable(c.key, now)
                 return

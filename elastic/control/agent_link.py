@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import ActorUnavailableError, ActorUnschedulableError, RayActorError
+from ray.exceptions import ActorUnavailableError
 
-from elastic.agent.aggregator import CHILD_WAIT_S
+from elastic.agent.aggregator import ACTOR_GONE, CHILD_WAIT_S
 from elastic.agent.lifeline import LifelineServer
 from elastic.agent.liveness import STARTUP_GRACE_S, Outstanding
 from elastic.agent.ordered import Numbered
@@ -338,7 +338,7 @@ class AgentTree:
             self.broken_at.setdefault(ch.key, now)
             logger.debug("channel %s unreachable", ch.key)
             return
-        except (RayActorError, ActorUnschedulableError):  # died; or its replacement's node left meanwhile
+        except ACTOR_GONE:  # died, killed for memory, or its replacement's node left meanwhile
             self.broken_at.setdefault(ch.key, time.monotonic())
             logger.debug("channel %s died", ch.key)
             taken.lost[ch.key] = math.inf

@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import ray
-from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError
 
 from elastic.agent.actors import AggregatorActor, NodeAgentActor
+from elastic.agent.aggregator import ACTOR_GONE
 from elastic.control import drain
 from elastic.control.agent_link import FAN_IN, AgentTree
 from elastic.control.diagnosis import NODE_PROBE_S, RayletProbe, diagnose
@@ -173,8 +174,9 @@ class WorkerGroup(GroupQueries):
                 actors.append((g, b, TrainWorker.options(**opts).remote(self.spec, self.corpus_uri, hook)))
         try:
             infos: list[WorkerInfo] = ray.get([a.info.remote() for _, _, a in actors], timeout=RPC_TIMEOUT_S)
-        except (RayActorError, ActorUnavailableError, GetTimeoutError) as exc:
-            # A new node died (or never started its workers): none of these become members.
+        except (*ACTOR_GONE, ActorUnavailableError, GetTimeoutError) as exc:
+            # A new node died (or never started its workers, or Ray killed one for memory):
+            # none of these become members.
             for _, _, a in actors:
                 try:
                     ray.kill(a, no_restart=True)

@@ -209,3 +209,24 @@ def test_a_child_whose_lifeline_ended_is_reported_dead_at_once():
     assert agg.digest(None, 0.0).lost == {"n0": math.inf}
     agg.adopt("n0", Handle(), ["n0"])  # replaced: alive again
     assert agg.digest(None, 0.0).lost == {}
+
+
+def test_an_agent_killed_for_memory_is_a_lost_child_not_an_error():
+    """Ray's memory monitor kills an agent: its calls raise OutOfMemoryError, which is not
+    a RayActorError; the aggregator reports the child lost (it failed the job before)."""
+    from ray.exceptions import OutOfMemoryError
+
+    clock = Clock()
+    agg = AggregatorCore(Doorbell(None), clock=clock, child_wait_s=0.0)
+    core = NodeCore("n0", ScriptedRanks(), clock=clock)
+    agg.adopt("n0", core, ["n0"], local=True)
+
+    def killed(*args, **kwargs):
+        raise OutOfMemoryError("1 worker(s) were killed due to the node running low on memory")
+
+    core.digest = killed
+    for _ in range(50):
+        agg.pump(0.05)
+        if agg.dead:
+            break
+    assert agg.digest(None, 0.0).lost == {"n0": math.inf}
