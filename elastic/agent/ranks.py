@@ -11,7 +11,7 @@ import signal
 from typing import Any
 
 import ray
-from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, OutOfMemoryError, RayActorError
 
 from elastic.agent.bell import Doorbell
 from elastic.errors import root_cause
@@ -32,7 +32,7 @@ class ActorRanks:
             return "ok", ray.get(future, timeout=0)
         except ActorUnavailableError:  # unreachable for now: silence counts, death is confirmed later
             return "unavailable", None
-        except RayActorError:
+        except (RayActorError, OutOfMemoryError):  # (killed by Ray's memory monitor: gone as well)
             return "dead", None
         except GetTimeoutError:
             return "unavailable", None
