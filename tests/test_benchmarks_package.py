@@ -137,10 +137,11 @@ def test_make_bench_skips_what_cannot_run_and_keeps_published_results(tmp_path, 
 def test_recovery_first_step_work_takes_a_steady_step_off_the_recovery():
     from benchmarks.recovery.scenario import first_step_work
 
-    # Steps at the smaller size completed at 10.0 (the recovery's first), 12.5, 15.0, 17.6.
-    out = first_step_work(3.0, [17.6, 10.0, 15.0, 12.5], rows_per_worker=6)
+    # Steps at the smaller size completed at 10.0 (the recovery's first), 12.5, 15.0, 17.6
+    # (by their last worker; any order).
+    out = first_step_work(3.0, [(4, 17.6), (1, 10.0), (1, 9.8), (3, 15.0), (2, 12.5), (2, 12.1)], rows_per_worker=6)
     assert out["rows_per_worker_at_new_size"] == 6
     assert out["steady_step_at_new_size_s"] == pytest.approx(2.5)
     assert out["recovery_less_step_s"] == pytest.approx(0.5)
     # One step at that size: no steady step, nothing taken off.
-    assert first_step_work(3.0, [10.0], rows_per_worker=4) == {"rows_per_worker_at_new_size": 4}
+    assert first_step_work(3.0, [(1, 10.0)], rows_per_worker=4) == {"rows_per_worker_at_new_size": 4}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from benchmarks.harness.results import results_path
@@ -64,14 +65,19 @@ def spec_dict(steps: int, corpus_uri: str) -> dict[str, Any]:
     }
 
 
-def first_step_work(recovery_s: float, done_ts: list[float], rows_per_worker: int) -> dict[str, Any]:
+def first_step_work(
+    recovery_s: float, completions: Iterable[tuple[int, float]], rows_per_worker: int
+) -> dict[str, Any]:
     """What the first step at the smaller size weighs in a side's ``recovery_s``: the rows
     each worker trains in a step there (ours and Ray Train keep the global batch, so a
     survivor trains more; TorchFT's replicas keep their share, so the global batch shrinks),
     the steady step there (median interval between the completions ``done_ts`` of that
     size's steps, the first included), and the recovery less that step."""
     out: dict[str, Any] = {"rows_per_worker_at_new_size": rows_per_worker}
-    step_s = median_interval(done_ts)
+    done: dict[int, float] = {}
+    for step, ts in completions:
+        done[step] = max(done.get(step, ts), ts)
+    step_s = median_interval(done.values())
     if step_s is not None:
         out["steady_step_at_new_size_s"] = step_s
         out["recovery_less_step_s"] = recovery_s - step_s

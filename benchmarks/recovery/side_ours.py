@@ -127,7 +127,7 @@ def analyse_ours(events: list[dict[str, Any]], out: dict[str, Any]) -> dict[str,
     first = after[0]
     res["first_step_at_new_size"] = first["step"]
     res["recovery_s"] = first["ts"] - kill_ts
-    res.update(first_step_work(res["recovery_s"], [e["ts"] for e in after], GLOBAL_BATCH // new_dp))
+    res.update(first_step_work(res["recovery_s"], [(e["step"], e["ts"]) for e in after], GLOBAL_BATCH // new_dp))
     r = restores[0] if restores else None
     if r is not None:
         res["resume_step"] = r["step"]

@@ -181,11 +181,8 @@ def analyse_raytrain(recs: list[dict[str, Any]], kill_ts: float | None) -> dict[
     out["new_size"] = ws
     out["first_step_at_new_size"] = first_step
     out["recovery_s"] = max(done) - kill_ts
-    at_size: dict[int, float] = {}
-    for r in smaller:
-        if r["world_size"] == ws:
-            at_size[r["step"]] = max(at_size.get(r["step"], 0.0), r["ts"])
-    out.update(first_step_work(out["recovery_s"], list(at_size.values()), GLOBAL_BATCH // ws))
+    at_size = [(r["step"], r["ts"]) for r in smaller if r["world_size"] == ws]
+    out.update(first_step_work(out["recovery_s"], at_size, GLOBAL_BATCH // ws))
     group_starts = [r for r in starts if r["world_size"] == ws]
     group_restored = [r for r in restored if r["world_size"] == ws]
     resume = group_restored[0]["resume_step"] if group_restored else first_step - 1

@@ -232,11 +232,8 @@ def analyse_torchft(recs: list[dict[str, Any]], out: dict[str, Any]) -> dict[str
     res["new_size"] = size
     res["first_step_at_new_size"] = first_step
     res["recovery_s"] = max(done) - kill_ts
-    at_size: dict[int, float] = {}  # step -> its last survivor's completion, while the quorum is this size
-    for r in smaller:
-        if r["participants"] == size and r["step"] >= first_step:
-            at_size[r["step"]] = max(at_size.get(r["step"], 0.0), r["ts"])
-    res.update(first_step_work(res["recovery_s"], list(at_size.values()), GLOBAL_BATCH // NODES))
+    at_size = [(r["step"], r["ts"]) for r in smaller if r["participants"] == size and r["step"] >= first_step]
+    res.update(first_step_work(res["recovery_s"], at_size, GLOBAL_BATCH // NODES))
     # Lost: steps completed (committed) by any worker before the recovery that the new group
     # did not keep. Survivors keep their state in place: resume = last committed step before
     # the first step at the new size.
