@@ -107,7 +107,9 @@ class FeederWindow:
         on only when the next read is planned, which with engine ``ray_data`` waits for the
         executor's next task). What the new stream needs begins at its first needed unit,
         which may lie past ``row``'s: a host that gets a slice back (a replica returns) needs
-        rows from inside the batch, and the units before them may be gone."""
+        rows from inside the batch, and the units before them may be gone. Units the new stream
+        does not need, between the reach and ``row``, do not break it: the scan passes over
+        them unread (a host whose slices end before the batch's end has read nothing there)."""
         if self.table is None or self._scan is None:
             return False
         start = first = self.table.unit_of(row)
@@ -115,6 +117,8 @@ class FeederWindow:
         while first < last and not self._needed(first):  # one batch holds a row of every slice
             first += 1
         reach = max([self._scan, *(k + 1 for k in self._units), *(k + 1 for k in self._inflight)])
+        while reach < start and not self._needed(reach):  # what the scan would pass over unread
+            reach += 1
         return self._kept_from <= first and start <= reach
 
     def _evict(self) -> None:

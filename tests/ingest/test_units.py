@@ -357,3 +357,12 @@ def test_a_window_goes_on_within_its_reach_from_the_first_unit_it_needs(tmp_path
     assert not w._can_go_on(12 * g)  # a needed unit is gone: a jump
     w._kept_from = 0
     assert not w._can_go_on(60 * g)  # far past the stream's reach: a jump
+    # Slices 0 and 1 of 3 read up to batch 11's last row they need (its tail, slice 2's rows,
+    # not read, the scan not past them yet): the next batch at dp 4 goes on.
+    w.request, w._units = StreamRequest("e1", 6 * g, g, 3, (0, 1)), {}
+    for b in range(6, 12):
+        for k in range(t.unit_of(b * g), t.unit_of(b * g + 15) + 1):
+            w._units[k] = rows[:3]
+    w._scan = t.unit_of(11 * g + 15)
+    w.request = StreamRequest("e2", 12 * g, g, 4, (0, 1))
+    assert w._can_go_on(12 * g)
