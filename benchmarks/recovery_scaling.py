@@ -38,9 +38,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -164,6 +166,9 @@ def child(cfg: dict[str, Any]) -> None:
         except Exception:  # noqa: BLE001 - no events written
             pass
     finally:
+        if cfg.get("keep_logs") and started.tmpdir:  # the workers' logs, before the session goes
+            for session in glob.glob(os.path.join(started.tmpdir, "**", "session_*", "logs"), recursive=True):
+                shutil.copytree(session, os.path.join(cfg["work"], "ray-logs"), dirs_exist_ok=True)
         started.stop()
     out["load_after"] = os.getloadavg()[0]
     write_json(cfg["out"], out)
@@ -228,10 +233,17 @@ def store_ops(worlds: list[int]) -> list[dict[str, Any]]:
 def run_scenario(name: str, rep: int, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"scaling-{name}-") as work:
         cfg = {"scenario": name, "work": work, "out": os.path.join(work, "out.json"),
-               "kill_step": args.kill_step, "timeout_s": args.timeout_s}  # fmt: skip
+               "kill_step": args.kill_step, "timeout_s": args.timeout_s, "keep_logs": bool(args.logs)}  # fmt: skip
         cmd = module_command("benchmarks.recovery_scaling", "--child", json.dumps(cfg))
         log = os.path.join(work, "child.log")
         rc, wall_s, _ = run_logged(cmd, args.timeout_s + 60, child_env(), log)
+        if args.logs:  # the child's log and its Ray session's worker logs, kept
+            keep = os.path.join(args.logs, f"{name}-{rep}")
+            os.makedirs(keep, exist_ok=True)
+            shutil.copy(log, keep)
+            for sub in ("ray-logs", "run"):
+                if os.path.isdir(os.path.join(work, sub)):
+                    shutil.copytree(os.path.join(work, sub), os.path.join(keep, sub), dirs_exist_ok=True)
         try:
             with open(cfg["out"]) as f:
                 res = json.load(f)
@@ -344,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store-ops-worlds", default="4,8,16", help="'' to skip the store-operations part")
     p.add_argument("--out", default=RESULTS)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--logs", help="keep each run's child log and Ray worker logs under this directory")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:

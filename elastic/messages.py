@@ -325,7 +325,7 @@ class Launch:
 @dataclass(frozen=True)
 class Signal:
     """A call every rank of the node gets, answered by no one: ``request_stop``,
-    ``abort_step`` (a peer was lost: leave the step in flight) or
+    ``abort_step(generation)`` (a peer was lost: leave that generation's step in flight) or
     ``abandon_rendezvous(generation)``."""
 
     method: Literal["request_stop", "abort_step", "abandon_rendezvous"]

@@ -23,6 +23,7 @@ class GroupQueries(GroupNews):
     """Fields set by ``WorkerGroup.__init__`` (and ``GroupNews``'s)."""
 
     _holdings_ahead: tuple[frozenset[int], Gather] | None  # asked with an abort (abort_steps)
+    _generation: int  # of the process group now formed (the one an abort abandons)
 
     def snapshot_holdings(self, members: Sequence[Member]) -> list[Holdings | None]:
         """Each member's memory-tier holdings; None for one that is gone or silent.
@@ -84,7 +85,7 @@ class GroupQueries(GroupNews):
         after every run has ended (a round trip of the tree: at 16k ranks, tenths of a
         second of the recovery's decision)."""
         by_node = wids_by_node(members)
-        self.tree.send(dict.fromkeys(by_node, Signal("abort_step")))
+        self.tree.send(dict.fromkeys(by_node, Signal("abort_step", self._generation)))
         if self._holdings_ahead is not None:
             self._done(self._holdings_ahead[1])
         query: dict[str, NodeCommand] = {

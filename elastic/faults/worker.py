@@ -3,7 +3,9 @@
 ``WorkerFaults`` is a ``StepHook`` (``elastic/worker/hooks.py``): corrupt the weights with
 NaN (silent data corruption), blow a weight up (a loss spike), flip one bit, raise inside
 the step, or hang the training thread (a collective that never completes for its peers).
-Each of these fires once per job, so the replayed step after a recovery runs clean.
+Each of these fires once per job, so the replayed step after a recovery runs clean: a
+worker added later gets no faults, and a survivor renumbered onto the faulted rank drops a
+fault whose step it had begun before (it replays that step).
 ``slow`` makes the worker that is ``rank`` at ``step`` a straggler for every step from then
 on (it stays with that worker when a resize renumbers the ranks). ``hold`` (a test's
 condition, not a fault) keeps a rank from starting a step while the run is below
@@ -50,6 +52,7 @@ class WorkerFaults:
 
     def __init__(self, faults: list[dict[str, Any]]):
         self._pending = list(faults)
+        self._last_step = 0  # the latest step this worker began: a step again is a replay
         # Set in the worker by ``attach`` (the hook travels there pickled, without them).
         self._stop: threading.Event | None = None  # the worker's "stop at the next step boundary"
         self._beat: Callable[[], None] | None = None  # the worker's heartbeat
@@ -70,8 +73,12 @@ class WorkerFaults:
                     _slow_forward(engine, fault["seconds"])  # a straggler: every step from then on
             if fault["kind"] == "hold" and step >= fault["step"] and fault["rank"] == rank:
                 self._hold(fault, engine)
+        replay, self._last_step = step <= self._last_step, max(self._last_step, step)
         for fault in list(self._pending):
             if fault["kind"] in _EVERY_STEP:
+                continue
+            if replay and fault["step"] <= step:  # the replayed step runs clean, whatever rank this worker has now
+                self._pending.remove(fault)
                 continue
             if fault["step"] != step or fault["rank"] != rank:
                 continue

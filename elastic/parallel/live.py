@@ -73,6 +73,14 @@ def release(engine: Any, step: int, rank: int) -> LiveState:
     return live
 
 
+def held_in_cycles(live: LiveState | None) -> bool:
+    """Might the released engine's objects hold its process groups in reference cycles, so
+    that only a garbage collection lets them go? Not when its module was kept whole (pure DP
+    under DDP: the wrapper holds the group and goes with its last reference); FSDP's and
+    DTensor's state does. Unknown (no live state) counts as yes."""
+    return live is None or live.module is None
+
+
 def _local(t: Any) -> Any:
     return t.to_local() if hasattr(t, "to_local") else t
 

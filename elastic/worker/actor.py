@@ -45,9 +45,10 @@ from elastic.messages import (
     WorkerInfo,
 )
 from elastic.parallel.dims import ParallelDims
-from elastic.parallel.live import LiveState
+from elastic.parallel.live import LiveState, held_in_cycles
 from elastic.priority import control_priority, training_thread
 from elastic.worker.abort import classify
+from elastic.worker.allocator import keep_freed_memory
 from elastic.worker.device_peak import peak_flops
 from elastic.worker.hooks import StepHook
 from elastic.worker.outbox import ReportQueue, peer_sender
@@ -104,6 +105,8 @@ class TrainWorker:
         # collection here, several times per re-formation (benchmarks/reconfigure_profile.py).
         gc.collect()
         gc.freeze()
+        if self.device.type == "cpu":  # freed buffers stay for the next ones (elastic/worker/allocator.py)
+            keep_freed_memory()
 
     # ------------------------------------------------------------------ control group
     @ray.method(concurrency_group="control")
@@ -153,11 +156,18 @@ class TrainWorker:
         self.group.abandon(generation)
 
     @ray.method(concurrency_group="control")
-    def abort_step(self) -> None:
+    def abort_step(self, generation: int = 0) -> None:
         """A peer was lost: leave the step in flight at the next layer (instead of at the
-        first collective, up to a step later). A snapshot copy in flight gives way."""
+        first collective, up to a step later), or at once where the step is blocked in a
+        collective (gloo: this rank's connections are shut down). A snapshot copy in flight
+        gives way. ``generation``: the one abandoned; a late notice for a generation this
+        rank has left changes nothing (0: the current one)."""
+        generation = generation or self.group.generation
+        if generation != self.group.generation:
+            return
         self._abort.set()
         self.tier.yield_copy()
+        self.group.interrupt(generation)
 
     @ray.method(concurrency_group="control")
     def shrink_group(self, excluded: tuple[int, ...]) -> bool:
@@ -356,7 +366,7 @@ class TrainWorker:
             # trained state itself is kept, for the next generation (``_keepable``).
             self._kept = trainer.release_live()
             del trainer
-            self.group.leave()
+            self.group.leave(collect=held_in_cycles(self._kept))
         self._outcome = outcome  # the node agent reads it with the next poll (elastic/agent/)
         self._reports.ready.set()
         return outcome
@@ -389,7 +399,7 @@ class TrainWorker:
             self.trainer.close()
             self.trainer = None
         t1 = time.perf_counter()
-        self.group.leave()
+        self.group.leave(collect=held_in_cycles(self._kept))
         if time.perf_counter() - t0 > SLOW_PREPARE_S:
             logger.warning(
                 "leaving took %.2fs: closing the trainer %.2fs, the process group %.2fs",

@@ -215,11 +215,13 @@ def test_an_unreachable_peer_is_silent_from_the_failed_call_not_the_end_of_its_l
 
 def test_abort_step_reaches_every_rank_of_the_node_that_is_still_one():
     """The driver's abort of the step in flight is one Signal per node (not a call per rank
-    from the driver); the agent passes it to each rank it still watches."""
+    from the driver); the agent passes it, with the generation it abandons (a rank ignores
+    a late one for a generation it has left), to each rank it still watches."""
     core, backend, _ = node(ranks=3)
     core.command(2, Detach((2,), ()))
-    core.command(3, Signal("abort_step"))
-    assert sorted(f.handle for f in backend.calls if f.method == "abort_step") == ["r0", "r1"]
+    core.command(3, Signal("abort_step", 7))
+    aborts = [f for f in backend.calls if f.method == "abort_step"]
+    assert sorted(f.handle for f in aborts) == ["r0", "r1"] and {f.args for f in aborts} == {(7,)}
 
 
 def test_reports_are_acked_back_to_the_worker_once_the_driver_has_them():
