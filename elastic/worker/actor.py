@@ -1,9 +1,8 @@
 """``TrainWorker``: the Ray actor of one rank. It exposes typed RPCs and nothing else.
 
-The actor outlives process groups. ``configure`` re-forms this rank in place: it leaves
-the old group (``ReconfigurableProcessGroup``), joins the new generation, builds a new
-``Trainer`` and restores its state from the memory tier (its own snapshots or a peer's) or
-from storage. Process, imports and CPU buffers survive; nothing is restarted.
+The actor outlives process groups. ``configure`` re-forms this rank in place (leaves the
+old group, joins the new generation, builds a new ``Trainer``, restores from memory or
+storage); process, imports and CPU buffers survive.
 
 Two concurrency groups keep the actor observable while it trains:
 
@@ -13,9 +12,8 @@ Two concurrency groups keep the actor observable while it trains:
   transfers. A worker stopped with SIGSTOP answers none of these, which is how the
   controller tells a silent worker from a slow collective.
 
-Errors inside ``run`` are returned as a ``RunOutcome``, never raised mid-collective: after
-any error the worker leaves its process group, which frees peers blocked in a collective
-with it within milliseconds.
+Errors inside ``run`` are returned as a ``RunOutcome``: after any error the worker leaves
+its process group, which frees peers blocked in a collective with it within milliseconds.
 """
 
 from __future__ import annotations
@@ -105,8 +103,7 @@ class TrainWorker:
         # collection here, several times per re-formation (benchmarks/reconfigure_profile.py).
         gc.collect()
         gc.freeze()
-        if self.device.type == "cpu":  # freed buffers stay for the next ones (elastic/worker/allocator.py)
-            keep_freed_memory()
+        keep_freed_memory(self.device.type)  # a CPU worker keeps the blocks it frees (worker/allocator.py)
 
     # ------------------------------------------------------------------ control group
     @ray.method(concurrency_group="control")
@@ -157,17 +154,13 @@ class TrainWorker:
 
     @ray.method(concurrency_group="control")
     def abort_step(self, generation: int = 0) -> None:
-        """A peer was lost: leave the step in flight at the next layer (instead of at the
-        first collective, up to a step later), or at once where the step is blocked in a
-        collective (gloo: this rank's connections are shut down). A snapshot copy in flight
-        gives way. ``generation``: the one abandoned; a late notice for a generation this
-        rank has left changes nothing (0: the current one)."""
-        generation = generation or self.group.generation
-        if generation != self.group.generation:
+        """A peer was lost: leave the step in flight at the next layer, not at the first
+        collective. A snapshot copy in flight gives way. A late notice (for a generation
+        this rank has left) changes nothing."""
+        if generation and generation != self.group.generation:
             return
         self._abort.set()
         self.tier.yield_copy()
-        self.group.interrupt(generation)
 
     @ray.method(concurrency_group="control")
     def shrink_group(self, excluded: tuple[int, ...]) -> bool:

@@ -33,9 +33,10 @@ TRIM_NEVER = 0x7FFFFFFF  # mallopt takes a C int: the largest, beyond a thread h
 ENV = "ELASTIC_KEEP_FREED_MEMORY"
 
 
-def keep_freed_memory() -> bool:
-    """Tune this process's ``malloc`` to keep what it frees; True if it did (glibc only)."""
-    if os.environ.get(ENV, "1") == "0" or platform.libc_ver()[0] != "glibc":
+def keep_freed_memory(device_type: str = "cpu") -> bool:
+    """Tune this process's ``malloc`` to keep what it frees; True if it did (glibc only, and
+    for a CPU worker only: a GPU worker's state lives in CUDA's caching allocator already)."""
+    if device_type != "cpu" or os.environ.get(ENV, "1") == "0" or platform.libc_ver()[0] != "glibc":
         return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt

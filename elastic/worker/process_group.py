@@ -218,26 +218,6 @@ class ReconfigurableProcessGroup:
             self._shrunk = tuple(sorted(excluded))
         return True
 
-    def interrupt(self, generation: int) -> int:
-        """The driver abandoned ``generation``'s step (a peer was lost): shut this rank's own
-        connections of its groups down, so that a collective the training thread is blocked
-        in fails at once. Otherwise it waits for the lost peer's connections to close: a
-        killed process closes them only after the kernel has freed its memory (100-200 ms
-        at 500 MB of state here, in the HSDP scenarios of ``benchmarks/recovery_scaling``:
-        the lost rank's shard partner was blocked in FSDP's all-gather with it); a machine
-        that lost its power never closes them, and the wait is the collective timeout.
-
-        gloo only (NCCL shrinks or aborts its communicators instead). A notice for another
-        generation, or one that comes while a generation is being formed, cuts nothing.
-        Returns how many connections it shut down.
-        """
-        if self.backend == "nccl":
-            return 0
-        with self._lock:
-            if generation != self.generation or self._joining is not None:
-                return 0
-            return self._sockets.cut()
-
     def leave(self, collect: bool = True) -> None:
         """Leave the group so that peers blocked on this rank fail at once, then destroy it.
 

@@ -24,7 +24,7 @@ from elastic_testlib import single_rank_metrics
 from waiting import wait_until
 
 from elastic.events import read_events
-from elastic.testing.ports import free_port as _free_port
+from elastic.testing.ports import free_ports
 from jobs import JobSpec
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -60,17 +60,17 @@ def _head(tmp_path_factory, **extra_env):
     # the head's job supervisor: time for the stop checkpoint (docs/stopping.md).
     env["RAY_JOB_STOP_WAIT_TIME_S"] = "90"
     env.pop("RAY_ADDRESS", None)
-    port, dash = _free_port(), _free_port()
-    ports = {
-        "--ray-client-server-port": _free_port(),
-        "--dashboard-agent-grpc-port": _free_port(),
-        "--dashboard-agent-listen-port": _free_port(),
-        "--metrics-export-port": _free_port(),
-        "--runtime-env-agent-port": _free_port(),
-        "--node-manager-port": _free_port(),
-        "--object-manager-port": _free_port(),
-        "--min-worker-port": 0,
-    }
+    port, dash, *picked = free_ports(9)  # distinct: one at a time, two components got the same
+    names = (
+        "--ray-client-server-port",
+        "--dashboard-agent-grpc-port",
+        "--dashboard-agent-listen-port",
+        "--metrics-export-port",
+        "--runtime-env-agent-port",
+        "--node-manager-port",
+        "--object-manager-port",
+    )
+    ports = {**dict(zip(names, picked, strict=True)), "--min-worker-port": 0}
     cmd = [
         f"{BIN}/ray",
         "start",
