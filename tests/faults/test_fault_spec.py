@@ -138,3 +138,22 @@ def test_cli_refuses_bad_faults_with_one_line(capsys):
     # The Ray Jobs entry takes the same flag.
     proc = _cli(QUICKSTART, "--fault", "slow@2:rank=1:seconds=fast", module="jobs.train")
     assert proc.returncode == 2 and "--fault" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_a_one_shot_fault_fires_once_and_not_in_a_survivor_replaying_its_step():
+    """A worker that began step 3 as rank 2 and replays it as rank 1 after a recovery (a
+    survivor renumbered onto the faulted rank) runs it clean; the worker that was rank 1 at
+    its first step 3 gets the fault, once."""
+    from elastic.faults import WorkerFaults, worker_fault
+    from elastic.faults.worker import InjectedError
+
+    survivor = WorkerFaults([worker_fault("raise", step=3, rank=1)])
+    for step in (1, 2, 3):
+        survivor.before_step(step, 2, engine=None)
+    survivor.before_step(3, 1, engine=None)  # the replay: no raise
+    survivor.before_step(4, 1, engine=None)
+    faulted = WorkerFaults([worker_fault("raise", step=3, rank=1)])
+    faulted.before_step(2, 1, engine=None)
+    with pytest.raises(InjectedError):
+        faulted.before_step(3, 1, engine=None)
+    faulted.before_step(3, 1, engine=None)  # once
