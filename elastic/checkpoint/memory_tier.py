@@ -248,6 +248,11 @@ class MemoryTier:
         with self._lock:
             return sorted(s.step for s in self._own if s.complete)
 
+    def holds_own(self, step: int, rank: int, layout: dict[str, int]) -> bool:
+        """An own snapshot of ``step`` taken as ``rank`` under ``layout`` is held (or in flight)."""
+        with self._lock:
+            return any(s.step == step and s.rank == rank and s.layout == layout for s in self._own)
+
     def newest(self) -> Snapshot | None:
         with self._lock:
             done = [s for s in self._own if s.complete]

@@ -344,7 +344,7 @@ class TrainWorker:
         trainer = self.trainer
         if trainer is None:
             raise RuntimeError("run() before configure(): no trainer")
-        self.tier.keep_layout(trainer.layout)  # every peer has restored by now
+        trainer.begin_layout()  # every peer has restored by now
         self._idle.clear()
         try:
             outcome = self._train(trainer, last_step)

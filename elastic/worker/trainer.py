@@ -288,6 +288,22 @@ class Trainer:
         self.uploader.flush(timeout_s)
         return True
 
+    def begin_layout(self) -> None:
+        """Before this layout's first step (every peer has restored by now): the memory tier
+        forgets snapshots of other layouts (``MemoryTier.keep_layout``), and the step this
+        layout resumes from is snapshotted under it, unless held already, so that a failure
+        before this layout's first snapshot still finds that step (without it, training
+        restarted from step 0). The copy runs in the background, like every snapshot's."""
+        self.tier.keep_layout(self.layout)
+        if self.step == 0 or not self.spec.checkpoint.memory_every_steps:
+            return
+        if not self.tier.holds_own(self.step, self.rank, self.layout):
+            t = time.perf_counter()
+            state = self.state_dict()
+            self._snapshot_blocking = time.perf_counter() - t + self.tier.snapshot_async(
+                self.step, self.rank, state, self.layout
+            )
+
     def snapshot_now(self) -> None:
         """Make sure the memory tier holds the live step (a resize restores from it)."""
         self.tier.wait()
