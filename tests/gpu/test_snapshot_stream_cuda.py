@@ -39,7 +39,7 @@ def test_snapshot_copies_the_update_queued_before_it_without_waiting_for_it():
     waited_s = time.perf_counter() - t0
     host = tier.get(0, 1).tensors["app/w"]
     assert host.is_pinned()
-    assert queued, f"the busy work had finished before the snapshot started ({started_s:.3f} s): this test proves nothing"
+    assert queued, f"the busy work was done before the snapshot started ({started_s:.3f} s): this test proves nothing"
     assert torch.equal(host, torch.ones_like(host)), "the copy ran before the update queued ahead of it"
     assert started_s < 0.2, f"snapshot_async held the training thread {started_s:.3f} s for queued GPU work"
     assert waited_s > 0.3, f"wait() returned after {waited_s:.3f} s, before the queued work could have finished"
