@@ -300,8 +300,8 @@ class Trainer:
         if not self.tier.holds_own(self.step, self.rank, self.layout):
             t = time.perf_counter()
             state = self.state_dict()
-            self._snapshot_blocking = time.perf_counter() - t + self.tier.snapshot_async(
-                self.step, self.rank, state, self.layout
+            self._snapshot_blocking = (
+                time.perf_counter() - t + self.tier.snapshot_async(self.step, self.rank, state, self.layout)
             )
 
     def snapshot_now(self) -> None:

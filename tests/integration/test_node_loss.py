@@ -202,8 +202,7 @@ def test_a_loss_in_the_first_step_after_a_recovery_loses_nothing(ray_cluster, re
     # Below dp 4, every rank waits 1.5 s at the start of each step from 9 on (heartbeating):
     # the kill, 0.9 s after the second layout's rendezvous starts, lands in its first step.
     holds = [
-        worker_fault("hold", step=FAULT_STEP + 1, rank=r, seconds=1.5, marker=str(marker), below_dp=4)
-        for r in range(4)
+        worker_fault("hold", step=FAULT_STEP + 1, rank=r, seconds=1.5, marker=str(marker), below_dp=4) for r in range(4)
     ]
     injector = FaultInjector(
         [
