@@ -61,13 +61,17 @@ def parallelize(
         required_plan(spec.cp_plan, "cp_plan")(model, dims.cp_mesh)
 
     # 2. Materialise this rank's shard of this stage only, and fill it from the seed. A
-    #    restore overwrites every value right after, so the fill is skipped then, unless
-    #    ``init_weights`` does more than fill (ties parameters that ``to_empty`` untied, or
-    #    fills buffers, which no checkpoint holds).
-    fill = not restoring or _init_does_more_than_fill(model)
+    #    restore overwrites every value right after, so the fill is skipped then (it costs
+    #    a pass over the whole model before FSDP shards it), unless the model holds buffers,
+    #    which no checkpoint holds; parameters shared between modules, which ``to_empty``
+    #    unties, are tied again without it.
+    tied = tied_parameters(model)
+    fill = not restoring or any(True for _ in model.buffers())
     model.to_empty(device=device)
     if fill:
         spec.init_weights(model, seed)
+    else:
+        retie(model, tied)
     blocks = spec.blocks(model)
     t1 = time.perf_counter()
     if timings is not None:
@@ -114,10 +118,23 @@ def parallelize(
     return wrapped
 
 
-def _init_does_more_than_fill(model: nn.Module) -> bool:
-    """Does the model share a parameter between modules, or hold buffers?"""
-    shared = len(list(model.named_parameters(remove_duplicate=False))) != len(list(model.parameters()))
-    return shared or any(True for _ in model.buffers())
+def tied_parameters(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter shared between modules (a tied embedding and output
+    head), the first one first: what ``retie`` restores after ``to_empty``."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def retie(model: nn.Module, tied: list[list[str]]) -> None:
+    """Share each group's first parameter again with the others (``to_empty`` gave each
+    module its own)."""
+    for first, *others in tied:
+        param = model.get_parameter(first)
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, param)
 
 
 def required_plan(plan: Plan | None, name: str) -> Plan:
