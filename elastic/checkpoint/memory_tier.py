@@ -203,7 +203,7 @@ class MemoryTier:
             for i, cand in enumerate(self._free):
                 if same_structure(cand.tensors, tensors):
                     return self._free.pop(i)
-            self._free.clear()  # layout changed: old buffers can never be reused
+            self._free.clear()  # the state's shapes changed: these buffers can never be reused
         return Snapshot(-1, -1, {k: alloc_like(v, self._pin) for k, v in tensors.items()}, {})
 
     def _retire_old(self) -> None:
@@ -264,7 +264,8 @@ class MemoryTier:
         with self._lock:
             out: dict[int, set[int]] = {}
             for s in self._own:  # complete, or in flight (module docstring)
-                out.setdefault(s.rank, set()).add(s.step)
+                if self._current(s):
+                    out.setdefault(s.rank, set()).add(s.step)
             for owner, held in self._replicas.items():
                 out.setdefault(owner, set()).update(held)
             return {owner: sorted(steps) for owner, steps in out.items()}
@@ -277,12 +278,17 @@ class MemoryTier:
             thread.join()  # its failure leaves it out of ``_own``: the lookup below then fails
         with self._lock:
             for s in self._own:
-                if s.step == step and s.rank == owner and s.complete:
+                if s.step == step and s.rank == owner and s.complete and self._current(s):
                     s.leases += int(lease)
                     return s
             if step in self._replicas.get(owner, {}):
                 return self._replicas[owner][step]
         raise KeyError(f"no complete snapshot of rank {owner} at step {step} here")
+
+    def _current(self, snap: Snapshot) -> bool:
+        """Taken under the current layout: an older layout's snapshot that is still leased
+        (a peer fetching it) stays in ``_own`` but is no longer served or reported."""
+        return self.layout is None or snap.layout == self.layout
 
     def progress(self, owner: int, step: int) -> dict[str, Any]:
         """The plain values (step, data position, RNG) of the own snapshot of ``step`` taken
@@ -306,6 +312,9 @@ class MemoryTier:
         """
         with self._lock:
             self.layout = dict(layout)
+            # Their buffers are kept for reuse: a state whose shapes the resize left alone (a
+            # DDP replica, an HSDP shard group that stayed) fills them without new allocations.
+            self._free += [s for s in self._own if s.layout != layout and s.complete and s.leases == 0]
             self._own = [s for s in self._own if s.layout == layout or s.leases > 0]
             for owner in list(self._replicas):
                 held = {step: r for step, r in self._replicas[owner].items() if r.layout == layout}

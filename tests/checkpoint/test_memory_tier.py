@@ -194,3 +194,22 @@ def test_a_copy_in_flight_counts_as_held_and_gives_way_to_a_recovery(monkeypatch
     assert seen["nice"] == max(before, BACKGROUND_NICE)
     own.wait()
     assert own.steps() == [3, 4]
+
+
+def test_a_new_layout_forgets_the_old_snapshots_and_reuses_their_buffers():
+    tier = MemoryTier()
+    for step in (1, 2):
+        tier.snapshot_async(step, 0, _state(float(step), step), LAYOUT)
+        tier.wait()
+    old = {id(tier.get(0, s).tensors["app/w"].untyped_storage()): s for s in (1, 2)}
+    leased = tier.get(0, 2, lease=True)  # e.g. a peer still fetching it: kept, not reused
+    new = {**LAYOUT, "dp": 1}
+    tier.keep_layout(new)
+    assert tier.holdings() == {} and not tier.holds_own(2, 0, new) and tier.holds_own(2, 0, LAYOUT)
+    tier.snapshot_async(2, 0, _state(2.0, 2), new)  # the step a new layout resumes from
+    tier.wait()
+    assert tier.holds_own(2, 0, new)
+    snap = tier.get(0, 2)
+    assert snap.layout == new and torch.equal(snap.tensors["app/w"], torch.full((64, 64), 2.0))
+    assert old.get(id(snap.tensors["app/w"].untyped_storage())) == 1  # step 1's buffer, not a new one
+    assert torch.equal(leased.tensors["app/w"], torch.full((64, 64), 2.0))
