@@ -65,6 +65,7 @@ class MemoryTier:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.layout: dict[str, int] | None = None  # the current layout; replicas of others are refused
+        self._serving: dict[str, int] | None = None  # the layout whose own snapshots are served (keep_layout)
         # Peer replication: send(snapshot) delivers it to this rank's peer (blocking).
         self._send: Callable[[Snapshot], Callable[[], None]] | None = None
         self._replicate_timeout_s = 60.0
@@ -288,7 +289,7 @@ class MemoryTier:
     def _current(self, snap: Snapshot) -> bool:
         """Taken under the current layout: an older layout's snapshot that is still leased
         (a peer fetching it) stays in ``_own`` but is no longer served or reported."""
-        return self.layout is None or snap.layout == self.layout
+        return self._serving is None or snap.layout == self._serving
 
     def progress(self, owner: int, step: int) -> dict[str, Any]:
         """The plain values (step, data position, RNG) of the own snapshot of ``step`` taken
@@ -304,6 +305,32 @@ class MemoryTier:
         with self._lock:
             return next((s for s in self._own if s.step == step and s.rank == owner and not s.complete), None)
 
+    def relabel(self, step: int, old_rank: int, rank: int, layout: dict[str, int]) -> bool:
+        """Take the own snapshot of ``step`` made as ``old_rank`` under another layout as
+        ``rank``'s under ``layout``, without a copy: for a survivor whose live state is the
+        state that snapshot holds (it kept its state across a resize). Sent to the peer of
+        the new layout when one is set. False when there is no such snapshot here."""
+        self.wait_replication()
+        with self._lock:
+            snap = next(
+                (
+                    s
+                    for s in self._own
+                    if s.step == step and s.rank == old_rank and s.layout != layout and s.leases == 0
+                ),
+                None,
+            )
+            if snap is None:
+                return False
+            snap.rank, snap.layout = rank, dict(layout)
+            send = self._send if snap.complete else None  # one in flight is sent when its copy is done
+            if send is not None:
+                snap.leases += 1  # until serialised for the peer
+        if send is not None:
+            self._sender = threading.Thread(target=self._replicate, args=(send, snap), daemon=True)
+            self._sender.start()
+        return True
+
     def keep_layout(self, layout: dict[str, int]) -> None:
         """Forget snapshots and replicas taken under another layout (after a resize has settled).
 
@@ -311,7 +338,7 @@ class MemoryTier:
         rank's; from now on replicas of another layout are refused.
         """
         with self._lock:
-            self.layout = dict(layout)
+            self.layout, self._serving = dict(layout), dict(layout)
             # Their buffers are kept for reuse: a state whose shapes the resize left alone (a
             # DDP replica, an HSDP shard group that stayed) fills them without new allocations.
             self._free += [s for s in self._own if s.layout != layout and s.complete and s.leases == 0]

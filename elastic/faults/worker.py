@@ -5,7 +5,10 @@ NaN (silent data corruption), blow a weight up (a loss spike), flip one bit, rai
 the step, or hang the training thread (a collective that never completes for its peers).
 Each of these fires once per job, so the replayed step after a recovery runs clean: a
 worker added later gets no faults, and a survivor renumbered onto the faulted rank drops a
-fault whose step it had begun before (it replays that step).
+fault whose step it had begun before (it replays that step). One given ``below_dp`` waits
+for the first step from its ``step`` on that the run takes with fewer replicas than that,
+replayed or not, and fires there in the worker that is ``rank`` then (a failure inside the
+first step after a shrink).
 ``slow`` makes the worker that is ``rank`` at ``step`` a straggler for every step from then
 on (it stays with that worker when a resize renumbers the ranks). ``hold`` (a test's
 condition, not a fault) keeps a rank from starting a step while the run is below
@@ -35,11 +38,14 @@ class InjectedError(RuntimeError):
 def worker_fault(
     kind: str, step: int, rank: int = 0, seconds: float = 0.0, bit: int = 30, **extra: Any
 ) -> dict[str, Any]:
-    """``bit``: the bit a ``bitflip`` flips; ``extra``: ``hold`` takes ``marker`` (a file path) and ``below_dp``."""
+    """``bit``: the bit a ``bitflip`` flips; ``extra``: ``hold`` takes ``marker`` (a file path) and ``below_dp``;
+    a one-shot fault may take ``below_dp`` (it fires only while the run has fewer replicas)."""
     if kind not in WORKER_FAULT_KINDS:
         raise ValueError(f"unknown worker fault {kind!r}; expected one of {WORKER_FAULT_KINDS}")
     if kind == "hold" and set(extra) != {"marker", "below_dp"}:
         raise ValueError("a hold needs marker= and below_dp=")
+    if kind not in _EVERY_STEP and not set(extra) <= {"below_dp"}:
+        raise ValueError(f"a {kind} fault takes below_dp= only, not {sorted(set(extra) - {'below_dp'})}")
     return {"kind": kind, "step": step, "rank": rank, "seconds": seconds, "bit": bit, **extra}
 
 
@@ -61,8 +67,13 @@ class WorkerFaults:
         self._stop, self._beat = stop, beat
 
     def pending(self, step: int, rank: int) -> bool:
-        """A one-shot fault is due now (the worker then waits for its last snapshot)."""
-        return any(f["step"] == step and f["rank"] == rank and f["kind"] not in _EVERY_STEP for f in self._pending)
+        """A one-shot fault may be due now (the worker then waits for its last snapshot)."""
+        return any(
+            f["rank"] == rank
+            and f["kind"] not in _EVERY_STEP
+            and (f["step"] <= step if "below_dp" in f else f["step"] == step)
+            for f in self._pending
+        )
 
     def before_step(self, step: int, rank: int, engine: Any) -> None:
         for fault in self._pending:
@@ -77,12 +88,19 @@ class WorkerFaults:
         for fault in list(self._pending):
             if fault["kind"] in _EVERY_STEP:
                 continue
-            if replay and fault["step"] <= step:  # the replayed step runs clean, whatever rank this worker has now
+            if "below_dp" in fault:  # due at the first step from ``step`` on in a smaller run, replayed or not
+                if engine.dims.dp >= fault["below_dp"] or step < fault["step"]:
+                    continue
+                self._pending.remove(fault)  # in every worker: it fires once, in the one that is ``rank`` now
+                if fault["rank"] != rank:
+                    continue
+            elif replay and fault["step"] <= step:  # the replayed step runs clean, whatever rank this worker has now
                 self._pending.remove(fault)
                 continue
-            if fault["step"] != step or fault["rank"] != rank:
+            elif fault["step"] != step or fault["rank"] != rank:
                 continue
-            self._pending.remove(fault)
+            else:
+                self._pending.remove(fault)
             kind = fault["kind"]
             if kind == "raise":
                 raise InjectedError(f"injected failure in step {step} on rank {rank}")

@@ -74,6 +74,7 @@ class Trainer:
         self.uploader: StorageUploader | None = None
         self.last_progress = time.monotonic()  # the loop's own heartbeat
         self._snapshot_blocking = 0.0
+        self._live_from: int | None = None  # load_live: the rank whose own snapshot holds this state
         self.source = source  # opens this rank's batch stream when set (elastic.ingest.host_readers.FeederSource)
         self.sdc = SdcGuard(spec, dims, rank, tier)  # silent data corruption checks (docs/health.md)
         # A peer was lost (``TrainWorker.abort_step``): leave the step at the next block
@@ -123,6 +124,7 @@ class Trainer:
             load_live_into(self.engine, live, objects)
         self._load_progress(objects)
         restore_rng(_rng_of(objects))
+        self._live_from = live.rank  # its own snapshot of this step holds this very state
 
     def release_live(self) -> LiveState | None:
         """Let go of the engine (its process groups and wrappers) and keep its state."""
@@ -290,10 +292,15 @@ class Trainer:
 
     def begin_layout(self) -> None:
         """Before this layout's first step (every peer has restored by now): the memory tier
-        forgets snapshots of other layouts (``MemoryTier.keep_layout``), and the step this
-        layout resumes from is snapshotted under it, unless held already, so that a failure
-        before this layout's first snapshot still finds that step (without it, training
-        restarted from step 0). The copy runs in the background, like every snapshot's."""
+        forgets snapshots of other layouts (``MemoryTier.keep_layout``), and holds the step
+        this layout resumes from under it, so that a failure before this layout's first
+        snapshot still finds that step (without it, training restarted from step 0). A
+        survivor that kept its live state takes its own snapshot of that step as the new
+        rank's (``MemoryTier.relabel``: no copy); any other rank snapshots it, in the
+        background like every snapshot."""
+        prior, self._live_from = self._live_from, None
+        if self.step > 0 and self.spec.checkpoint.memory_every_steps and prior is not None:
+            self.tier.relabel(self.step, prior, self.rank, self.layout)  # a survivor: no copy
         self.tier.keep_layout(self.layout)
         if self.step == 0 or not self.spec.checkpoint.memory_every_steps:
             return

@@ -213,3 +213,21 @@ def test_a_new_layout_forgets_the_old_snapshots_and_reuses_their_buffers():
     assert snap.layout == new and torch.equal(snap.tensors["app/w"], torch.full((64, 64), 2.0))
     assert old.get(id(snap.tensors["app/w"].untyped_storage())) == 1  # step 1's buffer, not a new one
     assert torch.equal(leased.tensors["app/w"], torch.full((64, 64), 2.0))
+
+
+def test_a_survivor_relabels_its_snapshot_for_the_new_layout_without_a_copy():
+    peer = Peer()
+    tier = MemoryTier()
+    tier.snapshot_async(5, 2, _state(5.0, 5), LAYOUT)  # taken as rank 2 of the old layout
+    tier.wait()
+    storage = tier.get(2, 5).tensors["app/w"].untyped_storage()
+    new = {**LAYOUT, "dp": 1}
+    tier.replicate_to(peer.send)
+    assert not tier.relabel(5, 0, 1, new)  # not a snapshot taken as rank 0
+    assert tier.relabel(5, 2, 1, new)  # rank 2 is rank 1 now, with the same state
+    tier.keep_layout(new)
+    tier.wait_replication()
+    assert tier.holdings() == {1: [5]} and tier.holds_own(5, 1, new)
+    snap = tier.get(1, 5)
+    assert snap.tensors["app/w"].untyped_storage().data_ptr() == storage.data_ptr()  # no copy
+    assert peer.arrived == [5] and peer.tier.get(1, 5).layout == new  # the new layout's peer has it

@@ -157,3 +157,27 @@ def test_a_one_shot_fault_fires_once_and_not_in_a_survivor_replaying_its_step():
     with pytest.raises(InjectedError):
         faulted.before_step(3, 1, engine=None)
     faulted.before_step(3, 1, engine=None)  # once
+
+
+def test_a_fault_below_a_dp_fires_in_the_first_step_of_a_smaller_run_replayed_or_not():
+    """``below_dp``: nothing at dp 4; at the first step from ``step`` on at dp 3 (here step 9
+    again, a replay after a shrink) it fires in the worker that is ``rank`` then, and every
+    other worker drops it (it fires once)."""
+    from types import SimpleNamespace
+
+    from elastic.faults import WorkerFaults, worker_fault
+    from elastic.faults.worker import InjectedError
+
+    at = {dp: SimpleNamespace(dims=SimpleNamespace(dp=dp)) for dp in (3, 4)}
+    faulted, other = (WorkerFaults([worker_fault("raise", step=8, rank=1, below_dp=4)]) for _ in range(2))
+    for step in range(1, 10):
+        faulted.before_step(step, 1, at[4])
+        other.before_step(step, 2, at[4])
+    assert faulted.pending(9, 1) and not faulted.pending(7, 1)
+    with pytest.raises(InjectedError):
+        faulted.before_step(9, 1, at[3])
+    other.before_step(9, 0, at[3])  # not rank 1 there: dropped, not fired
+    for worker in (faulted, other):
+        worker.before_step(9, 1, at[3])  # the next generation replays step 9 clean
+    with pytest.raises(ValueError):
+        worker_fault("raise", step=8, rank=1, marker="x")
