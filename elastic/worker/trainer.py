@@ -60,9 +60,8 @@ class Trainer:
     ):
         self.spec, self.dims, self.rank, self.tier, self.corpus = spec, dims, rank, tier, corpus
         self.reports, self.stop, self.hook, self.peak_flops = reports, stop, hook, peak_flops
-        # ``restoring``: state is loaded right after the build, so the engine skips making
-        # the ranks' fresh weights agree (every rank loads the same state). ``adopt``: this
-        # rank's own live state from the last generation (``elastic/parallel/live.py``).
+        # ``restoring``: state is loaded right after the build (no fresh weights to agree on).
+        # ``adopt``: this rank's live state from the last generation (elastic/parallel/live.py).
         self._engine: TrainEngine | None = TrainEngine(
             spec.model, spec.parallel, spec.train, dims, spec.seed, device=str(device), restoring=restoring, adopt=adopt
         )
@@ -77,8 +76,7 @@ class Trainer:
         self._live_from: int | None = None  # load_live: the rank whose own snapshot holds this state
         self.source = source  # opens this rank's batch stream when set (elastic.ingest.host_readers.FeederSource)
         self.sdc = SdcGuard(spec, dims, rank, tier)  # silent data corruption checks (docs/health.md)
-        # A peer was lost (``TrainWorker.abort_step``): leave the step at the next block
-        # instead of computing it to its end, where the first collective would fail.
+        # A peer was lost (``TrainWorker.abort_step``): leave the step at the next block.
         self.abort = abort or threading.Event()
         blocks = [] if spec.train.compile else self.engine.spec.blocks(self.engine.module)  # (no graph breaks)
         self._abort_hooks = AbortHooks(self.abort, blocks)  # elastic/worker/abort.py
@@ -117,9 +115,8 @@ class Trainer:
         return flat_target(self.engine)[0]
 
     def load_live(self, live: LiveState, objects: dict[str, Any]) -> None:
-        """Resume a survivor from its own live state (the module kept whole, or its local
-        shards copied in); only the step, data position and RNG come from ``objects``, the
-        plain values of its own snapshot of the same step (``MemoryTier.progress``)."""
+        """Resume a survivor from its own live state (the module kept whole, or its shards
+        copied in); the step, data position and RNG from its own snapshot's ``objects``."""
         if live.params is not None:
             load_live_into(self.engine, live, objects)
         self._load_progress(objects)
@@ -291,25 +288,20 @@ class Trainer:
         return True
 
     def begin_layout(self) -> None:
-        """Before this layout's first step (every peer has restored by now): the memory tier
-        forgets snapshots of other layouts (``MemoryTier.keep_layout``), and holds the step
-        this layout resumes from under it, so that a failure before this layout's first
-        snapshot still finds that step (without it, training restarted from step 0). A
-        survivor that kept its live state takes its own snapshot of that step as the new
-        rank's (``MemoryTier.relabel``: no copy); any other rank snapshots it, in the
-        background like every snapshot."""
+        """Before this layout's first step (every peer has restored): hold the step it resumes
+        from under this layout (else a failure before its first snapshot restarted from step
+        0): a survivor that kept its live state relabels its own snapshot of that step (no
+        copy), any other rank snapshots it in the background; then forget other layouts'."""
         prior, self._live_from = self._live_from, None
-        if self.step > 0 and self.spec.checkpoint.memory_every_steps and prior is not None:
-            self.tier.relabel(self.step, prior, self.rank, self.layout)  # a survivor: no copy
+        due = self.step > 0 and bool(self.spec.checkpoint.memory_every_steps)
+        if due and prior is not None:
+            self.tier.relabel(self.step, prior, self.rank, self.layout)
         self.tier.keep_layout(self.layout)
-        if self.step == 0 or not self.spec.checkpoint.memory_every_steps:
-            return
-        if not self.tier.holds_own(self.step, self.rank, self.layout):
+        if due and not self.tier.holds_own(self.step, self.rank, self.layout):
             t = time.perf_counter()
             state = self.state_dict()
-            self._snapshot_blocking = (
-                time.perf_counter() - t + self.tier.snapshot_async(self.step, self.rank, state, self.layout)
-            )
+            self._snapshot_blocking = time.perf_counter() - t
+            self._snapshot_blocking += self.tier.snapshot_async(self.step, self.rank, state, self.layout)
 
     def snapshot_now(self) -> None:
         """Make sure the memory tier holds the live step (a resize restores from it)."""
