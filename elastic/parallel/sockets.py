@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import stat
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +62,22 @@ class GroupSockets:
     def cut(self) -> int:
         """Shut the captured sockets down; returns how many were still open."""
         cut = 0
-        current = socket_fds()
         for fd, inode in self.sockets.items():
-            if current.get(fd) != inode:
-                continue  # closed already, or the number now belongs to another socket
             try:
-                with socket.socket(fileno=os.dup(fd)) as s:
+                dup = os.dup(fd)  # held: the socket checked below is the one shut down
+            except OSError:
+                continue  # closed already
+            st = os.fstat(dup)
+            if not stat.S_ISSOCK(st.st_mode) or f"socket:[{st.st_ino}]" != inode:
+                os.close(dup)  # the number now belongs to another socket (gloo and Ray open and
+                continue  # close theirs on other threads: checked on the duplicate, not before it)
+            try:
+                s = socket.socket(fileno=dup)
+            except OSError:
+                os.close(dup)
+                continue
+            try:
+                with s:
                     # Connected TCP streams only: gloo's listener thread aborts the process
                     # if its listening socket fails, and Unix sockets are not the group's.
                     if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:

@@ -28,3 +28,45 @@ def test_cutting_the_group_sockets_frees_a_blocked_peer(tmp_path, cut):
         assert "Connection closed" in blocked["error"] or "Connection reset" in blocked["error"], blocked
     else:
         assert blocked["blocked_s"] >= TIMEOUT_S * 0.9, blocked
+
+
+def test_a_descriptor_number_reused_by_another_socket_is_left_alone(monkeypatch):
+    """A captured socket closed, and its number taken by a new connection (gloo and Ray open
+    and close sockets on other threads), even while the cut runs: the cut shuts down only
+    the sockets it captured."""
+    import os
+    import socket
+
+    from elastic.parallel import sockets
+    from elastic.parallel.sockets import GroupSockets
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    group = GroupSockets()
+    group.before_init()
+    captured = socket.create_connection(("127.0.0.1", port))
+    kept = socket.create_connection(("127.0.0.1", port))
+    group.capture()
+    number = captured.fileno()
+    assert number in group.sockets and kept.fileno() in group.sockets
+    other = socket.create_connection(("127.0.0.1", port))
+    real_dup = os.dup
+
+    def dup_after_a_reuse(fd):  # another thread closes the socket and reuses its number now
+        if fd == number and captured.fileno() != -1:
+            captured.detach()
+            os.dup2(other.fileno(), number)  # closes the captured socket, the number is other's
+        return real_dup(fd)
+
+    monkeypatch.setattr(sockets.os, "dup", dup_after_a_reuse)
+    try:
+        assert group.cut() == 1  # ``kept`` only
+        reused = socket.socket(fileno=real_dup(number))
+        reused.sendall(b"x")  # the connection that took the number is still open
+        reused.close()
+        with pytest.raises(OSError):
+            kept.sendall(b"x" * (1 << 20))
+    finally:
+        for s in (other, kept, listener):
+            s.close()
+        os.close(number)
