@@ -14,6 +14,9 @@ raylet's children, then ``remove_node``) when step ``--kill-step`` completes:
   about 50 MB and about 500 MB of training state (weights and AdamW moments), under DDP and
   under HSDP (zero 3, shard groups of 2). Goal: cost(500 MB) / cost(50 MB) <= 1.2, with the
   survivors' ``restore_s`` near 0 (``ranks_kept_state``: survivors that restored nothing).
+  The 500 MB model has twice the blocks of the 50 MB one (8 against 4);
+  ``ddp_500mb_4l`` and ``hsdp_500mb_4l`` hold the same state at 4 blocks (wider), so the
+  two ratios separate what grows with the bytes from what grows with the module count.
 
 and, without Ray, the store operations per rank per re-formation (a warm re-formation of
 spawned gloo ranks through the project's ``ReconfigurableProcessGroup`` and
@@ -58,7 +61,11 @@ from benchmarks.harness.stats import median_range
 
 TINY = {"n_layers": 4, "d_model": 64, "n_heads": 4, "vocab_size": 512, "seq_len": 32}
 M50 = {"n_layers": 4, "d_model": 256, "n_heads": 4, "vocab_size": 2048, "seq_len": 32}  # 4.2M params, 50.5 MB
-M500 = {"n_layers": 8, "d_model": 640, "n_heads": 8, "vocab_size": 4096, "seq_len": 32}  # 42M params, 0.5 GB
+M500 = {"n_layers": 8, "d_model": 640, "n_heads": 8, "vocab_size": 4096, "seq_len": 32}  # 44.6M params, 0.54 GB
+# The same state as M500 at M50's depth (4 blocks, wider): what grows with the bytes alone,
+# apart from what grows with the number of modules (FSDP's per-parameter set-up, the objects
+# a teardown collects).
+M500_4L = {"n_layers": 4, "d_model": 864, "n_heads": 8, "vocab_size": 4096, "seq_len": 32}  # 43.0M params, 0.52 GB
 # name: (model, tp, pp, zero, shard_group, nodes, ranks per node, global batch)
 SCENARIOS: dict[str, tuple[dict, int, int, int, int | None, int, int, int]] = {
     "tp2pp2_8": (TINY, 2, 2, 0, None, 2, 4, 12),
@@ -70,6 +77,8 @@ SCENARIOS: dict[str, tuple[dict, int, int, int, int | None, int, int, int]] = {
     "ddp_500mb": (M500, 1, 1, 0, None, 4, 1, 12),
     "hsdp_50mb": (M50, 1, 1, 3, 2, 4, 1, 12),
     "hsdp_500mb": (M500, 1, 1, 3, 2, 4, 1, 12),
+    "ddp_500mb_4l": (M500_4L, 1, 1, 0, None, 4, 1, 12),
+    "hsdp_500mb_4l": (M500_4L, 1, 1, 3, 2, 4, 1, 12),
 }
 PRE_STEP = ("detect_s", "decide_s", "free_s", "spawn_s", "rendezvous_s", "rebuild_s", "restore_s", "configure_other_s")
 WORKER_SIDE = ("rendezvous_s", "rebuild_s", "restore_s", "configure_other_s")
@@ -298,6 +307,8 @@ def goals(summary: dict[str, Any]) -> dict[str, Any]:
         "dp_cost8_over_cost4": ratio(summary, "dp_8", "dp_4"),
         "ddp_cost500_over_cost50": ratio(summary, "ddp_500mb", "ddp_50mb"),
         "hsdp_cost500_over_cost50": ratio(summary, "hsdp_500mb", "hsdp_50mb"),
+        "ddp_cost500_4l_over_cost50": ratio(summary, "ddp_500mb_4l", "ddp_50mb"),  # the same depth
+        "hsdp_cost500_4l_over_cost50": ratio(summary, "hsdp_500mb_4l", "hsdp_50mb"),
         # The same costs timed from the kill (the benchmark's stamp), not from the driver's estimate.
         "tp2pp2_from_kill16_over_8": ratio(summary, "tp2pp2_16", "tp2pp2_8", "cost_from_kill_s"),
         "ddp_from_kill500_over_50": ratio(summary, "ddp_500mb", "ddp_50mb", "cost_from_kill_s"),
@@ -325,8 +336,8 @@ def targets(summary: dict[str, Any], g: dict[str, Any], ops: list[dict[str, Any]
     def bound(value: float | None, limit: float) -> dict[str, Any]:
         return {"goal": f"<= {limit}", "measured": value, "met": None if value is None else value <= limit}
 
-    restore = {n: (summary.get(n, {}).get("breakdown", {}).get("restore_s") or {}).get("median")
-               for n in ("ddp_50mb", "ddp_500mb", "hsdp_50mb", "hsdp_500mb")}  # fmt: skip
+    state = ("ddp_50mb", "ddp_500mb", "hsdp_50mb", "hsdp_500mb", "ddp_500mb_4l", "hsdp_500mb_4l")
+    restore = {n: (summary.get(n, {}).get("breakdown", {}).get("restore_s") or {}).get("median") for n in state}
     # Store operations beyond the replicate (DP) group's full mesh, which gloo connects with
     # one set and one get per member: constant in the number of replicas when only it grows.
     beyond = {}
@@ -338,6 +349,8 @@ def targets(summary: dict[str, Any], g: dict[str, Any], ops: list[dict[str, Any]
         "tp2pp2_cost16_over_cost8": bound(g.get("tp2pp2_cost16_over_cost8"), 1.3),
         "ddp_cost500_over_cost50": bound(g.get("ddp_cost500_over_cost50"), 1.2),
         "hsdp_cost500_over_cost50": bound(g.get("hsdp_cost500_over_cost50"), 1.2),
+        "ddp_cost500_4l_over_cost50": bound(g.get("ddp_cost500_4l_over_cost50"), 1.2),
+        "hsdp_cost500_4l_over_cost50": bound(g.get("hsdp_cost500_4l_over_cost50"), 1.2),
         "survivors_restore_s": {"goal": "near 0", "measured": restore},
         "store_ops_beyond_replicate_group": {
             "goal": "no growth with the number of replicas beyond the backend's replicate group (gloo: 2 per member)",

@@ -8,8 +8,17 @@ All are plain dataclasses: Ray pickles them, and tests build them directly.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
+
+Connection = tuple[str, int, str, int]  # a TCP link: (local host, local port, peer host, peer port)
+
+
+def links_to(connections: Iterable[Connection]) -> frozenset[Connection]:
+    """A rank's connections as its peers see them: the links to it that a survivor cuts."""
+    return frozenset((ph, pp, lh, lp) for lh, lp, ph, pp in connections)
+
 
 # --------------------------------------------------------------------------- worker -> controller
 
@@ -167,6 +176,9 @@ class ConfigureReply:
     kept_state: bool = False  # it resumed from its own live state and restored nothing
     peer_bytes: int = 0  # snapshot bytes it fetched from peers' memory
     cpu_s: float = 0.0  # CPU time the worker process spent configuring (every thread)
+    # Its group's TCP connections, (local host, local port, peer host, peer port) each (gloo):
+    # when it is lost, the survivors cut their ends of these (``Signal.links``).
+    connections: tuple[Connection, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -325,11 +337,13 @@ class Launch:
 @dataclass(frozen=True)
 class Signal:
     """A call every rank of the node gets, answered by no one: ``request_stop``,
-    ``abort_step(generation)`` (a peer was lost: leave that generation's step in flight) or
+    ``abort_step(generation, links)`` (a peer was lost: leave that generation's step in flight,
+    and shut down these connections to the lost ranks, as the survivors see them) or
     ``abandon_rendezvous(generation)``."""
 
     method: Literal["request_stop", "abort_step", "abandon_rendezvous"]
     generation: int = 0
+    links: frozenset[Connection] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -289,7 +289,8 @@ class NodeCore:
                 self._expect_new_run(r.wid, cid)
                 self.backend.call(r.handle, "run", part.last_step)  # its end comes with a poll
         elif isinstance(part, Signal):
-            args = (part.generation,) if part.generation else ()
+            args: tuple[Any, ...] = (part.generation,) if part.generation else ()
+            args += (part.links,) if part.links else ()
             for r in self._live():
                 self.backend.call(r.handle, part.method, *args)
         elif isinstance(part, Query):

@@ -66,17 +66,19 @@ def load_snapshots_into(engine: Any, snaps: dict[int, Snapshot]) -> None:
 def load_live_into(engine: Any, live: Any, objects: dict[str, Any]) -> None:
     """Load a survivor's own live state (``elastic.parallel.live.LiveState``: its local shards
     of the same tensors in the new layout) into ``engine``: the parameter shards are copied
-    into the new wrapper's, the optimizer state is taken over without a copy (wrapped as
-    DTensors of the new mesh), and the LR schedule's position comes from ``objects``, the
-    plain values of the rank's own snapshot of the same step."""
+    into the new wrapper's (unless the build took them as its storage: ``adopt_shards``),
+    the optimizer state is taken over without a copy (wrapped as DTensors of the new mesh),
+    and the LR schedule's position comes from ``objects``, the plain values of the rank's
+    own snapshot of the same step."""
     from torch.distributed.tensor import DTensor
 
     for name, param in engine.model.named_parameters():
         kept, local = live.params.get(name), _local(param)
         if kept is None or kept.shape != local.shape:
             raise LayoutMismatch(f"{name}: the live state does not hold this rank's shard")
-        with torch.no_grad():
-            local.copy_(kept)
+        if local.data_ptr() != kept.data_ptr():  # not already its storage (``adopt_shards``)
+            with torch.no_grad():
+                local.copy_(kept)
         state = live.optim.get(name)
         if state:
             engine.optimizer.state[param] = {

@@ -128,6 +128,8 @@ def configure_through(
             nodes=sorted({m.node_id for m, _ in failed}),
         )
     ordered = [g.replies[m.wid] for m in members]
+    for m, r in zip(members, ordered):
+        m.connections = r.connections  # its peers cut their ends of these when it is lost
     return ConfigureResult(
         step=ordered[0].step,
         init_s=max(r.init_s for r in ordered),

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from elastic.control.group_news import Gather, GroupNews, wids_by_node
 from elastic.control.recovery_plan import Holdings
-from elastic.messages import NodeCommand, Query, Signal
+from elastic.messages import NodeCommand, Query, Signal, links_to
 
 if TYPE_CHECKING:
     from elastic.control.worker_group import Member
@@ -74,10 +74,11 @@ class GroupQueries(GroupNews):
         self._wait_for(g, timeout)
         self._done(g)
 
-    def abort_steps(self, members: Sequence[Member]) -> None:
+    def abort_steps(self, members: Sequence[Member], lost: Sequence[Member] = ()) -> None:
         """A peer was lost: every member leaves the step in flight at its next block (fire
         and forget, through the members' node agents: one message per aggregator link, not
-        one actor call per rank from the driver).
+        one actor call per rank from the driver), and shuts down its links to the ``lost``
+        ranks (their connections, seen from the other end: ``links_to``).
 
         The recovery's next question goes down with it: each member's snapshot holdings as
         of the end of its run (``TrainWorker.snapshot_holdings(after_run_s)``), so they come
@@ -85,7 +86,8 @@ class GroupQueries(GroupNews):
         after every run has ended (a round trip of the tree: at 16k ranks, tenths of a
         second of the recovery's decision)."""
         by_node = wids_by_node(members)
-        self.tree.send(dict.fromkeys(by_node, Signal("abort_step", self._generation)))
+        links = links_to(c for m in lost for c in m.connections)
+        self.tree.send(dict.fromkeys(by_node, Signal("abort_step", self._generation, links)))
         if self._holdings_ahead is not None:
             self._done(self._holdings_ahead[1])
         query: dict[str, NodeCommand] = {

@@ -101,8 +101,10 @@ def free_survivors(
     group.kill(culprits)
     if lost:
         group.shrink([m for m in group.members if not m.dead], excluded)
-    elif culprits and not stop:  # survivors still computing leave the step now, not at its end
-        group.abort_steps([m for m in group.members if not m.dead])
+    elif culprits and not stop:  # survivors still computing leave the step now, not at its end,
+        # and cut their links to the lost ranks: a collective blocked on one fails at once
+        dead = [m for m in group.members if m.dead]
+        group.abort_steps([m for m in group.members if not m.dead], lost=dead)
     if stop:
         group.request_stop()
     gone = {id(m) for m in culprits}

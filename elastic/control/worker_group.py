@@ -37,7 +37,7 @@ from elastic.control.recovery_plan import ReformPlan
 from elastic.control.worker_group_api import ConfigureResult, Observation
 from elastic.errors import ActorDied
 from elastic.ingest.host_readers import HostReaders
-from elastic.messages import Attach, Detach, Launch, RunOutcome, Signal, WorkerInfo
+from elastic.messages import Attach, Connection, Detach, Launch, RunOutcome, Signal, WorkerInfo
 from elastic.placement.planned import PlannedSlots, placement_fields
 from elastic.placement.slots import ReplicaSlots, group_tables
 from elastic.worker import TrainWorker
@@ -71,6 +71,7 @@ class Member:
     since: int = 0  # the command (configure or launch) its current run belongs to
     launched: bool = False  # its run() was started (since its last configure)
     quiet: bool = False  # its run ended and nothing was asked of it since: all it reported is in
+    connections: tuple[Connection, ...] = ()  # its group's TCP links (its configure answer)
 
 
 class WorkerGroup(GroupQueries):

@@ -84,7 +84,7 @@ class TrainEngine:
             self.optimizer.zero_grad(set_to_none=True)  # a step the failure cut short left gradients behind
             self.build_timings["wrap_s"] = time.perf_counter() - t0
         else:
-            self._build(seed, bf16, restoring)
+            self._build(seed, bf16, restoring, adopt.params if adopt is not None else None)
         self.model.train()
         if self.spec.set_loss_scale is not None:  # what each micro-batch's loss is scaled by (the pipeline
             # schedule scales the accumulated gradients instead); a kept module's grad_accum may have changed
@@ -113,9 +113,9 @@ class TrainEngine:
         self.probed_peak_bytes: int | None = None
         self.sync_wait_s = 0.0  # the last step's time blocked on peers (gradient sync, loss all-reduce)
 
-    def _build(self, seed: int, bf16: bool, restoring: bool) -> None:
-        """The full model on the meta device, cut to this rank's stage, then sharded,
-        materialised and seeded in ``parallelize``: the same weights under any layout."""
+    def _build(self, seed: int, bf16: bool, restoring: bool, kept: dict[str, torch.Tensor] | None) -> None:
+        """The model on the meta device, cut to this rank's stage, then sharded, materialised
+        and seeded in ``parallelize`` (``kept``: a survivor's shards): one init under any layout."""
         dims, parallel_cfg, train_cfg = self.dims, self.parallel_cfg, self.train_cfg
         t0 = time.perf_counter()
         with torch.device("meta"):
@@ -136,6 +136,7 @@ class TrainEngine:
             compile=train_cfg.compile,
             timings=self.build_timings,
             restoring=restoring,
+            kept=kept,
         )
         t1 = time.perf_counter()
         self.optimizer, self.scheduler = build_optimizer(self.model, train_cfg)

@@ -4,7 +4,8 @@
 stage its ``ModelSpec.split_stage`` cut from it), shards it with the model's TP plan,
 materialises it on the device, initialises it from the seed (``ModelSpec.init_weights``,
 per-FQN seeded, so the weights are the same under every layout by construction), then
-applies recompute, ``torch.compile`` and data parallelism. Rebuilding after an elastic
+applies recompute, ``torch.compile`` and data parallelism; under FSDP the materialising
+comes after the sharding, so a rank allocates only its own shards. Rebuilding after an elastic
 resize is a second call on a fresh model with a fresh ``ParallelDims``.
 """
 
@@ -40,6 +41,7 @@ def parallelize(
     compile: bool = False,
     timings: dict[str, float] | None = None,
     restoring: bool = False,
+    kept: dict[str, torch.Tensor] | None = None,
 ) -> nn.Module:
     """TP, EP and CP, then materialise and init, then recompute, compile, FSDP or DDP; returns the module to train.
 
@@ -47,6 +49,10 @@ def parallelize(
     which wraps it. With ``bf16`` and ``zero >= 1`` FSDP is applied even with one replica,
     so that its mixed-precision policy (and so the numerics) does not change when an
     elastic job shrinks to dp=1.
+
+    ``kept`` (with ``restoring``): a survivor's own local shards of this layout's parameters,
+    by name. Under FSDP they become the parameters' storage (``adopt_shards``), so the
+    restore that follows finds them in place and copies nothing.
     """
     # 1. Tensor parallelism first (on the meta device): it turns block weights into
     #    DTensors on the TP mesh. FSDP/replicate applied later see those DTensors and
@@ -60,22 +66,25 @@ def parallelize(
     if dims.cp_enabled:
         required_plan(spec.cp_plan, "cp_plan")(model, dims.cp_mesh)
 
-    # 2. Materialise this rank's shard of this stage only, and fill it from the seed. A
-    #    restore overwrites every value right after, so the fill is skipped then (it costs
-    #    a pass over the whole model before FSDP shards it), unless the model holds buffers,
-    #    which no checkpoint holds; parameters shared between modules, which ``to_empty``
-    #    unties, are tied again without it.
+    # 2. Materialise and fill from the seed. A restore overwrites every value right after,
+    #    so the fill is skipped then, unless the model holds buffers, which no checkpoint
+    #    holds; parameters shared between modules, which ``to_empty`` unties, are tied again
+    #    without it. Under FSDP this waits until the parameters are sharded (step 5, the
+    #    order of torchtitan): each rank then allocates only its own shard, instead of the
+    #    whole stage that FSDP would copy its shard out of (a re-formation under HSDP paid
+    #    that in proportion to the model). A model with tied parameters keeps the early
+    #    order: FSDP registers one of the two modules' parameters, and ``to_empty`` after
+    #    sharding would leave the other one untied.
     tied = tied_parameters(model)
     fill = not restoring or any(True for _ in model.buffers())
-    model.to_empty(device=device)
-    if fill:
-        spec.init_weights(model, seed)
-    else:
-        retie(model, tied)
     blocks = spec.blocks(model)
+    dense_dp = dims.dense_dp > 1
+    fsdp = cfg.zero >= 1 and (dense_dp or bf16)
+    shard_first = fsdp and not tied
+    if not shard_first:
+        _materialize(model, spec, seed, device, fill, tied)
     t1 = time.perf_counter()
-    if timings is not None:
-        timings["materialize_s"] = t1 - t0
+    late_s = 0.0  # materialising after FSDP
 
     # 3. Activation checkpointing next, before data parallelism (the order of torchtitan
     #    and of torch's FSDP2 tests): FSDP's hooks then wrap the checkpointed block, so
@@ -94,12 +103,17 @@ def parallelize(
     #    is nothing to shard or average (but see bf16 above). Under HSDP
     #    (``parallel.shard_group``, ep = cp = 1) FSDP gets the 2-D (replicate, shard) mesh
     #    and shards over the second dimension only (``ParallelDims.fsdp_mesh``).
-    dense_dp = dims.dense_dp > 1
     expert_mesh = dims.expert_mesh if dims.expert_dp > 1 else None
-    if cfg.zero >= 1 and (dense_dp or bf16):
+    if fsdp:
         wrapped = apply_fsdp(
             model, dims.fsdp_mesh, cfg.zero, blocks, bf16=bf16, experts=experts, expert_mesh=expert_mesh
         )
+        if shard_first:
+            t2 = time.perf_counter()
+            _materialize(model, spec, seed, device, fill, tied)  # this rank's shards only
+            if restoring and kept:
+                adopt_shards(model, kept)
+            late_s = time.perf_counter() - t2
     elif not dense_dp:
         wrapped = model
     else:
@@ -114,8 +128,44 @@ def parallelize(
             expert_mesh=expert_mesh,
         )
     if timings is not None:
-        timings["wrap_s"] = time.perf_counter() - t1
+        timings["materialize_s"] = t1 - t0 + late_s
+        timings["wrap_s"] = time.perf_counter() - t1 - late_s
     return wrapped
+
+
+def _materialize(model: nn.Module, spec: ModelSpec, seed: int, device: torch.device, fill: bool, tied: list) -> None:
+    """Allocate the (local shards of the) parameters and buffers on ``device``; fill them from
+    the seed, or tie the shared ones again when the fill is skipped."""
+    model.to_empty(device=device)
+    if fill:
+        spec.init_weights(model, seed)
+    else:
+        retie(model, tied)
+
+
+def adopt_shards(model: nn.Module, kept: dict[str, torch.Tensor]) -> int:
+    """Make each sharded parameter whose local shard ``kept`` holds (same shape, dtype and
+    device) a DTensor over that very tensor: a survivor's shards become the new FSDP's
+    storage instead of being copied into it (FSDP takes a new parameter's local tensor as
+    its sharded data at its lazy init; an unevenly sharded one is padded there, a copy).
+    Returns how many were adopted."""
+    from torch.distributed.tensor import DTensor
+
+    adopted = 0
+    for name, param in list(model.named_parameters()):
+        value = kept.get(name)
+        if not isinstance(param, DTensor) or value is None:
+            continue
+        local = param.to_local()
+        if (value.shape, value.dtype, value.device) != (local.shape, local.dtype, local.device):
+            continue
+        shared = DTensor.from_local(
+            value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, nn.Parameter(shared, requires_grad=param.requires_grad))
+        adopted += 1
+    return adopted
 
 
 def tied_parameters(model: nn.Module) -> list[list[str]]:

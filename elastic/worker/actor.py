@@ -153,13 +153,14 @@ class TrainWorker:
         self.group.abandon(generation)
 
     @ray.method(concurrency_group="control")
-    def abort_step(self, generation: int = 0) -> None:
-        """A peer was lost: leave the step in flight at the next layer, not at the first
-        collective. A snapshot copy in flight gives way. A late notice (for a generation
-        this rank has left) changes nothing."""
+    def abort_step(self, generation: int = 0, links: frozenset = frozenset()) -> None:
+        """A peer was lost: leave the step in flight at the next layer, and cut ``links`` (this
+        rank's connections to the lost ranks: a collective blocked on one fails now). A snapshot
+        copy in flight gives way. A late notice (for a generation it has left) changes nothing."""
         if generation and generation != self.group.generation:
             return
         self._abort.set()
+        self.group.cut_links(links)
         self.tier.yield_copy()
 
     @ray.method(concurrency_group="control")
@@ -287,9 +288,8 @@ class TrainWorker:
             req.generation, req.rank, join_s, mesh_s, build_s, restore_s, " (kept its live state)" if adopted else "",
         )  # fmt: skip
         cpu_s = time.process_time() - cpu0  # this process's own work: no other rank's shares it on a real cluster
-        return ConfigureReply(
-            req.rank, trainer.step, init_s, build_s, restore_s, bytes_read, store_ops, adopted, self._peer_bytes, cpu_s
-        )
+        return ConfigureReply(req.rank, trainer.step, init_s, build_s, restore_s, bytes_read, store_ops, adopted,
+                              self._peer_bytes, cpu_s, self.group.connections())  # fmt: skip
 
     def _keepable(self, req: ConfigureRequest) -> LiveState | None:
         """This rank's live state, if the plan gives it the same state to hold

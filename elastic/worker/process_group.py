@@ -57,12 +57,13 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
+from elastic.messages import Connection
 from elastic.parallel.sockets import GroupSockets
 from elastic.worker.job_store import JobStore
 
@@ -203,6 +204,15 @@ class ReconfigurableProcessGroup:
     def built(self) -> None:
         """Call after the mesh and wrappers are built: their connections are cut on a failure."""
         self._sockets.capture()
+
+    def connections(self) -> tuple[Connection, ...]:
+        """The TCP connections of the group and its mesh (gloo), as captured by ``built``."""
+        return self._sockets.connections
+
+    def cut_links(self, links: Collection[Connection]) -> int:
+        """Shut down this rank's links to lost peers (as this rank sees them; from the control
+        thread): a collective blocked on one fails now. NCCL: ``shrink`` aborts instead."""
+        return self._sockets.cut(links) if self.backend == "gloo" and links else 0
 
     def shrink(self, excluded: tuple[int, ...]) -> bool:
         """NCCL: shrink the current group in place without the ``excluded`` ranks, aborting

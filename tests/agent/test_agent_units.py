@@ -222,6 +222,9 @@ def test_abort_step_reaches_every_rank_of_the_node_that_is_still_one():
     core.command(3, Signal("abort_step", 7))
     aborts = [f for f in backend.calls if f.method == "abort_step"]
     assert sorted(f.handle for f in aborts) == ["r0", "r1"] and {f.args for f in aborts} == {(7,)}
+    links = frozenset({("10.0.0.1", 5000, "10.0.0.2", 6000)})  # to the lost ranks, as the survivors see them
+    core.command(4, Signal("abort_step", 8, links))
+    assert {f.args for f in backend.calls if f.method == "abort_step"} == {(7,), (8, links)}
 
 
 def test_reports_are_acked_back_to_the_worker_once_the_driver_has_them():

@@ -121,8 +121,8 @@ class FakeWorkerGroup:
                 m.step = self.drain_progress[m.rank]
         return []
 
-    def abort_steps(self, members):
-        self.calls.append(("abort_steps", [m.rank for m in members]))
+    def abort_steps(self, members, lost=()):
+        self.calls.append(("abort_steps", [m.rank for m in members], [m.rank for m in lost]))
 
     def shrink(self, members, excluded):
         self.calls.append(("shrink", [m.rank for m in members], list(excluded)))

@@ -132,7 +132,8 @@ def test_hsdp_snapshots_cover_with_one_copy_of_each_place(zero, shard_group, hol
 def test_free_survivors_on_nccl_kills_the_lost_replica_and_shrinks_the_others():
     """NCCL (``shrink_unit``, the replica size): the culprit's whole replica goes, and every
     other live member is asked to shrink the group without it at once (aborting the
-    collectives it is blocked in); on gloo nothing is shrunk."""
+    collectives it is blocked in); on gloo nothing is shrunk: the others abort their step and
+    cut their links to every rank of the generation that is gone."""
     from fake_group import FakeMember, FakeWorkerGroup
 
     from elastic.control.reform import free_survivors
@@ -145,5 +146,8 @@ def test_free_survivors_on_nccl_kills_the_lost_replica_and_shrinks_the_others():
     assert ("shrink", [0, 1, 4, 5], [2, 3]) in group.calls
     gloo = FakeWorkerGroup(spec=None, corpus_uri="")
     gloo.members = [FakeMember(r, f"pg{r // 2}", f"n{r // 2}") for r in range(6)]
+    gloo.members[5].dead = True  # lost earlier in this generation: its links are cut too
     free_survivors(gloo, [gloo.members[3]], 10.0)
     assert not [c for c in gloo.calls if c[0] == "shrink"] and ("kill", [3]) in gloo.calls
+    # gloo: the others leave the step, and cut their links to the lost ranks
+    assert ("abort_steps", [0, 1, 2, 4], [3, 5]) in gloo.calls

@@ -300,3 +300,112 @@ def probe_memory(rank: int, world: int, out_dir: str, groups: list[tuple]) -> li
             del engine
     dist.destroy_process_group()
     return results
+
+
+def cut_links_to_a_silent_peer(rank: int, world: int, out_dir: str, timeout_s: float, cut: bool) -> dict:
+    """Rank 1 is lost but its process lingers, its sockets open (a killed process whose
+    memory the kernel is still freeing, or a node without power): it publishes its group
+    connections, then stays silent. Rank 2 blocks in an all-reduce with it; with ``cut``,
+    another thread of rank 2 (the worker's control thread, given the driver's abort) shuts
+    down its links to rank 1 only. Then ranks 0 and 2 all-reduce over their own group: its
+    links were left up.
+    """
+    import datetime
+    import json
+    import threading
+
+    from elastic.messages import links_to
+    from elastic.parallel.sockets import GroupSockets
+
+    sockets = GroupSockets()
+    sockets.before_init()
+    init_group(rank, world, os.path.join(out_dir, "store"))
+    to_lost = dist.new_group([1, 2], timeout=datetime.timedelta(seconds=timeout_s))
+    live = dist.new_group([0, 2], timeout=datetime.timedelta(seconds=timeout_s * 4))  # outwaits rank 2's block
+    dist.all_reduce(torch.ones(1), group=to_lost) if rank in (1, 2) else None  # connect both groups' pairs
+    dist.all_reduce(torch.ones(1), group=live) if rank in (0, 2) else None
+    signals = dist.FileStore(os.path.join(out_dir, "signals"), world)
+    signals.set_timeout(datetime.timedelta(seconds=timeout_s * 4))
+    sockets.capture()
+    result: dict = {"connections": len(sockets.connections)}
+    if rank == 1:
+        signals.set("lost", json.dumps(sockets.connections))
+        signals.wait(["done"])  # silent, sockets open, until rank 2 is through
+    elif rank == 2:
+        lost = [tuple(c) for c in json.loads(signals.get("lost").decode())]
+
+        def abort() -> None:  # the driver's abort_step, on another thread
+            signals.wait(["entering"])  # (before or inside it, the all-reduce must fail now)
+            result["cut"] = sockets.cut(links_to(lost)) if cut else 0
+
+        control = threading.Thread(target=abort)
+        control.start()
+        signals.set("entering", "1")
+        t0 = time.perf_counter()
+        try:
+            dist.all_reduce(torch.ones(4), group=to_lost)
+            result["error"] = None
+        except Exception as exc:
+            result["error"] = str(exc)[:200]
+        result["blocked_s"] = time.perf_counter() - t0
+        control.join()
+        x = torch.full((2,), 2.0)
+        dist.all_reduce(x, group=live)
+        result["live_sum"] = x.tolist()
+        signals.set("done", "1")
+    else:
+        x = torch.full((2,), 1.0)
+        dist.all_reduce(x, group=live)
+        result["live_sum"] = x.tolist()
+    return result
+
+
+def materialised_shards(rank: int, world: int, out_dir: str, tied: bool) -> dict:
+    """Build a GPT under ZeRO-3 over ``world`` ranks through ``parallelize``, noting what
+    ``to_empty`` materialised: an untied model is sharded first, so each rank allocates its
+    own shards only; a tied one is materialised whole first (see parallelize.py). Either way
+    the full weights equal the single-process build from the same seed."""
+    from torch.distributed.tensor import DTensor
+
+    from elastic.models.config import GPTConfig
+    from elastic.parallel.config import ParallelConfig
+    from elastic.parallel.dims import ParallelDims
+    from elastic.parallel.parallelize import parallelize
+
+    init_group(rank, world, os.path.join(out_dir, "store"))
+    cfg = GPTConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=64, seq_len=8, tie_embeddings=tied)
+    spec = model_spec(cfg)
+    with torch.device("meta"):
+        model = spec.build()
+    seen: list[int] = []
+    to_empty = model.to_empty
+
+    def noting(*, device):
+        seen.extend(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters())
+        return to_empty(device=device)
+
+    model.to_empty = noting
+    dims = ParallelDims(dp=world, tp=1, pp=1, world_size=world)
+    dims.build_mesh("cpu")
+    parallelize(model, dims, ParallelConfig(zero=3), spec, SEED, torch.device("cpu"))
+    reference = model_spec(cfg).build_full(SEED).state_dict()
+
+    def equal(m) -> bool:
+        full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in m.state_dict().items()}
+        return all(torch.equal(full[n], reference[n]) for n in reference)
+
+    total = sum(p.numel() for p in model_spec(cfg).build_full(SEED).parameters())
+    result = {"allocated": sum(seen), "total": total, "equal": equal(model)}
+    # A survivor's rebuild: its local shards become the new FSDP's storage (``adopt_shards``),
+    # and survive FSDP's lazy init (a forward) as its sharded parameters.
+    kept = {n: p.to_local().detach() for n, p in model.named_parameters()}
+    with torch.device("meta"):
+        again = spec.build()
+    parallelize(again, dims, ParallelConfig(zero=3), spec, SEED, torch.device("cpu"), restoring=True, kept=kept)
+    again(torch.zeros(1, cfg.seq_len, dtype=torch.long)).sum().backward()
+    local = {n: p.to_local() for n, p in again.named_parameters()}
+    result["adopted"] = sum(local[n].data_ptr() == kept[n].data_ptr() for n in kept)
+    result["params"] = len(kept)
+    result["adopted_equal"] = equal(again)
+    dist.destroy_process_group()
+    return result

@@ -57,3 +57,25 @@ def test_a_fresh_start_fills_from_the_seed(kind):
     reference = model_spec(CONFIGS[kind]).build_full(7)
     for (name, p), (ref_name, ref) in zip(model.state_dict().items(), reference.state_dict().items()):
         assert name == ref_name and torch.equal(p, ref), name
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_under_fsdp_a_rank_materialises_its_own_shards_only(tmp_path, tied):
+    """FSDP shards on the meta device, then each rank allocates only its shard (torchtitan's
+    order: a re-formation under HSDP no longer allocates and copies the whole model); a
+    model with tied parameters is still materialised whole before sharding, and both give
+    the single-process weights from the same seed. A survivor's rebuild takes its kept
+    shards as the new parameters' storage: no copy, the same weights after FSDP's lazy init."""
+    from parallel_harness import run_ranks
+    from parallel_workers import materialised_shards
+
+    results = run_ranks(2, materialised_shards, (tied,), tmp_path)
+    for r in results:
+        assert r["equal"]
+        if tied:
+            assert r["allocated"] >= r["total"]
+        else:
+            assert r["allocated"] <= r["total"] // 2 + 64 * 8  # its half (FSDP pads dim 0 at most a row each)
+            assert r["adopted"] == r["params"] and r["adopted_equal"]  # every shard even here: none copied

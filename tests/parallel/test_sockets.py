@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from parallel_harness import run_ranks
-from parallel_workers import blocked_peer_after_leave
+from parallel_workers import blocked_peer_after_leave, cut_links_to_a_silent_peer
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 
@@ -70,3 +70,52 @@ def test_a_descriptor_number_reused_by_another_socket_is_left_alone(monkeypatch)
         for s in (other, kept, listener):
             s.close()
         os.close(number)
+
+
+@pytest.mark.parametrize("cut", [True, False], ids=["cut-links", "no-cut"])
+def test_cutting_the_links_to_a_lost_rank_frees_a_blocked_peer_and_leaves_live_links_up(tmp_path, cut):
+    """The driver's abort carries the lost rank's connections; a survivor shuts its ends of
+    them down: its collective with the lost rank fails at once although that process still
+    holds its sockets open, and its group with a live peer still works. Control: without
+    the cut it waits out the collective timeout."""
+    timeout_s = TIMEOUT_S / 2
+    results = run_ranks(3, cut_links_to_a_silent_peer, (timeout_s, cut), tmp_path)
+    survivor = results[2]
+    assert survivor["error"], "the all-reduce cannot complete: rank 1 never joined it"
+    assert survivor["live_sum"] == [3.0, 3.0] and results[0]["live_sum"] == [3.0, 3.0]
+    if cut:
+        assert survivor["cut"] >= 1
+        assert survivor["blocked_s"] < timeout_s / 2, survivor
+    else:
+        assert survivor["blocked_s"] >= timeout_s * 0.9, survivor
+
+
+def test_a_cut_of_named_links_shuts_those_and_no_others():
+    """``links_to`` turns a peer's connections into this side's; ``cut(links)`` shuts down
+    only the captured streams named there, and keeps the rest captured."""
+    import socket
+
+    from elastic.messages import links_to
+    from elastic.parallel.sockets import GroupSockets
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    group = GroupSockets()
+    group.before_init()
+    a = socket.create_connection(listener.getsockname())
+    b = socket.create_connection(listener.getsockname())
+    group.capture()  # this side's ends only
+    a_far, _ = listener.accept()
+    b_far, _ = listener.accept()
+    try:
+        assert len(group.connections) == 2
+        lost = [(*a_far.getsockname(), *a_far.getpeername())]  # the connections the lost peer reported
+        assert group.cut(links_to(lost)) == 1
+        assert a_far.recv(1) == b""  # the lost end sees the link closed
+        b.sendall(b"y")
+        assert b_far.recv(1) == b"y"  # the other link is up
+        assert len(group.sockets) == 2  # still captured: a full cut later takes the rest
+        assert group.cut() >= 1 and group.sockets == {}
+        assert b_far.recv(1) == b""
+    finally:
+        for s in (a, b, a_far, b_far, listener):
+            s.close()
