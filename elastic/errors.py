@@ -43,6 +43,7 @@ class WorkerFailure(ElasticError):
 
     cause: str = "worker_error"
     retryable: bool = True  # False: a re-formation would meet the same error (NotRetryable)
+    node_fault: bool = False  # the node's own fault: counted against it whatever the cause (lemon nodes)
 
     def __init__(self, detail: str, ranks: list[int] | None = None, nodes: list[str] | None = None):
         self.detail = detail
@@ -69,6 +70,23 @@ class CollectiveTimeout(WorkerFailure):
 
 class WorkerError(WorkerFailure):
     cause = "worker_error"
+
+
+class NodeResourceError(WorkerError):
+    """A rank's call failed because its node ran out of what Ray needs there (its disk: Ray's
+    ``OutOfDiskError``). Still a ``worker_error`` (nobody is evicted for one), but the node's
+    fault, not the training code's: it counts against the node (``elastic.lemon_failures``),
+    so a full disk excludes its node after a few tries instead of spending the job's whole
+    failure budget on re-formations in place that meet the same disk."""
+
+    node_fault = True
+
+
+def failure_fields(f: WorkerFailure) -> dict:
+    """A ``failure`` event's fields; ``node_fault: true`` only where the node is to blame
+    although the cause alone would not say so."""
+    fields = {"cause": f.cause, "ranks": f.ranks, "nodes": f.nodes, "detail": f.detail}
+    return {**fields, "node_fault": True} if f.node_fault else fields
 
 
 class NotRetryable(WorkerError):

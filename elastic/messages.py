@@ -266,6 +266,7 @@ class CommandDone:
     errors: dict[int, str] = field(default_factory=dict)  # wid -> error
     lost: tuple[int, ...] = ()
     state: NodeState | None = None
+    node_faults: tuple[int, ...] = ()  # of ``errors``: the ranks whose node failed them (a full disk)
 
 
 @dataclass(frozen=True)

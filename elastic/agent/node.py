@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+from elastic.agent.gather import CallGather, faults
 from elastic.agent.liveness import Outstanding
 from elastic.agent.rows import rows_of
 from elastic.messages import (
@@ -58,7 +59,8 @@ class RankBackend(Protocol):
 
     def wait(self, futures: list[Any], timeout_s: float) -> list[Any]: ...
 
-    def result(self, future: Any) -> tuple[str, Any]: ...  # ("ok", v) | ("dead" | "unavailable" | "error", detail)
+    # ("ok", v) | ("dead" | "unavailable" | "error" | "node_fault", detail)
+    def result(self, future: Any) -> tuple[str, Any]: ...
 
     def wake(self) -> None: ...
 
@@ -82,19 +84,6 @@ class _Rank:
     since: int = 0  # the command (configure or launch) its current run belongs to
 
 
-@dataclass
-class _Gather:
-    """A command's calls to some ranks, and what came back."""
-
-    cid: int
-    waiting: set[int]
-    replies: dict[int, Any] = field(default_factory=dict)
-    errors: dict[int, str] = field(default_factory=dict)
-    lost: list[int] = field(default_factory=list)
-    unsent: int = 0  # errors and losses not yet sent up
-    long_polls: dict[int, Any] = field(default_factory=dict)  # flush: wid -> the long poll it waits for
-
-
 class AgentGone(RuntimeError):
     """A node's agent is gone with its node (raised by a local, virtual node's agent)."""
 
@@ -106,7 +95,7 @@ class NodeCore:
         self.inflight: dict[Any, tuple] = {}  # future -> ("poll", wid) | ("call", cid, wid)
         self.polls: dict[int, Any] = {}  # wid -> its long poll in flight
         self.outstanding: Outstanding[int] = Outstanding()  # by worker id
-        self.gathers: dict[int, _Gather] = {}
+        self.gathers: dict[int, CallGather] = {}
         self.items: list[tuple[int, Any]] = []  # (seq, StepRows | RankReport | CommandDone), until acked
         self.seq = self.sent = self.acked = 0
         self.version = self.sent_version = 0  # of the node's news
@@ -184,8 +173,10 @@ class NodeCore:
             g.unsent += 1
             if wid in self.ranks:
                 self._died(self.ranks[wid], now)
-        else:
+        else:  # "error", or "node_fault": the call failed for the node's sake (its disk is full)
             g.errors[wid] = value
+            if status == "node_fault":
+                g.node_faults.add(wid)
             g.unsent += 1
         g.waiting.discard(wid)
 
@@ -246,11 +237,12 @@ class NodeCore:
             if not g.waiting and flush_ready:
                 if g.long_polls:
                     self._emit_rows(now, force=True)  # every step report so far goes before the answer
-                self._push(CommandDone(cid, g.replies, g.errors, tuple(g.lost), self.state(now, news=False)))
+                done = CommandDone(cid, g.replies, g.errors, tuple(g.lost), self.state(now, news=False), faults(g))
+                self._push(done)
                 del self.gathers[cid]
             elif g.unsent:  # a rank failed: tell the driver now, the rest follows
-                self._push(CommandDone(cid, {}, dict(g.errors), tuple(g.lost), self.state(now, news=False)))
-                g.errors, g.lost, g.unsent = {}, [], 0
+                self._push(CommandDone(cid, {}, dict(g.errors), tuple(g.lost), self.state(now, news=False), faults(g)))
+                g.errors, g.lost, g.unsent, g.node_faults = {}, [], 0, set()
 
     def _push(self, item: Any, marks: dict[int, int] | None = None) -> None:
         self.seq += 1
@@ -311,7 +303,7 @@ class NodeCore:
             self.version += 1
 
     def _gather(self, cid: int, calls: dict[int, tuple[str, tuple]]) -> None:
-        g = self.gathers[cid] = _Gather(cid, set(calls))
+        g = self.gathers[cid] = CallGather(cid, set(calls))
         for wid, (method, args) in calls.items():
             r = self.ranks.get(wid)
             if r is None or r.dead_at is not None:
@@ -324,7 +316,7 @@ class NodeCore:
     def _flush(self, cid: int, wids: tuple[int, ...]) -> None:
         """A short poll to each rank, which also sends back the long poll in flight: the
         answer goes up once both are in, after every report they carried."""
-        g = self.gathers[cid] = _Gather(cid, set())
+        g = self.gathers[cid] = CallGather(cid, set())
         for wid in wids:
             r = self.ranks.get(wid)
             if r is None or r.dead_at is not None:

@@ -11,7 +11,7 @@ import signal
 from typing import Any
 
 import ray
-from ray.exceptions import ActorUnavailableError, GetTimeoutError, OutOfMemoryError, RayActorError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, OutOfDiskError, OutOfMemoryError, RayActorError
 
 from elastic.agent.bell import Doorbell
 from elastic.errors import root_cause
@@ -37,7 +37,7 @@ class ActorRanks:
         except GetTimeoutError:
             return "unavailable", None
         except Exception as exc:  # noqa: BLE001 - the rank's own error, named by its root cause
-            return "error", root_cause(exc)
+            return ("node_fault" if node_fault(exc) else "error"), root_cause(exc)
 
     def wake(self) -> None:
         self.bell.ring()
@@ -52,3 +52,17 @@ class ActorRanks:
             os.kill(pid, signal.SIGKILL)
         except OSError:  # gone already, or no /proc here: Ray's own kill ends it
             pass
+
+
+def node_fault(exc: BaseException) -> bool:
+    """Did the call fail because of its node rather than the rank's code: Ray's full disk
+    (``OutOfDiskError``), raised to the caller or inside the rank (a task error's cause)?"""
+    seen = exc
+    for _ in range(5):  # a task error can wrap another one
+        if isinstance(seen, OutOfDiskError):
+            return True
+        inner = getattr(seen, "cause", None)
+        if not isinstance(inner, BaseException) or inner is seen:
+            return False
+        seen = inner
+    return False

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from elastic.control.recovery_plan import ReformPlan
 from elastic.control.worker_group_api import ConfigureResult
-from elastic.errors import WorkerError, WorkerFailure
+from elastic.errors import NodeResourceError, WorkerError, WorkerFailure
 from elastic.errors import root_cause as _root_cause
 from elastic.messages import ConfigureRequest, MemoryRestore, NodeConfigure, Signal, StorageRestore
 
@@ -121,11 +121,14 @@ def configure_through(
     if lost:
         raise group._lost_failure(lost, "lost while reconfiguring")
     if failed:
-        m, err = failed[0]
-        raise WorkerError(
+        # A node that failed its ranks for its own sake (a full disk) is named alone: the
+        # failure counts against it (elastic.lemon_failures), not against the training code.
+        faulty = [(m, err) for m, err in failed if m.wid in g.node_faults]
+        m, err = (faulty or failed)[0]
+        raise (NodeResourceError if faulty else WorkerError)(
             f"configure failed: {err}",
-            ranks=[m.rank for m, _ in failed],
-            nodes=sorted({m.node_id for m, _ in failed}),
+            ranks=[m.rank for m, _ in faulty or failed],
+            nodes=sorted({m.node_id for m, _ in faulty or failed}),
         )
     ordered = [g.replies[m.wid] for m in members]
     for m, r in zip(members, ordered):

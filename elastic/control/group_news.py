@@ -41,6 +41,7 @@ class Gather:
     expect: dict[str, set[int]]  # node -> the worker ids it must answer for
     replies: dict[int, Any] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
+    node_faults: set[int] = field(default_factory=set)  # of ``errors``: their node failed them (a full disk)
     lost: set[int] = field(default_factory=set)
     states: dict[str, NodeState] = field(default_factory=dict)
     answered: set[int] = field(default_factory=set)
@@ -51,6 +52,7 @@ class Gather:
     def add(self, node: str, done: CommandDone) -> None:
         self.replies.update(done.replies)
         self.errors.update(done.errors)
+        self.node_faults.update(done.node_faults)
         self.lost.update(done.lost)
         self.answered |= done.replies.keys() | done.errors.keys() | set(done.lost)
         if done.state is not None:

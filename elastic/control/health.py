@@ -167,7 +167,8 @@ class LemonTracker:
     A failure that blames every node of the job blames none (a job-wide timeout says
     nothing about any one node, and a one-node job must not exclude its only node). A
     rank's own exception (``worker_error``) and a bad loss say nothing about the hardware
-    and are not counted. ``limit == 0`` never excludes.
+    and are not counted, unless the failure says the node is to blame (``node_fault``: its
+    disk is full). ``limit == 0`` never excludes.
     """
 
     NOT_THE_NODE = ("worker_error", "nan_loss", "loss_spike")
@@ -177,10 +178,12 @@ class LemonTracker:
         self.counts: dict[str, int] = {}
         self.excluded: dict[str, str] = {}  # node id -> reason
 
-    def blame(self, nodes: Sequence[str], all_nodes: Sequence[str], cause: str) -> list[str]:
+    def blame(self, nodes: Sequence[str], all_nodes: Sequence[str], cause: str, node_fault: bool = False) -> list[str]:
         """Count one failure against ``nodes``; returns the nodes newly excluded."""
         nodes = sorted(set(nodes))
-        if not self.limit or not nodes or set(nodes) >= set(all_nodes) or cause in self.NOT_THE_NODE:
+        if not self.limit or not nodes or set(nodes) >= set(all_nodes):
+            return []
+        if cause in self.NOT_THE_NODE and not node_fault:
             return []
         new = []
         for node in nodes:
@@ -319,7 +322,8 @@ class HealthMonitor:
         if event["kind"] != "failure" or not event.get("nodes"):
             return
         all_nodes = [m.node_id for m in self._members()]
-        for node in self.lemons.blame(event["nodes"], all_nodes, event.get("cause", "")):
+        blamed = self.lemons.blame(event["nodes"], all_nodes, event.get("cause", ""), event.get("node_fault", False))
+        for node in blamed:
             reason = self.lemons.excluded[node]
             self.events.emit("node_excluded", node_id=node, reason=reason)
             logger.warning("node %s excluded from this job: %s", node, reason)

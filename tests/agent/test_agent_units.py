@@ -167,6 +167,28 @@ def test_configure_is_answered_per_node_and_a_failure_first():
     assert done.cid == 5 and set(done.replies) == {0} and done.lost == (2,) and done.errors == {}
 
 
+def test_a_call_failed_by_its_node_is_named_so():
+    """A call that failed for the node's sake (Ray's full disk: ``ranks.node_fault``) goes up
+    with the errors and is named in ``node_faults``; a rank's own error is not."""
+    from ray.exceptions import OutOfDiskError, RayTaskError
+
+    from elastic.agent.ranks import node_fault
+
+    core, backend, clock = node(2)
+    core.command(5, NodeConfigure({0: "req0", 1: "req1"}))
+    core.pump(0)
+    calls = {f.handle: f for f in backend.calls if f.method == "configure"}
+    calls["r0"].answer("OutOfDiskError: disk full", status="node_fault")
+    calls["r1"].answer("ValueError: bad", status="error")
+    core.pump(0)
+    (done,) = [i for _, _, i in core.digest(None, 0.0).items]
+    assert done.errors == {0: "OutOfDiskError: disk full", 1: "ValueError: bad"} and done.node_faults == (0,)
+    disk = OutOfDiskError("the object store's disk is full")
+    assert node_fault(disk) and not node_fault(ValueError("bad"))
+    wrapped = RayTaskError("configure", "traceback", disk)  # raised inside the rank
+    assert node_fault(wrapped) and not node_fault(RayTaskError("configure", "traceback", ValueError("bad")))
+
+
 def test_a_flush_answers_after_the_poll_in_flight_and_its_reports():
     core, backend, clock = node(1)
     long_poll = backend.pending("r0", "poll")[0]

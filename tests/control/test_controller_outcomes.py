@@ -98,3 +98,63 @@ def test_a_final_checkpoint_not_committed_fails_the_job_naming_the_cause(tmp_pat
     assert info.value.result.checkpoint_failures == [
         {"step": 2, "cause": "rank 0: OSError: [Errno 30] Read-only file system"}
     ]
+
+
+def test_a_node_whose_disk_fails_its_ranks_is_excluded_not_retried_until_the_budget_ends(tmp_path):
+    """Re-formations in place that fail on one node's full disk (``NodeResourceError``, a
+    ``worker_error`` with ``node_fault``) count against that node: after
+    ``elastic.lemon_failures`` (2) it is excluded, where before every retry met the same disk
+    until the failure budget ran out."""
+    from elastic.errors import NodeResourceError
+
+    ctl = _controller(tmp_path)
+    _advance(ctl, Running)
+    n1 = ctl.group.members[-1].node_id
+    full = [NodeResourceError("configure failed: OutOfDiskError: disk full", ranks=[1], nodes=[n1]) for _ in range(2)]
+    ctl.group.script = [Observation(failure=WorkerError("ValueError: bad", ranks=[0]))]
+    ctl.group.configure_failures = full
+    for _ in range(8):
+        if [c for c in ctl.group.calls if c[0] == "exclude"] or isinstance(ctl.state, Failed):
+            break
+        ctl.state = ctl._step(ctl.state)
+    failures = _failures(tmp_path)
+    assert [f.get("node_fault", False) for f in failures] == [False, True, True]
+    excluded = [e for e in read_events(str(tmp_path / "run")) if e["kind"] == "node_excluded"]
+    assert [e["node_id"] for e in excluded] == [n1] and ("exclude", [n1]) in ctl.group.calls
+
+
+def test_a_configure_that_a_node_failed_raises_the_node_typed_error():
+    """``configure_through``: when a node's agent names failed calls as its own fault (a full
+    disk), the failure is a ``NodeResourceError`` naming that node's ranks alone; a rank's own
+    error elsewhere stays a plain ``WorkerError``."""
+    from types import SimpleNamespace
+
+    from elastic.control.group_configure import configure_through
+    from elastic.control.group_news import Gather
+    from elastic.errors import NodeResourceError
+    from elastic.messages import CommandDone
+
+    def group(done: dict[str, CommandDone]):
+        def command(parts, expect):
+            g = Gather(1, parts, expect)
+            for node, d in done.items():
+                g.add(node, d)
+            return g
+
+        return SimpleNamespace(
+            _command=command, _wait_for=lambda *a, **k: None, _done=lambda g: None,
+            tree=SimpleNamespace(send=lambda parts: None), configure_sent_at=[],
+        )  # fmt: skip
+
+    members = [SimpleNamespace(rank=r, wid=r, node_id=f"n{r}", since=0) for r in range(2)]
+    full = {
+        "n0": CommandDone(1, {}, {0: "ValueError: bad"}),
+        "n1": CommandDone(1, {}, {1: "OutOfDiskError: full"}, node_faults=(1,)),
+    }
+    with pytest.raises(NodeResourceError) as err:
+        configure_through(group(full), members, ["req0", "req1"], 3, 1.0)
+    assert err.value.ranks == [1] and err.value.nodes == ["n1"] and "OutOfDiskError" in err.value.detail
+    own = {"n0": CommandDone(1, {}, {0: "ValueError: bad"}), "n1": CommandDone(1, {1: "its reply"})}
+    with pytest.raises(WorkerError) as err:
+        configure_through(group(own), members, ["req0", "req1"], 3, 1.0)
+    assert type(err.value) is WorkerError and err.value.ranks == [0]

@@ -212,6 +212,21 @@ def test_lemon_tracker_spares_a_one_node_job_and_software_errors():
     assert soft.blame(["n1"], ["n0", "n1"], "node_lost") == ["n1"]
 
 
+def test_a_worker_error_that_its_node_caused_counts_against_the_node():
+    """A rank's call that failed for its node's sake (a full disk: ``NodeResourceError``) is a
+    ``worker_error`` whose event says ``node_fault``: it counts, so the node is excluded
+    instead of every retry in place meeting the same disk until the budget runs out."""
+    from elastic.errors import NodeResourceError, WorkerError, failure_fields
+
+    full = NodeResourceError("configure failed: OutOfDiskError", ranks=[1], nodes=["n1"])
+    fields = failure_fields(full)
+    assert fields["cause"] == "worker_error" and fields["node_fault"] is True
+    assert "node_fault" not in failure_fields(WorkerError("configure failed: ValueError", ranks=[1], nodes=["n1"]))
+    t = LemonTracker(limit=2)
+    assert t.blame(["n1"], ["n0", "n1"], fields["cause"], fields["node_fault"]) == []
+    assert t.blame(["n1"], ["n0", "n1"], fields["cause"], fields["node_fault"]) == ["n1"]
+
+
 def test_a_few_milliseconds_over_is_noise_not_a_straggler():
     """On a 7 ms step 36% over is 2.5 ms: under the 5 ms floor, no report; 10 ms over is one."""
     det = StragglerDetector(factor=1.3, steps=1)

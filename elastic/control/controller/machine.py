@@ -49,7 +49,7 @@ from elastic.control.step_events import StepTally
 from elastic.control.stop import CHECKPOINT_TIMEOUT_S, StopSignals, checked_stop_checkpoint, stop_now_in, stopped_state
 from elastic.control.worker_group import WorkerGroup
 from elastic.control.worker_group_api import WorkerGroupFactory
-from elastic.errors import JobFailed, WorkerFailure
+from elastic.errors import JobFailed, WorkerFailure, failure_fields
 from elastic.events import EventLog, Recovery, RunResult
 from elastic.worker.hooks import StepHook
 
@@ -154,7 +154,7 @@ class Controller(Reformations):
             if isinstance(state, Starting):  # recorded like any failure, so its cause is in events.jsonl too
                 self.failures += 1
                 f = failure
-                self.events.emit("failure", cause=f.cause, ranks=f.ranks, nodes=f.nodes, detail=f.detail)
+                self.events.emit("failure", **failure_fields(f))
                 return Failed(f"could not start the worker group: {f.cause}: {f.detail}")
             return self._recovering(failure)
 

@@ -28,7 +28,7 @@ from elastic.control.regroup import hsdp_order
 from elastic.control.states import Failed, Recovering, Resizing, Running, State
 from elastic.control.timing import PhaseTimer
 from elastic.control.worker_group_api import Member
-from elastic.errors import WorkerFailure
+from elastic.errors import WorkerFailure, failure_fields
 from elastic.messages import StepReport, StepRows, WorkerReport
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class Reformations(StepAccounting):
         f = state.failure
         self.failures += 1
         self.outages.failed(f.cause, state.failed_at, state.detected_at)
-        self.events.emit("failure", cause=f.cause, ranks=f.ranks, nodes=f.nodes, detail=f.detail)
+        self.events.emit("failure", **failure_fields(f))
         logger.warning("failure: %s ranks=%s (%s)", f.cause, f.ranks, f.detail)
         if not f.retryable:  # a re-formation would meet it again: spend no budget on retries
             return Failed(f"{f.cause} that a retry would repeat: {f.detail}")
