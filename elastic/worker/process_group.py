@@ -206,8 +206,8 @@ class ReconfigurableProcessGroup:
         self._sockets.capture()
 
     def connections(self) -> tuple[Connection, ...]:
-        """The TCP connections of the group and its mesh (gloo), as captured by ``built``."""
-        return self._sockets.connections
+        """The gloo group's and its mesh's TCP connections, as captured by ``built`` (none on NCCL)."""
+        return self._sockets.connections if self.backend == "gloo" else ()
 
     def cut_links(self, links: Collection[Connection]) -> int:
         """Shut down this rank's links to lost peers (as this rank sees them; from the control
