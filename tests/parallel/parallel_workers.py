@@ -330,7 +330,7 @@ def cut_links_to_a_silent_peer(rank: int, world: int, out_dir: str, timeout_s: f
     result: dict = {"connections": len(sockets.connections)}
     if rank == 1:
         signals.set("lost", json.dumps(sockets.connections))
-        signals.wait(["done"])  # silent, sockets open, until rank 2 is through
+        signals.wait(["done"])  # silent, sockets open, until rank 2 is through and has left
     elif rank == 2:
         lost = [tuple(c) for c in json.loads(signals.get("lost").decode())]
 
@@ -352,11 +352,20 @@ def cut_links_to_a_silent_peer(rank: int, world: int, out_dir: str, timeout_s: f
         x = torch.full((2,), 2.0)
         dist.all_reduce(x, group=live)
         result["live_sum"] = x.tolist()
-        signals.set("done", "1")
     else:
         x = torch.full((2,), 1.0)
         dist.all_reduce(x, group=live)
         result["live_sum"] = x.tolist()
+    # Rank 2 leaves its groups before rank 1 may exit: without the cut, its pair with rank 1
+    # timed out, and gloo's loop thread ends the process (std::terminate, SIGABRT) if that
+    # broken pair then sees the peer close (seen once in a clean-clone suite run).
+    del to_lost, live
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+    if rank == 2:
+        signals.set("done", "1")
     return result
 
 
