@@ -108,14 +108,21 @@ class SilentCorruption(WorkerFailure):
     cause = "sdc"
 
 
-def root_cause(exc: BaseException) -> str:
-    """One line naming the exception a worker really raised: a ``RayTaskError`` carries it
-    as its ``cause`` (its own text is Ray's header, with colour codes)."""
-    real = exc
-    for _ in range(5):  # a task error can wrap another one
-        inner = getattr(real, "cause", None)
-        if not isinstance(inner, BaseException) or inner is real:
+def cause_chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it wraps, outermost first: a ``RayTaskError`` carries the
+    worker's own exception as its ``cause`` (and a task error can wrap another one)."""
+    chain = [exc]
+    for _ in range(5):
+        inner = getattr(chain[-1], "cause", None)
+        if not isinstance(inner, BaseException) or inner is chain[-1]:
             break
-        real = inner
+        chain.append(inner)
+    return chain
+
+
+def root_cause(exc: BaseException) -> str:
+    """One line naming the exception a worker really raised (its own text, not Ray's
+    header with colour codes)."""
+    real = cause_chain(exc)[-1]
     text = " ".join(str(real).split())
     return f"{type(real).__name__}: {text[:300]}"

@@ -18,8 +18,3 @@ class CallGather:
     lost: list[int] = field(default_factory=list)
     unsent: int = 0  # errors and losses not yet sent up
     long_polls: dict[int, Any] = field(default_factory=dict)  # flush: wid -> the long poll it waits for
-
-
-def faults(g: CallGather) -> tuple[int, ...]:
-    """The ranks whose call failed for the node's sake, among the errors not yet sent up."""
-    return tuple(sorted(g.node_faults & g.errors.keys()))

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from elastic.agent.gather import CallGather, faults
+from elastic.agent.gather import CallGather
 from elastic.agent.liveness import Outstanding
 from elastic.agent.rows import rows_of
 from elastic.messages import (
@@ -237,11 +237,12 @@ class NodeCore:
             if not g.waiting and flush_ready:
                 if g.long_polls:
                     self._emit_rows(now, force=True)  # every step report so far goes before the answer
-                done = CommandDone(cid, g.replies, g.errors, tuple(g.lost), self.state(now, news=False), faults(g))
-                self._push(done)
+                faults = tuple(sorted(g.node_faults))
+                self._push(CommandDone(cid, g.replies, g.errors, tuple(g.lost), self.state(now, news=False), faults))
                 del self.gathers[cid]
             elif g.unsent:  # a rank failed: tell the driver now, the rest follows
-                self._push(CommandDone(cid, {}, dict(g.errors), tuple(g.lost), self.state(now, news=False), faults(g)))
+                faults = tuple(sorted(g.node_faults))
+                self._push(CommandDone(cid, {}, dict(g.errors), tuple(g.lost), self.state(now, news=False), faults))
                 g.errors, g.lost, g.unsent, g.node_faults = {}, [], 0, set()
 
     def _push(self, item: Any, marks: dict[int, int] | None = None) -> None:

@@ -14,7 +14,7 @@ import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, OutOfDiskError, OutOfMemoryError, RayActorError
 
 from elastic.agent.bell import Doorbell
-from elastic.errors import root_cause
+from elastic.errors import cause_chain, root_cause
 
 
 class ActorRanks:
@@ -57,12 +57,4 @@ class ActorRanks:
 def node_fault(exc: BaseException) -> bool:
     """Did the call fail because of its node rather than the rank's code: Ray's full disk
     (``OutOfDiskError``), raised to the caller or inside the rank (a task error's cause)?"""
-    seen = exc
-    for _ in range(5):  # a task error can wrap another one
-        if isinstance(seen, OutOfDiskError):
-            return True
-        inner = getattr(seen, "cause", None)
-        if not isinstance(inner, BaseException) or inner is seen:
-            return False
-        seen = inner
-    return False
+    return any(isinstance(e, OutOfDiskError) for e in cause_chain(exc))

@@ -124,11 +124,11 @@ def configure_through(
         # A node that failed its ranks for its own sake (a full disk) is named alone: the
         # failure counts against it (elastic.lemon_failures), not against the training code.
         faulty = [(m, err) for m, err in failed if m.wid in g.node_faults]
-        m, err = (faulty or failed)[0]
+        blamed = faulty or failed
         raise (NodeResourceError if faulty else WorkerError)(
-            f"configure failed: {err}",
-            ranks=[m.rank for m, _ in faulty or failed],
-            nodes=sorted({m.node_id for m, _ in faulty or failed}),
+            f"configure failed: {blamed[0][1]}",
+            ranks=[m.rank for m, _ in blamed],
+            nodes=sorted({m.node_id for m, _ in blamed}),
         )
     ordered = [g.replies[m.wid] for m in members]
     for m, r in zip(members, ordered):

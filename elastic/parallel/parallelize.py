@@ -143,15 +143,13 @@ def _materialize(model: nn.Module, spec: ModelSpec, seed: int, device: torch.dev
         retie(model, tied)
 
 
-def adopt_shards(model: nn.Module, kept: dict[str, torch.Tensor]) -> int:
+def adopt_shards(model: nn.Module, kept: dict[str, torch.Tensor]) -> None:
     """Make each sharded parameter whose local shard ``kept`` holds (same shape, dtype and
     device) a DTensor over that very tensor: a survivor's shards become the new FSDP's
     storage instead of being copied into it (FSDP takes a new parameter's local tensor as
-    its sharded data at its lazy init; an unevenly sharded one is padded there, a copy).
-    Returns how many were adopted."""
+    its sharded data at its lazy init; an unevenly sharded one is padded there, a copy)."""
     from torch.distributed.tensor import DTensor
 
-    adopted = 0
     for name, param in list(model.named_parameters()):
         value = kept.get(name)
         if not isinstance(param, DTensor) or value is None:
@@ -162,10 +160,7 @@ def adopt_shards(model: nn.Module, kept: dict[str, torch.Tensor]) -> int:
         shared = DTensor.from_local(
             value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
         )
-        owner, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(owner), attr, nn.Parameter(shared, requires_grad=param.requires_grad))
-        adopted += 1
-    return adopted
+        _set_parameter(model, name, nn.Parameter(shared, requires_grad=param.requires_grad))
 
 
 def tied_parameters(model: nn.Module) -> list[list[str]]:
@@ -183,8 +178,12 @@ def retie(model: nn.Module, tied: list[list[str]]) -> None:
     for first, *others in tied:
         param = model.get_parameter(first)
         for name in others:
-            owner, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(owner), attr, param)
+            _set_parameter(model, name, param)
+
+
+def _set_parameter(model: nn.Module, name: str, param: nn.Parameter) -> None:
+    owner, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(owner), attr, param)
 
 
 def required_plan(plan: Plan | None, name: str) -> Plan:
