@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from parallel_harness import MODEL, SEED, STEPS, TRAIN, Layout, dp_micro_batches, init_group
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 
 from elastic.models.spec import model_spec
 from elastic.parallel.config import ParallelConfig
@@ -416,5 +417,21 @@ def materialised_shards(rank: int, world: int, out_dir: str, tied: bool) -> dict
     result["adopted"] = sum(local[n].data_ptr() == kept[n].data_ptr() for n in kept)
     result["params"] = len(kept)
     result["adopted_equal"] = equal(again)
+    # Under HSDP every parameter's shard mesh is one slice of the 2-D mesh, made once
+    # (``fsdp.slices_made_once``), and slicing is torch's own again afterwards.
+    from torch.distributed.device_mesh import DeviceMesh
+
+    getitem = DeviceMesh.__getitem__
+    hsdp = ParallelDims(dp=world, tp=1, pp=1, world_size=world, shard_group=1)  # replicas of one rank each
+    hsdp.build_mesh("cpu")
+    with torch.device("meta"):
+        third = spec.build()
+    parallelize(third, hsdp, ParallelConfig(zero=3, shard_group=1), spec, SEED, torch.device("cpu"))
+    units = [m for m in third.modules() if isinstance(m, FSDPModule)]
+    fsdp_params = [fp for u in units for g in u._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params]
+    result["hsdp_params"] = len(fsdp_params)
+    result["hsdp_shard_meshes"] = len({id(fp.shard_mesh) for fp in fsdp_params})
+    result["slicing_restored"] = DeviceMesh.__getitem__ is getitem
+    result["hsdp_equal"] = equal(third)
     dist.destroy_process_group()
     return result
