@@ -18,15 +18,25 @@ partial backward is replaced.
 
 from __future__ import annotations
 
+import faulthandler
+import logging
+import sys
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import IO, Any
 
 import torch
 
 from elastic.errors import CorpusError
 from elastic.messages import RunOutcome
 from elastic.worker.process_group import is_collective_error
+
+logger = logging.getLogger(__name__)
+
+# A survivor still in its step this long after the abort is stuck where neither the abort
+# (checked between layers) nor the cut links (its connections to the lost ranks) reach; the
+# driver kills it once its own wait for the survivors ends (``free_survivors``).
+STUCK_AFTER_ABORT_S = 5.0
 
 
 class StepAborted(RuntimeError):
@@ -61,6 +71,23 @@ class AbortHooks:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def report_if_stuck(
+    idle: threading.Event, after_s: float = STUCK_AFTER_ABORT_S, file: IO[str] | None = None
+) -> threading.Thread:
+    """After an abort: if the run in progress has not ended (``idle``) within ``after_s``,
+    log every thread's stack once, to the worker's log (``file``: stderr), so that where a
+    survivor was stuck is known after the driver has killed it."""
+
+    def watch() -> None:
+        if not idle.wait(after_s):
+            logger.warning("still in its step %.1fs after the abort; every thread's stack follows", after_s)
+            faulthandler.dump_traceback(file=file or sys.stderr, all_threads=True)
+
+    thread = threading.Thread(target=watch, name="abort-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def _layers(block: torch.nn.Module) -> list[torch.nn.Module]:

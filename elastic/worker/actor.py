@@ -45,7 +45,7 @@ from elastic.messages import (
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.live import LiveState, held_in_cycles
 from elastic.priority import control_priority, training_thread
-from elastic.worker.abort import classify
+from elastic.worker.abort import classify, report_if_stuck
 from elastic.worker.allocator import keep_freed_memory
 from elastic.worker.device_peak import peak_flops
 from elastic.worker.hooks import StepHook
@@ -156,12 +156,13 @@ class TrainWorker:
     def abort_step(self, generation: int = 0, links: frozenset = frozenset()) -> None:
         """A peer was lost: leave the step in flight at the next layer, and cut ``links`` (this
         rank's connections to the lost ranks: a collective blocked on one fails now). A snapshot
-        copy in flight gives way. A late notice (for a generation it has left) changes nothing."""
+        copy gives way; a run not over soon logs its stacks. A late notice changes nothing."""
         if generation and generation != self.group.generation:
             return
         self._abort.set()
         self.group.cut_links(links)
         self.tier.yield_copy()
+        report_if_stuck(self._idle)  # (nothing when no run is in progress)
 
     @ray.method(concurrency_group="control")
     def shrink_group(self, excluded: tuple[int, ...]) -> bool:
@@ -181,8 +182,7 @@ class TrainWorker:
 
     @ray.method(concurrency_group="control")
     def fetch_snapshot(self, owner: int, step: int) -> dict[str, Any]:
-        """A snapshot this worker holds (its own as rank ``owner``, or a peer's copy), in
-        ``Snapshot.to_wire`` form."""
+        """A snapshot this worker holds (its own as ``owner``, or a peer's copy), ``Snapshot.to_wire``d."""
         return self.tier.get(owner, step).to_wire()
 
     @ray.method(concurrency_group="control")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from elastic.worker.abort import AbortHooks, StepAborted
+from elastic.worker.abort import AbortHooks, StepAborted, report_if_stuck
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -82,3 +82,31 @@ def test_an_abort_inside_a_block_leaves_at_its_next_layer():
         out.sum().backward()
     assert model[2][2].weight.grad is not None  # the layer in flight finished
     assert model[2][0].weight.grad is None  # the same block's first layer never got its gradient
+
+
+def _parked_in_a_collective(release: threading.Event) -> None:
+    release.wait(10)
+
+
+def test_a_run_still_going_after_the_abort_logs_where_it_is_stuck(tmp_path):
+    """A survivor that neither the abort nor the cut links free logs every thread's stack
+    (the driver kills it later): the stuck thread's frame is named."""
+    release, idle = threading.Event(), threading.Event()
+    stuck = threading.Thread(target=_parked_in_a_collective, args=(release,))
+    stuck.start()
+    try:
+        with open(tmp_path / "stacks", "w") as f:
+            report_if_stuck(idle, after_s=0.05, file=f).join(5)
+        assert "_parked_in_a_collective" in (tmp_path / "stacks").read_text()
+    finally:
+        release.set()
+        stuck.join(5)
+
+
+def test_a_run_that_ends_in_time_logs_nothing(tmp_path):
+    idle = threading.Event()
+    with open(tmp_path / "stacks", "w") as f:
+        watch = report_if_stuck(idle, after_s=5.0, file=f)
+        idle.set()  # the run ended
+        watch.join(5)
+    assert not watch.is_alive() and (tmp_path / "stacks").read_text() == ""
