@@ -75,10 +75,13 @@ class AbortHooks:
 
 def report_if_stuck(
     idle: threading.Event, after_s: float = STUCK_AFTER_ABORT_S, file: IO[str] | None = None
-) -> threading.Thread:
+) -> threading.Thread | None:
     """After an abort: if the run in progress has not ended (``idle``) within ``after_s``,
     log every thread's stack once, to the worker's log (``file``: stderr), so that where a
-    survivor was stuck is known after the driver has killed it."""
+    survivor was stuck is known after the driver has killed it. No run in progress: nothing
+    to watch (None)."""
+    if idle.is_set():
+        return None
 
     def watch() -> None:
         if not idle.wait(after_s):

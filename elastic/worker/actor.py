@@ -162,7 +162,7 @@ class TrainWorker:
         self._abort.set()
         self.group.cut_links(links)
         self.tier.yield_copy()
-        report_if_stuck(self._idle)  # (nothing when no run is in progress)
+        report_if_stuck(self._idle)  # (none when no run is in progress)
 
     @ray.method(concurrency_group="control")
     def shrink_group(self, excluded: tuple[int, ...]) -> bool:

@@ -96,7 +96,9 @@ def test_a_run_still_going_after_the_abort_logs_where_it_is_stuck(tmp_path):
     stuck.start()
     try:
         with open(tmp_path / "stacks", "w") as f:
-            report_if_stuck(idle, after_s=0.05, file=f).join(5)
+            watch = report_if_stuck(idle, after_s=0.05, file=f)
+            assert watch is not None
+            watch.join(5)
         assert "_parked_in_a_collective" in (tmp_path / "stacks").read_text()
     finally:
         release.set()
@@ -107,6 +109,7 @@ def test_a_run_that_ends_in_time_logs_nothing(tmp_path):
     idle = threading.Event()
     with open(tmp_path / "stacks", "w") as f:
         watch = report_if_stuck(idle, after_s=5.0, file=f)
+        assert watch is not None
         idle.set()  # the run ended
         watch.join(5)
     assert not watch.is_alive() and (tmp_path / "stacks").read_text() == ""
