@@ -43,12 +43,16 @@ class WorkerFailure(ElasticError):
 
     cause: str = "worker_error"
     retryable: bool = True  # False: a re-formation would meet the same error (NotRetryable)
+    # While the group starts: True for a failure of the machines, not of the training code
+    # (a lost node or actor, a rendezvous that did not form): the start begins again.
+    starts_again: bool = True
     node_fault: bool = False  # the node's own fault: counted against it whatever the cause (lemon nodes)
 
     def __init__(self, detail: str, ranks: list[int] | None = None, nodes: list[str] | None = None):
         self.detail = detail
         self.ranks = sorted(ranks or [])
         self.nodes = sorted(nodes or [])
+        self.unanswered: list[int] = []  # a configure's ranks that never answered it (maybe stuck in it)
         super().__init__(detail)
 
 
@@ -70,6 +74,16 @@ class CollectiveTimeout(WorkerFailure):
 
 class WorkerError(WorkerFailure):
     cause = "worker_error"
+    starts_again = False  # the training code's own error at start-up: a new start would repeat it
+
+
+class RendezvousFailed(WorkerError):
+    """A new generation did not form: its ranks' rendezvous timed out, a connection to a peer
+    failed, or ranks did not answer. Still a ``worker_error``; nothing the training code
+    did, so a job that meets one while it starts begins again (within ``elastic.max_failures``),
+    on the same workers where they answered, instead of failing as a start-up error would."""
+
+    starts_again = True
 
 
 class NodeResourceError(WorkerError):

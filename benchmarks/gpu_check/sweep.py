@@ -40,6 +40,9 @@ class SimulatedOOM:
     def pending(self, step: int, rank: int) -> bool:
         return False
 
+    def before_join(self, generation: int, rank: int) -> None:
+        pass
+
     def before_step(self, step: int, rank: int, engine: Any) -> None:
         raise torch.OutOfMemoryError("simulated in the CPU dry run: CUDA out of memory. Tried to allocate 1 TiB")
 

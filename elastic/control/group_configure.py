@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from elastic.control.recovery_plan import ReformPlan
 from elastic.control.worker_group_api import ConfigureResult
-from elastic.errors import NodeResourceError, WorkerError, WorkerFailure
+from elastic.errors import NodeResourceError, RendezvousFailed, WorkerError, WorkerFailure
 from elastic.errors import root_cause as _root_cause
 from elastic.messages import ConfigureRequest, MemoryRestore, NodeConfigure, Signal, StorageRestore
 
@@ -28,6 +28,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 120.0
+# A rank's configure error that says the generation did not form, not that its code failed:
+# torch's rendezvous and connection errors, a rank that joined after the driver abandoned
+# the generation, and ranks that did not answer.
+RENDEZVOUS_ERRORS = (
+    "DistError:",
+    "DistStoreError:",
+    "DistNetworkError:",
+    "DistBackendError:",
+    "AbandonedRendezvous:",
+    "GetTimeoutError:",
+    "TimeoutError:",
+)
 
 
 def build_requests(
@@ -118,18 +130,24 @@ def configure_through(
     silent = [by_wid[w] for w in sorted(g.missing())]
     nodes = len({m.node_id for m in silent})
     failed += [(m, f"GetTimeoutError: no answer from {len(silent)} rank(s) on {nodes} node(s)") for m in silent]
+    unanswered = [m.rank for m in silent]
     if lost:
-        raise group._lost_failure(lost, "lost while reconfiguring")
+        lost_failure = group._lost_failure(lost, "lost while reconfiguring")
+        lost_failure.unanswered = unanswered
+        raise lost_failure
     if failed:
         # A node that failed its ranks for its own sake (a full disk) is named alone: the
         # failure counts against it (elastic.lemon_failures), not against the training code.
         faulty = [(m, err) for m, err in failed if m.wid in g.node_faults]
         blamed = faulty or failed
-        raise (NodeResourceError if faulty else WorkerError)(
+        rendezvous = all(err.startswith(RENDEZVOUS_ERRORS) for _, err in failed)
+        failure = (NodeResourceError if faulty else RendezvousFailed if rendezvous else WorkerError)(
             f"configure failed: {blamed[0][1]}",
             ranks=[m.rank for m, _ in blamed],
             nodes=sorted({m.node_id for m, _ in blamed}),
         )
+        failure.unanswered = unanswered
+        raise failure
     ordered = [g.replies[m.wid] for m in members]
     for m, r in zip(members, ordered):
         m.connections = r.connections  # its peers cut their ends of these when it is lost

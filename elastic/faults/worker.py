@@ -15,7 +15,9 @@ condition, not a fault) keeps a rank from starting a step while the run is below
 ``below_dp`` replicas and the file ``marker`` exists, until the controller asks the group
 to stop (to resize) or ``seconds`` pass; it keeps the heartbeat going meanwhile. A test that
 must see the group grow back before the run ends waits on this condition instead of racing
-a timer.
+a timer. ``late`` (a test's condition too) makes the worker that is ``rank`` in generation
+``step`` of the group (1: the job's start) join that rendezvous ``seconds`` late: its peers'
+rendezvous times out first when ``seconds`` is longer than theirs.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-# ``hold`` is a test's condition, not a failure: it is not offered by ``--fault``.
-WORKER_FAULT_KINDS = ("nan", "spike", "raise", "hang", "slow", "bitflip", "hold")
+# ``hold`` and ``late`` are a test's conditions, not failures: ``--fault`` does not offer them.
+WORKER_FAULT_KINDS = ("nan", "spike", "raise", "hang", "slow", "bitflip", "hold", "late")
 _EVERY_STEP = ("slow", "hold")  # from ``step`` on, not once
+_NOT_A_STEP = (*_EVERY_STEP, "late")  # not one-shot faults of a step (``late``: of a rendezvous)
 
 
 class InjectedError(RuntimeError):
@@ -70,7 +73,7 @@ class WorkerFaults:
         """A one-shot fault may be due now (the worker then waits for its last snapshot)."""
         return any(
             f["rank"] == rank
-            and f["kind"] not in _EVERY_STEP
+            and f["kind"] not in _NOT_A_STEP
             and (f["step"] <= step if "below_dp" in f else f["step"] == step)
             for f in self._pending
         )
@@ -86,7 +89,7 @@ class WorkerFaults:
                 self._hold(fault, engine)
         replay, self._last_step = step <= self._last_step, max(self._last_step, step)
         for fault in list(self._pending):
-            if fault["kind"] in _EVERY_STEP:
+            if fault["kind"] in _NOT_A_STEP:
                 continue
             if "below_dp" in fault:  # due at the first step from ``step`` on in a smaller run, replayed or not
                 if engine.dims.dp >= fault["below_dp"] or step < fault["step"]:
@@ -119,6 +122,12 @@ class WorkerFaults:
                         local.mul_(60.0)
                     else:
                         flip_bit(local, fault.get("bit", 30))
+
+    def before_join(self, generation: int, rank: int) -> None:
+        for fault in list(self._pending):
+            if fault["kind"] == "late" and fault["step"] == generation and fault["rank"] == rank:
+                self._pending.remove(fault)
+                time.sleep(fault["seconds"])
 
     def _hold(self, fault: dict[str, Any], engine: Any) -> None:
         deadline = time.monotonic() + fault["seconds"]

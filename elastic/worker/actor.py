@@ -63,8 +63,7 @@ SLOW_PREPARE_S = 2.0  # a rank this late to a rendezvous is logged with where th
 @ray.remote(concurrency_groups=CONCURRENCY_GROUPS, max_restarts=0)  # type: ignore[call-overload]
 class TrainWorker:
     def __init__(self, spec: Any, corpus_uri: str, step_hook: StepHook | None = None):
-        self.spec = spec
-        self.corpus_uri = corpus_uri
+        self.spec, self.corpus_uri = spec, corpus_uri
         self.rank = -1
         self._step = 0  # the last trainer's step, while none is built
         self.trainer: Trainer | None = None
@@ -215,8 +214,7 @@ class TrainWorker:
     def _configure(self, req: ConfigureRequest) -> ConfigureReply:
         self._phase = "configure"
         self._beat = time.monotonic()
-        cpu0 = time.process_time()
-        t_leave = time.perf_counter()
+        cpu0, t_leave = time.process_time(), time.perf_counter()
         self._leave()
         t_tier = time.perf_counter()
         self.tier.replicate_to(None)  # nothing of the old layout is sent from now on
@@ -230,6 +228,8 @@ class TrainWorker:
         ep, cp = self.spec.parallel.ep, self.spec.parallel.cp  # fixed for the job: only dp changes
         world = dp * tp * pp * ep * cp
         self.rank = req.rank
+        if self.hook is not None:  # a test's late arrival (elastic/faults/worker.py)
+            self.hook.before_join(req.generation, req.rank)
         join_s = self.group.configure(req.generation, req.rank, world, req.store, req.store_secret, req.shrink_excluded)
         # The mesh's sub-groups connect within the rendezvous timeout, then get the collective one.
         t_mesh = time.perf_counter()

@@ -22,3 +22,6 @@ class StepHook(Protocol):
 
     def before_step(self, step: int, rank: int, engine: Any) -> None:
         """Called after the step's batch is read, before its forward pass."""
+
+    def before_join(self, generation: int, rank: int) -> None:
+        """Called as the rank is about to join generation ``generation`` of the group."""

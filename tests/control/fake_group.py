@@ -94,11 +94,15 @@ class FakeWorkerGroup:
     def configure(self, plan):
         self.calls.append(("configure", plan.dp, plan.restore.step, plan.restore.source))
         self.collector_on.append(gc.isenabled())
-        if self.configure_failures:
-            raise self.configure_failures.pop(0)
         for rank, m in enumerate(plan.members):
             m.rank = rank
-        self.members, self.dp = list(plan.members), plan.dp
+        self.members = list(plan.members)  # as the real group: the members, even if configure fails
+        if self.configure_failures:
+            failure = self.configure_failures.pop(0)
+            for m in plan.members:  # as group_configure: the members lost in a configure are dead
+                m.dead = m.dead or (getattr(failure, "cause", "") == "node_lost" and m.rank in failure.ranks)
+            raise failure
+        self.dp = plan.dp
         for m in plan.members:
             m.step = plan.step
         return ConfigureResult(step=plan.step, init_s=0.01, build_s=0.01, restore_s=0.02)

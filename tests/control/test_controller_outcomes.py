@@ -9,10 +9,10 @@ from fake_group import FakeWorkerGroup, step_results
 from ray.exceptions import RayTaskError
 
 from elastic.checkpoint.committer import CheckpointCommitter
-from elastic.control.controller import Controller, Failed, Finished, Recovering, Running
+from elastic.control.controller import Controller, Failed, Finished, Recovering, Running, Starting
 from elastic.control.group_configure import root_cause
 from elastic.control.worker_group import Observation
-from elastic.errors import JobFailed, NotRetryable, WorkerError
+from elastic.errors import JobFailed, NodeLost, NotRetryable, RendezvousFailed, WorkerError
 from elastic.events import EventLog, read_events
 from jobs import JobSpec
 from storage.errors import LayoutMismatch
@@ -64,6 +64,46 @@ def test_a_group_that_cannot_start_fails_with_the_cause_in_its_failure_event(tmp
     assert state.reason == f"could not start the worker group: worker_error: {detail}"
     (failure,) = _failures(tmp_path)
     assert failure["detail"] == detail and failure["ranks"] == [0, 1] and ctl.failures == 1
+
+
+def test_a_start_the_machines_failed_begins_again_keeping_the_workers_that_answered(tmp_path):
+    """A rendezvous that timed out or a node lost while the group starts is not the training
+    code's fault: the start begins again (within elastic.max_failures, 3 here), each try a
+    failure event. The workers that answered are kept; those that did not (maybe stuck in
+    the old rendezvous) and the lost are replaced. The code's own error is not retried."""
+    timed_out = "configure failed: DistStoreError: wait timeout after 6000ms, keys: /gen1/rank1"
+    silent = RendezvousFailed("configure failed: GetTimeoutError: no answer from 1 rank(s) on 1 node(s)", [1])
+    silent.unanswered = [1]
+    ctl = _controller(tmp_path)
+    lost = NodeLost("lost while reconfiguring", ranks=[0])
+    ctl.group.configure_failures = [RendezvousFailed(timed_out, ranks=[0, 1]), silent, lost]
+    _advance(ctl, Starting)  # every rank answered: all kept
+    first = list(ctl.group.members)
+    assert not any(m.dead for m in first) and not [c for c in ctl.group.calls if c[0] in ("kill", "release")]
+    _advance(ctl, Starting)  # the same workers tried again, none spawned; rank 1 never answered
+    assert [c[0] for c in ctl.group.calls].count("spawn") == 1
+    assert first[1].dead and not first[0].dead and ("kill", [1]) in ctl.group.calls
+    assert [c for c in ctl.group.calls if c[0] == "release"] == [("release", first[1].group)]
+    _advance(ctl, Starting)  # rank 0 kept, rank 1 new; then rank 0 lost
+    assert [c[0] for c in ctl.group.calls].count("spawn") == 2 and first[0].dead
+    second = ctl.group.members[1]
+    assert ctl.group.members[0] is first[0] and second not in first
+    _advance(ctl, Running)
+    assert [c[0] for c in ctl.group.calls].count("spawn") == 3 and ctl.failures == 3
+    assert ctl.group.members[0] is second and ctl.group.dp == 2
+    assert [(f["cause"], f["detail"]) for f in _failures(tmp_path)] == [
+        ("worker_error", timed_out),
+        ("worker_error", silent.detail),
+        ("node_lost", "lost while reconfiguring"),
+    ]
+    # The budget bounds the tries: the fourth failure is one too many.
+    ctl = _controller(tmp_path / "budget")
+    ctl.group.configure_failures = [RendezvousFailed(timed_out, ranks=[0]) for _ in range(4)]
+    for _ in range(3):
+        _advance(ctl, Starting)
+    state = _advance(ctl, Failed)
+    assert state.reason == f"could not start the worker group: worker_error: {timed_out}"
+    assert ctl.failures == 4
 
 
 def test_an_error_a_retry_would_repeat_fails_the_job_at_once(tmp_path):

@@ -197,3 +197,25 @@ def test_members_lost_mid_rendezvous_again_and_again(ray_local, reference_losses
     print("kill -> survivors freed (s):", [round(x, 1) for x in freed])
     assert max(freed) < rendezvous_s / 2, freed
     assert_matches_reference(step_metrics(run_dir), reference_losses, rel=REL_SAME_ORDER)
+
+
+def test_a_start_whose_rendezvous_times_out_begins_again(ray_local, reference_losses, tmp_path):
+    """Rank 1 joins the job's first rendezvous later than rank 0 waits for it (a slow node
+    at start-up, as a loaded machine gives): rank 0's rendezvous times out. That is no error
+    of the training code, so the start begins again on the same workers (both answered), one
+    failure spent, and the job trains the fault-free trajectory. (Before, the job failed at
+    once: "could not start the worker group".)"""
+    from elastic.worker.process_group import ReconfigurableProcessGroup
+
+    spec = elastic_spec(min_dp=2, max_dp=2)
+    timeout = spec.elastic.collective_timeout_s
+    rendezvous_s = ReconfigurableProcessGroup("cpu", timeout).rendezvous_timeout.total_seconds()
+    late = worker_fault("late", step=1, rank=1, seconds=rendezvous_s + 4)
+    run_dir, result = _run(tmp_path, spec, step_hook=WorkerFaults([late]))
+    assert result.status == "succeeded" and result.steps == STEPS
+    (failure,) = events_of(run_dir, "failure")
+    print(f"failure -> job_start: {events_of(run_dir, 'job_start')[0]['ts'] - failure['ts']:.2f} s")
+    assert failure["cause"] == "worker_error" and "DistStoreError" in failure["detail"], failure
+    assert not result.recoveries  # no training was lost: the start began again
+    assert [e["dp"] for e in events_of(run_dir, "job_start")] == [2]
+    assert_matches_reference(step_metrics(run_dir), reference_losses, rel=REL_SAME_ORDER)

@@ -41,9 +41,7 @@ from elastic.control.gc_pauses import collector_paused
 from elastic.control.health import CommitGate, HealthMonitor, gate_commits
 from elastic.control.outages import Outages
 from elastic.control.recovery_plan import RestoreChoice, complete_replicas
-from elastic.control.reform import (
-    stop_at_boundary,
-)
+from elastic.control.reform import release_dead_groups, stop_at_boundary
 from elastic.control.states import Failed, Finished, Resizing, Running, Starting, State
 from elastic.control.step_events import StepTally
 from elastic.control.stop import CHECKPOINT_TIMEOUT_S, StopSignals, checked_stop_checkpoint, stop_now_in, stopped_state
@@ -152,24 +150,48 @@ class Controller(Reformations):
                 return handler(state)
         except WorkerFailure as failure:  # a failure while starting, recovering or resizing
             if isinstance(state, Starting):  # recorded like any failure, so its cause is in events.jsonl too
-                self.failures += 1
-                f = failure
-                self.events.emit("failure", **failure_fields(f))
-                return Failed(f"could not start the worker group: {f.cause}: {f.detail}")
+                return self._start_failed(failure)
             return self._recovering(failure)
+
+    def _start_failed(self, f: WorkerFailure) -> State:
+        """A failure while the group starts. The machines' (a node or actor lost, a rendezvous
+        that did not form): start again on fresh workers, within ``elastic.max_failures``.
+        The training code's own error (``starts_again`` False): a new start would repeat it."""
+        self.failures += 1
+        self.events.emit("failure", **failure_fields(f))
+        if not f.starts_again or not f.retryable or self._budget_spent():
+            return Failed(f"could not start the worker group: {f.cause}: {f.detail}")
+        # Whole replicas of members that answered stay for the next try (no new actors to
+        # start: at thousands of ranks, minutes); ranks that never answered may be stuck in
+        # the old rendezvous, and go, with the rest of their replicas.
+        answered = [m for m in self.group.members if not m.dead and m.rank not in f.unanswered]
+        whole = {id(m) for r in complete_replicas(answered, self.spec.parallel.replica_size) for m in r}
+        if gone := [m for m in self.group.members if not m.dead and id(m) not in whole]:
+            self.group.kill(gone)
+        release_dead_groups(self.group)
+        logger.warning(
+            "the worker group did not start (%s: %s): starting again, %d worker(s) kept",
+            f.cause, f.detail, len(whole),
+        )  # fmt: skip
+        return Starting()
 
     # ------------------------------------------------------------------ starting
     def _on_starting(self, state: Starting) -> State:
         e = self.spec.elastic
+        # A start begun again keeps the whole replicas of its last try (``_start_failed``).
+        kept = complete_replicas([m for m in self.group.members if not m.dead], self.spec.parallel.replica_size)
         self.group.request_capacity()
-        spare = self.group.wait_spare(e.max_dp, timeout=min(e.min_dp_wait_s, 10.0))
-        dp = policies.target_dp(len(spare), self.allowed)
+        spare = self.group.wait_spare(e.max_dp - len(kept), timeout=min(e.min_dp_wait_s, 10.0))
+        dp = policies.target_dp(len(kept) + len(spare), self.allowed)
         if dp is None or dp < e.min_dp:
-            spare = self.group.wait_spare(e.min_dp, timeout=e.min_dp_wait_s)
-            dp = policies.target_dp(len(spare), self.allowed)
+            spare = self.group.wait_spare(e.min_dp - len(kept), timeout=e.min_dp_wait_s)
+            dp = policies.target_dp(len(kept) + len(spare), self.allowed)
         if dp is None:
             return Failed(f"capacity for min_dp={e.min_dp} replicas did not appear within {e.min_dp_wait_s:g}s")
-        members = self.group.spawn(spare[:dp])
+        if surplus := [m for r in kept[dp:] for m in r]:  # fewer replicas allowed than kept
+            self.group.kill(surplus)
+        kept = kept[:dp]
+        members = [m for r in kept for m in r] + (self.group.spawn(spare[: dp - len(kept)]) if dp > len(kept) else [])
         choice = RestoreChoice(self.resume, "storage") if self.resume is not None else RestoreChoice(None, "none")
         reformed = self._re_form(members, dp, 0, choice, [])
         self.step = reformed.result.step
