@@ -125,11 +125,21 @@ def ray_cluster(request):
         ray.shutdown()  # the test's actors end with its driver
 
 
+# The GCS declares a node whose raylet was SIGKILLed dead after this many failed health
+# checks this far apart: 2 s, where Ray's defaults (5 x 3 s) left the killed node counted
+# alive, with its CPU, for up to 15 s after a test, and the next test's cluster repair
+# waited that out (8-14 s of setup after each node-loss test, 2026-11-28 suite). A live
+# raylet, however loaded, answers within the check's 10 s timeout; the product's own
+# detection of a lost node does not use the GCS's (docs/architecture.md).
+GCS_HEALTH_CHECK = {"health_check_period_ms": 1000, "health_check_failure_threshold": 2}
+HEAD_NODE = {"num_cpus": 0, "include_dashboard": False, "_system_config": GCS_HEALTH_CHECK}
+
+
 def _new_cluster() -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    cluster = Cluster(initialize_head=True, head_node_args=dict(HEAD_NODE))
     for _ in range(CLUSTER_NODES):
         cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
@@ -203,7 +213,7 @@ def rack_cluster():
     from ray.cluster_utils import Cluster
 
     _shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    cluster = Cluster(initialize_head=True, head_node_args=dict(HEAD_NODE))
     for i in range(4):
         cluster.add_node(num_cpus=2, num_gpus=4, labels={"rack": f"r{i // 2}", "name": f"w{i}"})
     cluster.wait_for_nodes()
