@@ -22,7 +22,7 @@ import faulthandler
 import logging
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import IO, Any
 
 import torch
@@ -34,8 +34,12 @@ from elastic.worker.process_group import is_collective_error
 logger = logging.getLogger(__name__)
 
 # A survivor still in its step this long after the abort is stuck where neither the abort
-# (checked between layers) nor the cut links (its connections to the lost ranks) reach; the
-# driver kills it once its own wait for the survivors ends (``free_survivors``).
+# (checked between layers) nor the cut links (its connections to the lost ranks) reach: its
+# stacks are logged and it cuts all of its own connections (it is leaving this generation
+# anyway); the driver kills it if it is still there once its own wait for the survivors ends
+# (``free_survivors``). Seen once in about 60 HSDP recoveries at 0.5 GB (2026-11-28): the
+# lost rank's shard partner blocked in FSDP's forward all-gather over their shard group,
+# killed after 22.7 s.
 STUCK_AFTER_ABORT_S = 5.0
 
 
@@ -74,12 +78,16 @@ class AbortHooks:
 
 
 def report_if_stuck(
-    idle: threading.Event, after_s: float = STUCK_AFTER_ABORT_S, file: IO[str] | None = None
+    idle: threading.Event,
+    after_s: float = STUCK_AFTER_ABORT_S,
+    file: IO[str] | None = None,
+    then: Callable[[], int] | None = None,
 ) -> threading.Thread | None:
     """After an abort: if the run in progress has not ended (``idle``) within ``after_s``,
     log every thread's stack once, to the worker's log (``file``: stderr), so that where a
-    survivor was stuck is known after the driver has killed it. No run in progress: nothing
-    to watch (None)."""
+    survivor was stuck is known even if the driver kills it, then call ``then`` (the worker:
+    cut every connection of its group, which fails the collective it is blocked in; returns
+    how many it cut). No run in progress: nothing to watch (None)."""
     if idle.is_set():
         return None
 
@@ -87,6 +95,8 @@ def report_if_stuck(
         if not idle.wait(after_s):
             logger.warning("still in its step %.1fs after the abort; every thread's stack follows", after_s)
             faulthandler.dump_traceback(file=file or sys.stderr, all_threads=True)
+            if then is not None:
+                logger.warning("still in its step: %d connection(s) of its group cut", then())
 
     thread = threading.Thread(target=watch, name="abort-watch", daemon=True)
     thread.start()

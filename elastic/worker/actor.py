@@ -154,14 +154,14 @@ class TrainWorker:
     @ray.method(concurrency_group="control")
     def abort_step(self, generation: int = 0, links: frozenset = frozenset()) -> None:
         """A peer was lost: leave the step in flight at the next layer, and cut ``links`` (this
-        rank's connections to the lost ranks: a collective blocked on one fails now). A snapshot
-        copy gives way; a run not over soon logs its stacks. A late notice changes nothing."""
+        rank's connections to the lost ranks: a collective blocked on one fails now). A snapshot copy
+        gives way; a run not over in 5 s logs its stacks and cuts all its links. A late notice: nothing."""
         if generation and generation != self.group.generation:
             return
         self._abort.set()
         self.group.cut_links(links)
         self.tier.yield_copy()
-        report_if_stuck(self._idle)  # (none when no run is in progress)
+        report_if_stuck(self._idle, then=lambda: self.group.cut_links(self.group.connections()))
 
     @ray.method(concurrency_group="control")
     def shrink_group(self, excluded: tuple[int, ...]) -> bool:

@@ -435,3 +435,50 @@ def materialised_shards(rank: int, world: int, out_dir: str, tied: bool) -> dict
     result["hsdp_equal"] = equal(third)
     dist.destroy_process_group()
     return result
+
+
+def stuck_survivor_cuts_its_own_links(rank: int, world: int, out_dir: str, timeout_s: float) -> dict:
+    """Rank 0 is a survivor blocked in an all-reduce with rank 1, whose process holds its
+    sockets open and never joins (the stall that neither the abort nor the cut of the links
+    to the lost rank freed). The driver's abort starts ``report_if_stuck`` on rank 0, as
+    ``TrainWorker.abort_step`` does: after ``after_s`` still in its step, it logs its stacks
+    and cuts all of rank 0's own captured connections, which fails the all-reduce."""
+    import datetime
+    import threading
+
+    from elastic.parallel.sockets import GroupSockets
+    from elastic.worker.abort import report_if_stuck
+
+    sockets = GroupSockets()
+    sockets.before_init()
+    init_group(rank, world, os.path.join(out_dir, "store"))
+    pair = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=timeout_s))
+    dist.all_reduce(torch.ones(1), group=pair)  # connected, then captured
+    signals = dist.FileStore(os.path.join(out_dir, "signals"), world)
+    signals.set_timeout(datetime.timedelta(seconds=timeout_s * 4))
+    sockets.capture()
+    result: dict = {"connections": len(sockets.connections)}
+    if rank == 1:
+        signals.wait(["done"])  # silent, sockets open, until rank 0 is through
+    else:
+        idle = threading.Event()  # set when the "run" ends
+        with open(os.path.join(out_dir, "stacks"), "w") as stacks:
+            watch = report_if_stuck(idle, after_s=0.3, file=stacks, then=lambda: sockets.cut(sockets.connections))
+            t0 = time.perf_counter()
+            try:
+                dist.all_reduce(torch.ones(4), group=pair)
+                result["error"] = None
+            except Exception as exc:
+                result["error"] = str(exc)[:200]
+            result["blocked_s"] = time.perf_counter() - t0
+            idle.set()
+            assert watch is not None
+            watch.join(timeout_s)
+        result["stacks_name_the_collective"] = "stuck_survivor_cuts_its_own_links" in open(stacks.name).read()
+        signals.set("done", "1")
+    del pair
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+    return result

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from parallel_harness import run_ranks
-from parallel_workers import blocked_peer_after_leave, cut_links_to_a_silent_peer
+from parallel_workers import blocked_peer_after_leave, cut_links_to_a_silent_peer, stuck_survivor_cuts_its_own_links
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 
@@ -117,3 +117,16 @@ def test_a_cut_of_named_links_shuts_those_and_no_others():
     finally:
         for s in (a, b, a_far, b_far, listener):
             s.close()
+
+
+def test_a_survivor_still_in_its_step_after_the_abort_cuts_its_own_links(tmp_path):
+    """The last resort of ``abort_step``: a survivor blocked on a peer whose sockets stay
+    open, where the cut of the links to the lost rank did not reach, logs its stacks and cuts
+    all of its own connections once it is still in its step ``after_s`` (0.3 s here, 5 s in a
+    worker) after the abort: its collective fails then, not after the collective timeout."""
+    results = run_ranks(2, stuck_survivor_cuts_its_own_links, (TIMEOUT_S,), tmp_path)
+    survivor = results[0]
+    assert survivor["connections"] >= 1
+    assert survivor["error"], "the all-reduce cannot complete: rank 1 never joined it"
+    assert survivor["blocked_s"] < TIMEOUT_S / 2, survivor
+    assert survivor["stacks_name_the_collective"]
