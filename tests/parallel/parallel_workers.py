@@ -342,13 +342,7 @@ def cut_links_to_a_silent_peer(rank: int, world: int, out_dir: str, timeout_s: f
         control = threading.Thread(target=abort)
         control.start()
         signals.set("entering", "1")
-        t0 = time.perf_counter()
-        try:
-            dist.all_reduce(torch.ones(4), group=to_lost)
-            result["error"] = None
-        except Exception as exc:
-            result["error"] = str(exc)[:200]
-        result["blocked_s"] = time.perf_counter() - t0
+        result.update(_blocked_all_reduce(to_lost))
         control.join()
         x = torch.full((2,), 2.0)
         dist.all_reduce(x, group=live)
@@ -464,13 +458,7 @@ def stuck_survivor_cuts_its_own_links(rank: int, world: int, out_dir: str, timeo
         idle = threading.Event()  # set when the "run" ends
         with open(os.path.join(out_dir, "stacks"), "w") as stacks:
             watch = report_if_stuck(idle, after_s=0.3, file=stacks, then=lambda: sockets.cut(sockets.connections))
-            t0 = time.perf_counter()
-            try:
-                dist.all_reduce(torch.ones(4), group=pair)
-                result["error"] = None
-            except Exception as exc:
-                result["error"] = str(exc)[:200]
-            result["blocked_s"] = time.perf_counter() - t0
+            result.update(_blocked_all_reduce(pair))
             idle.set()
             assert watch is not None
             watch.join(timeout_s)
@@ -482,3 +470,14 @@ def stuck_survivor_cuts_its_own_links(rank: int, world: int, out_dir: str, timeo
     except Exception:
         pass
     return result
+
+
+def _blocked_all_reduce(group) -> dict:
+    """An all-reduce a peer never joins: how it ended (``error``) and how long it blocked."""
+    t0 = time.perf_counter()
+    try:
+        dist.all_reduce(torch.ones(4), group=group)
+        error = None
+    except Exception as exc:
+        error = str(exc)[:200]
+    return {"error": error, "blocked_s": time.perf_counter() - t0}
