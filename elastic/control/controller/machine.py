@@ -155,7 +155,8 @@ class Controller(Reformations):
 
     def _start_failed(self, f: WorkerFailure) -> State:
         """A failure while the group starts. The machines' (a node or actor lost, a rendezvous
-        that did not form): start again on fresh workers, within ``elastic.max_failures``.
+        that did not form): start again, within ``elastic.max_failures``, keeping the workers
+        that answered.
         The training code's own error (``starts_again`` False): a new start would repeat it."""
         self.failures += 1
         self.events.emit("failure", **failure_fields(f))
