@@ -37,9 +37,9 @@ logger = logging.getLogger(__name__)
 # (checked between layers) nor the cut links (its connections to the lost ranks) reach: its
 # stacks are logged and it cuts all of its own connections (it is leaving this generation
 # anyway); the driver kills it if it is still there once its own wait for the survivors ends
-# (``free_survivors``). Seen once in about 60 HSDP recoveries at 0.5 GB (2026-11-28): the
-# lost rank's shard partner blocked in FSDP's forward all-gather over their shard group,
-# killed after 22.7 s.
+# (``free_survivors``). Stalls of 18-30 s were seen 3 times in about 60 recoveries at 0.5 GB
+# (DDP and HSDP, 2026-11-28); the one with a stack: the lost rank's HSDP shard partner blocked
+# in FSDP's forward all-gather over their shard group, killed after 22.7 s.
 STUCK_AFTER_ABORT_S = 5.0
 
 
