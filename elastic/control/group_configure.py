@@ -130,23 +130,9 @@ def configure_through(
     silent = [by_wid[w] for w in sorted(g.missing())]
     nodes = len({m.node_id for m in silent})
     failed += [(m, f"GetTimeoutError: no answer from {len(silent)} rank(s) on {nodes} node(s)") for m in silent]
-    unanswered = [m.rank for m in silent]
-    if lost:
-        lost_failure = group._lost_failure(lost, "lost while reconfiguring")
-        lost_failure.unanswered = unanswered
-        raise lost_failure
-    if failed:
-        # A node that failed its ranks for its own sake (a full disk) is named alone: the
-        # failure counts against it (elastic.lemon_failures), not against the training code.
-        faulty = [(m, err) for m, err in failed if m.wid in g.node_faults]
-        blamed = faulty or failed
-        rendezvous = all(err.startswith(RENDEZVOUS_ERRORS) for _, err in failed)
-        failure = (NodeResourceError if faulty else RendezvousFailed if rendezvous else WorkerError)(
-            f"configure failed: {blamed[0][1]}",
-            ranks=[m.rank for m, _ in blamed],
-            nodes=sorted({m.node_id for m, _ in blamed}),
-        )
-        failure.unanswered = unanswered
+    if lost or failed:
+        failure = group._lost_failure(lost, "lost while reconfiguring") if lost else _configure_failure(g, failed)
+        failure.unanswered = [m.rank for m in silent]
         raise failure
     ordered = [g.replies[m.wid] for m in members]
     for m, r in zip(members, ordered):
@@ -161,6 +147,20 @@ def configure_through(
         ranks_kept_state=sum(r.kept_state for r in ordered),
         peer_bytes=sum(r.peer_bytes for r in ordered),
         cpu_s=max(r.cpu_s for r in ordered),
+    )
+
+
+def _configure_failure(g: Any, failed: list[tuple[Member, str]]) -> WorkerFailure:
+    """The failure of a configure that lost no member: whose fault its errors say it was."""
+    # A node that failed its ranks for its own sake (a full disk) is named alone: the
+    # failure counts against it (elastic.lemon_failures), not against the training code.
+    faulty = [(m, err) for m, err in failed if m.wid in g.node_faults]
+    blamed = faulty or failed
+    rendezvous = all(err.startswith(RENDEZVOUS_ERRORS) for _, err in failed)
+    return (NodeResourceError if faulty else RendezvousFailed if rendezvous else WorkerError)(
+        f"configure failed: {blamed[0][1]}",
+        ranks=[m.rank for m, _ in blamed],
+        nodes=sorted({m.node_id for m, _ in blamed}),
     )
 
 

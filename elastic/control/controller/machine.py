@@ -160,7 +160,7 @@ class Controller(Reformations):
         The training code's own error (``starts_again`` False): a new start would repeat it."""
         self.failures += 1
         self.events.emit("failure", **failure_fields(f))
-        if not f.starts_again or not f.retryable or self._budget_spent():
+        if not f.starts_again or self._budget_spent():  # (NotRetryable is a WorkerError: never again)
             return Failed(f"could not start the worker group: {f.cause}: {f.detail}")
         # Whole replicas of members that answered stay for the next try (no new actors to
         # start: at thousands of ranks, minutes); ranks that never answered may be stuck in
