@@ -19,7 +19,6 @@ its process group, which frees peers blocked in a collective with it within mill
 from __future__ import annotations
 
 import faulthandler
-import gc
 import logging
 import os
 import signal
@@ -48,6 +47,7 @@ from elastic.priority import control_priority, training_thread
 from elastic.worker.abort import classify, report_if_stuck
 from elastic.worker.allocator import keep_freed_memory
 from elastic.worker.device_peak import peak_flops
+from elastic.worker.heap import settle_heap
 from elastic.worker.hooks import StepHook
 from elastic.worker.outbox import ReportQueue, peer_sender
 from elastic.worker.process_group import ReconfigurableProcessGroup
@@ -96,12 +96,10 @@ class TrainWorker:
         # Ray's worker niceness is 15: the control threads at -5 where allowed, else 0; the
         # training thread goes to 0 with its first call (elastic/priority.py).
         control_priority()
-        # Everything alive now (torch, Ray, imported modules: ~300k objects) lives as long as
-        # the process. Freezing it keeps the full collections that leaving a process group
-        # makes (to release the old group) from scanning it again: ~40 ms saved per
-        # collection here, several times per re-formation (benchmarks/reconfigure_profile.py).
-        gc.collect()
-        gc.freeze()
+        # Everything alive now (torch, Ray, imported modules, and pandas, which pyarrow would
+        # import at the first read) lives as long as the process: frozen, so that the full
+        # collection of a re-formation does not scan it again (elastic/worker/heap.py).
+        settle_heap()
         keep_freed_memory(self.device.type)  # a CPU worker keeps the blocks it frees (worker/allocator.py)
 
     # ------------------------------------------------------------------ control group

@@ -405,7 +405,11 @@ def materialised_shards(rank: int, world: int, out_dir: str, tied: bool) -> dict
     kept = {n: p.to_local().detach() for n, p in model.named_parameters()}
     with torch.device("meta"):
         again = spec.build()
+    emptied: list[int] = []  # nothing is allocated for an adopted shard (``empty_where_meta``)
+    if not tied:  # (a tied model is materialised whole before sharding, as above)
+        again.to_empty = lambda *, device: emptied.append(1)
     parallelize(again, dims, ParallelConfig(zero=3), spec, SEED, torch.device("cpu"), restoring=True, kept=kept)
+    result["to_empty_calls"] = len(emptied)
     again(torch.zeros(1, cfg.seq_len, dtype=torch.long)).sum().backward()
     local = {n: p.to_local() for n, p in again.named_parameters()}
     result["adopted"] = sum(local[n].data_ptr() == kept[n].data_ptr() for n in kept)

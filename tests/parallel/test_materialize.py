@@ -79,6 +79,7 @@ def test_under_fsdp_a_rank_materialises_its_own_shards_only(tmp_path, tied):
         else:
             assert r["allocated"] <= r["total"] // 2 + 64 * 8  # its half (FSDP pads dim 0 at most a row each)
             assert r["adopted"] == r["params"] and r["adopted_equal"]  # every shard even here: none copied
+            assert r["to_empty_calls"] == 0  # nor allocated first and dropped
         # HSDP: one shard mesh for all the parameters, not one each; the weights as before
         assert r["hsdp_params"] > 1 and r["hsdp_shard_meshes"] == 1 and r["hsdp_equal"]
         assert r["slicing_restored"]
