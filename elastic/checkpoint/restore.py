@@ -72,6 +72,8 @@ def load_live_into(engine: Any, live: Any, objects: dict[str, Any]) -> None:
     own snapshot of the same step."""
     from torch.distributed.tensor import DTensor
 
+    from elastic.parallel.live import dtensor_like
+
     for name, param in engine.model.named_parameters():
         kept, local = live.params.get(name), _local(param)
         if kept is None or kept.shape != local.shape:
@@ -82,11 +84,9 @@ def load_live_into(engine: Any, live: Any, objects: dict[str, Any]) -> None:
         state = live.optim.get(name)
         if state:
             engine.optimizer.state[param] = {
-                k: DTensor.from_local(v, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                                      stride=param.stride())
-                if isinstance(param, DTensor) and torch.is_tensor(v) and v.dim() > 0 else v
+                k: dtensor_like(v, param) if isinstance(param, DTensor) and torch.is_tensor(v) and v.dim() > 0 else v
                 for k, v in state.items()
-            }  # fmt: skip
+            }
     prefix = f"{APP}/scheduler/"
     flat = {k.removeprefix(f"{APP}/"): copy.deepcopy(v) for k, v in objects.items() if k.startswith(prefix)}
     scheduler = unflatten_state(flat).get("scheduler", {})

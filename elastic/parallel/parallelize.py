@@ -20,6 +20,7 @@ from torch import nn
 from elastic.parallel.ac import apply_ac
 from elastic.parallel.ddp import apply_ddp
 from elastic.parallel.fsdp import apply_fsdp
+from elastic.parallel.live import dtensor_like
 
 if TYPE_CHECKING:
     from elastic.models.spec import ModelSpec
@@ -178,10 +179,7 @@ def adopt_shards(model: nn.Module, kept: dict[str, torch.Tensor], device: torch.
         local = param.to_local()
         if (value.shape, value.dtype, value.device) != (local.shape, local.dtype, device or local.device):
             continue
-        shared = DTensor.from_local(
-            value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-        )
-        _set_parameter(model, name, nn.Parameter(shared, requires_grad=param.requires_grad))
+        _set_parameter(model, name, nn.Parameter(dtensor_like(value, param), requires_grad=param.requires_grad))
 
 
 def tied_parameters(model: nn.Module) -> list[list[str]]:

@@ -2,8 +2,8 @@
 
 ``configure(generation, rank, world, ...)`` joins generation ``generation`` of the job's
 group; ``leave()`` tears the current one down so that peers blocked on this rank fail at
-once. Every private torch call the elastic runtime needs is made here, and
-``tests/worker/test_torch_private_api.py`` fails loudly when a torch upgrade moves one.
+once. Most private torch calls the elastic runtime needs are made here; all are listed in
+``elastic/worker/private_torch.py``, which ``tests/worker/test_torch_private_api.py`` checks.
 
 Rendezvous. The job has one long-lived ``TCPStore``, served by the driver
 (:class:`RendezvousStore`) on the interface the workers use only, and sealed with a per-job
@@ -381,20 +381,3 @@ def _drop_torch_group_references() -> None:
         clear = getattr(getattr(propagator, name, None), "cache_clear", None)
         if clear is not None:  # an lru_cache in the torch versions that have it
             clear()
-
-
-PRIVATE_TORCH_API = (
-    "torch.distributed.distributed_c10d._set_pg_timeout",
-    "torch.distributed.distributed_c10d._world.group_count",
-    "torch.distributed.distributed_c10d._abort_process_group",
-    "torch.distributed.distributed_c10d.SHRINK_ABORT",
-    "torch.distributed.shrink_group",
-    "torch.distributed.device_mesh._mesh_resources.mesh_stack",
-    "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator",
-    "torch.distributed.ProcessGroupGloo._Options",
-    # elastic/parallel/engine.py times a rank's own backward (straggler detection, docs/health.md)
-    "torch.autograd.Variable._execution_engine.queue_callback",
-    # elastic/parallel/dims.py flattens dp x ep x cp and dp x cp into one mesh dimension each
-    # (torchtitan does the same; no public equivalent in torch 2.13)
-    "torch.distributed.device_mesh.DeviceMesh._flatten",
-)

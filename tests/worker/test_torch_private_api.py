@@ -1,8 +1,8 @@
 """Every private torch name the elastic runtime relies on still exists.
 
-They are all called from ``elastic/worker/process_group.py`` (and the gloo sub-group
-timeout from ``elastic/parallel/dims.py``). A torch upgrade that moves one fails here, by
-name, instead of as a hang in the middle of a recovery.
+They are listed in ``elastic/worker/private_torch.py``, each with its user. A torch upgrade
+that moves one fails here, by name, instead of as a hang or a wrong result in the middle of
+a recovery.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import importlib
 
 import pytest
 
-from elastic.worker.process_group import PRIVATE_TORCH_API
+from elastic.worker.private_torch import PRIVATE_TORCH_API
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -68,3 +68,34 @@ def test_group_counter_names_the_default_group():
         assert c10d._world.group_count == 4
     finally:
         c10d._world.group_count = before
+
+
+@pytest.mark.cluster  # an in-process process group (the fake backend: no peers, no sockets)
+def test_a_dtensor_made_with_its_parameters_spec_is_the_one_from_local_makes():
+    """``elastic.parallel.live.dtensor_like`` wraps a kept shard with its parameter's own spec
+    (``DTensor(local, spec, requires_grad=...)``, FSDP2's own shortcut) instead of
+    ``DTensor.from_local``: the same DTensor, or a torch upgrade changed the constructor."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from elastic.parallel.live import dtensor_like
+
+    dist.init_process_group("fake", rank=1, world_size=4, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        placements = (Replicate(), Shard(0))
+        param = DTensor.from_local(torch.randn(3, 8), mesh, placements, run_check=False, shape=(6, 8), stride=(8, 1))
+        kept = torch.randn(3, 8)
+        fast, slow = (
+            dtensor_like(kept, param),
+            DTensor.from_local(kept, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()),
+        )
+        assert fast._spec == slow._spec and fast.to_local().data_ptr() == kept.data_ptr() and not fast.requires_grad
+        assert (fast.shape, fast.stride(), fast.placements) == (torch.Size([6, 8]), (8, 1), placements)
+        other = dtensor_like(kept.to(torch.float64), param)  # another dtype: through from_local
+        assert other.dtype == torch.float64 and other.shape == param.shape
+    finally:
+        dist.destroy_process_group()
