@@ -81,22 +81,22 @@ def held_in_cycles(live: LiveState | None) -> bool:
     return live is None or live.module is None
 
 
-def dtensor_like(local: torch.Tensor, param: Any, requires_grad: bool = False) -> Any:
+def dtensor_like(local: torch.Tensor, param: Any) -> Any:
     """``local`` as a DTensor of ``param``'s mesh, placements, global shape and stride: this
     rank's shard of a tensor laid out as ``param`` (a kept parameter shard, or its optimizer
     state). Made with ``param``'s own spec (as FSDP2 does for its sharded parameters) where
     the shard matches its local tensor in shape, stride and dtype: ``DTensor.from_local``
     costs 0.05 ms a tensor against 0.005 ms, paid for every parameter and optimizer state
-    tensor of every survivor at each re-formation. Otherwise through ``from_local``."""
+    tensor of every survivor at each re-formation. Otherwise through ``from_local``. Never
+    requires grad: a parameter wraps it in its own ``nn.Parameter``."""
     from torch.distributed.tensor import DTensor
 
     mine = param.to_local()
     if (local.shape, local.stride(), local.dtype) == (mine.shape, mine.stride(), mine.dtype):
-        return DTensor(local, param._spec, requires_grad=requires_grad)
-    out = DTensor.from_local(
+        return DTensor(local, param._spec, requires_grad=False)
+    return DTensor.from_local(
         local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
     )
-    return out.requires_grad_(requires_grad) if requires_grad else out
 
 
 def _local(t: Any) -> Any:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import gc
 import importlib
-import importlib.util
 import logging
 
 logger = logging.getLogger(__name__)
@@ -38,11 +37,10 @@ def settle_heap(lazy: tuple[str, ...] = LAZY) -> int:
     """Import ``lazy`` (those installed), collect, and freeze what is alive; returns the number
     of objects frozen."""
     for name in lazy:
-        if importlib.util.find_spec(name) is not None:
-            try:
-                importlib.import_module(name)
-            except Exception as exc:  # a broken optional install: the worker imports it later, or never
-                logger.debug("preloading %s: %s", name, exc)
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # not installed, or broken: the worker imports it later, or never
+            logger.debug("preloading %s: %s", name, exc)
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
