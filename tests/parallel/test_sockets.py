@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 from parallel_harness import run_ranks
-from parallel_workers import blocked_peer_after_leave, cut_links_to_a_silent_peer, stuck_survivor_cuts_its_own_links
+from socket_workers import blocked_peer_after_leave, cut_links_to_a_silent_peer, stuck_survivor_cuts_its_own_links
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 
