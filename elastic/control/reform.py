@@ -112,7 +112,9 @@ def free_survivors(
     stuck = group.wait_runs(survivors, timeout=timeout)
     group.kill(stuck)
     stuck_ids = {id(m) for m in stuck}
-    survivors = [m for m in survivors if id(m) not in stuck_ids]
+    # One that died meanwhile is lost too: a second failure, or a survivor that left the job
+    # while blocked in a collective after the abort (``report_if_stuck``).
+    survivors = [m for m in survivors if id(m) not in stuck_ids and not m.dead]
     reports: list[tuple[int, WorkerReport]] = [
         (r, rep) for r, rep in group.drain_results(survivors) if isinstance(rep, StepReport | StepRows)
     ]

@@ -18,8 +18,10 @@ partial backward is replaced.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterable
@@ -41,6 +43,18 @@ logger = logging.getLogger(__name__)
 # (DDP and HSDP, 2026-11-28); the one with a stack: the lost rank's HSDP shard partner blocked
 # in FSDP's forward all-gather over their shard group, killed after 22.7 s.
 STUCK_AFTER_ABORT_S = 5.0
+# Still blocked in torch's distributed or autograd code this long after cutting all of its
+# connections: nothing this process can do frees it (no peer will join a collective after the
+# abort, and the cut did not fail it), and the driver would kill it once its own wait for the
+# survivors ends (``survivors_wait_s``: 3 steps, 19.6 s at 0.5 GB in one HSDP recovery on
+# 2026-11-29, where the lost rank's shard partner stayed in its forward all-gather and the cut
+# found no connection to shut). The worker leaves the job at once instead (``leave``): the
+# driver then counts it lost, as it would have after its wait, 3 steps sooner.
+LEAVE_AFTER_CUT_S = 1.0
+# Where a rank blocked on its peers is: a collective (c10d, FSDP, pipelining, DTensor) or a
+# backward whose gradient hooks wait on one (DDP's reducer). A rank waiting for its data, or
+# computing a layer, is in neither, and is left for the driver's wait.
+BLOCKED_IN = (os.path.join("torch", "distributed", ""), os.path.join("torch", "autograd", ""))
 
 
 class StepAborted(RuntimeError):
@@ -82,25 +96,59 @@ def report_if_stuck(
     after_s: float = STUCK_AFTER_ABORT_S,
     file: IO[str] | None = None,
     then: Callable[[], int] | None = None,
+    leave: Callable[[], None] | None = None,
+    leave_after_s: float = LEAVE_AFTER_CUT_S,
 ) -> threading.Thread | None:
     """After an abort: if the run in progress has not ended (``idle``) within ``after_s``,
     log every thread's stack once, to the worker's log (``file``: stderr), so that where a
     survivor was stuck is known even if the driver kills it, then call ``then`` (the worker:
     cut every connection of its group, which fails the collective it is blocked in; returns
-    how many it cut). No run in progress: nothing to watch (None)."""
+    how many it cut). If the run is still in progress ``leave_after_s`` later with a thread
+    blocked in a collective (``blocked_in_collective``), call ``leave`` (the worker: exit the
+    process). No run in progress: nothing to watch (None)."""
     if idle.is_set():
         return None
 
     def watch() -> None:
-        if not idle.wait(after_s):
-            logger.warning("still in its step %.1fs after the abort; every thread's stack follows", after_s)
-            faulthandler.dump_traceback(file=file or sys.stderr, all_threads=True)
-            if then is not None:
-                logger.warning("still in its step: %d connection(s) of its group cut", then())
+        if idle.wait(after_s):
+            return
+        logger.warning("still in its step %.1fs after the abort; every thread's stack follows", after_s)
+        faulthandler.dump_traceback(file=file or sys.stderr, all_threads=True)
+        if then is not None:
+            logger.warning("still in its step: %d connection(s) of its group cut", then())
+        if leave is not None and not idle.wait(leave_after_s) and blocked_in_collective():
+            logger.error(
+                "still blocked in a collective %.1fs after cutting its connections: leaving the job "
+                "(the driver counts this rank lost, as it would once its wait for the survivors ended)",
+                leave_after_s,
+            )
+            leave()
 
     thread = threading.Thread(target=watch, name="abort-watch", daemon=True)
     thread.start()
     return thread
+
+
+def leave_process() -> None:
+    """Exit this worker's process now (``report_if_stuck``'s ``leave`` in a worker): its
+    blocked train thread would keep it from ending any other way."""
+    for stream in (sys.stderr, sys.stdout):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(1)
+
+
+def blocked_in_collective(skip: int | None = None) -> bool:
+    """Whether a thread of this process (other than ``skip``, the caller's by default) is
+    inside torch's distributed or autograd code (``BLOCKED_IN``)."""
+    me = threading.get_ident() if skip is None else skip
+    for tid, frame in sys._current_frames().items():
+        f = None if tid == me else frame
+        while f is not None:
+            if any(part in f.f_code.co_filename for part in BLOCKED_IN):
+                return True
+            f = f.f_back
+    return False
 
 
 def _layers(block: torch.nn.Module) -> list[torch.nn.Module]:

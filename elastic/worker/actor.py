@@ -44,7 +44,7 @@ from elastic.messages import (
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.live import LiveState, held_in_cycles
 from elastic.priority import control_priority, training_thread
-from elastic.worker.abort import classify, report_if_stuck
+from elastic.worker.abort import classify, leave_process, report_if_stuck
 from elastic.worker.allocator import keep_freed_memory
 from elastic.worker.device_peak import peak_flops
 from elastic.worker.heap import settle_heap
@@ -153,13 +153,14 @@ class TrainWorker:
     def abort_step(self, generation: int = 0, links: frozenset = frozenset()) -> None:
         """A peer was lost: leave the step in flight at the next layer, and cut ``links`` (this
         rank's connections to the lost ranks: a collective blocked on one fails now). A snapshot copy
-        gives way; a run not over in 5 s logs its stacks and cuts all its links. A late notice: nothing."""
+        gives way; a run not over in 5 s logs its stacks and cuts all its links, and one still blocked
+        in a collective 1 s later leaves the job (``report_if_stuck``). A late notice: nothing."""
         if generation and generation != self.group.generation:
             return
         self._abort.set()
         self.group.cut_links(links)
         self.tier.yield_copy()
-        report_if_stuck(self._idle, then=lambda: self.group.cut_links(self.group.connections()))
+        report_if_stuck(self._idle, then=lambda: self.group.cut_links(self.group.connections()), leave=leave_process)
 
     @ray.method(concurrency_group="control")
     def shrink_group(self, excluded: tuple[int, ...]) -> bool:

@@ -151,3 +151,22 @@ def test_free_survivors_on_nccl_kills_the_lost_replica_and_shrinks_the_others():
     assert not [c for c in gloo.calls if c[0] == "shrink"] and ("kill", [3]) in gloo.calls
     # gloo: the others leave the step, and cut their links to the lost ranks
     assert ("abort_steps", [0, 1, 2, 4], [3, 5]) in gloo.calls
+
+
+def test_free_survivors_drops_a_survivor_that_died_while_it_was_waited_for():
+    """A survivor that left the job during the wait (a second failure, or one that exited while
+    blocked in a collective after the abort: ``report_if_stuck``) is not handed on as a
+    survivor: the re-formation would configure a dead actor and fail again."""
+    from fake_group import FakeMember, FakeWorkerGroup
+
+    from elastic.control.reform import free_survivors
+
+    class DiesWhileWaited(FakeWorkerGroup):
+        def wait_runs(self, members, timeout):
+            self.members[2].dead = True  # the lost rank's partner left the job meanwhile
+            return []
+
+    group = DiesWhileWaited(spec=None, corpus_uri="")
+    group.members = [FakeMember(r, f"pg{r}", f"n{r}") for r in range(4)]
+    survivors, boundary = free_survivors(group, [group.members[3]], 10.0)
+    assert [m.rank for m in survivors] == [0, 1] and boundary.stuck == []

@@ -117,12 +117,18 @@ def cut_links_to_a_silent_peer(rank: int, world: int, out_dir: str, timeout_s: f
     return result
 
 
-def stuck_survivor_cuts_its_own_links(rank: int, world: int, out_dir: str, timeout_s: float) -> dict:
+def stuck_survivor_cuts_its_own_links(
+    rank: int, world: int, out_dir: str, timeout_s: float, cut_reaches: bool = True
+) -> dict:
     """Rank 0 is a survivor blocked in an all-reduce with rank 1, whose process holds its
     sockets open and never joins (the stall that neither the abort nor the cut of the links
     to the lost rank freed). The driver's abort starts ``report_if_stuck`` on rank 0, as
     ``TrainWorker.abort_step`` does: after ``after_s`` still in its step, it logs its stacks
-    and cuts all of rank 0's own captured connections, which fails the all-reduce."""
+    and cuts all of rank 0's own captured connections, which fails the all-reduce.
+
+    ``cut_reaches=False``: that cut shuts nothing (as in an HSDP recovery of 2026-11-29), so
+    rank 0 is still in the all-reduce ``leave_after_s`` later and calls ``leave`` (a worker
+    exits there; here ``leave`` records the call, then frees the thread by cutting)."""
     import datetime
     import threading
 
@@ -142,9 +148,17 @@ def stuck_survivor_cuts_its_own_links(rank: int, world: int, out_dir: str, timeo
         signals.wait(["done"])  # silent, sockets open, until rank 0 is through
     else:
         idle = threading.Event()  # set when the "run" ends
+        left: list[float] = []
+
+        def leave() -> None:
+            left.append(time.perf_counter())
+            sockets.cut(sockets.connections)
+
         with open(os.path.join(out_dir, "stacks"), "w") as stacks:
-            watch = report_if_stuck(idle, after_s=0.3, file=stacks, then=lambda: sockets.cut(sockets.connections))
+            cut = (lambda: sockets.cut(sockets.connections)) if cut_reaches else (lambda: 0)
+            watch = report_if_stuck(idle, after_s=0.3, file=stacks, then=cut, leave=leave, leave_after_s=0.3)
             result.update(_blocked_all_reduce(pair))
+            result["left"] = len(left)
             idle.set()
             assert watch is not None
             watch.join(timeout_s)

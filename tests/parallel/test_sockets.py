@@ -130,3 +130,14 @@ def test_a_survivor_still_in_its_step_after_the_abort_cuts_its_own_links(tmp_pat
     assert survivor["error"], "the all-reduce cannot complete: rank 1 never joined it"
     assert survivor["blocked_s"] < TIMEOUT_S / 2, survivor
     assert survivor["stacks_name_the_collective"]
+    assert survivor["left"] == 0  # freed by its cut: it stays in the job
+
+
+def test_a_survivor_its_own_cut_does_not_free_leaves_the_job(tmp_path):
+    """The cut of its own connections shuts nothing, and the survivor is still blocked in the
+    all-reduce ``leave_after_s`` later: it leaves the job (``leave``; a worker exits), where
+    the driver would otherwise wait out ``survivors_wait_s`` (3 steps) before killing it."""
+    results = run_ranks(2, stuck_survivor_cuts_its_own_links, (TIMEOUT_S, False), tmp_path)
+    survivor = results[0]
+    assert survivor["left"] == 1 and survivor["error"], survivor
+    assert survivor["blocked_s"] < TIMEOUT_S / 2, survivor

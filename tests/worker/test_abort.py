@@ -113,3 +113,22 @@ def test_a_run_that_ends_in_time_logs_nothing(tmp_path):
         idle.set()  # the run ended
         watch.join(5)
     assert not watch.is_alive() and (tmp_path / "stacks").read_text() == ""
+
+
+def test_a_run_stuck_outside_a_collective_is_left_to_the_driver(tmp_path):
+    """Still in its step after the cut, but not blocked on its peers (waiting for its data, or
+    computing a layer): ``leave`` is not called; the driver's wait decides."""
+    release, idle = threading.Event(), threading.Event()
+    waiting = threading.Thread(target=release.wait, args=(10,))
+    waiting.start()
+    left = []
+    try:
+        with open(tmp_path / "stacks", "w") as f:
+            watch = report_if_stuck(idle, after_s=0.05, file=f, then=lambda: 0, leave=lambda: left.append(1),
+                                    leave_after_s=0.05)  # fmt: skip
+            assert watch is not None
+            watch.join(5)
+        assert not watch.is_alive() and left == []
+    finally:
+        release.set()
+        waiting.join(5)
