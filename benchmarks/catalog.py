@@ -92,6 +92,13 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ("--generations", "2"),
     ),
     Benchmark(
+        "survivor_rebuild",
+        "a survivor's own rebuild and state take-back by state size (one process, fake group): 0.5 GB vs 50 MB",
+        "survivor_rebuild.json",
+        "--json",
+        ("--reps", "1", "--models", "50mb,500mb_4l"),
+    ),
+    Benchmark(
         "restore_waves",
         "checkpoint restore from S3 in waves vs unstaggered: peak GETs in flight, restore time",
         "restore_waves.json",
