@@ -116,9 +116,10 @@ def parser() -> argparse.ArgumentParser:
         default=os.environ.get("TORCHFT_PATH"),
         help="a directory to put on PYTHONPATH for the torchft side (pip install --target DIR torchft==0.2.0 ...)",
     )
-    ap.add_argument("--ours-timeout", type=float, default=150.0)
-    ap.add_argument("--raytrain-timeout", type=float, default=300.0)
-    ap.add_argument("--torchft-timeout", type=float, default=150.0)
+    # One run's wall-clock bound per side: the ~100M model's 20 steps took 4-13 s each on a loaded
+    # 2-core host (2026-11-29), and 150 s cut one of our runs off after it had recovered.
+    for side in ("ours", "raytrain", "torchft"):
+        ap.add_argument(f"--{side}-timeout", type=float, default=300.0, help="seconds one run of that side may take")
     ap.add_argument(
         "--results",
         default=DEFAULT_RESULTS,
