@@ -101,6 +101,17 @@ class GroupSockets:
             self.sockets = {}
         return cut
 
+    def census(self) -> dict[str, int]:
+        """What became of the captured sockets: ``connected`` TCP streams, ``unconnected`` ones
+        (shut down, or their peer gone), ``other`` (closed, the number reused, or not a TCP
+        stream: the group's listener). Logged when a cut finds nothing to shut."""
+        out = {"captured": len(self.sockets), "connected": 0, "unconnected": 0}
+        for _, s in self._streams():
+            with s:
+                out["connected" if _endpoints(s)[3] else "unconnected"] += 1
+        out["other"] = out["captured"] - out["connected"] - out["unconnected"]
+        return out
+
     def _streams(self) -> Iterator[tuple[int, socket.socket]]:
         """Each captured socket that is still the one captured and a connected TCP stream, as
         a socket object over a duplicate descriptor (the caller closes it)."""

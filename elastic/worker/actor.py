@@ -160,7 +160,7 @@ class TrainWorker:
         self._abort.set()
         self.group.cut_links(links)
         self.tier.yield_copy()
-        report_if_stuck(self._idle, then=lambda: self.group.cut_links(self.group.connections()), leave=leave_process)
+        report_if_stuck(self._idle, then=self.group.cut_all, leave=leave_process)
 
     @ray.method(concurrency_group="control")
     def shrink_group(self, excluded: tuple[int, ...]) -> bool:

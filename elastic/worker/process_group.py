@@ -214,6 +214,15 @@ class ReconfigurableProcessGroup:
         thread): a collective blocked on one fails now. NCCL: ``shrink`` aborts instead."""
         return self._sockets.cut(links) if self.backend == "gloo" and links else 0
 
+    def cut_all(self) -> int:
+        """Shut down every connection captured at ``built`` (a survivor still in its step after
+        the abort); what became of the captured sockets is logged when none was left to shut."""
+        census = self._sockets.census() if self.backend == "gloo" else {}
+        cut = self.cut_links(self.connections())
+        if not cut:
+            logger.warning("no connection of the group left to cut; its captured sockets: %s", census)
+        return cut
+
     def shrink(self, excluded: tuple[int, ...]) -> bool:
         """NCCL: shrink the current group in place without the ``excluded`` ranks, aborting
         the collectives in flight on it (``SHRINK_ABORT``). Called from the worker's control

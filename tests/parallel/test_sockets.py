@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 from parallel_harness import run_ranks
 from socket_workers import blocked_peer_after_leave, cut_links_to_a_silent_peer, stuck_survivor_cuts_its_own_links
+from waiting import wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
 
@@ -112,6 +113,13 @@ def test_a_cut_of_named_links_shuts_those_and_no_others():
         b.sendall(b"y")
         assert b_far.recv(1) == b"y"  # the other link is up
         assert len(group.sockets) == 2  # still captured: a full cut later takes the rest
+        # What a survivor logs when its cut finds nothing: a link shut on this side still has its
+        # peer until the far end closes too; then it is unconnected; closed here, it is gone.
+        assert group.census() == {"captured": 2, "connected": 2, "unconnected": 0, "other": 0}
+        a_far.close()
+        wait_until(lambda: group.census()["unconnected"] == 1, 5, "the far end's close to arrive", 0.01)
+        a.close()
+        assert group.census() == {"captured": 2, "connected": 1, "unconnected": 0, "other": 1}
         assert group.cut() >= 1 and group.sockets == {}
         assert b_far.recv(1) == b""
     finally:

@@ -122,3 +122,13 @@ def test_store_answers_nobody_without_the_jobs_secret(tmp_path):
 def test_gloo_groups_are_re_formed_not_shrunk():
     """gloo has no shrink (``supports_shrinking`` is false): the group says so instead of trying."""
     assert not ReconfigurableProcessGroup("cpu", 30).shrink((1,))
+
+
+def test_a_cut_of_all_connections_that_finds_none_says_what_became_of_them(caplog):
+    """A survivor stuck after the abort cuts every connection it captured (``cut_all``); when
+    none is left to shut, the census of its captured sockets goes to its log, so that the next
+    stall says where its connections went (2026-11-29: one such cut shut none)."""
+    group = ReconfigurableProcessGroup("cpu", 30)
+    with caplog.at_level("WARNING", logger="elastic.worker.process_group"):
+        assert group.cut_all() == 0
+    assert "'captured': 0, 'connected': 0" in caplog.text
