@@ -39,28 +39,12 @@ from typing import Any
 
 from benchmarks.harness.results import machine, utc_stamp
 from benchmarks.harness.stats import median_range
-from benchmarks.recovery_scaling import M50, M500, M500_4L
+from benchmarks.recovery_scaling import spec_dict
 
-MODELS = {"50mb": M50, "500mb_4l": M500_4L, "500mb": M500}
-# layout: (zero, shard_group, dp before, dp after)
-LAYOUTS = {"hsdp": (3, 2, 4, 2), "ddp": (0, None, 4, 3)}
+MODELS = ("50mb", "500mb_4l", "500mb")
+# layout: (dp before, dp after); the model, zero and shard group are recovery_scaling's scenario's
+LAYOUTS = {"hsdp": (4, 2), "ddp": (4, 3)}
 TIMED = ("rebuild_s", "restore_s", "total_s", "cpu_s")
-
-
-def _spec(model: dict[str, Any], zero: int, shard_group: int | None, dp: int) -> Any:
-    from jobs import JobSpec
-
-    return JobSpec.from_dict(
-        {
-            "name": "survivor-rebuild",
-            "seed": 0,
-            "model": dict(model),
-            "data": {"source": "synthetic", "num_samples": 64},
-            "parallel": {"zero": zero, "shard_group": shard_group, "micro_batch": 1},
-            "elastic": {"min_dp": 1, "max_dp": dp},
-            "train": {"steps": 10, "global_batch": 12, "lr": 1e-3},
-        }
-    )
 
 
 def _group(world: int) -> Any:
@@ -76,7 +60,7 @@ def _group(world: int) -> Any:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
 
 
-def one(model: dict[str, Any], layout: str) -> dict[str, float]:
+def one(model: str, layout: str) -> dict[str, float]:
     """One survivor's re-formation: the old layout's engine (not timed), released with an
     optimizer state, then the new layout's engine built around it and the state loaded."""
     import torch
@@ -85,11 +69,13 @@ def one(model: dict[str, Any], layout: str) -> dict[str, float]:
     from elastic.parallel.dims import ParallelDims
     from elastic.parallel.engine import TrainEngine
     from elastic.parallel.live import release
+    from jobs import JobSpec
 
-    zero, group, dp0, dp1 = LAYOUTS[layout]
-    old = _spec(model, zero, group, dp0)
+    dp0, dp1 = LAYOUTS[layout]
+    spec = JobSpec.from_dict(spec_dict(f"{layout}_{model}", 1))  # the layout's DP degree is set below
+    group = spec.parallel.shard_group
     _group(dp0)
-    engine = TrainEngine(old.model, old.parallel, old.train, ParallelDims(dp0, 1, 1, dp0, shard_group=group), 0)
+    engine = TrainEngine(spec.model, spec.parallel, spec.train, ParallelDims(dp0, 1, 1, dp0, shard_group=group), 0)
     for p in engine.model.parameters():  # an AdamW state for every parameter, as after a step
         p.grad = torch.zeros_like(p)
     engine.optimizer.step()
@@ -98,12 +84,11 @@ def one(model: dict[str, Any], layout: str) -> dict[str, float]:
     live = release(engine, 1, 0)
     del engine
     gc.collect()
-    new = _spec(model, zero, group, dp1)
     _group(dp1)
     dims = ParallelDims(dp1, 1, 1, dp1, shard_group=group)
     dims.build_mesh("cpu")  # the rendezvous' part, timed by recovery_scaling as rendezvous_s
     cpu0, t0 = time.process_time(), time.perf_counter()
-    engine = TrainEngine(new.model, new.parallel, new.train, dims, 0, restoring=True, adopt=live)
+    engine = TrainEngine(spec.model, spec.parallel, spec.train, dims, 0, restoring=True, adopt=live)
     t1 = time.perf_counter()
     if live.params is not None:  # as ``Trainer.load_live``: a module kept whole (DDP) holds its state
         load_live_into(engine, live, objects)
@@ -122,7 +107,7 @@ def run(reps: int, models: list[str], layouts: list[str]) -> dict[str, Any]:
     for _ in range(reps + 1):  # the first round warms up (imports, first allocations) and is dropped
         for lay in layouts:
             for m in models:
-                rows[f"{lay}_{m}"].append(one(MODELS[m], lay))
+                rows[f"{lay}_{m}"].append(one(m, lay))
         load.append(os.getloadavg()[0])
     results = {k: {t: median_range(r[t] for r in v[1:]) for t in TIMED} for k, v in rows.items()}
     ratios = {}
@@ -145,13 +130,15 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     layouts = [lay for lay in args.layouts.split(",") if lay]
-    for name, known, field in ((models, MODELS, "--models"), (layouts, LAYOUTS, "--layouts")):
-        bad = [x for x in name if x not in known]
-        if bad or not name:
+    for chosen, known, field in ((models, MODELS, "--models"), (layouts, LAYOUTS, "--layouts")):
+        bad = [x for x in chosen if x not in known]
+        if bad or not chosen:
             ap.error(f"{field}: unknown {bad or 'empty'}; choose from {', '.join(known)}")
     if args.reps < 1:
         ap.error("--reps: must be at least 1")
-    torch_threads()
+    import torch
+
+    torch.set_num_threads(1)  # one intra-op thread, as each rank of recovery_scaling has one core
     out = run(args.reps, models, layouts)
     print(f"survivor rebuild, {args.reps} reps (after one warm-up), one process, 1 thread; load {out['load_1min']}")
     for key, res in out["results"].items():
@@ -167,13 +154,6 @@ def main(argv: list[str] | None = None) -> None:
 
         write_json(args.json, {**out, "date_utc": utc_stamp(), "machine": machine()})
         print(f"wrote {args.json}")
-
-
-def torch_threads() -> None:
-    """One intra-op thread, as each rank of ``recovery_scaling`` has one core (cpus_per_worker 1)."""
-    import torch
-
-    torch.set_num_threads(1)
 
 
 if __name__ == "__main__":

@@ -138,10 +138,10 @@ def leave_process() -> None:
     os._exit(1)
 
 
-def blocked_in_collective(skip: int | None = None) -> bool:
-    """Whether a thread of this process (other than ``skip``, the caller's by default) is
-    inside torch's distributed or autograd code (``BLOCKED_IN``)."""
-    me = threading.get_ident() if skip is None else skip
+def blocked_in_collective() -> bool:
+    """Whether a thread of this process other than the caller is inside torch's distributed
+    or autograd code (``BLOCKED_IN``)."""
+    me = threading.get_ident()
     for tid, frame in sys._current_frames().items():
         f = None if tid == me else frame
         while f is not None:
