@@ -99,6 +99,13 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ("--reps", "1", "--models", "50mb,500mb_4l"),
     ),
     Benchmark(
+        "survivor_first_step",
+        "a survivor's first step after a re-formation vs its next steps (2 gloo ranks, DDP and HSDP)",
+        "survivor_first_step.json",
+        "--json",
+        ("--generations", "1", "--steps", "2", "--models", "50mb"),
+    ),
+    Benchmark(
         "restore_waves",
         "checkpoint restore from S3 in waves vs unstaggered: peak GETs in flight, restore time",
         "restore_waves.json",
