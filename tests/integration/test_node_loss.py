@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -40,7 +41,8 @@ class _MarkReturned(Callback):
             open(self.marker, "w").close()
 
 
-def test_node_lost_shrinks_then_grows_back(ray_cluster, reference_losses_cluster, tmp_path):
+def test_node_lost_shrinks_then_grows_back(ray_cluster, reference_losses_cluster, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="elastic.control.controller.reforms")
     spec = elastic_spec(min_dp=1, max_dp=4, grow_check_s=0.5)
     spec.train.steps = STEPS
     injector = FaultInjector(
@@ -78,6 +80,10 @@ def test_node_lost_shrinks_then_grows_back(ray_cluster, reference_losses_cluster
     assert sum(rec.breakdown.values()) == pytest.approx(rec.downtime_s, rel=0.05, abs=0.01)
     restore = events_of(trainer.run_dir, "restore")[0]
     assert restore["breakdown"] == {k: v for k, v in rec.breakdown.items() if k != "first_step_s"}
+    # The grow-back's new worker started before the job stopped for it: no spawn in its pause.
+    grow = events_of(trainer.run_dir, "restore")[-1]
+    assert grow["breakdown"]["spawn_s"] == 0.0, grow
+    assert any("while the job trained on" in r.getMessage() for r in caplog.records)
     # Global batch is exact at every DP: grad_accum follows DP.
     for e in events_of(trainer.run_dir, "step"):
         assert e["dp"] * e["grad_accum"] * spec.parallel.micro_batch == spec.train.global_batch
