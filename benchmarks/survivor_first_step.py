@@ -37,6 +37,7 @@ import tempfile
 import time
 from typing import Any
 
+from benchmarks.harness.options import add_choice_list, chosen
 from benchmarks.harness.results import machine, utc_stamp
 from benchmarks.harness.stats import median_range
 from benchmarks.recovery_scaling import spec_dict
@@ -136,16 +137,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--generations", type=int, default=3, help="re-formations after the first generation")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per generation (at least 2)")
-    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated, of " + ", ".join(MODELS))
-    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, of " + ", ".join(LAYOUTS))
+    add_choice_list(ap, "models", MODELS)
+    add_choice_list(ap, "layouts", LAYOUTS)
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
-    models = [m for m in args.models.split(",") if m]
-    layouts = [lay for lay in args.layouts.split(",") if lay]
-    for chosen, known, field in ((models, MODELS, "--models"), (layouts, LAYOUTS, "--layouts")):
-        bad = [x for x in chosen if x not in known]
-        if bad or not chosen:
-            ap.error(f"{field}: unknown {bad or 'empty'}; choose from {', '.join(known)}")
+    models = chosen(ap, args.models, MODELS, "models")
+    layouts = chosen(ap, args.layouts, LAYOUTS, "layouts")
     if args.generations < 1:
         ap.error("--generations: must be at least 1")
     if args.steps < 2:

@@ -37,6 +37,7 @@ import os
 import time
 from typing import Any
 
+from benchmarks.harness.options import add_choice_list, chosen
 from benchmarks.harness.results import machine, utc_stamp
 from benchmarks.harness.stats import median_range
 from benchmarks.recovery_scaling import spec_dict
@@ -124,16 +125,12 @@ def run(reps: int, models: list[str], layouts: list[str]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated, of " + ", ".join(MODELS))
-    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated, of " + ", ".join(LAYOUTS))
+    add_choice_list(ap, "models", MODELS)
+    add_choice_list(ap, "layouts", LAYOUTS)
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
-    models = [m for m in args.models.split(",") if m]
-    layouts = [lay for lay in args.layouts.split(",") if lay]
-    for chosen, known, field in ((models, MODELS, "--models"), (layouts, LAYOUTS, "--layouts")):
-        bad = [x for x in chosen if x not in known]
-        if bad or not chosen:
-            ap.error(f"{field}: unknown {bad or 'empty'}; choose from {', '.join(known)}")
+    models = chosen(ap, args.models, MODELS, "models")
+    layouts = chosen(ap, args.layouts, LAYOUTS, "layouts")
     if args.reps < 1:
         ap.error("--reps: must be at least 1")
     import torch

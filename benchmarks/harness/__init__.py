@@ -12,6 +12,7 @@ processes a benchmark starts.
 - ``plain_prepare``: the single-process loop that ``elastic prepare`` is measured against;
 - ``virtual_cluster``: the project's worker group over virtual ranks and stand-in raylets;
 - ``store_ops``: store operations per rank per re-formation, counted on gloo.
+- ``options``: command-line options the benchmarks share (a comma-separated choice).
 """
 
 from __future__ import annotations
