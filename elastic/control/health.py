@@ -39,6 +39,11 @@ class StragglerEpisode:
 
 
 MIN_EXCESS_S = 0.005  # a straggler is also this much over its peers' median (see StragglerDetector)
+# The first steps of each layout (a job's start, every re-formation) are not judged: a rank
+# just started or just re-formed warms its caches, allocator and (compiled) kernels, and on
+# a shared host the ranks do not warm equally. A CI run saw rank 2 of 4 reported at 1.84x
+# its peers in its first six steps and evicted.
+STRAGGLER_WARMUP_STEPS = 5
 
 
 class StragglerDetector:
@@ -47,22 +52,25 @@ class StragglerDetector:
     on a step of a few milliseconds, a tiny model's, the caches' and the scheduler's noise
     alone passes 30% now and then; a rank that costs its peers 5 ms a step or more is what
     is worth a report.) One episode is reported once, when it starts;
-    a rank that falls back under the factor for a step ends its episode.
+    a rank that falls back under the factor for a step ends its episode. The first
+    ``warmup`` steps after the detector starts or is ``reset`` are not judged.
 
     The median of the *peers* (the rank itself left out) is robust: one slow rank cannot
     lift the reference it is compared with, and a single noisy peer cannot either once
     there are three or more. With two ranks the peer median is the other rank.
     """
 
-    def __init__(self, factor: float, steps: int):
-        self.factor, self.steps = factor, steps
+    def __init__(self, factor: float, steps: int, warmup: int = 0):
+        self.factor, self.steps, self.warmup = factor, steps, warmup
         self._run: dict[int, int] = {}  # rank -> consecutive slow steps
         self._reported: set[int] = set()  # ranks whose current episode was reported
+        self._skipped = 0  # steps of this layout's warm-up seen so far
 
     def reset(self) -> None:
-        """A new layout: ranks are renumbered, counts start over."""
+        """A new layout: ranks are renumbered, counts start over after a new warm-up."""
         self._run.clear()
         self._reported.clear()
+        self._skipped = 0
 
     def feed(self, compute_s: Mapping[int, float]) -> StragglerEpisode | None:
         """One committed step's own compute per rank; returns a new episode or None.
@@ -76,6 +84,9 @@ class StragglerDetector:
 
     def feed_columns(self, ranks: np.ndarray, own: np.ndarray) -> StragglerEpisode | None:
         """``feed`` for a step given as columns: the ranks and their own compute."""
+        if self._skipped < self.warmup:
+            self._skipped += 1
+            return None
         if len(ranks) < 2:
             return None
         ref = peer_medians(own)
@@ -223,7 +234,7 @@ class HealthMonitor:
     ):
         e = spec.elastic
         self.e, self.events, self._members, self._exclude, self._gate = e, events, members, exclude, gate
-        self.stragglers = StragglerDetector(e.straggler_factor, e.straggler_steps)
+        self.stragglers = StragglerDetector(e.straggler_factor, e.straggler_steps, STRAGGLER_WARMUP_STEPS)
         self.lemons = LemonTracker(e.lemon_failures)
         self._world = 0
         self._incident: tuple[int, int] | None = None  # (step, restored step) of the last SDC rollback
@@ -236,12 +247,17 @@ class HealthMonitor:
         return sorted({m.node_id for m in self._members() if m.rank in wanted})
 
     # ----- stragglers
+    def new_layout(self) -> None:
+        """The group re-formed: its next step starts a new straggler warm-up and count, even
+        at the same size (a lost node replaced: the newcomer starts cold)."""
+        self._world = 0
+
     def on_step(self, step: int, rows: StepRows) -> WorkerFailure | None:
         """A committed step (every rank's report, as columns); returns a straggler eviction
         when ``on_straggler`` is evict."""
         if self._gate is not None and sdc_due(step, self.e.sdc_check_every, self._last_step):
             self._gate.verify(step)  # every rank passed this step's check
-        if len(rows.ranks) != self._world:  # a new layout
+        if len(rows.ranks) != self._world:  # a new layout: the job's first, or a re-formation's
             self._world = len(rows.ranks)
             self.stragglers.reset()
         episode = self.stragglers.feed_columns(rows.ranks, rows.compute_s)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -54,6 +55,45 @@ def test_peer_median_ignores_the_straggler_itself():
     # One slow rank of two: the other rank is its reference, and it is not slow itself.
     ep = StragglerDetector(factor=1.3, steps=1).feed({0: 1.0, 1: 1.5})
     assert ep.ranks == [1]
+
+
+def test_warm_up_steps_of_each_layout_are_not_judged():
+    """A rank slow in its first ``warmup`` steps (a cold start on a shared host) is not
+    counted; slowness after them is, and a reset (a new layout) starts a new warm-up."""
+    det = StragglerDetector(factor=1.3, steps=2, warmup=3)
+    slow = {0: 1.0, 1: 1.0, 2: 2.0}
+    assert [det.feed(slow) for _ in range(4)] == [None] * 4  # 3 not judged, then 1 of 2
+    assert det.feed(slow).ranks == [2]
+    det.reset()
+    assert [det.feed(slow) for _ in range(4)] == [None] * 4
+    assert det.feed(slow).ranks == [2]
+
+
+def test_monitor_restarts_the_warm_up_at_a_same_size_re_formation(tmp_path):
+    """A lost node replaced keeps the world size; the controller announces the new layout
+    (``new_layout``, from every re-formation), and its first steps are not judged."""
+    from types import SimpleNamespace
+
+    from elastic.control.health import STRAGGLER_WARMUP_STEPS, HealthMonitor
+    from elastic.events import EventLog, read_events
+    from jobs import JobSpec
+
+    def stragglers() -> int:
+        return sum(e["kind"] == "straggler" for e in read_events(str(tmp_path)))
+
+    spec = JobSpec.from_dict({"elastic": {"straggler_steps": 1}, "train": {"steps": 100}})
+    monitor = HealthMonitor(spec, EventLog(str(tmp_path)), lambda: [], lambda nodes: None, None)
+    rows = SimpleNamespace(ranks=np.arange(3), compute_s=np.array([1.0, 1.0, 2.0]))
+    for step in range(1, STRAGGLER_WARMUP_STEPS + 1):
+        assert monitor.on_step(step, rows) is None
+    assert monitor.on_step(STRAGGLER_WARMUP_STEPS + 1, rows) is None  # reported, not evicted
+    assert stragglers() == 1
+    monitor.new_layout()
+    for step in range(1, STRAGGLER_WARMUP_STEPS + 1):
+        monitor.on_step(step, rows)
+    assert stragglers() == 1  # the new layout's warm-up
+    monitor.on_step(STRAGGLER_WARMUP_STEPS + 1, rows)
+    assert stragglers() == 2  # a new count: reported again
 
 
 def test_single_rank_never_a_straggler():

@@ -53,7 +53,9 @@ class Reformations(StepAccounting):
             for cb in self.callbacks:
                 cb.before_reconfigure(self.failures, self.group, order)
 
-        return reform(self.spec, self.group, members, dp, step, choice, holdings, timer, before if notify else None)
+        reformed = reform(self.spec, self.group, members, dp, step, choice, holdings, timer, before if notify else None)
+        self.health.new_layout()
+        return reformed
 
     def _absorb(self, reports: Sequence[tuple[int, WorkerReport]]) -> None:
         """Steps that stopping ranks reported on the way out: kept until a plan commits them."""
