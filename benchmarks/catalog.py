@@ -134,6 +134,13 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ("--steps", "24", "--warmup", "4", "--reps", "1"),
     ),
     Benchmark(
+        "rank_start",
+        "a new rank's start beside busy nice-0 processes: its imports at Ray's worker niceness (15) vs at 0",
+        "rank_start.json",
+        "--json",
+        ("--reps", "1"),
+    ),
+    Benchmark(
         "control_plane",
         "the real driver over thousands of virtual ranks (node agents, aggregators): driver CPU per step "
         "and per recovery, decision time, false failures under a driver stall",

@@ -86,6 +86,25 @@ def _set(tid: int, nice: int) -> bool:
         return True
 
 
+def leave_ray_worker_niceness() -> None:
+    """In a Ray worker process (``RAY_RAYLET_PID`` in its environment): every thread above
+    niceness 0 set to 0, quietly. Run by ``elastic.worker`` before the rank's imports.
+
+    Ray starts the process at its ``worker_niceness`` (15), and the rank's module is
+    imported when Ray loads the actor's class, before ``TrainWorker.__init__`` can call
+    ``control_priority``: its imports (torch, DCP, DTensor, the engine, pipelining: about
+    3.5 s of one core) ran at nice 15, behind every nice-0 rank on the host, while a
+    recovery or a grow-back waited for the new rank. At 0, the imports share the host's
+    cores evenly with the training ranks, and no more than that. Where lowering is not
+    allowed, nothing changes; ``TrainWorker.__init__`` logs it (``normal_priority``)."""
+    if "RAY_RAYLET_PID" not in os.environ:  # a driver, a test, ``make gpu-check``: left as started
+        return
+    for tid in _threads():
+        with contextlib.suppress(OSError):
+            if os.getpriority(os.PRIO_PROCESS, tid) > TRAIN_NICE:
+                os.setpriority(os.PRIO_PROCESS, tid, TRAIN_NICE)
+
+
 def control_priority() -> int:
     """Every thread of this process at ``CONTROL_NICE`` where the host allows it, else at 0
     where above (``normal_priority``); returns the niceness the process ends at (the calling

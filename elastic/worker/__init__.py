@@ -7,9 +7,15 @@
 
 The actor is imported lazily, so that ``elastic.worker.trainer`` and its neighbours import
 where Ray is not installed (a GPU machine running ``make gpu-check``).
+
+This package is the first of a rank's modules that a Ray worker imports (when Ray loads the
+actor's class), so it leaves Ray's worker niceness here, before anything heavy (torch) is
+imported: see ``elastic.priority.leave_ray_worker_niceness``.
 """
 
-from elastic.worker.rng import capture_rng, restore_rng
+from elastic import priority
+
+priority.leave_ray_worker_niceness()
 
 __all__ = ["CONCURRENCY_GROUPS", "TrainWorker", "capture_rng", "restore_rng"]
 
@@ -19,4 +25,8 @@ def __getattr__(name: str):
         from elastic.worker import actor
 
         return getattr(actor, name)
+    if name in ("capture_rng", "restore_rng"):
+        from elastic.worker import rng
+
+        return getattr(rng, name)
     raise AttributeError(name)

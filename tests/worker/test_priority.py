@@ -101,3 +101,34 @@ def test_control_threads_above_the_training_thread_and_fit_restores_the_driver()
     assert got["train"] == got["started_by_train"] == 0, got
     # The driver's thread during fit(), the threads fit() started, and the thread afterwards.
     assert got["in_fit"] == got["started_in_fit"] == c and got["after_fit"] == 3, got
+
+
+@pytest.mark.cluster
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_a_ray_worker_imports_the_rank_at_niceness_zero(ray_local):
+    """In a fresh Ray worker process (at Ray's worker_niceness, 15), importing the rank's
+    module (as Ray does when it loads ``TrainWorker``) leaves that niceness before torch is
+    imported: a new rank's seconds of imports do not wait behind the training ranks."""
+    if os.geteuid() != 0:
+        pytest.skip("lowering niceness needs CAP_SYS_NICE")
+
+    def probe() -> dict:  # defined here: Ray pickles it by value, not by this test module's name
+        import importlib.abc
+        import os
+        import sys
+
+        seen = {"start": os.getpriority(os.PRIO_PROCESS, 0), "torch_loaded": "torch" in sys.modules}
+
+        class Spy(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name == "torch":
+                    seen.setdefault("at_torch", os.getpriority(os.PRIO_PROCESS, 0))
+                return None
+
+        sys.meta_path.insert(0, Spy())
+        import elastic.worker.actor  # noqa: F401
+
+        return seen
+
+    got = ray_local.get(ray_local.remote(max_calls=1, num_cpus=0)(probe).remote(), timeout=120)
+    assert got == {"start": 15, "torch_loaded": False, "at_torch": 0}, got
