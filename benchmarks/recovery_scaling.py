@@ -58,6 +58,7 @@ from benchmarks.harness.kill import PidsGroup, node_index_of
 from benchmarks.harness.proc import arm_deadline, child_env, module_command, run_logged, tail
 from benchmarks.harness.results import results_path, utc_iso, write_json
 from benchmarks.harness.stats import median_range
+from benchmarks.harness.store_ops import store_ops_by_world
 
 TINY = {"n_layers": 4, "d_model": 64, "n_heads": 4, "vocab_size": 512, "seq_len": 32}
 M50 = {"n_layers": 4, "d_model": 256, "n_heads": 4, "vocab_size": 2048, "seq_len": 32}  # 4.2M params, 50.5 MB
@@ -182,58 +183,6 @@ def child(cfg: dict[str, Any]) -> None:
     out["load_after"] = os.getloadavg()[0]
     write_json(cfg["out"], out)
     os._exit(0)
-
-
-# --------------------------------------------------------------------------- store operations (no Ray)
-
-
-def _reform_ranks(rank: int, world: int, out: str, address: Any, secret: str, tp: int, pp: int, lazy: bool) -> list:
-    import torch
-    import torch.distributed as dist
-
-    from elastic.parallel.dims import ParallelDims
-    from elastic.worker.process_group import ReconfigurableProcessGroup
-
-    group = ReconfigurableProcessGroup("cpu", 60)
-    group.lazy_world = lazy
-    rows = []
-    for gen in range(1, 5):
-        t0 = time.perf_counter()
-        group.configure(gen, rank, world, address, secret)
-        dims = ParallelDims(dp=world // (tp * pp), tp=tp, pp=pp, world_size=world, timeout=group.rendezvous_timeout)
-        dims.build_mesh("cpu")
-        ops, join_s = group.store_ops(), time.perf_counter() - t0
-        t = torch.ones(1)
-        for g in dims.mesh_groups():  # one collective on each group: every connection made
-            dist.all_reduce(t, group=g)
-        rows.append((ops, join_s))
-        del dims
-        group.leave()
-    return rows
-
-
-def store_ops(worlds: list[int]) -> list[dict[str, Any]]:
-    from elastic.testing.ranks import run_ranks
-    from elastic.worker.process_group import RendezvousStore
-
-    out = []
-    for layout, (tp, pp) in (("dp", (1, 1)), ("tp2pp2", (2, 2))):
-        for world in worlds:
-            for lazy in (False, True):
-                store = RendezvousStore("127.0.0.1", 60)
-                with tempfile.TemporaryDirectory() as tmp:
-                    rows = run_ranks(world, _reform_ranks, (store.address, store.secret, tp, pp, lazy), tmp)
-                store.close()
-                warm = [max(r[g][0] for r in rows) for g in range(1, 4)]  # generations 2-4: warm
-                join = [max(r[g][1] for r in rows) for g in range(1, 4)]
-                out.append(
-                    {"layout": layout, "world": world, "world_group": "lazy" if lazy else "eager",
-                     "store_ops_per_rank": max(warm), "join_s": statistics.median(join)}
-                )  # fmt: skip
-                r = out[-1]
-                print(f"  store ops {layout:>6} at {world:>2} ranks, world group {r['world_group']:>5}: "
-                      f"{r['store_ops_per_rank']:>3} per rank, join {r['join_s']:.2f}s", flush=True)  # fmt: skip
-    return out
 
 
 # --------------------------------------------------------------------------- driver
@@ -383,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             runs[name].append(run_scenario(name, rep, args))
     worlds = [int(w) for w in args.store_ops_worlds.split(",") if w]
-    ops = store_ops(worlds) if worlds else []
+    ops = store_ops_by_world(worlds) if worlds else []
     summary = summarise(runs)
     result = {
         "benchmark": "recovery_scaling",

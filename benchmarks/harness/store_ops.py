@@ -1,11 +1,15 @@
 """Store operations per rank per re-formation, counted on the project's own process group
-and mesh re-formed for real on gloo at small world sizes, and extrapolated to the benchmark's
-size. Runs in the benchmark's driver process and in the rank processes it spawns.
+and mesh re-formed for real on gloo at small world sizes: extrapolated to the control-plane
+benchmark's size (``store_ops_model``), and by world size for ``recovery_scaling``
+(``store_ops_by_world``). Runs in the benchmark's driver process and in the rank processes it spawns.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+import tempfile
+import time
 from typing import Any
 
 STORE_OPS_LAYOUTS = ((2, 2), (2, 4))  # (tp, dp) re-formed for real on gloo: world 4 and 8 (2 cores)
@@ -146,3 +150,55 @@ def _counting(cls):
             return self._client.ops if self._client is not None else 0
 
     return Counted
+
+
+def _reform_ranks(rank: int, world: int, out: str, address: Any, secret: str, tp: int, pp: int, lazy: bool) -> list:
+    import torch
+    import torch.distributed as dist
+
+    from elastic.parallel.dims import ParallelDims
+    from elastic.worker.process_group import ReconfigurableProcessGroup
+
+    group = ReconfigurableProcessGroup("cpu", 60)
+    group.lazy_world = lazy
+    rows = []
+    for gen in range(1, 5):
+        t0 = time.perf_counter()
+        group.configure(gen, rank, world, address, secret)
+        dims = ParallelDims(dp=world // (tp * pp), tp=tp, pp=pp, world_size=world, timeout=group.rendezvous_timeout)
+        dims.build_mesh("cpu")
+        ops, join_s = group.store_ops(), time.perf_counter() - t0
+        t = torch.ones(1)
+        for g in dims.mesh_groups():  # one collective on each group: every connection made
+            dist.all_reduce(t, group=g)
+        rows.append((ops, join_s))
+        del dims
+        group.leave()
+    return rows
+
+
+def store_ops_by_world(worlds: list[int]) -> list[dict[str, Any]]:
+    """``recovery_scaling``'s counts: store operations per rank per warm re-formation (and the
+    join's time) of the project's process group and mesh re-formed for real on gloo, pure DP
+    and tp 2 x pp 2, at each world size, with the world group made eagerly and lazily."""
+    from elastic.testing.ranks import run_ranks
+    from elastic.worker.process_group import RendezvousStore
+
+    out = []
+    for layout, (tp, pp) in (("dp", (1, 1)), ("tp2pp2", (2, 2))):
+        for world in worlds:
+            for lazy in (False, True):
+                store = RendezvousStore("127.0.0.1", 60)
+                with tempfile.TemporaryDirectory() as tmp:
+                    rows = run_ranks(world, _reform_ranks, (store.address, store.secret, tp, pp, lazy), tmp)
+                store.close()
+                warm = [max(r[g][0] for r in rows) for g in range(1, 4)]  # generations 2-4: warm
+                join = [max(r[g][1] for r in rows) for g in range(1, 4)]
+                out.append(
+                    {"layout": layout, "world": world, "world_group": "lazy" if lazy else "eager",
+                     "store_ops_per_rank": max(warm), "join_s": statistics.median(join)}
+                )  # fmt: skip
+                r = out[-1]
+                print(f"  store ops {layout:>6} at {world:>2} ranks, world group {r['world_group']:>5}: "
+                      f"{r['store_ops_per_rank']:>3} per rank, join {r['join_s']:.2f}s", flush=True)  # fmt: skip
+    return out

@@ -11,6 +11,7 @@ import torch
 from elastic.models.config import LlamaConfig
 
 SEQ, VOCAB, GLOBAL, STEPS, SEED = 16, 64, 8, 2, 3
+EXACT = 1e-5  # logits of the same weights: the same arithmetic up to fp32 rounding
 LLAMA31_ROPE = {
     "rope_type": "llama3",
     "rope_theta": 500_000.0,
@@ -68,6 +69,32 @@ def hf_logits(path: str, tokens: torch.Tensor) -> torch.Tensor:
 
 def probe() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(99))
+
+
+def hf_probe_logits(path: str) -> torch.Tensor:
+    """``transformers``' logits of the model saved at ``path`` on the ``probe`` tokens."""
+    return hf_logits(path, probe())
+
+
+def our_logits(model: torch.nn.Module) -> torch.Tensor:
+    """The project model's logits on the ``probe`` tokens."""
+    with torch.no_grad():
+        return model(probe())
+
+
+def s3_env(monkeypatch: Any, moto_s3: Any) -> None:
+    """S3 through the standard AWS variables (how ``init_from`` and ``--out`` reach it)."""
+    from s3fs import S3FileSystem
+    from storage_testlib import FAKE_KEY, FAKE_SECRET
+
+    for name, value in {
+        "AWS_ENDPOINT_URL": moto_s3.endpoint,
+        "AWS_ACCESS_KEY_ID": FAKE_KEY,
+        "AWS_SECRET_ACCESS_KEY": FAKE_SECRET,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    S3FileSystem.clear_instance_cache()
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,8 +4,8 @@ Tiny random ``LlamaForCausalLM``s saved by ``save_pretrained`` (a Llama 3 with s
 files and an index, a Llama 3.1 with ``llama3`` RoPE scaling, a Llama 3.2 with tied
 embeddings) are loaded through ``model.init_from`` and compared with ``transformers``'
 logits; trained, exported with ``elastic ckpt export --format hf`` and loaded back by
-``transformers``. The multi-process test runs the rank path (``load_init_from``) under DP,
-FSDP and TP x PP on gloo.
+``transformers`` (the export alone: ``test_hf_export.py``). The multi-process test runs the
+rank path (``load_init_from``) under DP, FSDP and TP x PP on gloo.
 """
 
 from __future__ import annotations
@@ -15,7 +15,17 @@ import os
 
 import pytest
 import torch
-from hf_testlib import SEED, STEPS, load_reference, model_raw, probe, save_hf, spec_raw, train_reference
+from hf_testlib import (
+    EXACT,
+    STEPS,
+    hf_probe_logits,
+    load_reference,
+    model_raw,
+    our_logits,
+    s3_env,
+    spec_raw,
+    train_reference,
+)
 
 from elastic.checkpoint.export import ckpt_export
 from elastic.errors import SpecError
@@ -26,25 +36,7 @@ from jobs import JobSpec
 pytestmark = pytest.mark.timeout(120)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EXACT = 1e-5  # same weights, same arithmetic up to fp32 rounding
 TRAINED = 1e-4  # trained under a layout: gradients summed in another order
-
-
-@pytest.fixture(scope="module")
-def hf_dirs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("hf")
-    return {kind: save_hf(str(root / kind), kind) for kind in ("llama3", "llama31", "llama32")}
-
-
-def _hf_logits(path: str) -> torch.Tensor:
-    from hf_testlib import hf_logits
-
-    return hf_logits(path, probe())
-
-
-def _ours(model: torch.nn.Module) -> torch.Tensor:
-    with torch.no_grad():
-        return model(probe())
 
 
 # ----- config.json -> spec ----------------------------------------------------------------------
@@ -143,27 +135,12 @@ def test_init_from_refused_before_anything_starts(hf_dirs, tmp_path, capsys):
 @pytest.mark.parametrize("kind", ["llama3", "llama31", "llama32"])
 def test_init_from_logits_equal_transformers(hf_dirs, kind):
     cfg = JobSpec.from_dict({"model": model_raw(hf_dirs[kind])}).model
-    ours, theirs = _ours(load_reference(cfg)), _hf_logits(hf_dirs[kind])
+    ours, theirs = our_logits(load_reference(cfg)), hf_probe_logits(hf_dirs[kind])
     diff = float((ours - theirs).abs().max())
     print(f"{kind}: max |logit difference| after init_from {diff:.2e} (logits up to {theirs.abs().max():.2f})")
     assert diff < EXACT
     # The comparison can fail: the project's seeded init is another model altogether.
-    assert float((_ours(model_spec(cfg).build_full(0)) - theirs).abs().max()) > 0.1
-
-
-def _s3_env(monkeypatch, moto_s3) -> None:
-    """S3 through the standard AWS variables (how ``init_from`` and ``--out`` reach it)."""
-    from s3fs import S3FileSystem
-    from storage_testlib import FAKE_KEY, FAKE_SECRET
-
-    for name, value in {
-        "AWS_ENDPOINT_URL": moto_s3.endpoint,
-        "AWS_ACCESS_KEY_ID": FAKE_KEY,
-        "AWS_SECRET_ACCESS_KEY": FAKE_SECRET,
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(name, value)
-    S3FileSystem.clear_instance_cache()
+    assert float((our_logits(model_spec(cfg).build_full(0)) - theirs).abs().max()) > 0.1
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
@@ -179,7 +156,7 @@ def test_reader_fetches_the_slices_a_rank_holds(hf_dirs, where, request, monkeyp
     if where == "s3":
         moto_s3 = request.getfixturevalue("moto_s3")
         bucket = request.getfixturevalue("s3_bucket")
-        _s3_env(monkeypatch, moto_s3)
+        s3_env(monkeypatch, moto_s3)
         from s3fs import S3FileSystem
 
         S3FileSystem().put(uri, f"{bucket}/llama3", recursive=True)
@@ -198,121 +175,6 @@ def test_reader_fetches_the_slices_a_rank_holds(hf_dirs, where, request, monkeyp
     assert torch.equal(wq.local, halves_to_pairs(hf.q_proj.weight.detach(), 8)[10:22])
     # wo: 32 rows x 16 columns; wq: heads 1 and 2 whole (16 rows x 32), 4 bytes each
     assert reader.data_bytes_read == 4 * (32 * 16 + 16 * 32)
-
-
-# ----- project checkpoint -> HF ---------------------------------------------------------------------
-
-
-def _checkpoint(root: str, model_doc: dict, state: dict[str, torch.Tensor], step: int = 2, commit: bool = True):
-    """A one-rank project checkpoint of ``state`` (the model's FQNs), as the storage tier lays it out."""
-    from storage import CheckpointStore, commit_checkpoint, cpu_snapshot, write_rank_shard
-
-    store = CheckpointStore(root)
-    snapshot, owned = cpu_snapshot({f"app/model/{k}": v for k, v in state.items()}, 0)
-    result = write_rank_shard(store, step, snapshot, 0, owns=owned.__contains__)
-    if commit:
-        commit_checkpoint(store, step, [result], extra={"model": model_doc})
-
-
-def test_export_tied_and_sharded_loads_in_transformers(hf_dirs, tmp_path):
-    """Llama 3.2-style tied embeddings, exported in several files with an index."""
-    cfg = JobSpec.from_dict({"model": model_raw(hf_dirs["llama32"])}).model
-    model = load_reference(cfg)
-    _checkpoint(str(tmp_path / "ckpt"), cfg.model_dump(mode="json"), model.state_dict())
-    out = str(tmp_path / "hf")
-    assert ckpt_export(str(tmp_path / "ckpt"), None, "hf", out, max_shard_size="30KB") == 0
-    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
-    assert len(set(index["weight_map"].values())) > 1 and "lm_head.weight" not in index["weight_map"]
-    diff = float((_hf_logits(out) - _ours(model)).abs().max())
-    print(f"tied, sharded export: max |logit difference| {diff:.2e}")
-    assert diff < EXACT
-
-
-def test_init_from_and_export_through_s3(hf_dirs, tmp_path, moto_s3, s3_bucket, monkeypatch):
-    """``init_from: s3://...`` and ``--out s3://...``, credentials from the AWS variables."""
-    from s3fs import S3FileSystem
-
-    _s3_env(monkeypatch, moto_s3)
-    fs = S3FileSystem()
-    fs.put(hf_dirs["llama3"], f"{s3_bucket}/in", recursive=True)
-    cfg = JobSpec.from_dict({"model": model_raw(f"s3://{s3_bucket}/in")}).model
-    model = load_reference(cfg)
-    assert float((_ours(model) - _hf_logits(hf_dirs["llama3"])).abs().max()) < EXACT
-    _checkpoint(str(tmp_path / "ckpt"), cfg.model_dump(mode="json"), model.state_dict())
-    assert ckpt_export(str(tmp_path / "ckpt"), 2, "hf", f"s3://{s3_bucket}/out", max_shard_size="40KB") == 0
-    fs.get(f"{s3_bucket}/out", str(tmp_path / "back"), recursive=True)
-    assert len(list((tmp_path / "back").glob("*.safetensors"))) > 1
-    assert float((_hf_logits(str(tmp_path / "back")) - _ours(model)).abs().max()) < EXACT
-
-
-def test_export_bf16_gives_back_the_original_tensors_rounded(hf_dirs, tmp_path):
-    """Hugging Face -> project -> Hugging Face, untrained: every tensor under its original name,
-    in its original row layout, equal to the original rounded to bf16."""
-    from transformers import LlamaForCausalLM
-
-    cfg = JobSpec.from_dict({"model": model_raw(hf_dirs["llama3"])}).model
-    _checkpoint(str(tmp_path / "ckpt"), cfg.model_dump(mode="json"), load_reference(cfg).state_dict())
-    assert ckpt_export(str(tmp_path / "ckpt"), 2, "hf", str(tmp_path / "hf"), dtype="bf16") == 0
-    back = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"))
-    assert back.dtype == torch.bfloat16
-    original = LlamaForCausalLM.from_pretrained(hf_dirs["llama3"], dtype=torch.float32).state_dict()
-    exported = back.state_dict()
-    assert exported.keys() == original.keys()
-    for name, value in original.items():
-        assert torch.equal(exported[name], value.to(torch.bfloat16)), name
-
-
-def test_export_refuses_what_it_cannot_export(hf_dirs, tmp_path, capsys):
-    """Exit 2 and one line saying why, for each thing that cannot become a Hugging Face model."""
-    from elastic.models.config import GPTConfig
-
-    llama = JobSpec.from_dict({"model": model_raw(hf_dirs["llama3"])}).model
-    state = load_reference(llama).state_dict()
-    root = str(tmp_path / "ckpt")
-    _checkpoint(root, llama.model_dump(mode="json"), state, step=2)
-    _checkpoint(root, llama.model_dump(mode="json"), state, step=4, commit=False)
-    gpt = GPTConfig(n_layers=1, d_model=16, n_heads=2, vocab_size=32, seq_len=8)
-    _checkpoint(str(tmp_path / "gpt"), gpt.model_dump(mode="json"), model_spec(gpt).build_full(0).state_dict())
-    custom = {"kind": "custom", "factory": "examples.my_transformer:build", "args": {}}
-    custom_state = model_spec(JobSpec.from_yaml(os.path.join(ROOT, "examples", "custom-model.yaml")).model)
-    _checkpoint(str(tmp_path / "custom"), custom, custom_state.build_full(0).state_dict())
-    (tmp_path / "full").mkdir()
-    (tmp_path / "full" / "model.safetensors").write_bytes(b"")
-    cases = [
-        (str(tmp_path / "nothing"), None, "out1", "no checkpoint directory"),
-        (root, 3, "out2", "step 3"),
-        (root, 4, "out3", "not committed"),
-        (str(tmp_path / "gpt"), None, "out4", "model.kind gpt has no Hugging Face adapter"),
-        (str(tmp_path / "custom"), None, "out5", "examples.my_transformer:build) has no Hugging Face adapter"),
-        (root, 2, "full", "already holds a model"),
-    ]
-    for uri, step, out, why in cases:
-        assert ckpt_export(uri, step, "hf", str(tmp_path / out)) == 2, why
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and why in err[0], (why, err)
-    assert not (tmp_path / "out4").exists()
-
-
-def test_custom_model_with_an_adapter_loads_and_exports(hf_dirs, tmp_path):
-    """``kind: custom`` goes both ways when its ``ModelSpec`` has ``hf``; its config must agree."""
-    shape = {"n_layers": 4, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 64, "ffn_dim": 48}
-    shape.update(seq_len=16, norm_eps=1e-5)
-    raw = {"kind": "custom", "factory": "hf_testlib:llama_factory", "args": shape, "init_from": hf_dirs["llama3"]}
-    cfg = JobSpec.from_dict({"model": raw}).model
-    with pytest.raises(SpecError) as info:
-        JobSpec.from_dict({"model": {**raw, "args": {**shape, "n_heads": 8, "n_kv_heads": 8}}})
-    assert info.value.field == "model.init_from" and "num_attention_heads" in str(info.value)
-    spec = model_spec(cfg)
-    model = spec.build_full(SEED)
-    from elastic.checkpoint.hf_import import HFReader
-    from storage import load_into
-
-    state = model.state_dict()
-    load_into(HFReader(cfg.init_from, spec.hf, sorted(state)), state)
-    assert float((_ours(model) - _hf_logits(hf_dirs["llama3"])).abs().max()) < EXACT
-    _checkpoint(str(tmp_path / "ckpt"), cfg.model_dump(mode="json"), state)
-    assert ckpt_export(str(tmp_path / "ckpt"), 2, "hf", str(tmp_path / "hf")) == 0
-    assert float((_hf_logits(str(tmp_path / "hf")) - _ours(model)).abs().max()) < EXACT
 
 
 # ----- every layout, multi-process ------------------------------------------------------------------
@@ -339,7 +201,7 @@ def test_layouts_load_train_and_export_to_transformers(hf_dirs, tmp_path):
         spec = JobSpec.from_dict(spec_raw(hf_dirs[kind], str(tmp_path)))
         model = load_reference(spec.model)
         init = {k: v.clone() for k, v in model.state_dict().items()}
-        references[kind] = (init, train_reference(model, spec.train), _ours(model))
+        references[kind] = (init, train_reference(model, spec.train), our_logits(model))
     for name, kind, _, waves in LAYOUTS:
         init, ref_losses, ref_logits = references[kind]
         held, loss_diff = set(), 0.0
@@ -358,7 +220,7 @@ def test_layouts_load_train_and_export_to_transformers(hf_dirs, tmp_path):
         _check_reads(name, stats, waves, model_bytes)
         out = str(tmp_path / f"{name}_hf")
         assert ckpt_export(str(tmp_path / name), STEPS, "hf", out) == 0
-        diff = float((_hf_logits(out) - ref_logits).abs().max())
+        diff = float((hf_probe_logits(out) - ref_logits).abs().max())
         print(f"{name}: losses within {loss_diff:.1e} (relative) of the reference; exported logits {diff:.2e} from it")
         assert diff < TRAINED
 
@@ -414,7 +276,7 @@ def test_run_from_hf_exports_and_resume_wins_over_init_from(ray_local, hf_dirs, 
     # Two AdamW steps at lr <= 1e-2 from the Hugging Face weights (a seeded init would be
     # another model altogether, 0.1 away everywhere).
     assert 1e-4 < moved < 3e-2, moved
-    diff = float((_hf_logits(out) - _ours(trained)).abs().max())
+    diff = float((hf_probe_logits(out) - our_logits(trained)).abs().max())
     print(f"elastic run: trained {moved:.1e} away from the Hugging Face weights; exported logits within {diff:.2e}")
     assert diff < EXACT
 

@@ -1,0 +1,13 @@
+"""Fixtures of the checkpoint tests' own."""
+
+from __future__ import annotations
+
+import pytest
+from hf_testlib import save_hf
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, str]:
+    """Tiny random Llamas saved by ``transformers``' ``save_pretrained``, by kind."""
+    root = tmp_path_factory.mktemp("hf")
+    return {kind: save_hf(str(root / kind), kind) for kind in ("llama3", "llama31", "llama32")}
