@@ -90,10 +90,19 @@ class CheckpointCommitter:
             log.warning("checkpoint commits still running after %.0fs; not waiting any longer", timeout)
         return done
 
+    def close(self) -> None:
+        """The job is over: the commit thread ends once the commits queued before finish (it
+        is not waited for). Without this, each job run in a process left a thread behind."""
+        if self._thread is not None:
+            self._queue.put(None)
+
     # ----- commit thread
     def _loop(self) -> None:
         while True:
-            step, world, group = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                return
+            step, world, group = item
             try:
                 self._commit(step, world, group)
             except Exception:  # noqa: BLE001 - never let the thread die with commits queued

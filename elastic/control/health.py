@@ -141,6 +141,9 @@ class CommitGate:
         self.verified = -1
         self._held: dict[int, list[tuple[int, Any]]] = {}  # step -> (rank, UploadReport)
 
+    def close(self) -> None:
+        self.inner.close()
+
     def add(self, rank: int, report: Any) -> None:
         if report.step <= self.verified:
             self.inner.add(rank, report)

@@ -198,3 +198,20 @@ def test_a_configure_that_a_node_failed_raises_the_node_typed_error():
     with pytest.raises(WorkerError) as err:
         configure_through(group(own), members, ["req0", "req1"], 3, 1.0)
     assert type(err.value) is WorkerError and err.value.ranks == [0]
+
+
+def test_the_commit_thread_ends_with_the_job(tmp_path):
+    """A job that submitted commits leaves no commit thread behind once it ends (a process
+    that runs many jobs, a sweep's or a notebook's, kept one per job)."""
+    from elastic.messages import UploadReport
+
+    ctl = _controller(tmp_path, storage_uri=str(tmp_path / "ckpt"), every_steps=1)
+    _advance(ctl, Running)
+    ctl.committer.add(0, UploadReport(1, 0, (0, 1), {}, None, "OSError: disk full", 0.0, 0.0, 0.0, 0))
+    thread = ctl.committer._thread
+    assert thread is not None and thread.is_alive() and ctl.committer.join(10)
+    ctl.group.script = [Observation(results=step_results(1, 2) + step_results(2, 2), finished=True)]
+    with pytest.raises(JobFailed):  # the final step's checkpoint was never committed
+        ctl.run()
+    thread.join(10)
+    assert not thread.is_alive()

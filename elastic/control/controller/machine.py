@@ -115,6 +115,8 @@ class Controller(Reformations):
             self.state = stopped_state(self.stop_signals, self.step, None, stop.reason)
         finally:
             self.group.shutdown()
+            if self.committer is not None:
+                self.committer.close()
         return self._finish(time.time() - t0)
 
     def _finish(self, wall_s: float) -> RunResult:
