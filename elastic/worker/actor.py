@@ -31,6 +31,7 @@ import torch
 
 from elastic.checkpoint.memory_tier import MemoryTier, Snapshot
 from elastic.checkpoint.peer_fetch import layout_of, needed_owners
+from elastic.checkpoint.snapshot_stream import offer, receive_all
 from elastic.ingest.corpus import ParquetCorpus
 from elastic.messages import (
     ConfigureReply,
@@ -56,6 +57,7 @@ from elastic.worker.trainer import Trainer
 logger = logging.getLogger(__name__)
 
 CONCURRENCY_GROUPS = {"train": 1, "control": 4}
+FETCH_TIMEOUT_S = 120.0  # a peer's snapshot: its layout, its offer, and its bytes, each
 SLOW_PREPARE_S = 2.0  # a rank this late to a rendezvous is logged with where the time went
 
 
@@ -85,16 +87,14 @@ class TrainWorker:
         self.hook = step_hook
         if step_hook is not None:
             step_hook.attach(self._stop, self._touch_beat)
-        # `kill -USR1 <pid>` dumps every thread's stack to the worker's log: how to see
-        # where a hung rank is stuck.
+        # `kill -USR1 <pid>` dumps every thread's stack to the worker's log (where a hung rank is
+        # stuck); a fatal signal (a crash in gloo or NCCL) prints every Python thread's stack too.
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-        # A fatal signal (a crash in C++: gloo, NCCL) prints every Python thread's stack too,
-        # not only the crashing one's (often a C++ thread with no Python frame).
         faulthandler.enable(all_threads=True)
         # Ray sizes the actor's CPU share; torch would otherwise use every core per worker.
         torch.set_num_threads(max(1, int(spec.resources.cpus_per_worker)))
-        # Ray's worker niceness is 15: the control threads at -5 where allowed, else 0; the
-        # training thread goes to 0 with its first call (elastic/priority.py).
+        # The control threads at -5 where allowed, else 0 (the import left Ray's niceness, 15);
+        # the training thread goes to 0 with its first call (elastic/priority.py).
         control_priority()
         # Everything alive now (torch, Ray, imported modules, and pandas, which pyarrow would
         # import at the first read) lives as long as the process: frozen, so that the full
@@ -107,8 +107,7 @@ class TrainWorker:
     def info(self) -> WorkerInfo:
         return WorkerInfo(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid())
 
-    # Task events (Ray's per-task state records sent to the GCS) are off for the polls: they
-    # come several times a second per rank and nobody reads them.
+    # No task events (Ray's per-task records sent to the GCS) for the polls: nobody reads them.
     @ray.method(concurrency_group="control", enable_task_events=False)
     def poll(self, wait_s: float = 0.0, ack: int | None = None, have: int | None = None) -> PollReply:
         """Heartbeat: progress counters plus the reports produced since the last poll.
@@ -179,9 +178,11 @@ class TrainWorker:
         return self.tier.holdings()
 
     @ray.method(concurrency_group="control")
-    def fetch_snapshot(self, owner: int, step: int) -> dict[str, Any]:
-        """A snapshot this worker holds (its own as ``owner``, or a peer's copy), ``Snapshot.to_wire``d."""
-        return self.tier.get(owner, step).to_wire()
+    def offer_snapshot(self, owner: int, step: int, timeout_s: float) -> dict[str, Any]:
+        """A snapshot this worker holds (its own as ``owner``, or a peer's copy), offered to one
+        peer over a TCP connection (``snapshot_stream``); an own one stays leased until sent."""
+        snap = self.tier.get(owner, step, lease=True)
+        return offer(snap, ray.util.get_node_ip_address(), timeout_s, done=lambda: self.tier.release(snap))
 
     @ray.method(concurrency_group="control")
     def snapshot_layout(self, owner: int, step: int) -> dict[str, dict[str, Any]]:
@@ -318,13 +319,13 @@ class TrainWorker:
             remote = {o: h for o, h in holders.items() if h is not None}
             if len(holders) > 1 and remote:  # resharding: fetch only the shards that overlap this rank's
                 refs = {o: h.snapshot_layout.remote(o, step) for o, h in remote.items()}
-                layouts = {o: ray.get(r, timeout=120) for o, r in refs.items()}
+                layouts = {o: ray.get(r, timeout=FETCH_TIMEOUT_S) for o, r in refs.items()}
                 layouts.update({o: layout_of(s) for o, s in snaps.items()})
                 need = needed_owners(trainer.restore_target(), layouts, prefer=next(iter(snaps), None))
                 needed = {o: h for o, h in remote.items() if o in need}
                 remote = needed if needed or snaps else dict([next(iter(remote.items()))])  # (one, for the objects)
-            refs = {o: h.fetch_snapshot.remote(o, step) for o, h in remote.items()}
-            fetched = {o: Snapshot.from_wire(ray.get(r, timeout=120)) for o, r in refs.items()}
+            refs = {o: h.offer_snapshot.remote(o, step, FETCH_TIMEOUT_S) for o, h in remote.items()}
+            fetched = receive_all({o: ray.get(r, timeout=FETCH_TIMEOUT_S) for o, r in refs.items()}, FETCH_TIMEOUT_S)
             self._peer_bytes = sum(s.nbytes for s in fetched.values())
             trainer.load_snapshots({**snaps, **fetched})
         return 0
