@@ -141,6 +141,13 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ("--reps", "1"),
     ),
     Benchmark(
+        "peer_fetch",
+        "a peer's memory snapshot fetched across nodes: one TCP connection vs Ray's object store",
+        "peer_fetch.json",
+        "--json",
+        ("--sizes-mb", "64", "--reps", "1"),
+    ),
+    Benchmark(
         "control_plane",
         "the real driver over thousands of virtual ranks (node agents, aggregators): driver CPU per step "
         "and per recovery, decision time, false failures under a driver stall",
