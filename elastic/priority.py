@@ -49,16 +49,7 @@ def normal_priority() -> int:
     """Set every thread of this process to niceness 0 where it is above; returns the
     niceness the process had (that of the calling thread)."""
     before = os.getpriority(os.PRIO_PROCESS, 0)
-    denied = 0
-    for tid in _threads():
-        try:
-            if os.getpriority(os.PRIO_PROCESS, tid) > 0:
-                os.setpriority(os.PRIO_PROCESS, tid, 0)
-        except PermissionError:
-            denied += 1
-        except (ProcessLookupError, OSError):  # the thread ended meanwhile
-            continue
-    if denied:
+    if _threads_to_normal():
         logger.warning(
             "this rank runs at niceness %d (Ray's worker_niceness) and may not lower it (no CAP_SYS_NICE): "
             "any normal-priority process on the host takes the CPU first; start Ray with "
@@ -66,6 +57,20 @@ def normal_priority() -> int:
             before,
         )
     return before
+
+
+def _threads_to_normal() -> int:
+    """Every thread of this process above niceness 0 set to 0; returns how many may not be."""
+    denied = 0
+    for tid in _threads():
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) > TRAIN_NICE:
+                os.setpriority(os.PRIO_PROCESS, tid, TRAIN_NICE)
+        except PermissionError:
+            denied += 1
+        except (ProcessLookupError, OSError):  # the thread ended meanwhile
+            continue
+    return denied
 
 
 def _threads() -> list[int]:
@@ -97,12 +102,8 @@ def leave_ray_worker_niceness() -> None:
     recovery or a grow-back waited for the new rank. At 0, the imports share the host's
     cores evenly with the training ranks, and no more than that. Where lowering is not
     allowed, nothing changes; ``TrainWorker.__init__`` logs it (``normal_priority``)."""
-    if "RAY_RAYLET_PID" not in os.environ:  # a driver, a test, ``make gpu-check``: left as started
-        return
-    for tid in _threads():
-        with contextlib.suppress(OSError):
-            if os.getpriority(os.PRIO_PROCESS, tid) > TRAIN_NICE:
-                os.setpriority(os.PRIO_PROCESS, tid, TRAIN_NICE)
+    if "RAY_RAYLET_PID" in os.environ:  # not a driver, a test, ``make gpu-check``: left as started
+        _threads_to_normal()
 
 
 def control_priority() -> int:

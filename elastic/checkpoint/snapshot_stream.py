@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from elastic.checkpoint.peer_fetch import layout_of
 from elastic.checkpoint.snapshot import Snapshot
 from storage.records import ShardRecord
 
@@ -45,19 +46,12 @@ def offer(snap: Snapshot, host: str, timeout_s: float, done: Callable[[], None] 
     listener = socket.create_server((host, 0))
     listener.settimeout(timeout_s)
     token = secrets.token_bytes(TOKEN_BYTES)
-    order, boxes = [], {}
-    for key, value in snap.tensors.items():
-        t = value.local if isinstance(value, ShardRecord) else value
-        box: dict[str, Any] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": tuple(t.shape)}
-        if isinstance(value, ShardRecord):
-            box["global_shape"], box["offsets"] = value.global_shape, value.offsets
-        order.append((key, t))
-        boxes[key] = box
+    order = [v.local if isinstance(v, ShardRecord) else v for v in snap.tensors.values()]  # as ``boxes``
     thread = threading.Thread(target=_serve, args=(listener, token, order, timeout_s, done), daemon=True)
     thread.start()
     return {
         "step": snap.step, "rank": snap.rank, "layout": dict(snap.layout), "objects": snap.objects,
-        "boxes": boxes, "address": listener.getsockname()[:2], "token": token,
+        "boxes": layout_of(snap), "address": listener.getsockname()[:2], "token": token,
     }  # fmt: skip
 
 
@@ -70,7 +64,7 @@ def _serve(listener: socket.socket, token: bytes, order: list, timeout_s: float,
             said = _recv_exact(conn, TOKEN_BYTES)
             if not hmac.compare_digest(said, token):
                 return  # not the peer this offer was made to: nothing is sent
-            for _, t in order:
+            for t in order:
                 view = _flat_bytes(t)
                 for i in range(0, len(view), CHUNK):
                     conn.sendall(view[i : i + CHUNK])
