@@ -113,10 +113,16 @@ class StopSignals:
             self._previous[sig] = signal.signal(sig, self._handle)
         return True
 
-    def uninstall(self) -> None:
+    def job_over(self) -> None:
+        """The job reached its end (any end): signals from now on are ignored. What follows
+        (killing the actors, closing the group) is already the immediate stop a second
+        signal would ask for, and a signal raised into it would lose the result."""
         self.finished = True
         if self._timer is not None:
             self._timer.cancel()
+
+    def uninstall(self) -> None:
+        self.job_over()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}

@@ -4,6 +4,10 @@ checkpoint that was not committed (DESIGN §10). And the one line a configure er
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 from fake_group import FakeWorkerGroup, step_results
 from ray.exceptions import RayTaskError
@@ -11,6 +15,7 @@ from ray.exceptions import RayTaskError
 from elastic.checkpoint.committer import CheckpointCommitter
 from elastic.control.controller import Controller, Failed, Finished, Recovering, Running, Starting
 from elastic.control.group_configure import root_cause
+from elastic.control.stop import StopSignals, exit_code_of, stopped_state
 from elastic.control.worker_group import Observation
 from elastic.errors import JobFailed, NodeLost, NotRetryable, RendezvousFailed, WorkerError
 from elastic.events import EventLog, read_events
@@ -215,3 +220,36 @@ def test_the_commit_thread_ends_with_the_job(tmp_path):
         ctl.run()
     thread.join(10)
     assert not thread.is_alive()
+
+
+class _SignalledAtShutdown(FakeWorkerGroup):
+    """The user's second Ctrl-C lands while the driver closes the group."""
+
+    def shutdown(self):
+        super().shutdown()
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)  # the handler runs in the main thread at the next bytecode
+
+
+def test_a_signal_during_the_final_shutdown_keeps_the_stopped_result(tmp_path):
+    """A graceful stop completed (checkpoint of step 5 committed); a second SIGINT arrives
+    while the group is shut down. The job's end stands: status stopped, exit 130, the
+    checkpoint reported, no traceback (before, ``StopNow`` escaped from the ``finally``)."""
+
+    class Ctl(Controller):
+        worker_group_cls = _SignalledAtShutdown
+
+    signals = StopSignals(grace_s=30.0)
+    assert signals.install()
+    try:
+        ctl = Ctl(_controller(tmp_path).spec, EventLog(str(tmp_path / "run")), "memory://corpus", stop_signals=signals)
+        os.kill(os.getpid(), signal.SIGINT)  # the first: recorded, the stop is graceful
+        time.sleep(0.01)
+        assert signals.requested
+        ctl.state = stopped_state(signals, 5, 5, "stopped at a step boundary")
+        result = ctl.run()
+    finally:
+        signals.uninstall()
+    assert ("shutdown",) in ctl.group.calls
+    assert result.status == "stopped" and exit_code_of(result) == 130
+    assert result.stop["checkpoint_step"] == 5

@@ -112,8 +112,11 @@ class Controller(Reformations):
             stop = stop_now_in(exc)
             if stop is None or self.stop_signals is None:
                 raise
-            self.state = stopped_state(self.stop_signals, self.step, None, stop.reason)
+            if not self.state.is_terminal:  # a signal just after the end keeps the end's result
+                self.state = stopped_state(self.stop_signals, self.step, None, stop.reason)
         finally:
+            if self.stop_signals is not None:
+                self.stop_signals.job_over()  # a signal now would break the shutdown, not stop sooner
             self.group.shutdown()
             if self.committer is not None:
                 self.committer.close()
