@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -164,7 +165,8 @@ class WorkerGroup(GroupQueries):
 
     def spawn(self, groups: Sequence[Any]) -> list[Member]:
         """Create one actor per bundle of each placement group (a whole replica each), and
-        hand each to its node's agent (started with the node's first worker)."""
+        hand each to its node's agent (started with them, ``_start_agents``)."""
+        self._start_agents(groups)
         actors = []
         # The step hook goes to the first workers only: an injected fault fires once per
         # job, not again in a replacement that replays the step.
@@ -203,11 +205,23 @@ class WorkerGroup(GroupQueries):
             self._by_wid[m.wid] = m
             self._on_node.setdefault(m.node_id, []).append(m)
 
+    def _start_agents(self, groups: Sequence[Any]) -> None:
+        """Start the agents of the nodes ``groups`` are placed on now, before their workers:
+        an agent's process start (2-3 s at a job's start here) then overlaps the workers'
+        imports, instead of following them into the first configure."""
+        table = group_tables(list(groups))
+        counts = Counter(n for g in groups for n in (table[g.id.hex()].get("bundles_to_node_id") or {}).values())
+        if counts:
+            self.tree.add_nodes(list(counts), self._expected_nodes(max(counts.values())))
+
+    def _expected_nodes(self, per_node: int) -> int:
+        """The most nodes the job may span, ``per_node`` ranks on each (the tree's depth)."""
+        return -(-self.spec.elastic.max_dp * self.replica_size // per_node)
+
     def _attach(self, members: list[Member]) -> None:
         grouped = by_node(members)
         per_node = max(len(ms) for ms in grouped.values()) if grouped else 1
-        expected = -(-self.spec.elastic.max_dp * self.replica_size // per_node)  # the most nodes the job may span
-        self.tree.add_nodes(list(grouped), expected)
+        self.tree.add_nodes(list(grouped), self._expected_nodes(per_node))  # nodes without an agent yet
         self.tree.send({node: Attach({m.wid: (m.actor, m.rank) for m in ms}) for node, ms in grouped.items()})
 
     # ------------------------------------------------------------------ (re)configuration
