@@ -96,12 +96,12 @@ def leave_ray_worker_niceness() -> None:
     niceness 0 set to 0, quietly. Run by ``elastic.worker`` before the rank's imports.
 
     Ray starts the process at its ``worker_niceness`` (15), and the rank's module is
-    imported when Ray loads the actor's class, before ``TrainWorker.__init__`` can call
+    imported by ``TrainWorker.__init__`` before ``Rank.__init__`` can call
     ``control_priority``: its imports (torch, DCP, DTensor, the engine, pipelining: about
     3.5 s of one core) ran at nice 15, behind every nice-0 rank on the host, while a
     recovery or a grow-back waited for the new rank. At 0, the imports share the host's
     cores evenly with the training ranks, and no more than that. Where lowering is not
-    allowed, nothing changes; ``TrainWorker.__init__`` logs it (``normal_priority``)."""
+    allowed, nothing changes; ``Rank.__init__`` logs it (``normal_priority``)."""
     if "RAY_RAYLET_PID" in os.environ:  # not a driver, a test, ``make gpu-check``: left as started
         _threads_to_normal()
 

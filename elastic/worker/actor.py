@@ -1,10 +1,11 @@
-"""``TrainWorker``: the Ray actor of one rank. It exposes typed RPCs and nothing else.
+"""``Rank``: one rank, hosted by the Ray actor ``TrainWorker`` (``remote.py``, a shell that
+only forwards). It exposes typed RPCs and nothing else.
 
-The actor outlives process groups. ``configure`` re-forms this rank in place (leaves the
-old group, joins the new generation, builds a new ``Trainer``, restores from memory or
+The rank outlives process groups. ``configure`` re-forms it in place (leaves the old
+group, joins the new generation, builds a new ``Trainer``, restores from memory or
 storage); process, imports and CPU buffers survive.
 
-Two concurrency groups keep the actor observable while it trains:
+The actor's two concurrency groups keep the rank observable while it trains:
 
 * ``train`` (one thread): ``configure`` and ``run``, the only code that touches the model
   or the process group;
@@ -56,14 +57,13 @@ from elastic.worker.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
-CONCURRENCY_GROUPS = {"train": 1, "control": 4}
 FETCH_TIMEOUT_S = 120.0  # a peer's snapshot: its layout, its offer, and its bytes, each
 SLOW_PREPARE_S = 2.0  # a rank this late to a rendezvous is logged with where the time went
 
 
-# The ignore: Ray's stubs for ray.remote(**options) list task options, not concurrency_groups.
-@ray.remote(concurrency_groups=CONCURRENCY_GROUPS, max_restarts=0)  # type: ignore[call-overload]
-class TrainWorker:
+class Rank:
+    """One rank's state and RPCs, hosted by the Ray actor ``remote.TrainWorker``."""
+
     def __init__(self, spec: Any, corpus_uri: str, step_hook: StepHook | None = None):
         self.spec, self.corpus_uri = spec, corpus_uri
         self.rank = -1
@@ -103,12 +103,9 @@ class TrainWorker:
         keep_freed_memory(self.device.type)  # a CPU worker keeps the blocks it frees (worker/allocator.py)
 
     # ------------------------------------------------------------------ control group
-    @ray.method(concurrency_group="control")
     def info(self) -> WorkerInfo:
         return WorkerInfo(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid())
 
-    # No task events (Ray's per-task records sent to the GCS) for the polls: nobody reads them.
-    @ray.method(concurrency_group="control", enable_task_events=False)
     def poll(self, wait_s: float = 0.0, ack: int | None = None, have: int | None = None) -> PollReply:
         """Heartbeat: progress counters plus the reports produced since the last poll.
 
@@ -139,16 +136,13 @@ class TrainWorker:
     def _touch_beat(self) -> None:
         self._beat = time.monotonic()
 
-    @ray.method(concurrency_group="control")
     def request_stop(self) -> None:
         self._stop.set()
 
-    @ray.method(concurrency_group="control")
     def abandon_rendezvous(self, generation: int) -> None:
         """Give up joining ``generation``: a peer was lost while it formed."""
         self.group.abandon(generation)
 
-    @ray.method(concurrency_group="control")
     def abort_step(self, generation: int = 0, links: frozenset = frozenset()) -> None:
         """A peer was lost: leave the step in flight at the next layer, and cut ``links`` (this
         rank's connections to the lost ranks: a collective blocked on one fails now). A snapshot copy
@@ -161,7 +155,6 @@ class TrainWorker:
         self.tier.yield_copy()
         report_if_stuck(self._idle, then=self.group.cut_all, leave=leave_process)
 
-    @ray.method(concurrency_group="control")
     def shrink_group(self, excluded: tuple[int, ...]) -> bool:
         """A replica was lost (NCCL): shrink the group without ``excluded`` now, which aborts
         the collective the train thread may be blocked in (``ReconfigurableProcessGroup.shrink``).
@@ -169,7 +162,6 @@ class TrainWorker:
         self.tier.yield_copy()
         return self.group.shrink(excluded)
 
-    @ray.method(concurrency_group="control")
     def snapshot_holdings(self, after_run_s: float = 0.0) -> dict[int, list[int]]:
         """Owner rank -> steps this worker can serve from memory; with ``after_run_s``, as of the
         end of the run in progress, waited for that long at most (asked with ``abort_step``)."""
@@ -177,25 +169,21 @@ class TrainWorker:
             self._idle.wait(after_run_s)
         return self.tier.holdings()
 
-    @ray.method(concurrency_group="control")
     def offer_snapshot(self, owner: int, step: int, timeout_s: float) -> dict[str, Any]:
         """A snapshot this worker holds (its own as ``owner``, or a peer's copy), offered to one
         peer over a TCP connection (``snapshot_stream``); an own one stays leased until sent."""
         snap = self.tier.get(owner, step, lease=True)
         return offer(snap, ray.util.get_node_ip_address(), timeout_s, done=lambda: self.tier.release(snap))
 
-    @ray.method(concurrency_group="control")
     def snapshot_layout(self, owner: int, step: int) -> dict[str, dict[str, Any]]:
         """The boxes of a snapshot this worker holds, without data (a resharding peer plans with them)."""
         return layout_of(self.tier.get(owner, step))
 
-    @ray.method(concurrency_group="control")
     def store_replica(self, wire: dict[str, Any]) -> bool:
         """Keep a peer's snapshot; False when it belongs to a layout this worker has left."""
         return self.tier.store_replica(Snapshot.from_wire(wire))
 
     # ------------------------------------------------------------------ train group
-    @ray.method(concurrency_group="train")
     def configure(self, req: ConfigureRequest) -> ConfigureReply:
         """Join generation ``req.generation`` of the group and get ready to train from ``req.step``.
 
@@ -330,12 +318,10 @@ class TrainWorker:
             trainer.load_snapshots({**snaps, **fetched})
         return 0
 
-    @ray.method(concurrency_group="train")
     def save_checkpoint(self, timeout_s: float) -> bool:
         """After a stop at a step boundary: write the live step to storage (``elastic/control/stop.py``)."""
         return self.trainer is not None and self.trainer.save_live_step(timeout_s)
 
-    @ray.method(concurrency_group="train")
     def run(self, last_step: int) -> RunOutcome:
         """Train until ``last_step`` or an agreed stop; errors are returned, not raised."""
         training_thread()

@@ -1,0 +1,93 @@
+"""``TrainWorker``: the Ray actor of one rank, a thin shell over ``actor.Rank``.
+
+Why a shell: a process handed an actor's handle has Ray load the actor's class (for its
+methods' metadata), and Ray unpickles the class by value, importing every module its
+methods name. ``Rank`` names torch and the training stack, so every node agent handed its
+ranks' handles (``Attach``) imported torch before it could pass on the first command:
+2.1-2.4 s of one core and about 180 MB per agent at each job's start, measured on this
+project's 2-core host, all of it in the first configure's wait. This class names nothing
+heavy: a holder of its handles loads ``ray`` and nothing else, and the rank's own process
+imports the training stack in ``__init__``, where it did before (``elastic.worker`` leaves
+Ray's worker niceness first).
+
+Each method runs in the same concurrency group as before and only forwards; the contract
+of each is in ``actor.Rank``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+if TYPE_CHECKING:
+    from elastic.messages import ConfigureReply, ConfigureRequest, PollReply, RunOutcome, WorkerInfo
+    from elastic.worker.hooks import StepHook
+
+# ``train`` (one thread): configure and run, the only code that touches the model or the
+# process group. ``control``: polls, stops, snapshot queries and transfers (actor.py).
+CONCURRENCY_GROUPS = {"train": 1, "control": 4}
+
+
+# The ignore: Ray's stubs for ray.remote(**options) list task options, not concurrency_groups.
+@ray.remote(concurrency_groups=CONCURRENCY_GROUPS, max_restarts=0)  # type: ignore[call-overload]
+class TrainWorker:
+    def __init__(self, spec: Any, corpus_uri: str, step_hook: StepHook | None = None):
+        from elastic.worker.actor import Rank  # the training stack: in the rank's process only
+
+        self._rank = Rank(spec, corpus_uri, step_hook)
+
+    # ------------------------------------------------------------------ control group
+    @ray.method(concurrency_group="control")
+    def info(self) -> WorkerInfo:
+        return self._rank.info()
+
+    # No task events (Ray's per-task records sent to the GCS) for the polls: nobody reads them.
+    @ray.method(concurrency_group="control", enable_task_events=False)
+    def poll(self, wait_s: float = 0.0, ack: int | None = None, have: int | None = None) -> PollReply:
+        return self._rank.poll(wait_s, ack, have)
+
+    @ray.method(concurrency_group="control")
+    def request_stop(self) -> None:
+        self._rank.request_stop()
+
+    @ray.method(concurrency_group="control")
+    def abandon_rendezvous(self, generation: int) -> None:
+        self._rank.abandon_rendezvous(generation)
+
+    @ray.method(concurrency_group="control")
+    def abort_step(self, generation: int = 0, links: frozenset = frozenset()) -> None:
+        self._rank.abort_step(generation, links)
+
+    @ray.method(concurrency_group="control")
+    def shrink_group(self, excluded: tuple[int, ...]) -> bool:
+        return self._rank.shrink_group(excluded)
+
+    @ray.method(concurrency_group="control")
+    def snapshot_holdings(self, after_run_s: float = 0.0) -> dict[int, list[int]]:
+        return self._rank.snapshot_holdings(after_run_s)
+
+    @ray.method(concurrency_group="control")
+    def offer_snapshot(self, owner: int, step: int, timeout_s: float) -> dict[str, Any]:
+        return self._rank.offer_snapshot(owner, step, timeout_s)
+
+    @ray.method(concurrency_group="control")
+    def snapshot_layout(self, owner: int, step: int) -> dict[str, dict[str, Any]]:
+        return self._rank.snapshot_layout(owner, step)
+
+    @ray.method(concurrency_group="control")
+    def store_replica(self, wire: dict[str, Any]) -> bool:
+        return self._rank.store_replica(wire)
+
+    # ------------------------------------------------------------------ train group
+    @ray.method(concurrency_group="train")
+    def configure(self, req: ConfigureRequest) -> ConfigureReply:
+        return self._rank.configure(req)
+
+    @ray.method(concurrency_group="train")
+    def save_checkpoint(self, timeout_s: float) -> bool:
+        return self._rank.save_checkpoint(timeout_s)
+
+    @ray.method(concurrency_group="train")
+    def run(self, last_step: int) -> RunOutcome:
+        return self._rank.run(last_step)
