@@ -209,8 +209,7 @@ class WorkerGroup(GroupQueries):
         """Start the agents of the nodes ``groups`` are placed on now, before their workers:
         an agent's process start (2-3 s at a job's start here) then overlaps the workers'
         imports, instead of following them into the first configure."""
-        table = group_tables(list(groups))
-        counts = Counter(n for g in groups for n in (table[g.id.hex()].get("bundles_to_node_id") or {}).values())
+        counts = Counter(self.slots.bundle_nodes(groups))
         if counts:
             self.tree.add_nodes(list(counts), self._expected_nodes(max(counts.values())))
 

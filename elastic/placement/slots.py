@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -120,6 +121,12 @@ class ReplicaSlots:
     def release_all(self) -> None:
         for g in list(self._groups):
             self.release(g)
+
+    def bundle_nodes(self, groups: Sequence[Any]) -> list[str]:
+        """The node of each worker bundle of ``groups`` (ready groups), read from the GCS in
+        one call: where their workers will run, known before they are created."""
+        table = group_tables(list(groups))
+        return [n for g in groups for n in (table[g.id.hex()].get("bundles_to_node_id") or {}).values()]
 
     def actor_options(self, group: Any, bundle_index: int) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from elastic.parallel.config import ParallelConfig
 from elastic.parallel.memory_model import estimate_for_spec
-from elastic.placement.slots import ReplicaSlots
+from elastic.placement.slots import ReplicaSlots, group_tables
 from elastic.tune.space import config_key, trial_spec_dict
 
 if TYPE_CHECKING:
@@ -82,6 +83,10 @@ class TrialSlots(ReplicaSlots):
 
     def actor_options(self, group: Any, bundle_index: int) -> dict[str, Any]:
         return super().actor_options(self.pg, group.first + bundle_index)
+
+    def bundle_nodes(self, groups: Sequence[Any]) -> list[str]:
+        where = group_tables([self.pg])[self.pg.id.hex()].get("bundles_to_node_id") or {}
+        return [where[g.first + b] for g in groups for b in range(self.replica_size) if g.first + b in where]
 
 
 def _controller_for(pg: Any, dp: int, listener: Any) -> type[Controller]:
