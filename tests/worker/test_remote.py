@@ -4,14 +4,18 @@ deserialized; a node agent gets its ranks' handles with ``Attach``."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from elastic.worker import TrainWorker
 from jobs import JobSpec
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 
+@pytest.mark.cluster
 def test_a_process_handed_a_rank_handle_imports_no_torch(ray_local, tiny_spec_dict):
     """Before the shell, the holder imported torch on taking the handle (2.1-2.4 s of CPU
     and about 180 MB in every node agent, before its first command could be applied)."""
@@ -38,3 +42,14 @@ def test_a_process_handed_a_rank_handle_imports_no_torch(ray_local, tiny_spec_di
     finally:
         ray.kill(rank)
         ray.kill(holder)
+
+
+def test_the_rank_imports_pipelining_only_for_pp_jobs():
+    """``torch.distributed.pipelining`` (with torch._dynamo: 0.35 s of one core per rank) is
+    imported by a rank of a PP job in ``Rank.__init__``, by no other."""
+    probe = (
+        "import sys; import elastic.worker.actor; "
+        "print('torch.distributed.pipelining' in sys.modules, 'torch._dynamo' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=90, check=True)
+    assert out.stdout.split() == ["False", "False"], out.stdout + out.stderr
