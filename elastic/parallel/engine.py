@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import resource
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -74,8 +74,7 @@ class TrainEngine:
         # ``build_timings``: where the build's time went (logged by the worker on a re-formation).
         self.build_timings: dict[str, float] = {}
         if adopt is not None and adopt.module is not None and keeps_module(parallel_cfg, dims):
-            # A survivor's own module, optimizer and schedule (``elastic/parallel/live.py``):
-            # only the DP wrapper is new.
+            # A survivor's own module, optimizer and schedule (parallel/live.py): only DDP is new.
             t0 = time.perf_counter()
             self.module = self.gpt = adopt.module
             self.model = rewrap(adopt.module, dims)
@@ -88,8 +87,7 @@ class TrainEngine:
         if self.spec.set_loss_scale is not None:  # what each micro-batch's loss is scaled by (the pipeline
             # schedule scales the accumulated gradients instead); a kept module's grad_accum may have changed
             self.spec.set_loss_scale(self.module, 1.0 if dims.pp_enabled else 1.0 / self.grad_accum)
-        # FSDP computes in bf16 through its mixed-precision policy; everything else autocasts
-        # (fp32 master weights, gradients and optimizer state in both cases).
+        # FSDP computes in bf16 through its mixed-precision policy; the rest autocasts (fp32 master state).
         self._autocast = bf16 and not isinstance(self.model, FSDPModule)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         # The parameters the optimizer steps, by name, as built: in the middle of a step the
@@ -177,11 +175,13 @@ class TrainEngine:
     def forward_backward(self, micro_batches: Sequence[MicroBatch]) -> float:
         """Accumulate the gradients of this data shard's micro-batches (under CP: this rank's
         chunk of their sequences, ``elastic.parallel.cp.sequence_slice``); return the global mean loss."""
-        return self.forward_backward_agree(micro_batches, False)[0]
+        return self.forward_backward_agree(micro_batches, lambda: False)[0]
 
-    def forward_backward_agree(self, micro_batches: Sequence[MicroBatch], flag: bool) -> tuple[float, bool]:
-        """``forward_backward`` that also agrees on a flag: True if any rank's ``flag`` is.
-
+    def forward_backward_agree(
+        self, micro_batches: Sequence[MicroBatch], flag: Callable[[], bool]
+    ) -> tuple[float, bool]:
+        """``forward_backward`` that also agrees on a flag: True if any rank's ``flag()`` is, read
+        once the rank's own forward and backward are done (a stop asked meanwhile ends this step).
         Under pure DP the flag rides in the loss all-reduce (one collective per step).
         Otherwise it rides with the loss over the PP group, then the DP group (dp x ep x cp), and takes one
         more all-reduce over the TP group: the mesh is a product, so summing over each of
@@ -201,7 +201,7 @@ class TrainEngine:
                 local = self._local_forward_backward(micro_batches)
         _finish_own_work(self.device)  # so the wait timed below is the peers', not this device's queue
         if self.dims.dp == self.dims.world_size:
-            value = torch.stack([local.detach().float().reshape(()), torch.tensor(float(flag), device=self.device)])
+            value = torch.stack([local.detach().float().reshape(()), torch.tensor(float(flag()), device=self.device)])
             t = time.perf_counter()
             if self.dims.dp_enabled:
                 dist.all_reduce(value, group=self.dims.dp_mesh.get_group())
@@ -209,7 +209,7 @@ class TrainEngine:
             self.sync_wait_s += time.perf_counter() - t
             return result
         t = time.perf_counter()
-        loss, flags = self._global_mean_and_flags(local, flag)
+        loss, flags = self._global_mean_and_flags(local, flag())
         self.sync_wait_s += time.perf_counter() - t
         return loss, flags > 0
 

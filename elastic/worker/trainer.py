@@ -195,7 +195,7 @@ class Trainer:
             self.hook.before_step(step, self.rank, self.engine)
         t1, c1 = time.perf_counter(), time.thread_time()
         self.last_progress = time.monotonic()
-        loss, stop = self.engine.forward_backward_agree(micro_batches, self.stop.is_set())
+        loss, stop = self.engine.forward_backward_agree(micro_batches, self.stop.is_set)
         self.last_progress = time.monotonic()
         anomaly = self.monitor.check(loss)
         if anomaly is not None:

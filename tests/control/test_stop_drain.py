@@ -131,13 +131,18 @@ def test_sigterm_stops_checkpoints_and_resumes(ray_cluster, reference_losses_clu
 
 
 def test_sigint_exits_130_and_a_second_signal_stops_at_once(ray_cluster, tmp_path):
+    """The first SIGINT comes once step 5 is done, while rank 0 hangs before step 6 (its peers
+    wait in the step's all-reduce): the graceful stop cannot end before the hang does, so the
+    second SIGINT, sent once the first is acknowledged, always finds it in progress. The hang
+    (30 s) outlasts the heartbeat timeout (4 s): the second signal comes well before that."""
     spec_file = _spec_file(tmp_path, str(tmp_path / "ckpt"))
     run_dir = str(tmp_path / "run")
-    proc = _start(spec_file, run_dir, ray_cluster.address, "--fault", f"slow@1:rank=0:seconds={SLOW_S}")
+    faults = ("--fault", f"slow@1:rank=0:seconds={SLOW_S}", "--fault", "hang@6:rank=0:seconds=30")
+    proc = _start(spec_file, run_dir, ray_cluster.address, *faults)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
     reader.start()
-    _signal_at(proc, run_dir, 4, signal.SIGINT)
+    _signal_at(proc, run_dir, 5, signal.SIGINT)
     # Two signals that arrive before the driver's main thread runs are one (Python keeps a
     # flag per signal, not a count): send the second once the first was acknowledged.
     wait_until(lambda: any("stopping at the next step boundary" in x for x in lines), 60, "the first SIGINT")
