@@ -141,6 +141,13 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ("--reps", "1"),
     ),
     Benchmark(
+        "job_start",
+        "a job's start and an agent's cost of holding its ranks' handles: the rank's actor as a shell vs its class",
+        "job_start.json",
+        "--json",
+        ("--reps", "1"),
+    ),
+    Benchmark(
         "peer_fetch",
         "a peer's memory snapshot fetched across nodes: one TCP connection vs Ray's object store",
         "peer_fetch.json",

@@ -8,7 +8,7 @@ the imports ran behind every one of them, while a recovery or a grow-back waited
 (``elastic.priority.leave_ray_worker_niceness``, which ``elastic.worker`` now calls first).
 
 This benchmark starts actors that import the rank's module (``elastic.worker.actor``), as
-Ray does when it loads ``TrainWorker``, on a single-node Ray beside ``--busy`` nice-0 busy
+``TrainWorker.__init__`` does, on a single-node Ray beside ``--busy`` nice-0 busy
 processes (stand-ins for the host's training ranks: on CPU they compute; on a GPU host,
 the data loaders and the host side of each rank). Two sides, alternating repetition by
 repetition (A B B A ...):
