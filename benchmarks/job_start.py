@@ -10,8 +10,8 @@ could be applied, and the job's first configure waited for that.
 Two measurements, each with the two sides alternating repetition by repetition (A B B A):
 
 - ``handle``: a fresh process (its own runtime env, so never a pooled worker that already
-  imported torch) takes one handle of a started rank: the call's time, the growth of its
-  resident memory, and whether torch was imported;
+  imported torch) takes one handle of a started rank in a call's argument: the call's time,
+  the growth of its resident memory, and whether torch was imported;
 - ``fit``: ``ElasticTrainer.fit()`` of the tiny spec at dp 4 on a single-node Ray, from the
   call to the ``job_start`` event (the ranks started and configured) and to the first step.
   The baseline side swaps the group's actor class for the old shape in this driver
@@ -51,14 +51,18 @@ SPEC = {
 
 
 class Holder:
-    """Takes handles, as a node agent does; reports what taking them cost this process."""
+    """Takes handles, as a node agent does. Ray deserializes a call's arguments before the
+    method runs, so the cost is the call's time (``call_s``) and the resident memory from
+    before the call (``rss``) to its end (``take``)."""
+
+    def rss(self) -> float:
+        return _rss_mb()
 
     def take(self, handles: list[Any]) -> dict[str, Any]:
         import sys
 
-        rss0, t0 = _rss_mb(), time.perf_counter()
         assert all(hasattr(h, "configure") for h in handles)  # a real handle, its methods known
-        return {"take_s": time.perf_counter() - t0, "rss_mb": _rss_mb() - rss0, "torch": "torch" in sys.modules}
+        return {"rss_after_mb": _rss_mb(), "torch": "torch" in sys.modules}
 
 
 def _rss_mb() -> float:
@@ -82,11 +86,12 @@ def handle_once(ray: Any, actor_cls: Any, tag: str) -> dict[str, Any]:
     ray.get(rank.info.remote(), timeout=TIMEOUT_S)  # started: its own imports are not in the holder's time
     holder = ray.remote(num_cpus=0)(Holder).options(runtime_env={"env_vars": {"ELASTIC_BENCH_HOLDER": tag}}).remote()
     try:
-        ray.get(holder.__ray_ready__.remote(), timeout=TIMEOUT_S)
+        rss0 = ray.get(holder.rss.remote(), timeout=TIMEOUT_S)
         # The handle travels inside the argument (as in ``Attach``): deserialized in the holder.
         t0 = time.perf_counter()
         facts = ray.get(holder.take.remote([rank]), timeout=TIMEOUT_S)
         facts["call_s"] = time.perf_counter() - t0
+        facts["rss_mb"] = facts.pop("rss_after_mb") - rss0
         return facts
     finally:
         ray.kill(holder)
@@ -146,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
                 f = fit_once(classes[side])
                 fit[side].append(f)
                 print(
-                    f"  rep {rep} {side:>8}: handle {h['take_s']:.3f} s (+{h['rss_mb']:.0f} MB, torch {h['torch']}),"
+                    f"  rep {rep} {side:>8}: handle {h['call_s']:.3f} s (+{h['rss_mb']:.0f} MB, torch {h['torch']}),"
                     f" fit -> job_start {f['to_job_start_s']:.2f} s, -> first step {f['to_first_step_s']:.2f} s",
                     flush=True,
                 )
@@ -155,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         ray.shutdown()
     print(f"{args.reps} repetitions per side, 4 ranks on {os.cpu_count()} cores:")
     doc = {
-        "handle": _show("a fresh process takes a rank's handle", handle, ("take_s", "call_s", "rss_mb")),
+        "handle": _show("a fresh process takes a rank's handle", handle, ("call_s", "rss_mb")),
         "fit": _show("fit() of a dp 4 job", fit, ("to_job_start_s", "to_first_step_s")),
     }
     print(f"load (1 min) before and after each repetition: {[round(x, 2) for x in load]}")
