@@ -4,8 +4,8 @@ Why a shell: a process handed an actor's handle has Ray load the actor's class (
 methods' metadata), and Ray unpickles the class by value, importing every module its
 methods name. ``Rank`` names torch and the training stack, so every node agent handed its
 ranks' handles (``Attach``) imported torch before it could pass on the first command:
-2.1-2.4 s of one core and about 180 MB per agent at each job's start, measured on this
-project's 2-core host, all of it in the first configure's wait. This class names nothing
+1.8 s and 240 MB more than now per agent (``benchmarks/job_start.py``), all of it in the
+first configure's wait. This class names nothing
 heavy: a holder of its handles loads ``ray`` and nothing else, and the rank's own process
 imports the training stack in ``__init__``, where it did before (``elastic.worker`` leaves
 Ray's worker niceness first).

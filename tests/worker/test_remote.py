@@ -17,8 +17,8 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.mark.cluster
 def test_a_process_handed_a_rank_handle_imports_no_torch(ray_local, tiny_spec_dict):
-    """Before the shell, the holder imported torch on taking the handle (2.1-2.4 s of CPU
-    and about 180 MB in every node agent, before its first command could be applied)."""
+    """Before the shell, the holder imported torch on taking the handle (1.8 s and 240 MB
+    more in every node agent, before its first command could be applied: job_start.py)."""
     ray = ray_local
 
     @ray.remote(num_cpus=0)
