@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 from elastic.models.spec import ModelSpec, model_spec
 from elastic.optim import TrainConfig, build_optimizer
@@ -237,7 +238,7 @@ class TrainEngine:
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def _pipeline_forward_backward(
-        self, schedule: pp.PipelineScheduleSingle, micro_batches: Sequence[MicroBatch]
+        self, schedule: PipelineScheduleSingle, micro_batches: Sequence[MicroBatch]
     ) -> torch.Tensor:
         # The schedule re-splits the concatenation along dim 0 into the same micro-batches.
         args = (torch.cat([x for x, _ in micro_batches]).to(self.device),) if self.is_first_stage else ()

@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 
@@ -56,8 +56,6 @@ def build_stage_module(model: nn.Module, pp: int, pp_rank: int) -> nn.Module:
 
 def build_stage(stage_module: nn.Module, pp_mesh: DeviceMesh, device: torch.device) -> PipelineStage:
     """The ``PipelineStage`` of this rank (its index is the rank's place in the PP group)."""
-    from torch.distributed.pipelining import PipelineStage  # 0.35 s of imports (dynamo): PP jobs only
-
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     return PipelineStage(stage_module, stage_index=pp_rank, num_stages=pp, device=device, group=pp_mesh.get_group())
 
@@ -68,8 +66,6 @@ def build_schedule(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     schedule: str = "1f1b",
 ) -> PipelineScheduleSingle:
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-
     cls = Schedule1F1B if schedule == "1f1b" and n_microbatches >= stage.num_stages else ScheduleGPipe
     return cls(stage, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
 

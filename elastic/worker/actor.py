@@ -20,7 +20,6 @@ its process group, which frees peers blocked in a collective with it within mill
 from __future__ import annotations
 
 import faulthandler
-import importlib
 import logging
 import os
 import signal
@@ -94,8 +93,6 @@ class Rank:
         faulthandler.enable(all_threads=True)
         # Ray sizes the actor's CPU share; torch would otherwise use every core per worker.
         torch.set_num_threads(max(1, int(spec.resources.cpus_per_worker)))
-        if spec.parallel.pp > 1:  # PP's imports (0.35 s of one core) now, not in a recovery's configure
-            importlib.import_module("torch.distributed.pipelining")
         # The control threads at -5 where allowed, else 0 (the import left Ray's niceness, 15);
         # the training thread goes to 0 with its first call (elastic/priority.py).
         control_priority()
