@@ -207,8 +207,8 @@ class WorkerGroup(GroupQueries):
 
     def _start_agents(self, groups: Sequence[Any]) -> None:
         """Start the agents of the nodes ``groups`` are placed on now, before their workers:
-        an agent's process start (2-3 s at a job's start here) then overlaps the workers'
-        imports, instead of following them into the first configure."""
+        an agent's process start then overlaps the workers' imports, instead of following
+        them into the first configure."""
         counts = Counter(self.slots.bundle_nodes(groups))
         if counts:
             self.tree.add_nodes(list(counts), self._expected_nodes(max(counts.values())))

@@ -280,6 +280,11 @@ class PlannedSlots(ReplicaSlots):
                 ray.wait([g.ready() for g in new], num_returns=len(new), timeout=wait_s)
             return
 
+    def bundle_nodes(self, groups: Sequence[Any]) -> list[str]:
+        """A pinned group's nodes are its plan's (no GCS read); the others' are read."""
+        unplanned = [g for g in groups if g.id.hex() not in self.planned]
+        return [n for g in groups for n in self.planned.get(g.id.hex(), ())] + super().bundle_nodes(unplanned)
+
     def _forget_groups_on(self, alive: set[str]) -> None:
         """Release groups pinned to a node that left (or was excluded): they can never be placed."""
         for g in list(self._groups):

@@ -5,10 +5,9 @@ methods' metadata), and Ray unpickles the class by value, importing every module
 methods name. ``Rank`` names torch and the training stack, so every node agent handed its
 ranks' handles (``Attach``) imported torch before it could pass on the first command:
 1.8 s and 240 MB more than now per agent (``benchmarks/job_start.py``), all of it in the
-first configure's wait. This class names nothing
-heavy: a holder of its handles loads ``ray`` and nothing else, and the rank's own process
-imports the training stack in ``__init__``, where it did before (``elastic.worker`` leaves
-Ray's worker niceness first).
+first configure's wait. This class names nothing heavy: a holder of its handles loads
+``ray`` and nothing else, and the rank's own process imports the training stack in
+``__init__``, where it did before (``elastic.worker`` leaves Ray's worker niceness first).
 
 Each method runs in the same concurrency group as before and only forwards; the contract
 of each is in ``actor.Rank``.

@@ -4,7 +4,6 @@ deserialized; a node agent gets its ranks' handles with ``Attach``."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -45,18 +44,17 @@ def test_a_process_handed_a_rank_handle_imports_no_torch(ray_local, tiny_spec_di
         ray.kill(holder)
 
 
-def test_a_ranks_first_build_imports_nothing_its_module_did_not():
+def test_a_ranks_first_build_imports_nothing_its_module_did_not(tmp_path):
     """What the first engine build needs (DDP imports torch._dynamo: about 1 s of one core)
     is imported with the rank's module, while the rank starts: a rank spawned ahead for a
     grow-back must not pay it in the pause. (Making pipelining lazy moved it there: the
     ~100M grow-back's rebuild went from 0.02-0.05 s to 0.44-0.51 s.)"""
     probe = (
-        "import os, sys, torch; import elastic.worker.actor; import torch.distributed as dist; "
-        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=sys.argv[1]); "
-        "dist.init_process_group('gloo', rank=0, world_size=1); before = set(sys.modules); "
-        "torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4)); "
+        "import sys, torch; import elastic.worker.actor; import torch.distributed as dist; "
+        "dist.init_process_group('gloo', init_method='file://' + sys.argv[1], rank=0, world_size=1); "
+        "before = set(sys.modules); torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4)); "
         "print(sorted(m for m in set(sys.modules) - before if m.startswith(('torch._dynamo', 'torch.fx'))))"
     )
-    port = str(29500 + os.getpid() % 1000)
-    out = subprocess.run([sys.executable, "-c", probe, port], capture_output=True, text=True, timeout=90, check=True)
+    store = str(tmp_path / "store")  # a file store: no port to collide with another test's
+    out = subprocess.run([sys.executable, "-c", probe, store], capture_output=True, text=True, timeout=90, check=True)
     assert out.stdout.strip() == "[]", out.stdout[-2000:] + out.stderr[-2000:]
