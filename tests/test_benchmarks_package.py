@@ -145,3 +145,42 @@ def test_recovery_first_step_work_takes_a_steady_step_off_the_recovery():
     assert out["recovery_less_step_s"] == pytest.approx(0.5)
     # One step at that size: no steady step, nothing taken off.
     assert first_step_work(3.0, [(1, 10.0)], rows_per_worker=4) == {"rows_per_worker_at_new_size": 4}
+
+
+def test_a_failed_recovery_run_keeps_its_failures_and_evidence(tmp_path):
+    """Without --keep, a run that did not succeed still tells why: its failure events go
+    into the results, and its files (less the checkpoints) and Ray's error logs are kept."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from benchmarks.recovery.driver import FAILURE_DETAIL_CHARS, failure_events, keep_evidence
+
+    side = tmp_path / "ours-2"
+    (side / "run" / "checkpoints" / "step_00000005").mkdir(parents=True)
+    (side / "run" / "checkpoints" / "step_00000005" / "__0_0.distcp").write_bytes(b"x" * 1000)
+    events = [
+        {"kind": "step", "step": 8, "ts": 1.0},
+        {"kind": "failure", "ts": 2.0, "cause": "node_lost", "ranks": [1], "detail": "1 worker(s) died"},
+        {"kind": "failure", "ts": 3.0, "cause": "worker_error", "ranks": [2], "detail": "E" * 1000},
+    ]
+    lines = [json.dumps(e) for e in events] + ['{"kind": "fail']  # the last line cut by a deadline
+    (side / "run" / "events.jsonl").write_text("\n".join(lines) + "\n")
+    (side / "log.txt").write_text("driver log\n")
+    ray_tmp = tmp_path / "ray" / "session_1" / "logs"
+    ray_tmp.mkdir(parents=True)
+    (ray_tmp / "worker-abc.err").write_text("Traceback: boom\n")
+    (ray_tmp / "worker-def.err").write_text("")  # empty: not copied
+    (ray_tmp / "raylet.out").write_text("not an error log\n")
+
+    got = failure_events(str(side / "run"))
+    assert [(f["cause"], f["ranks"]) for f in got] == [("node_lost", [1]), ("worker_error", [2])]
+    assert len(got[1]["detail"]) == FAILURE_DETAIL_CHARS
+    assert failure_events(str(tmp_path / "no-run")) == []
+
+    dest = keep_evidence(str(side), str(tmp_path / "ray"))
+    try:
+        kept = {p.relative_to(dest).as_posix() for p in Path(dest).rglob("*") if p.is_file()}
+        assert kept == {"side/log.txt", "side/run/events.jsonl", "ray-logs/logs-worker-abc.err"}
+    finally:
+        shutil.rmtree(dest)

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import shutil
+import tempfile
 from typing import Any
 
 from benchmarks.harness.cluster import private_tmpdir
@@ -98,11 +99,51 @@ def run_side(side: str, rep: int, args: argparse.Namespace, spec_path: str, work
     if "recovery_s" not in res:
         with open(log_path) as f:
             res["log_tail"] = "".join(f.readlines()[-30:])
+    res["failures"] = failure_events(os.path.join(side_dir, "run"))
     if args.keep:  # Ray's session logs (the workers' own tracebacks) stay too
         res["ray_tmpdir"] = tmp
     else:
+        if res.get("status") not in ("succeeded", "skipped"):
+            res["evidence_dir"] = keep_evidence(side_dir, tmp)
         shutil.rmtree(tmp, ignore_errors=True)
     return res
+
+
+FAILURE_DETAIL_CHARS = 400  # a failure event's detail, as the results file keeps it
+
+
+def failure_events(run_dir: str) -> list[dict[str, Any]]:
+    """Our side's failure events (cause, ranks, detail), in order: why a run re-formed,
+    kept in the results file itself. Empty for the other sides (no run directory)."""
+    path = os.path.join(run_dir, "events.jsonl")
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                e = json.loads(line)
+            except ValueError:  # a line cut by the child's deadline
+                continue
+            if e.get("kind") == "failure":
+                detail = str(e.get("detail", ""))[:FAILURE_DETAIL_CHARS]
+                out.append({"ts": e.get("ts"), "cause": e.get("cause"), "ranks": e.get("ranks"), "detail": detail})
+    return out
+
+
+def keep_evidence(side_dir: str, ray_tmp: str) -> str:
+    """A failed run's evidence, kept without ``--keep``: the side's own files and its run
+    directory less the checkpoints (gigabytes at ~100M), and the error logs of Ray's
+    processes (the workers' tracebacks). Returns the directory, printed with the run."""
+    dest = tempfile.mkdtemp(prefix=f"bench-recovery-failed-{os.path.basename(side_dir)}-")
+    shutil.copytree(side_dir, os.path.join(dest, "side"), ignore=shutil.ignore_patterns("checkpoints"))
+    logs = os.path.join(dest, "ray-logs")
+    os.makedirs(logs)
+    for root, _, files in os.walk(ray_tmp):
+        for name in files:
+            if name.endswith(".err") and os.path.getsize(os.path.join(root, name)) > 0:
+                shutil.copy(os.path.join(root, name), os.path.join(logs, f"{os.path.basename(root)}-{name}"))
+    return dest
 
 
 def run_child(cfg_path: str) -> None:

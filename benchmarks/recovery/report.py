@@ -65,6 +65,11 @@ def print_run(side: str, r: dict[str, Any]) -> None:
             f"  {side}: no step at a smaller size was measured; {r.get('error', '')}\n{r.get('log_tail', '')}",
             flush=True,
         )
+    if r.get("status") not in ("succeeded", "skipped"):
+        for f in r.get("failures", []):  # why each re-formation happened (the product's failure events)
+            print(f"    failure {f['cause']} ranks {f['ranks']}: {f['detail'][:200]}", flush=True)
+        if r.get("evidence_dir"):
+            print(f"    evidence kept: {r['evidence_dir']}", flush=True)
 
 
 def _ours_extras(runs: list[dict[str, Any]]) -> dict[str, Any]:
