@@ -53,6 +53,20 @@ class Resizing(State):
     keep: list[Any] | None = None
     at_once: bool = False
     fields: dict[str, Any] = field(default_factory=dict)
+    ahead: list[Any] = field(default_factory=list)  # a grow-back's new members, started while the job trained
+    not_started: WorkerFailure | None = None  # or why they did not start: met once the job has stopped
+
+
+@dataclass
+class Growing:
+    """Not a state: a grow-back whose new workers are starting while the job trains on
+    (``Controller._grow_check``), to ``dp`` with ``groups``; ``pending`` is the group's
+    ``spawn_begin``."""
+
+    dp: int
+    groups: list[Any]
+    pending: Any
+    started: float
 
 
 @dataclass

@@ -24,10 +24,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import ray
-from ray.exceptions import ActorUnavailableError, GetTimeoutError
 
 from elastic.agent.actors import AggregatorActor, NodeAgentActor
-from elastic.agent.aggregator import ACTOR_GONE
 from elastic.control import drain
 from elastic.control.agent_link import FAN_IN, AgentTree
 from elastic.control.diagnosis import NODE_PROBE_S, RayletProbe, diagnose
@@ -35,10 +33,11 @@ from elastic.control.group_configure import RPC_TIMEOUT_S, build_requests, confi
 from elastic.control.group_news import Gather, by_node, wids_by_node
 from elastic.control.group_queries import GroupQueries
 from elastic.control.recovery_plan import ReformPlan
+from elastic.control.spawning import PendingSpawn
 from elastic.control.worker_group_api import ConfigureResult, Observation
 from elastic.errors import ActorDied
 from elastic.ingest.host_readers import HostReaders
-from elastic.messages import Attach, Connection, Detach, Launch, RunOutcome, Signal, WorkerInfo
+from elastic.messages import Attach, Connection, Detach, Launch, RunOutcome, Signal
 from elastic.placement.planned import PlannedSlots, placement_fields
 from elastic.placement.slots import ReplicaSlots, group_tables
 from elastic.worker import TrainWorker
@@ -94,6 +93,7 @@ class WorkerGroup(GroupQueries):
         self._generation = 0  # of the process group: the rendezvous key prefix
         self._node_labels: dict[str, dict[str, str]] = {}  # node id -> Ray node labels (rack, nvlink_domain)
         self._avoid_nodes: set[str] = set()  # node ids Ray is draining (elastic/control/drain.py)
+        self._starting: list[PendingSpawn] = []  # starts begun and not yet collected (spawn_begin)
         self._lost_failure = lost_failure_of(self.raylets, NODE_PROBE_S)
         self._wids = itertools.count()
         self._by_wid: dict[int, Member] = {}
@@ -164,8 +164,15 @@ class WorkerGroup(GroupQueries):
                 return spare
 
     def spawn(self, groups: Sequence[Any]) -> list[Member]:
-        """Create one actor per bundle of each placement group (a whole replica each), and
-        hand each to its node's agent (started with them, ``_start_agents``)."""
+        """Start one actor per bundle of each placement group (a whole replica each) and wait
+        until all have started: the new members."""
+        members = self.spawn_end(self.spawn_begin(groups), wait_s=RPC_TIMEOUT_S)
+        assert members is not None  # waited until the start's deadline
+        return members
+
+    def spawn_begin(self, groups: Sequence[Any]) -> PendingSpawn:
+        """Create the actors and hand each node's to its agent (started with them,
+        ``_start_agents``); returns at once (``spawn_end`` collects them)."""
         self._start_agents(groups)
         actors = []
         # The step hook goes to the first workers only: an injected fault fires once per
@@ -175,24 +182,33 @@ class WorkerGroup(GroupQueries):
             for b in range(self.replica_size):
                 opts = self.slots.actor_options(g, b)
                 actors.append((g, b, TrainWorker.options(**opts).remote(self.spec, self.corpus_uri, hook)))
+        pending = PendingSpawn(actors, [a.info.remote() for _, _, a in actors], time.monotonic() + RPC_TIMEOUT_S)
+        self._starting.append(pending)
+        return pending
+
+    def spawn_end(self, pending: PendingSpawn, wait_s: float) -> list[Member] | None:
+        """The new members once every actor of ``pending`` has started; None while some are
+        starting. Raises ``ActorDied`` if one was lost or the start passed its deadline."""
         try:
-            infos: list[WorkerInfo] = ray.get([a.info.remote() for _, _, a in actors], timeout=RPC_TIMEOUT_S)
-        except (*ACTOR_GONE, ActorUnavailableError, GetTimeoutError) as exc:
-            # A new node died (or never started its workers, or Ray killed one for memory):
-            # none of these become members.
-            for _, _, a in actors:
-                try:
-                    ray.kill(a, no_restart=True)
-                except Exception as kill_exc:  # already gone with its node
-                    logger.debug("kill of a new worker failed: %s", kill_exc)
-            logger.warning("a new worker was lost while starting: %s", exc)
-            raise ActorDied(f"a new worker was lost while starting: {type(exc).__name__}", ranks=[], nodes=[]) from None
+            infos = pending.infos(wait_s)
+        except ActorDied:
+            self._starting.remove(pending)
+            raise
+        if infos is None:
+            return None
+        self._starting.remove(pending)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         self.raylets.update({n["NodeID"]: (n["NodeManagerAddress"], n["NodeManagerPort"]) for n in nodes})
         self._node_labels.update({n["NodeID"]: dict(n.get("Labels") or {}) for n in nodes})
-        members = [Member(a, g, b, i.node_id, i.ip, i.pid) for (g, b, a), i in zip(actors, infos)]
+        members = [Member(a, g, b, i.node_id, i.ip, i.pid) for (g, b, a), i in zip(pending.actors, infos)]
         self._adopt(members)
         return members
+
+    def spawn_cancel(self, pending: PendingSpawn) -> None:
+        """Kill a start's actors before they became members."""
+        pending.cancel()
+        if pending in self._starting:
+            self._starting.remove(pending)
 
     def _adopt(self, members: list[Member]) -> None:
         """Give new members worker ids and their nodes' agents (new nodes get one)."""
@@ -346,6 +362,8 @@ class WorkerGroup(GroupQueries):
         return ray.get(self.tree.handles[node_id].where.remote(), timeout=RPC_TIMEOUT_S)[1]
 
     def shutdown(self) -> None:
+        for pending in list(self._starting):  # a grow-back's workers still starting
+            self.spawn_cancel(pending)
         self.kill([m for m in self.members if not m.dead])
         self.tree.shutdown()
         self.readers.close()

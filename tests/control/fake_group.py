@@ -42,6 +42,8 @@ class FakeWorkerGroup:
     draining: dict[str, Any] = field(default_factory=dict)  # node id -> DrainNotice
     configure_failures: list[Any] = field(default_factory=list)  # raised by the next configure calls
     collector_on: list[bool] = field(default_factory=list)  # gc.isenabled() in each configure
+    starting_polls: int = 0  # spawn_end answers None this many times before a begun start is done
+    start_failure: Any = None  # raised by spawn_end instead, once the polls are spent
 
     def __post_init__(self):
         self.members: list[FakeMember] = []
@@ -70,6 +72,24 @@ class FakeWorkerGroup:
     def spawn(self, groups):
         self.calls.append(("spawn", len(groups)))
         return [FakeMember(-1, g, f"node-{g}") for g in groups]
+
+    def spawn_begin(self, groups):
+        """As the real group: the start is begun here and collected by ``spawn_end``."""
+        self.calls.append(("spawn_begin", len(groups)))
+        return [FakeMember(-1, g, f"node-{g}") for g in groups]
+
+    def spawn_end(self, pending, wait_s):
+        if self.starting_polls > 0:
+            self.starting_polls -= 1
+            return None
+        if self.start_failure is not None:
+            failure, self.start_failure = self.start_failure, None
+            raise failure
+        self.calls.append(("spawn_end", len(pending)))
+        return pending
+
+    def spawn_cancel(self, pending):
+        self.calls.append(("spawn_cancel", len(pending)))
 
     def release_group(self, group):
         self.calls.append(("release", group))

@@ -9,7 +9,7 @@ from fake_group import FakeWorkerGroup, step_results
 
 from elastic.control.controller import Controller, Failed, Finished, Recovering, Resizing, Running, Starting
 from elastic.control.worker_group import Observation
-from elastic.errors import JobFailed, NodeLost, WorkerError
+from elastic.errors import ActorDied, JobFailed, NodeLost, WorkerError
 from elastic.events import EventLog, read_events
 from jobs import JobSpec
 
@@ -237,6 +237,52 @@ def test_returned_capacity_grows_back(tmp_path):
     _advance(ctl, Running)
     assert ctl.group.dp == 4 and ("request_stop",) in ctl.group.calls
     assert ctl.dp_history[-1] == [0, 4]
+
+
+def test_the_controller_keeps_watching_while_a_grow_backs_workers_start(tmp_path):
+    """A grow-back's new workers start while the job trains on, and the controller does not
+    wait for them: steps are still collected meanwhile, and the resize comes once they have
+    started, with them as its newcomers (no second spawn)."""
+    ctl = _controller(tmp_path, capacity=2)
+    _advance(ctl, Running)
+    ctl.group.capacity, ctl.group.snapshot_step, ctl._last_grow_check = 4, 1, 0.0
+    ctl.group.starting_polls = 2
+    ctl.group.script = [Observation(results=step_results(1, 2))]
+    _advance(ctl, Running)  # the start begun; step 1 collected
+    assert ("spawn_begin", 2) in ctl.group.calls and ctl.step == 1 and ctl._growing is not None
+    _advance(ctl, Running)  # still starting
+    state = _advance(ctl, Resizing)
+    assert len(state.ahead) == 2 and state.not_started is None and ctl._growing is None
+    _advance(ctl, Running)
+    assert ctl.group.dp == 4 and all(any(m is n for n in ctl.group.members) for m in state.ahead)
+    assert [c[0] for c in ctl.group.calls].count("spawn") == 1  # the start's only: the resize spawned none
+    assert ("spawn_cancel", 2) not in ctl.group.calls
+
+
+def test_a_failure_while_a_grow_backs_workers_start_cancels_them(tmp_path):
+    """The failure is seen while the new workers start (the controller did not wait for
+    them); they are killed before anything else happens, and the job's end is reached."""
+    ctl = _controller(tmp_path, spec=_spec(max_failures=0), capacity=2)
+    _advance(ctl, Running)
+    ctl.group.capacity, ctl.group.snapshot_step, ctl._last_grow_check = 4, 0, 0.0
+    ctl.group.starting_polls = 1000
+    ctl.group.script = [Observation(), Observation(failure=NodeLost("gone", ranks=[1], nodes=["b"]))]
+    with pytest.raises(JobFailed):  # max_failures 0: the failure ends the job
+        ctl.run()
+    calls = ctl.group.calls
+    assert ("spawn_cancel", 2) in calls and ctl._growing is None
+    assert calls.index(("spawn_begin", 2)) < calls.index(("spawn_cancel", 2))
+    assert ("spawn_end", 2) not in calls
+
+
+def test_a_grow_back_whose_workers_did_not_start_is_met_at_the_boundary(tmp_path):
+    ctl = _controller(tmp_path, capacity=2)
+    _advance(ctl, Running)
+    ctl.group.capacity, ctl.group.snapshot_step, ctl._last_grow_check = 4, 0, 0.0
+    ctl.group.start_failure = ActorDied("a new worker was lost while starting: ActorDiedError", ranks=[], nodes=[])
+    state = _advance(ctl, Resizing)
+    assert state.ahead == [] and isinstance(state.not_started, ActorDied) and ctl._growing is None
+    _advance(ctl, Recovering)  # as before: the failure is met once the job stands at a boundary
 
 
 def test_run_raises_job_failed_with_result(tmp_path):

@@ -42,7 +42,7 @@ from elastic.control.health import CommitGate, HealthMonitor, gate_commits
 from elastic.control.outages import Outages
 from elastic.control.recovery_plan import RestoreChoice, complete_replicas
 from elastic.control.reform import release_dead_groups, stop_at_boundary
-from elastic.control.states import Failed, Finished, Resizing, Running, Starting, State
+from elastic.control.states import Failed, Finished, Growing, Resizing, Running, Starting, State
 from elastic.control.step_events import StepTally
 from elastic.control.stop import CHECKPOINT_TIMEOUT_S, StopSignals, checked_stop_checkpoint, stop_now_in, stopped_state
 from elastic.control.worker_group import WorkerGroup
@@ -92,6 +92,7 @@ class Controller(Reformations):
         self._pending: dict[int, StepTally] = {}  # step -> its reports so far
         self._recovered_at_step = 0
         self._last_grow_check = 0.0
+        self._growing: Growing | None = None  # a grow-back's new workers, starting while the job trains
         self._drain_watch = DrainWatch()
         gate = self.committer if isinstance(self.committer, CommitGate) else None
         self.health = HealthMonitor(spec, events, lambda: self.group.members, self.group.exclude_nodes, gate)
@@ -108,6 +109,8 @@ class Controller(Reformations):
                 self.state = self._step(self.state)
                 if isinstance(self.state, Running):
                     self.state = self._notices(self.state)
+                if self._growing is not None and not isinstance(self.state, Running):
+                    self._drop_growth()  # a failure, a stop or a drain came first
         except BaseException as exc:  # a second signal, or elastic.stop_grace_s passed (stop.py)
             stop = stop_now_in(exc)
             if stop is None or self.stop_signals is None:
@@ -250,6 +253,8 @@ class Controller(Reformations):
 
     # ------------------------------------------------------------------ growing back
     def _grow_check(self) -> State | None:
+        if self._growing is not None:
+            return self._grown()
         now = time.monotonic()
         if now - self._last_grow_check < self.spec.elastic.grow_check_s or self.group.dp >= self.spec.elastic.max_dp:
             return None
@@ -258,8 +263,35 @@ class Controller(Reformations):
         logger.debug("grow check: dp=%d spare=%d", self.group.dp, len(spare))
         decision = policies.scaling_decision(self.group.dp, self.group.dp + len(spare), self.allowed)
         if isinstance(decision, policies.ResizeDecision) and decision.dp > self.group.dp:
-            return Resizing("capacity returned", decision.dp, spare[: decision.dp - self.group.dp])
+            # The new workers start while the job trains on (a worker's start took 3.6-4.9 s
+            # of a grow-back's pause here, about 30 s on a loaded host), and the controller
+            # keeps watching the job meanwhile (elastic/control/spawning.py). The job then
+            # stops at a boundary only for the re-formation.
+            groups = spare[: decision.dp - self.group.dp]
+            self._growing = Growing(decision.dp, groups, self.group.spawn_begin(groups), now)
+            return self._grown()
         return None
+
+    def _grown(self) -> State | None:
+        """The grow-back once its new workers have started (or failed to); None meanwhile."""
+        g = self._growing
+        assert g is not None
+        try:
+            ahead = self.group.spawn_end(g.pending, wait_s=0.0)
+        except WorkerFailure as failure:  # met once the job stands at a boundary, as before a start
+            self._growing = None
+            return Resizing("capacity returned", g.dp, g.groups, not_started=failure)
+        if ahead is None:
+            return None
+        self._growing = None
+        took = time.monotonic() - g.started
+        logger.info("started %d new worker(s) in %.2fs while the job trained on", len(ahead), took)
+        return Resizing("capacity returned", g.dp, g.groups, ahead=ahead)
+
+    def _drop_growth(self) -> None:
+        g, self._growing = self._growing, None
+        if g is not None:
+            self.group.spawn_cancel(g.pending)
 
     # ------------------------------------------------------------------ notices: a stop signal, drained nodes
     def _notices(self, state: Running) -> State:

@@ -161,7 +161,7 @@ class Reformations(StepAccounting):
         nodes. At the next step boundary (the leaving workers are alive: their snapshots of
         that step count), or, for a drain too near its deadline, at once."""
         group, timeout = self.group, self.spec.elastic.collective_timeout_s + 5
-        ahead, not_started = self._spawn_ahead(state)
+        ahead, not_started = state.ahead, state.not_started  # a grow-back's, started as the job trained
         started = time.monotonic()
         timer = PhaseTimer(self.clock, self.clock())
         keep = {id(m) for m in (state.keep if state.keep is not None else group.members)}
@@ -205,22 +205,6 @@ class Reformations(StepAccounting):
         self._reformed(old_dp, reformed, state.reason, **fields)
         logger.info("resized from dp=%d to dp=%d in %.2fs", old_dp, state.dp, time.monotonic() - started)
         return Running()
-
-    def _spawn_ahead(self, state: Resizing) -> tuple[list[Member], WorkerFailure | None]:
-        """A grow-back starts its new workers while the job trains on: a worker's start (its
-        process, torch's imports) took 3.6-4.9 s of a grow-back's pause here. The job then
-        stops at a boundary only for the re-formation. A start that fails is returned, to be
-        met once the job has stopped (as before). Drains keep their order: their urgency was
-        judged on a stop at the next boundary."""
-        if state.reason != "capacity returned" or state.at_once or not state.groups:
-            return [], None
-        t0 = time.monotonic()
-        try:
-            ahead = self.group.spawn(state.groups)
-        except WorkerFailure as failure:
-            return [], failure
-        logger.info("started %d new worker(s) in %.2fs while the job trained on", len(ahead), time.monotonic() - t0)
-        return ahead, None
 
     def _at_boundary(self, boundary: Boundary) -> State | None:
         """Collect what stopping ranks reported; a recovery when some did not stop or failed."""

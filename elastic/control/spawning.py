@@ -1,0 +1,68 @@
+"""New workers whose start is under way: the controller keeps watching the job meanwhile.
+
+Runs in the driver. A worker's start (its process, torch's imports) takes seconds, and tens
+of seconds on a loaded host (30 s for the ~100M grow-back here). A grow-back starts its new
+workers while the job trains on; if the controller waited for them, it would stop watching
+the job for that long: a failure would go unseen, checkpoints would not be committed, a
+stop signal would not be acted on (seen: a grow-back's storage commits came 50 s late, all
+at once when the new worker answered). So the start is split: ``WorkerGroup.spawn_begin``
+creates the actors and asks each for its ``info()``, and ``PendingSpawn.infos`` looks at
+their answers without blocking, until every one has answered or the start's deadline
+(``RPC_TIMEOUT_S``) has passed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import ray
+from ray.exceptions import ActorUnavailableError, GetTimeoutError
+
+from elastic.agent.aggregator import ACTOR_GONE
+from elastic.errors import ActorDied
+from elastic.messages import WorkerInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingSpawn:
+    """The actors of one start, in order: ``(slot, bundle, actor)``, and their ``info()`` answers."""
+
+    actors: list[tuple[Any, int, Any]]
+    refs: list[Any]
+    deadline: float  # on the driver's monotonic clock
+
+    def infos(self, wait_s: float) -> list[WorkerInfo] | None:
+        """Every new worker's info once all have started (waiting ``wait_s`` at most), or
+        None while some are still starting. A worker lost while starting, or a start past
+        its deadline, kills them all and raises ``ActorDied``: none becomes a member."""
+        if not self.refs:
+            return []
+        left = self.deadline - time.monotonic()
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=max(0.0, min(wait_s, left)))
+        if len(ready) < len(self.refs):
+            if time.monotonic() < self.deadline:
+                return None
+            self._failed(GetTimeoutError(f"{len(self.refs) - len(ready)} new worker(s) did not start in time"))
+        try:
+            return ray.get(self.refs, timeout=max(1.0, self.deadline - time.monotonic()))
+        except (*ACTOR_GONE, ActorUnavailableError, GetTimeoutError) as exc:
+            self._failed(exc)
+
+    def cancel(self) -> None:
+        """Kill the actors (the job no longer wants them: it failed, stopped or drains first)."""
+        for _, _, actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as exc:  # noqa: BLE001 - already gone with its node
+                logger.debug("kill of a new worker failed: %s", exc)
+
+    def _failed(self, exc: BaseException) -> NoReturn:
+        # A new node died (or never started its workers, or Ray killed one for memory).
+        self.cancel()
+        logger.warning("a new worker was lost while starting: %s", exc)
+        raise ActorDied(f"a new worker was lost while starting: {type(exc).__name__}", ranks=[], nodes=[]) from None
