@@ -82,6 +82,14 @@ class CheckpointCommitter:
             self._thread.start()
         self._queue.put((step, world, group))
 
+    def settled(self, step: int) -> bool:
+        """Has every rank's upload of ``step`` arrived under one configuration (its commit
+        then runs or has run), or was ``step`` recorded as not committed?"""
+        with self._cond:
+            if any(f["step"] == step for f in self.failures):
+                return True
+        return any(k[2] == step for k in self._finished)
+
     def join(self, timeout: float = JOIN_TIMEOUT_S) -> bool:
         """Wait (bounded) for every submitted commit; True when none is left in flight."""
         with self._cond:

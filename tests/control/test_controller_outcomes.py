@@ -222,6 +222,36 @@ def test_the_commit_thread_ends_with_the_job(tmp_path):
     assert not thread.is_alive()
 
 
+def test_a_grow_back_waits_for_the_storage_checkpoint_in_flight(tmp_path):
+    """Stopping the job drops the uploads in flight (a re-formation), so a grow-back waits
+    until the storage checkpoint of its generation's latest due step has arrived."""
+    from elastic.control.controller import Resizing
+    from elastic.messages import UploadReport
+
+    ctl = _controller(tmp_path, storage_uri=str(tmp_path / "ckpt"), every_steps=1)
+    ctl.spec.train.steps = 5
+    ctl.group.capacity = 1
+    _advance(ctl, Running)  # dp 1
+    ctl.group.capacity, ctl.group.snapshot_step, ctl._last_grow_check = 2, 1, 0.0
+    ctl.group.script = [Observation(results=step_results(1, 1))]
+    _advance(ctl, Running)  # step 1 (due for storage) collected, the new worker started: no resize yet
+    _advance(ctl, Running)
+    assert ctl.step == 1 and ctl._growing is not None and ("spawn_end", 1) not in ctl.group.calls
+    ctl.committer.add(0, UploadReport(1, 0, (0, 1), {}, None, "OSError: disk full", 0.0, 0.0, 0.0, 0))
+    state = _advance(ctl, Resizing)  # the upload arrived (here, to be recorded as not committed)
+    assert len(state.ahead) == 1
+    assert ctl.committer.join(10)
+    ctl.committer.close()
+    # Without a storage upload of this generation due, no wait.
+    ctl = _controller(tmp_path / "none", storage_uri=str(tmp_path / "ckpt2"), every_steps=2)
+    ctl.spec.train.steps = 5
+    ctl.group.capacity = 1
+    _advance(ctl, Running)
+    ctl.group.capacity, ctl.group.snapshot_step, ctl._last_grow_check = 2, 1, 0.0
+    ctl.group.script = [Observation(results=step_results(1, 1))]
+    _advance(ctl, Resizing)
+
+
 class _SignalledAtShutdown(FakeWorkerGroup):
     """The user's second Ctrl-C lands while the driver closes the group."""
 

@@ -56,6 +56,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# How long a grow-back waits, from its start, for a storage upload in flight (_upload_in_flight).
+GROW_WAITS_FOR_UPLOAD_S = 120.0
+
 
 class Controller(Reformations):
     worker_group_cls: WorkerGroupFactory = WorkerGroup
@@ -93,6 +96,7 @@ class Controller(Reformations):
         self._recovered_at_step = 0
         self._last_grow_check = 0.0
         self._growing: Growing | None = None  # a grow-back's new workers, starting while the job trains
+        self._base_step = 0  # the step the current generation started from
         self._drain_watch = DrainWatch()
         gate = self.committer if isinstance(self.committer, CommitGate) else None
         self.health = HealthMonitor(spec, events, lambda: self.group.members, self.group.exclude_nodes, gate)
@@ -203,7 +207,7 @@ class Controller(Reformations):
         members = [m for r in kept for m in r] + (self.group.spawn(spare[: dp - len(kept)]) if dp > len(kept) else [])
         choice = RestoreChoice(self.resume, "storage") if self.resume is not None else RestoreChoice(None, "none")
         reformed = self._re_form(members, dp, 0, choice, [])
-        self.step = reformed.result.step
+        self.step = self._base_step = reformed.result.step
         logger.info("process group init %.3fs for world size %d", reformed.result.init_s, len(members))
         p = self.spec.parallel
         self.events.emit("job_start", dp=dp, tp=p.tp, pp=p.pp, nodes=len({m.node_id for m in members}))
@@ -273,9 +277,12 @@ class Controller(Reformations):
         return None
 
     def _grown(self) -> State | None:
-        """The grow-back once its new workers have started (or failed to); None meanwhile."""
+        """The grow-back once its new workers have started (or failed to) and the storage
+        checkpoint in flight has arrived; None meanwhile."""
         g = self._growing
         assert g is not None
+        if self._upload_in_flight() and time.monotonic() - g.started < GROW_WAITS_FOR_UPLOAD_S:
+            return None
         try:
             ahead = self.group.spawn_end(g.pending, wait_s=0.0)
         except WorkerFailure as failure:  # met once the job stands at a boundary, as before a start
@@ -287,6 +294,17 @@ class Controller(Reformations):
         took = time.monotonic() - g.started
         logger.info("started %d new worker(s) in %.2fs while the job trained on", len(ahead), took)
         return Resizing("capacity returned", g.dp, g.groups, ahead=ahead)
+
+    def _upload_in_flight(self) -> bool:
+        """Is the storage checkpoint of this generation's latest due step still uploading?
+        Stopping the job would drop it (``StorageUploader.close``: a re-formation), so a
+        grow-back, which can wait, waits for it: seen at ~100M here, where the job stopped
+        for a grow-back 6 s into the upload of step 15 and that checkpoint was lost."""
+        every = self.spec.checkpoint.every_steps
+        if self.committer is None or not every:
+            return False
+        due = self.step - self.step % every
+        return due > self._base_step and not self.committer.settled(due)
 
     def _drop_growth(self) -> None:
         g, self._growing = self._growing, None

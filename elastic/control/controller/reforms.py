@@ -68,7 +68,7 @@ class Reformations(StepAccounting):
     def _reformed(self, old_dp: int, reformed: Reformed, reason: str, **resize: Any) -> None:
         """Record a re-formation: the step resumed from, the resize and restore events."""
         dp, choice, result = reformed.plan.dp, reformed.plan.restore, reformed.result
-        self.step = result.step
+        self.step = self._base_step = result.step
         self._pending.clear()
         if dp != old_dp or resize:
             self.events.emit(
