@@ -1,11 +1,11 @@
 """New workers whose start is under way: the controller keeps watching the job meanwhile.
 
 Runs in the driver. A worker's start (its process, torch's imports) takes seconds, and tens
-of seconds on a loaded host (30 s for the ~100M grow-back here). A grow-back starts its new
-workers while the job trains on; if the controller waited for them, it would stop watching
-the job for that long: a failure would go unseen, checkpoints would not be committed, a
-stop signal would not be acted on (seen: a grow-back's storage commits came 50 s late, all
-at once when the new worker answered). So the start is split: ``WorkerGroup.spawn_begin``
+of seconds on a loaded host (about 50 s for the ~100M grow-back here). A grow-back starts
+its new workers while the job trains on; if the controller waited for them, it would stop
+watching the job for that long: a failure would go unseen, checkpoints would not be
+committed, a stop signal would not be acted on (seen: a grow-back's storage commits came up
+to 59 s late, all at once when the new worker answered). So the start is split: ``WorkerGroup.spawn_begin``
 creates the actors and asks each for its ``info()``, and ``PendingSpawn.infos`` looks at
 their answers without blocking, until every one has answered or the start's deadline
 (``RPC_TIMEOUT_S``) has passed.
@@ -45,7 +45,7 @@ class PendingSpawn:
         left = self.deadline - time.monotonic()
         ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=max(0.0, min(wait_s, left)))
         if len(ready) < len(self.refs):
-            if time.monotonic() < self.deadline:
+            if wait_s < left:  # not waited up to the deadline: still starting
                 return None
             self._failed(GetTimeoutError(f"{len(self.refs) - len(ready)} new worker(s) did not start in time"))
         try:

@@ -28,6 +28,10 @@ class FakeMember:
     ip: str = ""
 
 
+def _new_members(groups):
+    return [FakeMember(-1, g, f"node-{g}") for g in groups]
+
+
 @dataclass
 class FakeWorkerGroup:
     spec: Any
@@ -71,12 +75,12 @@ class FakeWorkerGroup:
 
     def spawn(self, groups):
         self.calls.append(("spawn", len(groups)))
-        return [FakeMember(-1, g, f"node-{g}") for g in groups]
+        return _new_members(groups)
 
     def spawn_begin(self, groups):
         """As the real group: the start is begun here and collected by ``spawn_end``."""
         self.calls.append(("spawn_begin", len(groups)))
-        return [FakeMember(-1, g, f"node-{g}") for g in groups]
+        return _new_members(groups)
 
     def spawn_end(self, pending, wait_s):
         if self.starting_polls > 0:
