@@ -7,15 +7,21 @@ watching the job for that long: a failure would go unseen, checkpoints would not
 committed, a stop signal would not be acted on (seen: a grow-back's storage commits came up
 to 59 s late, all at once when the new worker answered). So the start is split: ``WorkerGroup.spawn_begin``
 creates the actors and asks each for its ``info()``, and ``PendingSpawn.infos`` looks at
-their answers without blocking, until every one has answered or the start's deadline
-(``RPC_TIMEOUT_S``) has passed.
+their answers without blocking, until every one has answered or the start has stalled.
+
+A start is late only when it stalls: no new worker answered for ``stall_s`` (``RPC_TIMEOUT_S``)
+since it began or since the last one did. A fixed deadline for the whole start would fail
+a slow one that is making progress (Ray starts a node's worker processes a few at a time,
+each importing torch: on an oversubscribed host a start of many workers can take minutes),
+and the start that follows it, with fresh processes, cannot be faster. A worker that is
+lost (its process or node died) fails the start at once, whatever the clock says.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import ray
@@ -34,24 +40,39 @@ class PendingSpawn:
 
     actors: list[tuple[Any, int, Any]]
     refs: list[Any]
-    deadline: float  # on the driver's monotonic clock
+    stall_s: float  # the longest time without a new answer before the start is late
+    got: dict[Any, WorkerInfo] = field(default_factory=dict)  # the answers so far, by ref
+    progress_at: float = field(default_factory=time.monotonic)  # the start, or the last new answer
+
+    @property
+    def deadline(self) -> float:
+        """When the start is late unless another worker answers first (driver's monotonic clock)."""
+        return self.progress_at + self.stall_s
 
     def infos(self, wait_s: float) -> list[WorkerInfo] | None:
         """Every new worker's info once all have started (waiting ``wait_s`` at most), or
-        None while some are still starting. A worker lost while starting, or a start past
-        its deadline, kills them all and raises ``ActorDied``: none becomes a member."""
+        None while some are still starting. A worker lost while starting, or a start that
+        stalled, kills them all and raises ``ActorDied``: none becomes a member."""
         if not self.refs:
             return []
         left = self.deadline - time.monotonic()
         ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=max(0.0, min(wait_s, left)))
-        if len(ready) < len(self.refs):
-            if wait_s < left:  # not waited up to the deadline: still starting
-                return None
-            self._failed(GetTimeoutError(f"{len(self.refs) - len(ready)} new worker(s) did not start in time"))
-        try:
-            return ray.get(self.refs, timeout=max(1.0, self.deadline - time.monotonic()))
-        except (*ACTOR_GONE, ActorUnavailableError, GetTimeoutError) as exc:
-            self._failed(exc)
+        if fresh := [ref for ref in ready if ref not in self.got]:
+            try:  # ready: the answer, or the error of a worker that died, is already here
+                self.got.update(zip(fresh, ray.get(fresh, timeout=max(1.0, self.stall_s))))
+            except (*ACTOR_GONE, ActorUnavailableError, GetTimeoutError) as exc:
+                self._failed(exc)
+            self.progress_at = time.monotonic()
+        if len(self.got) == len(self.refs):
+            return [self.got[ref] for ref in self.refs]
+        if wait_s < left or time.monotonic() < self.deadline:
+            return None  # not waited up to the deadline, or a worker answered meanwhile
+        missing = len(self.refs) - len(self.got)
+        self._failed(
+            GetTimeoutError(
+                f"{missing} of {len(self.refs)} new worker(s) did not start: none answered in {self.stall_s:g}s"
+            )
+        )
 
     def cancel(self) -> None:
         """Kill the actors (the job no longer wants them: it failed, stopped or drains first)."""

@@ -165,9 +165,10 @@ class WorkerGroup(GroupQueries):
 
     def spawn(self, groups: Sequence[Any]) -> list[Member]:
         """Start one actor per bundle of each placement group (a whole replica each) and wait
-        until all have started: the new members."""
-        members = self.spawn_end(self.spawn_begin(groups), wait_s=RPC_TIMEOUT_S)
-        assert members is not None  # waited until the start's deadline
+        until all have started, or the start stalled: the new members."""
+        pending = self.spawn_begin(groups)
+        while (members := self.spawn_end(pending, wait_s=1.0)) is None:
+            pass  # starting, and not stalled (``PendingSpawn.infos`` raises once it is)
         return members
 
     def spawn_begin(self, groups: Sequence[Any]) -> PendingSpawn:
@@ -182,7 +183,7 @@ class WorkerGroup(GroupQueries):
             for b in range(self.replica_size):
                 opts = self.slots.actor_options(g, b)
                 actors.append((g, b, TrainWorker.options(**opts).remote(self.spec, self.corpus_uri, hook)))
-        pending = PendingSpawn(actors, [a.info.remote() for _, _, a in actors], time.monotonic() + RPC_TIMEOUT_S)
+        pending = PendingSpawn(actors, [a.info.remote() for _, _, a in actors], stall_s=RPC_TIMEOUT_S)
         self._starting.append(pending)
         return pending
 

@@ -1,5 +1,6 @@
 """A start the controller does not wait for (``elastic/control/spawning.py``), on real Ray
-actors: its answers are looked at without blocking, a lost or late start kills them all."""
+actors: its answers are looked at without blocking, a slow start that makes progress is
+waited for, a lost or stalled start kills them all."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class _Starting:
 
 def _pending(gate: str, n: int, within_s: float) -> PendingSpawn:
     actors = [(f"pg{i}", 0, _Starting.remote(gate)) for i in range(n)]
-    return PendingSpawn(actors, [a.info.remote() for _, _, a in actors], time.monotonic() + within_s)
+    return PendingSpawn(actors, [a.info.remote() for _, _, a in actors], stall_s=within_s)
 
 
 def _gone(actor) -> bool:
@@ -77,6 +78,27 @@ def test_a_start_past_its_deadline_or_lost_kills_every_new_actor(ray_local, tmp_
         while time.monotonic() < deadline:
             lost.infos(0.5)
     assert all(_gone(a) for _, _, a in lost.actors)
+
+
+def test_a_slow_start_that_makes_progress_is_not_late(ray_local, tmp_path):
+    """Three workers answer one after another, the whole start taking longer than the
+    stall bound but never going that long without an answer (Ray starts a node's worker
+    processes a few at a time): it is waited for, not killed and begun again."""
+    stall_s, gap_s = 6.0, 3.5
+    gates = [str(tmp_path / f"go{i}") for i in range(3)]
+    actors = [(f"pg{i}", 0, _Starting.remote(gate)) for i, gate in enumerate(gates)]
+    pending = PendingSpawn(actors, [a.info.remote() for _, _, a in actors], stall_s=stall_s)
+    t0 = time.monotonic()
+    infos = None
+    for gate in gates:
+        open(gate, "w").close()
+        opened = time.monotonic()
+        while infos is None and time.monotonic() - opened < gap_s:
+            infos = pending.infos(0.2)
+    while infos is None and time.monotonic() - t0 < 60:
+        infos = pending.infos(0.2)
+    assert infos is not None and len(infos) == 3
+    assert time.monotonic() - t0 > stall_s  # longer than a fixed deadline of stall_s would allow
 
 
 def test_cancel_kills_a_start_in_flight(ray_local, tmp_path):
