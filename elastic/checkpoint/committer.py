@@ -5,8 +5,15 @@ Ranks send ``UploadReport``s (``elastic/messages.py``, written by
 :class:`CheckpointCommitter` and hands them to it. Results are
 grouped by ``(gen, step)`` where ``gen = [base step, world size]`` identifies the
 configuration that produced them: a step commits only when ranks ``0..world-1`` of one
-configuration all reported, so parts written under two layouts are never mixed. Partial
-groups left behind by a resize or a failure are dropped.
+configuration all reported, so parts written under two layouts are never mixed.
+
+A re-formation (a failure's recovery, a resize, a drain) or the job's end cuts off the
+uploads still queued or in flight in the generation that ends (``StorageUploader.close``).
+The controller says so (``cut_off``); a due step of that generation that is not complete
+then is recorded as not committed once it can no longer complete: when a later step's
+commit is submitted (every rank has written past it), or at ``close``. A partial group
+superseded that way is recorded too, with the ranks that had uploaded it. So no storage
+checkpoint that was due is lost silently.
 
 The commit (``commit_checkpoint``: metadata, manifest, marker) and the retention pass run on
 one background thread, in step order, so the controller's loop never waits for storage.
@@ -47,6 +54,8 @@ class CheckpointCommitter:
         self._inflight = 0
         self._thread: threading.Thread | None = None
         self.failures: list[dict[str, Any]] = []  # {step, cause} of every storage checkpoint not committed
+        self.every, self.last_step = spec.checkpoint.every_steps, spec.train.steps
+        self._cut: dict[int, str] = {}  # due step -> what cut its uploads off (``cut_off``), until settled
 
     @property
     def store(self):
@@ -66,15 +75,8 @@ class CheckpointCommitter:
         if set(group) != set(range(world)):
             return
         del self._groups[key]
-        for other in [k for k in self._groups if k[2] <= step]:  # superseded, can never complete
-            log.info(
-                "dropping partial uploads of step %d (ranks %s of %d): interrupted by a resize",
-                other[2],
-                sorted(self._groups[other]),
-                other[1],
-            )
-            del self._groups[other]
         self._finished.add(key)
+        self._give_up(before=step)
         with self._cond:
             self._inflight += 1
         if self._thread is None:
@@ -90,6 +92,45 @@ class CheckpointCommitter:
                 return True
         return any(k[2] == step for k in self._finished)
 
+    def cut_off(self, base: int, upto: int, why: str) -> None:
+        """The generation that trained steps ``base + 1 .. upto`` ended (``why``: a
+        re-formation, the job's end) and its ranks dropped their uploads still queued or in
+        flight. Its due steps that are not settled yet are recorded as not committed once
+        they can no longer complete (a report already on its way may still complete one)."""
+        if not self.every:
+            return
+        due = list(range((base // self.every + 1) * self.every, upto + 1, self.every))
+        if base < self.last_step <= upto and self.last_step % self.every:
+            due.append(self.last_step)
+        for step in due:
+            if not self.settled(step):
+                self._cut.setdefault(step, why)
+
+    def dropped(self, step: int, cause: str) -> None:
+        """A step's uploads were thrown away on purpose (an SDC check found corruption
+        before they were verified): recorded as not committed now."""
+        self._cut[step] = cause
+        self._give_up(before=None, only=step)
+
+    def _give_up(self, before: int | None, only: int | None = None) -> None:
+        """Record as not committed the steps that can no longer complete: those before
+        ``before`` (a commit of ``before`` was just submitted, so every rank wrote past
+        them), or every one left (``before`` None: the job is over), or just ``only``."""
+        steps = {k[2] for k in self._groups} | set(self._cut)
+        for step in sorted(steps):
+            if (only is not None and step != only) or (before is not None and step > before):
+                continue
+            partial = [(k, self._groups.pop(k)) for k in [k for k in self._groups if k[2] == step]]
+            why = self._cut.pop(step, None)
+            if step == before or self.settled(step):
+                continue  # committed (under this layout or another), or already recorded
+            cause = why or "the other ranks' uploads were cut off or skipped"
+            had = [f"ranks {sorted(group)} of {world} had uploaded it" for (_, world, _), group in partial]
+            reports = [r for _, group in partial for r in group.values()]
+            first = min((r.started_at for r in reports), default=time.time())
+            fields = {"step": step, "tier": "storage", "blocking_s": max((r.blocking_s for r in reports), default=0.0)}
+            self._not_committed(step, "; ".join([cause, *had]), fields, time.time() - first)
+
     def join(self, timeout: float = JOIN_TIMEOUT_S) -> bool:
         """Wait (bounded) for every submitted commit; True when none is left in flight."""
         with self._cond:
@@ -100,7 +141,9 @@ class CheckpointCommitter:
 
     def close(self) -> None:
         """The job is over: the commit thread ends once the commits queued before finish (it
-        is not waited for). Without this, each job run in a process left a thread behind."""
+        is not waited for). Without this, each job run in a process left a thread behind.
+        Steps that can no longer complete are recorded as not committed first."""
+        self._give_up(before=None)
         if self._thread is not None:
             self._queue.put(None)
 

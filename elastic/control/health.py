@@ -142,6 +142,9 @@ class CommitGate:
         self._held: dict[int, list[tuple[int, Any]]] = {}  # step -> (rank, UploadReport)
 
     def close(self) -> None:
+        for held in sorted(self._held):  # complete or not, never verified: never committed
+            self.inner.dropped(held, "no SDC check verified it before the job ended")
+        self._held.clear()
         self.inner.close()
 
     def add(self, rank: int, report: Any) -> None:
@@ -157,9 +160,9 @@ class CommitGate:
                 self.inner.add(rank, report)
 
     def drop_after(self, step: int) -> None:
-        for held in [s for s in self._held if s > step]:
-            logger.warning("checkpoint of step %d dropped: written after the last verified step %d", held, step)
+        for held in sorted(s for s in self._held if s > step):
             del self._held[held]
+            self.inner.dropped(held, f"dropped: written after the last verified step {step} (an SDC check failed)")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

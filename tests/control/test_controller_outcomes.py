@@ -283,3 +283,26 @@ def test_a_signal_during_the_final_shutdown_keeps_the_stopped_result(tmp_path):
     assert ("shutdown",) in ctl.group.calls
     assert result.status == "stopped" and exit_code_of(result) == 130
     assert result.stop["checkpoint_step"] == 5
+
+
+def test_a_storage_checkpoint_a_failure_cut_off_is_in_checkpoint_failures(tmp_path):
+    """A failure's re-formation drops the uploads in flight: the step they were writing is
+    recorded as not committed (with why) once the next generation wrote past it."""
+    from elastic.messages import UploadReport
+
+    ctl = _controller(tmp_path, storage_uri=str(tmp_path / "ckpt"), every_steps=1)
+    ctl.spec.train.steps = 5
+    _advance(ctl, Running)  # dp 2
+    ctl.group.script = [Observation(results=step_results(1, 2))]
+    _advance(ctl, Running)  # step 1 done, its uploads under way
+    ctl.group.script = [Observation(failure=NodeLost("gone", ranks=[1], nodes=["n1"]))]
+    _advance(ctl, Recovering)
+    ctl.group.capacity, ctl.group.snapshot_step = 1, 1
+    _advance(ctl, Running)  # dp 1 from step 1: step 1's uploads were dropped
+    assert ctl.step == 1 and ctl.committer.failures == []
+    replay = UploadReport(2, 0, (1, 1), {}, None, None, 0.0, 0.0, 0.0, 0, already_committed=True)
+    ctl.group.script = [Observation(results=[*step_results(2, 1), (0, replay)])]
+    _advance(ctl, Running)
+    assert ctl.committer.join(10)
+    assert ctl.committer.failures == [{"step": 1, "cause": "its uploads were cut off by a re-formation (node_lost)"}]
+    ctl.committer.close()

@@ -183,10 +183,16 @@ def test_lemon_after_limit_and_job_wide_failures_blame_nobody():
 
 class _Committer:
     def __init__(self):
-        self.added = []
+        self.added, self.dropped_steps, self.closed = [], [], False
 
     def add(self, rank, report):
         self.added.append((report.step, rank))
+
+    def dropped(self, step, cause):
+        self.dropped_steps.append((step, cause))
+
+    def close(self):
+        self.closed = True
 
     def join(self, timeout=1.0):
         return True
@@ -206,11 +212,15 @@ def test_commit_gate_commits_only_verified_steps():
     assert inner.added == []
     gate.verify(10)
     assert inner.added == [(5, 0), (5, 1)]
-    gate.drop_after(10)  # a check at 20 failed: step 15 is never committed
+    gate.drop_after(10)  # a check at 20 failed: step 15 is never committed, and says why
+    assert inner.dropped_steps == [(15, "dropped: written after the last verified step 10 (an SDC check failed)")]
     gate.verify(20)
     assert inner.added == [(5, 0), (5, 1)]
     gate.add(0, _Upload(8))  # at or before a verified step: straight through
     assert inner.added[-1] == (8, 0) and gate.join() is True
+    gate.add(0, _Upload(25))  # never verified before the job's end: recorded as not committed
+    gate.close()
+    assert inner.dropped_steps[-1] == (25, "no SDC check verified it before the job ended") and inner.closed
 
 
 # ----- own compute

@@ -126,6 +126,7 @@ class Controller(Reformations):
                 self.stop_signals.job_over()  # a signal now would break the shutdown, not stop sooner
             self.group.shutdown()
             if self.committer is not None:
+                self.committer.cut_off(self._base_step, self.step, "its uploads were cut off by the job's end")
                 self.committer.close()
         return self._finish(time.time() - t0)
 

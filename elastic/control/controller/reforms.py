@@ -29,7 +29,7 @@ from elastic.control.states import Failed, Recovering, Resizing, Running, State
 from elastic.control.timing import PhaseTimer
 from elastic.control.worker_group_api import Member
 from elastic.errors import WorkerFailure, failure_fields
-from elastic.messages import StepReport, StepRows, WorkerReport
+from elastic.messages import StepReport, StepRows, UploadReport, WorkerReport
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +58,13 @@ class Reformations(StepAccounting):
         return reformed
 
     def _absorb(self, reports: Sequence[tuple[int, WorkerReport]]) -> None:
-        """Steps that stopping ranks reported on the way out: kept until a plan commits them."""
+        """Steps that stopping ranks reported on the way out: kept until a plan commits them.
+        Their upload reports go to the committer (an upload that finished just before the stop)."""
         for rank, result in reports:
-            if isinstance(result, StepRows) and result.step > self.step:
+            if isinstance(result, UploadReport):
+                if self.committer is not None:
+                    self.committer.add(rank, result)
+            elif isinstance(result, StepRows) and result.step > self.step:
                 self._tally(result.step).add(result)
             elif isinstance(result, StepReport) and result.step > self.step:
                 self._tally(result.step).add_report(rank, result)
@@ -68,6 +72,8 @@ class Reformations(StepAccounting):
     def _reformed(self, old_dp: int, reformed: Reformed, reason: str, **resize: Any) -> None:
         """Record a re-formation: the step resumed from, the resize and restore events."""
         dp, choice, result = reformed.plan.dp, reformed.plan.restore, reformed.result
+        if self.committer is not None:  # the old generation's uploads still going were dropped
+            self.committer.cut_off(self._base_step, self.step, f"its uploads were cut off by a re-formation ({reason})")
         self.step = self._base_step = result.step
         self._pending.clear()
         if dp != old_dp or resize:

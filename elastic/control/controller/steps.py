@@ -47,6 +47,7 @@ class ControllerFields:
     health: HealthMonitor
     _pending: dict[int, StepTally]  # step -> its reports so far
     _recovered_at_step: int
+    _base_step: int  # the step the current generation started from
     clock: Callable[[], float]
 
 
