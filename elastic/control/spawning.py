@@ -65,7 +65,7 @@ class PendingSpawn:
             self.progress_at = time.monotonic()
         if len(self.got) == len(self.refs):
             return [self.got[ref] for ref in self.refs]
-        if wait_s < left or time.monotonic() < self.deadline:
+        if wait_s < left or fresh:  # (not the clock: a wait may return a hair before its timeout)
             return None  # not waited up to the deadline, or a worker answered meanwhile
         missing = len(self.refs) - len(self.got)
         self._failed(
