@@ -76,7 +76,8 @@ class CheckpointCommitter:
             return
         del self._groups[key]
         self._finished.add(key)
-        self._give_up(before=step)
+        for earlier in [s for s in self._open() if s <= step]:  # every rank has written past them
+            self._give_up(earlier)
         with self._cond:
             self._inflight += 1
         if self._thread is None:
@@ -109,27 +110,25 @@ class CheckpointCommitter:
     def dropped(self, step: int, cause: str) -> None:
         """A step's uploads were thrown away on purpose (an SDC check found corruption
         before they were verified): recorded as not committed now."""
-        self._cut[step] = cause
-        self._give_up(before=None, only=step)
+        self._give_up(step, cause)
 
-    def _give_up(self, before: int | None, only: int | None = None) -> None:
-        """Record as not committed the steps that can no longer complete: those before
-        ``before`` (a commit of ``before`` was just submitted, so every rank wrote past
-        them), or every one left (``before`` None: the job is over), or just ``only``."""
-        steps = {k[2] for k in self._groups} | set(self._cut)
-        for step in sorted(steps):
-            if (only is not None and step != only) or (before is not None and step > before):
-                continue
-            partial = [(k, self._groups.pop(k)) for k in [k for k in self._groups if k[2] == step]]
-            why = self._cut.pop(step, None)
-            if step == before or self.settled(step):
-                continue  # committed (under this layout or another), or already recorded
-            cause = why or "the other ranks' uploads were cut off or skipped"
-            had = [f"ranks {sorted(group)} of {world} had uploaded it" for (_, world, _), group in partial]
-            reports = [r for _, group in partial for r in group.values()]
-            first = min((r.started_at for r in reports), default=time.time())
-            fields = {"step": step, "tier": "storage", "blocking_s": max((r.blocking_s for r in reports), default=0.0)}
-            self._not_committed(step, "; ".join([cause, *had]), fields, time.time() - first)
+    def _open(self) -> list[int]:
+        """Steps not committed yet that some rank uploaded, or whose uploads were cut off."""
+        return sorted({k[2] for k in self._groups} | set(self._cut))
+
+    def _give_up(self, step: int, why: str | None = None) -> None:
+        """``step`` can no longer complete (a later or the same step's commit was submitted,
+        or the job is over): recorded as not committed, unless it settled."""
+        partial = [(k, self._groups.pop(k)) for k in [k for k in self._groups if k[2] == step]]
+        cut = self._cut.pop(step, None)
+        why = why or cut or "the other ranks' uploads were cut off or skipped"
+        if self.settled(step):
+            return  # committed (under this layout or another), or already recorded
+        had = [f"ranks {sorted(group)} of {world} had uploaded it" for (_, world, _), group in partial]
+        reports = [r for _, group in partial for r in group.values()]
+        first = min((r.started_at for r in reports), default=time.time())
+        fields = {"step": step, "tier": "storage", "blocking_s": max((r.blocking_s for r in reports), default=0.0)}
+        self._not_committed(step, "; ".join([why, *had]), fields, time.time() - first)
 
     def join(self, timeout: float = JOIN_TIMEOUT_S) -> bool:
         """Wait (bounded) for every submitted commit; True when none is left in flight."""
@@ -143,7 +142,8 @@ class CheckpointCommitter:
         """The job is over: the commit thread ends once the commits queued before finish (it
         is not waited for). Without this, each job run in a process left a thread behind.
         Steps that can no longer complete are recorded as not committed first."""
-        self._give_up(before=None)
+        for left in self._open():
+            self._give_up(left)
         if self._thread is not None:
             self._queue.put(None)
 
