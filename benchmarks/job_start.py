@@ -72,17 +72,25 @@ def _rss_mb() -> float:
 
 
 def old_shape(ray: Any) -> Any:
-    """The rank's class itself as the Ray actor: the shape of ``TrainWorker`` before the shell."""
+    """The rank's class itself as the Ray actor: the shape of ``TrainWorker`` before the shell
+    (taking its arguments as the shell does, ``start_args``)."""
+    from ray import cloudpickle
+
     from elastic.worker.actor import Rank
     from elastic.worker.remote import CONCURRENCY_GROUPS
 
-    return ray.remote(concurrency_groups=CONCURRENCY_GROUPS, max_restarts=0)(Rank)
+    class OldShape(Rank):
+        def __init__(self, args: bytes):
+            super().__init__(*cloudpickle.loads(args))
+
+    return ray.remote(concurrency_groups=CONCURRENCY_GROUPS, max_restarts=0)(OldShape)
 
 
 def handle_once(ray: Any, actor_cls: Any, tag: str) -> dict[str, Any]:
+    from elastic.worker import start_args
     from jobs import JobSpec
 
-    rank = actor_cls.options(num_cpus=0).remote(JobSpec.from_dict(SPEC), "memory://none", None)
+    rank = actor_cls.options(num_cpus=0).remote(start_args(JobSpec.from_dict(SPEC), "memory://none"))
     ray.get(rank.info.remote(), timeout=TIMEOUT_S)  # started: its own imports are not in the holder's time
     holder = ray.remote(num_cpus=0)(Holder).options(runtime_env={"env_vars": {"ELASTIC_BENCH_HOLDER": tag}}).remote()
     try:

@@ -1,25 +1,27 @@
-"""A new rank's start on a busy host: its imports at Ray's worker niceness (15) vs at 0.
+"""A new rank's start on a busy host: the rank as shipped vs its arguments opened at Ray's
+worker niceness (15), the order of before.
 
 A rank spawned to replace a lost one, or to grow back into returned capacity, starts as a
-Ray worker process at Ray's ``worker_niceness`` (15). Before this change it stayed there
-through its imports (torch, DCP, DTensor, the engine: about 3.5 s of one core) until
-``TrainWorker.__init__`` reset it, so on a host whose cores the training ranks keep busy
-the imports ran behind every one of them, while a recovery or a grow-back waited
-(``elastic.priority.leave_ray_worker_niceness``, which ``elastic.worker`` now calls first).
+Ray worker process at Ray's ``worker_niceness`` (15). ``elastic.worker`` sets the process
+back to 0 before it imports torch (``elastic.priority.leave_ray_worker_niceness``), but Ray
+deserializes an actor's arguments before it loads the actor's class, and unpickling the
+spec imports ``elastic.spec`` and, through the data config, torch: about 3 s of one core,
+at 15, behind every nice-0 process on the host. The arguments now travel pickled
+(``elastic.worker.start_args``) and are opened in ``TrainWorker.__init__``, at 0.
 
-This benchmark starts actors that import the rank's module (``elastic.worker.actor``), as
-``TrainWorker.__init__`` does, on a single-node Ray beside ``--busy`` nice-0 busy
-processes (stand-ins for the host's training ranks: on CPU they compute; on a GPU host,
-the data loaders and the host side of each rank). Two sides, alternating repetition by
-repetition (A B B A ...):
+This benchmark starts real ranks (``Rank`` behind a Ray actor, a tiny spec) on a
+single-node Ray beside ``--busy`` nice-0 busy processes (stand-ins for the host's training
+ranks: on CPU they compute; on a GPU host, the data loaders and the host side of each
+rank), each in a fresh worker process (its own runtime env). Two sides, alternating
+repetition by repetition (A B B A ...):
 
-- ``product``: the module as shipped (the process leaves niceness 15 before torch);
-- ``baseline``: the same import with ``leave_ray_worker_niceness`` switched off in that
-  process, which is the order of before (it stays at 15 until the actor's own code runs).
+- ``product``: ``TrainWorker`` as shipped, its arguments from ``start_args``;
+- ``baseline``: the same shell with the spec, the corpus and the hook passed as Ray
+  arguments, which is ``TrainWorker`` before this change.
 
-Timed from ``.remote()`` to the actor's first answer (``start_s``: Ray's process start and
-the imports), and the imports alone inside the actor (``import_s``). Printed: median and
-range per side, the ratio baseline / product, the machine's load before and after.
+Timed from ``.remote()`` to the rank's first answer (``info()``: Ray's process start, the
+arguments, the imports and ``Rank.__init__``). Printed: median and range per side, the
+ratio baseline / product, the machine's load before and after.
 
 Usage::
 
@@ -42,34 +44,44 @@ SIDES = ("product", "baseline")
 START_TIMEOUT_S = 600.0  # one actor's start, at worst (the baseline at nice 15 under full load)
 
 
-class RankImport:
-    """An actor that imports the rank's module in ``__init__``; ``keep_ray_niceness``:
-    the baseline (the import stays at Ray's niceness)."""
-
-    def __init__(self, keep_ray_niceness: bool):
-        self.nice_at_start = os.getpriority(os.PRIO_PROCESS, 0)
-        if keep_ray_niceness:
-            from elastic import priority
-
-            priority.leave_ray_worker_niceness = lambda: None  # this process only: the order of before
-        t0 = time.perf_counter()
-        import elastic.worker.actor  # noqa: F401
-
-        self.import_s = time.perf_counter() - t0
-        self.nice_after = os.getpriority(os.PRIO_PROCESS, 0)
-
-    def facts(self) -> dict[str, Any]:
-        return {"import_s": self.import_s, "nice_at_start": self.nice_at_start, "nice_after": self.nice_after}
+SPEC = {
+    "name": "rank-start",
+    "model": {"n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64, "seq_len": 16},
+    "data": {"num_samples": 4000},
+    "parallel": {"micro_batch": 2},
+    "elastic": {"min_dp": 1, "max_dp": 1},
+    "train": {"steps": 4, "global_batch": 2},
+}
 
 
-def start_once(ray: Any, side: str) -> dict[str, Any]:
-    actor_cls = ray.remote(num_cpus=0, max_restarts=0)(RankImport)
+class DirectArgs:
+    """``TrainWorker`` before this change: its arguments are Ray's, unpickled by Ray before
+    the class is loaded (so at Ray's niceness, torch with the spec)."""
+
+    def __init__(self, spec: Any, corpus_uri: str, step_hook: Any = None):
+        from elastic.worker.actor import Rank
+
+        self._rank = Rank(spec, corpus_uri, step_hook)
+
+    def info(self) -> Any:
+        return self._rank.info()
+
+
+def start_once(ray: Any, side: str, tag: str) -> dict[str, Any]:
+    from elastic.worker import TrainWorker, start_args
+    from jobs import JobSpec
+
+    spec = JobSpec.from_dict(SPEC)
+    fresh = {"num_cpus": 0, "runtime_env": {"env_vars": {"ELASTIC_BENCH_RANK_START": tag}}}  # a new process
     t0 = time.perf_counter()
-    actor = actor_cls.remote(side == "baseline")
-    facts = ray.get(actor.facts.remote(), timeout=START_TIMEOUT_S)
-    facts["start_s"] = time.perf_counter() - t0
+    if side == "product":
+        actor = TrainWorker.options(**fresh).remote(start_args(spec, "memory://none"))
+    else:
+        actor = ray.remote(max_restarts=0)(DirectArgs).options(**fresh).remote(spec, "memory://none", None)
+    info = ray.get(actor.info.remote(), timeout=START_TIMEOUT_S)
+    start_s = time.perf_counter() - t0
     ray.kill(actor)
-    return facts
+    return {"start_s": start_s, "pid": info.pid}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -95,30 +107,21 @@ def main(argv: list[str] | None = None) -> None:
         for rep in range(args.reps):
             order = SIDES if rep % 2 == 0 else SIDES[::-1]
             for side in order:
-                facts = start_once(ray, side)
+                facts = start_once(ray, side, f"{rep}-{side}")
                 runs[side].append(facts)
-                print(
-                    f"  rep {rep} {side:>8}: start {facts['start_s']:.2f} s, import {facts['import_s']:.2f} s"
-                    f" (nice {facts['nice_at_start']} -> {facts['nice_after']})",
-                    flush=True,
-                )
+                print(f"  rep {rep} {side:>8}: start {facts['start_s']:.2f} s", flush=True)
             load.append(os.getloadavg()[0])
     finally:
         for p in busy:
             p.kill()
         ray.shutdown()
-    summary = {s: {k: median_range(r[k] for r in runs[s]) for k in ("start_s", "import_s")} for s in SIDES}
-    ratio = {
-        k: round(summary["baseline"][k]["median"] / summary["product"][k]["median"], 2) for k in ("start_s", "import_s")
-    }
+    summary = {s: {"start_s": median_range(r["start_s"] for r in runs[s])} for s in SIDES}
+    ratio = {"start_s": round(summary["baseline"]["start_s"]["median"] / summary["product"]["start_s"]["median"], 2)}
     print(f"rank start beside {args.busy} busy nice-0 processes, {args.reps} starts per side:")
     for s in SIDES:
-        st, im = summary[s]["start_s"], summary[s]["import_s"]
-        print(
-            f"  {s:>8}: start {st['median']:.2f} s [{st['min']:.2f}, {st['max']:.2f}],"
-            f" imports {im['median']:.2f} s [{im['min']:.2f}, {im['max']:.2f}]"
-        )
-    print(f"  baseline / product: start {ratio['start_s']:.2f}x, imports {ratio['import_s']:.2f}x")
+        st = summary[s]["start_s"]
+        print(f"  {s:>8}: start {st['median']:.2f} s [{st['min']:.2f}, {st['max']:.2f}]")
+    print(f"  baseline / product: start {ratio['start_s']:.2f}x")
     print(f"load (1 min) before and after each repetition: {[round(x, 2) for x in load]}")
     if args.json:
         doc = {"busy": args.busy, "reps": args.reps, "summary": summary, "ratio_baseline_over_product": ratio}

@@ -15,12 +15,17 @@ a slow one that is making progress (Ray starts a node's worker processes a few a
 each importing torch: on an oversubscribed host a start of many workers can take minutes),
 and the start that follows it, with fresh processes, cannot be faster. A worker that is
 lost (its process or node died) fails the start at once, whatever the clock says.
+
+A stalled start says what Ray's GCS knows of the workers that did not answer, counted by
+actor state: ``PENDING_CREATION`` (Ray has not started the process, or its constructor has
+not returned: a slow or stuck host), ``ALIVE`` (constructed, but ``info()`` not answered), ...
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -67,10 +72,11 @@ class PendingSpawn:
             return [self.got[ref] for ref in self.refs]
         if wait_s < left or fresh:  # (not the clock: a wait may return a hair before its timeout)
             return None  # not waited up to the deadline, or a worker answered meanwhile
-        missing = len(self.refs) - len(self.got)
+        missing = [a for (_, _, a), ref in zip(self.actors, self.refs) if ref not in self.got]
         self._failed(
             GetTimeoutError(
-                f"{missing} of {len(self.refs)} new worker(s) did not start: none answered in {self.stall_s:g}s"
+                f"{len(missing)} of {len(self.refs)} new worker(s) did not start: none answered in "
+                f"{self.stall_s:g}s (Ray: {actor_states(missing)})"
             )
         )
 
@@ -86,4 +92,20 @@ class PendingSpawn:
         # A new node died (or never started its workers, or Ray killed one for memory).
         self.cancel()
         logger.warning("a new worker was lost while starting: %s", exc)
-        raise ActorDied(f"a new worker was lost while starting: {type(exc).__name__}", ranks=[], nodes=[]) from None
+        # A stall's own message says what Ray knows; a lost worker's error is pages long.
+        detail = f"{type(exc).__name__}: {exc}" if isinstance(exc, GetTimeoutError) else type(exc).__name__
+        raise ActorDied(f"a new worker was lost while starting: {detail}", ranks=[], nodes=[]) from None
+
+
+def actor_states(actors: list[Any], sample: int = 32) -> str:
+    """What Ray's GCS says of these actors, counted by state ("3 PENDING_CREATION, 1 ALIVE"),
+    of ``sample`` of them at most: one GCS read each, and only when a start has failed."""
+    counts: Counter[str] = Counter()
+    for actor in actors[:sample]:
+        try:
+            info = ray._private.state.state.actor_table(actor._actor_id.hex())
+        except Exception as exc:  # noqa: BLE001 - a diagnosis only: never in the way of the failure
+            return f"actor states unreadable: {type(exc).__name__}"
+        counts[info.get("State") or "UNKNOWN"] += 1
+    looked = "" if len(actors) <= sample else f" of {sample} looked at"
+    return ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) + looked

@@ -40,7 +40,7 @@ from elastic.ingest.host_readers import HostReaders
 from elastic.messages import Attach, Connection, Detach, Launch, RunOutcome, Signal
 from elastic.placement.planned import PlannedSlots, placement_fields
 from elastic.placement.slots import ReplicaSlots, group_tables
-from elastic.worker import TrainWorker
+from elastic.worker import TrainWorker, start_args
 from elastic.worker.hooks import StepHook
 from elastic.worker.process_group import RendezvousStore
 
@@ -182,7 +182,7 @@ class WorkerGroup(GroupQueries):
         for g in groups:
             for b in range(self.replica_size):
                 opts = self.slots.actor_options(g, b)
-                actors.append((g, b, TrainWorker.options(**opts).remote(self.spec, self.corpus_uri, hook)))
+                actors.append((g, b, TrainWorker.options(**opts).remote(start_args(self.spec, self.corpus_uri, hook))))
         pending = PendingSpawn(actors, [a.info.remote() for _, _, a in actors], stall_s=RPC_TIMEOUT_S)
         self._starting.append(pending)
         return pending

@@ -19,11 +19,11 @@ from elastic import priority
 
 priority.leave_ray_worker_niceness()
 
-__all__ = ["CONCURRENCY_GROUPS", "TrainWorker", "capture_rng", "restore_rng"]
+__all__ = ["CONCURRENCY_GROUPS", "TrainWorker", "capture_rng", "restore_rng", "start_args"]
 
 
 def __getattr__(name: str):
-    if name in ("CONCURRENCY_GROUPS", "TrainWorker"):
+    if name in ("CONCURRENCY_GROUPS", "TrainWorker", "start_args"):
         from elastic.worker import remote
 
         return getattr(remote, name)

@@ -9,6 +9,14 @@ first configure's wait. This class names nothing heavy: a holder of its handles 
 ``ray`` and nothing else, and the rank's own process imports the training stack in
 ``__init__``, where it did before (``elastic.worker`` leaves Ray's worker niceness first).
 
+Its arguments travel as one pickle (``start_args``), opened in ``__init__`` once Ray's
+worker niceness is left. Ray deserializes an actor's arguments before it loads the class,
+and unpickling the spec imports ``elastic.spec`` and, through the data config, torch: 3 s
+of one core that ran at niceness 15. Beside one nice-0 busy process per core, a rank gets
+about 4% of a core there, and no worker of a 4-rank start had answered after 120 s (with
+Linux's autogroups off; they share a host's cores between sessions instead of by niceness,
+which hid it where they are on).
+
 Each method runs in the same concurrency group as before and only forwards; the contract
 of each is in ``actor.Rank``.
 """
@@ -18,6 +26,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import ray
+from ray import cloudpickle
+
+from elastic import priority
 
 if TYPE_CHECKING:
     from elastic.messages import ConfigureReply, ConfigureRequest, PollReply, RunOutcome, WorkerInfo
@@ -31,7 +42,10 @@ CONCURRENCY_GROUPS = {"train": 1, "control": 4}
 # The ignore: Ray's stubs for ray.remote(**options) list task options, not concurrency_groups.
 @ray.remote(concurrency_groups=CONCURRENCY_GROUPS, max_restarts=0)  # type: ignore[call-overload]
 class TrainWorker:
-    def __init__(self, spec: Any, corpus_uri: str, step_hook: StepHook | None = None):
+    def __init__(self, args: bytes):
+        """``args``: ``start_args(spec, corpus_uri, step_hook)`` (module docstring)."""
+        priority.leave_ray_worker_niceness()  # before the spec's imports, not after
+        spec, corpus_uri, step_hook = cloudpickle.loads(args)
         from elastic.worker.actor import Rank  # the training stack: in the rank's process only
 
         self._rank = Rank(spec, corpus_uri, step_hook)
@@ -90,3 +104,8 @@ class TrainWorker:
     @ray.method(concurrency_group="train")
     def run(self, last_step: int) -> RunOutcome:
         return self._rank.run(last_step)
+
+
+def start_args(spec: Any, corpus_uri: str, step_hook: StepHook | None = None) -> bytes:
+    """A new rank's arguments, pickled: ``TrainWorker.remote(start_args(...))``."""
+    return cloudpickle.dumps((spec, corpus_uri, step_hook))

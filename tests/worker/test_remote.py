@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from elastic.worker import TrainWorker
+from elastic.worker import TrainWorker, start_args
 from jobs import JobSpec
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,7 +34,7 @@ def test_a_process_handed_a_rank_handle_imports_no_torch(ray_local, tiny_spec_di
 
     # A fresh process (its own runtime env): no pooled worker that imported torch for another test.
     holder = Holder.options(runtime_env={"env_vars": {"ELASTIC_TEST_FRESH_HOLDER": "1"}}).remote()
-    rank = TrainWorker.options(num_cpus=0).remote(JobSpec.from_dict(tiny_spec_dict), "memory://none", None)
+    rank = TrainWorker.options(num_cpus=0).remote(start_args(JobSpec.from_dict(tiny_spec_dict), "memory://none"))
     try:
         assert ray.get(holder.loaded.remote(), timeout=60) == []
         assert ray.get(holder.take.remote([rank]), timeout=60) == []
