@@ -135,7 +135,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     ),
     Benchmark(
         "rank_start",
-        "a new rank's start beside busy nice-0 processes: its imports at Ray's worker niceness (15) vs at 0",
+        "a new rank's start beside busy nice-0 processes: its arguments opened at 0 vs at Ray's worker niceness (15)",
         "rank_start.json",
         "--json",
         ("--reps", "1"),
