@@ -18,7 +18,8 @@ lost (its process or node died) fails the start at once, whatever the clock says
 
 A stalled start says what Ray's GCS knows of the workers that did not answer, counted by
 actor state: ``PENDING_CREATION`` (Ray has not started the process, or its constructor has
-not returned: a slow or stuck host), ``ALIVE`` (constructed, but ``info()`` not answered), ...
+not returned: a slow or starved host), ``ALIVE`` (constructed, but ``info()`` not answered),
+``DEPENDENCIES_UNREADY`` (its arguments are not there yet).
 """
 
 from __future__ import annotations

@@ -179,10 +179,11 @@ class WorkerGroup(GroupQueries):
         # The step hook goes to the first workers only: an injected fault fires once per
         # job, not again in a replacement that replays the step.
         hook, self.step_hook = self.step_hook, None
+        args = start_args(self.spec, self.corpus_uri, hook)  # pickled once, not once per rank
         for g in groups:
             for b in range(self.replica_size):
                 opts = self.slots.actor_options(g, b)
-                actors.append((g, b, TrainWorker.options(**opts).remote(start_args(self.spec, self.corpus_uri, hook))))
+                actors.append((g, b, TrainWorker.options(**opts).remote(args)))
         pending = PendingSpawn(actors, [a.info.remote() for _, _, a in actors], stall_s=RPC_TIMEOUT_S)
         self._starting.append(pending)
         return pending
