@@ -162,14 +162,20 @@ def test_sigint_exits_130_and_a_second_signal_stops_at_once(ray_cluster, tmp_pat
     _no_job_actors_left()
 
 
-class _MarkReturned(Callback):
-    """Creates ``marker`` once the injector has offered a node again."""
+class _MarkReturnDue(Callback):
+    """Creates ``marker`` once the drained node's return is due: placed before the injector,
+    so the ranks hold while the injector's ``add_node`` runs (seconds, on the main thread),
+    not only once it has returned (by then the paced steps at dp 3 may all be done: seen in
+    a clean-clone run, where ``add_node`` took 4.5 s and the run ended at dp 3)."""
 
-    def __init__(self, injector: FaultInjector, marker: str):
-        self.injector, self.marker = injector, marker
+    def __init__(self, injector: FaultInjector, marker: str, return_after_s: float):
+        self.injector, self.marker, self.return_after_s = injector, marker, return_after_s
 
     def after_step(self, step, group) -> None:
-        if self.injector.returned_nodes and not os.path.exists(self.marker):
+        # A margin past the injector's own due time (taken just after ``drained``'s): a hold
+        # begun before its return was due would stop the steps whose callbacks return it.
+        due = self.injector.drained and time.time() >= self.injector.drained[0][0] + self.return_after_s + 0.25
+        if due and not os.path.exists(self.marker):
             open(self.marker, "w").close()
 
 
@@ -198,9 +204,8 @@ def test_drain_shrinks_at_a_boundary_then_grows_back(ray_cluster, reference_loss
     faults = [worker_fault("slow", step=1, rank=r, seconds=PACE_S) for r in range(4)]
     faults += [worker_fault("hold", step=1, rank=r, seconds=120, marker=marker, below_dp=4) for r in range(4)]
     run_dir = str(tmp_path / "run")
-    result = ElasticTrainer(
-        spec, run_dir=run_dir, callbacks=[injector, _MarkReturned(injector, marker)], step_hook=WorkerFaults(faults)
-    ).fit()
+    callbacks = [_MarkReturnDue(injector, marker, 1.0), injector]
+    result = ElasticTrainer(spec, run_dir=run_dir, callbacks=callbacks, step_hook=WorkerFaults(faults)).fit()
     assert result.status == "succeeded"
     assert events_of(run_dir, "failure") == [] and result.failures == 0 and result.recoveries == []
     resizes = events_of(run_dir, "resize")
