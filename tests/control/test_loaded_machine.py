@@ -44,8 +44,8 @@ def _machine(busy: list[subprocess.Popen]) -> str:
     raylet = os.path.join(_global_node.get_logs_dir_path(), "raylet.out")
     marks = ("regist", "kill", "timed out", "timeout", "fail", "start")
     with open(raylet, errors="replace") as f:
-        lines = [ln.rstrip() for ln in f if "worker" in ln.lower() and any(m in ln.lower() for m in marks)]
-    lines = [ln for ln in lines if not ln.startswith("[state-dump]")]
+        low = [(ln.rstrip(), ln.lower()) for ln in f if not ln.startswith("[state-dump]")]
+    lines = [ln for ln, lo in low if "worker" in lo and any(m in lo for m in marks)]
     return "\n".join(
         [
             f"cpus: os.cpu_count {os.cpu_count()}, affinity {len(os.sched_getaffinity(0))}, "
