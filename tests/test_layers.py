@@ -203,7 +203,7 @@ def test_no_runtime_file_over_max_lines():
 
 
 def _split_classes(root: pathlib.Path, packages: tuple[str, ...]) -> list[str]:
-    """"Sub <- Base" for each base class that is defined in another module of Sub's package
+    """ "Sub <- Base" for each base class that is defined in another module of Sub's package
     and has Sub as its only subclass (protocols, ABCs and exceptions aside): one class cut
     into files."""
     files = {_module_name(p, root): p for package in packages for p in sorted((root / package).rglob("*.py"))}
@@ -226,7 +226,8 @@ def _split_classes(root: pathlib.Path, packages: tuple[str, ...]) -> list[str]:
             continue
         if children[0][0].rsplit(".", 1)[0] != module.rsplit(".", 1)[0]:
             continue
-        if any(b in ("Protocol", "ABC", "Exception") or b.endswith(("Error", "Protocol")) for b in bases[(module, name)]):
+        kinds = bases[(module, name)]
+        if any(b in ("Protocol", "ABC", "Exception") or b.endswith(("Error", "Protocol")) for b in kinds):
             continue
         split.append(f"{children[0][0]}.{children[0][1]} <- {module}.{name}")
     return sorted(split)

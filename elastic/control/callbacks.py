@@ -1,11 +1,11 @@
-"""Typed lifecycle callbacks of a job, called by the controller in the driver.
-
-Subclass :class:`Callback` and override what you need; the controller calls every callback
-at each point, in the order given (``ElasticTrainer(callbacks=[...])``), and refuses an
-object that is not a ``Callback`` when the job is built. A subclass that defines a method
-named like a hook that is none (``on_step``, ``on_reconfigure``, any ``on_*``, ``before_*`` or
-``after_*`` not in :data:`HOOKS`) is refused where it is defined, with a ``TypeError`` naming
-the method and the real hooks, so a misspelt hook cannot be silently ignored. The fault tool (``elastic/faults/``) is one; the W&B and MLflow trackers
+"""Typed lifecycle callbacks of a job, called by the controller in the driver. Subclass
+:class:`Callback` and override what you need; the controller calls every callback at each
+point, in the order given (``ElasticTrainer(callbacks=[...])``), and refuses an object that
+is not a ``Callback`` when the job is built. A subclass that defines a method named like a
+hook that is none (``on_step``, ``on_reconfigure``, any ``on_*``, ``before_*`` or
+``after_*`` not in :data:`HOOKS`) is refused where it is defined, with a ``TypeError``
+naming the method and the real hooks, so a misspelt hook cannot be silently ignored. The
+fault tool (``elastic/faults/``) is one; the W&B and MLflow trackers
 (``elastic/report/trackers.py``) are others.
 """
 

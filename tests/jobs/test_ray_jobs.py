@@ -346,10 +346,11 @@ def test_readme_ray_jobs_recipe_works_as_written_with_token_auth(token_head, tmp
     it, the job runs `jobs.train` to the end and Ray reports it SUCCEEDED."""
     env, _, url = token_head
     export, submit = _readme_recipe()
-    assert "http://127.0.0.1:8265" in submit
+    assert '"$ELASTIC_JOBS_ADDRESS"' in submit  # what `cluster_configs/local.sh up` printed
     job_dir = str(tmp_path / "job")
     extra = " ".join(f"--set {kv}" for kv in TINY + ["train.steps=3", "checkpoint.every_steps=0"])
-    line = f"{submit.replace('http://127.0.0.1:8265', url)} {extra} --run-dir {job_dir}"
+    printed = '"$ELASTIC_JOBS_ADDRESS"'
+    line = f"{submit.replace(printed, url)} {extra} --run-dir {job_dir}"
     refused = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert refused.returncode != 0
     assert "no authentication token was found" in refused.stdout + refused.stderr, refused.stderr[-2000:]

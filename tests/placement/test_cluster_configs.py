@@ -12,6 +12,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -233,3 +234,30 @@ def test_kuberay_turns_token_auth_on_with_a_secret_and_admits_only_its_pods():
 def test_local_recipe_uses_token_auth():
     text = (CONFIGS / "local.sh").read_text()
     assert "RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}" in text and "--dashboard-host=127.0.0.1" in text
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or not os.path.isdir("/proc"), reason="needs bash and /proc")
+def test_local_down_stops_only_the_cluster_up_recorded(tmp_path):
+    """`local.sh down` signals the processes naming the recorded cluster's temp dir and no
+    other (stand-ins for two clusters' processes: no Ray needed), forgets the cluster, and
+    with none recorded stops nothing and exits 2. It never runs `ray stop`."""
+    ours_dir, theirs_dir = tmp_path / "ray-local-ours", tmp_path / "ray-local-theirs"
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    ours = subprocess.Popen([*sleeper, f"--temp-dir={ours_dir}"])
+    theirs = subprocess.Popen([*sleeper, f"--temp-dir={theirs_dir}"])
+    state = tmp_path / "cluster.env"
+    state.write_text(f"PORT=1\nDASHBOARD_PORT=2\nCLIENT_PORT=3\nTEMP_DIR={ours_dir}\nPIDS='{ours.pid}'\n")
+    env = {**os.environ, "STATE": str(state), "RAY": "false"}  # a `ray` call would fail the script
+    cmd = ["bash", str(CONFIGS / "local.sh"), "down"]
+    try:
+        down = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+        assert down.returncode == 0, down.stderr
+        assert ours.wait(timeout=30) is not None and theirs.poll() is None
+        assert not state.exists()
+        again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+        assert again.returncode == 2 and "no cluster recorded" in again.stderr and theirs.poll() is None
+    finally:
+        for p in (ours, theirs):
+            p.kill()
+            p.wait(timeout=30)
+    assert "ray stop" not in (CONFIGS / "local.sh").read_text().split("set -euo pipefail")[1]
