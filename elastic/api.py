@@ -24,7 +24,7 @@ from elastic.progress import ProgressDisplay, format_summary
 from elastic.report.metrics import start_metrics
 from elastic.report.print_report import print_report
 from elastic.report.tracking import start_tensorboard
-from elastic.run_dirs import claim_locations
+from elastic.run_dirs import claim_locations, release_run_dir
 from elastic.worker.hooks import StepHook
 
 if TYPE_CHECKING:
@@ -70,7 +70,10 @@ class ElasticTrainer:
 
     def fit(self) -> RunResult:
         with control_process():  # the control loop above busy ranks on this host (elastic/priority.py)
-            return self._fit()
+            try:
+                return self._fit()
+            finally:
+                release_run_dir(self.run_dir)  # claimed in _check_before_start (elastic/run_dirs.py)
 
     def _fit(self) -> RunResult:
         target = self._check_before_start()

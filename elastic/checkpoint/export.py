@@ -154,7 +154,7 @@ def _adapter_of(reader: Any, user_model: Any = None) -> HFAdapter:
             " pass --spec with the job spec that defines the model"
         )
     try:
-        cfg = user_model if user_model is not None else TypeAdapter(AnyModelConfig).validate_python(doc)
+        cfg: Any = user_model if user_model is not None else TypeAdapter(AnyModelConfig).validate_python(doc)
         spec = model_spec(cfg)  # a custom factory only from the user's own spec
     except (ValidationError, SpecError) as exc:
         raise _BadInput(f"the model recorded in step {reader.step} cannot be rebuilt: {exc}") from None
