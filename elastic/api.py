@@ -24,7 +24,7 @@ from elastic.progress import ProgressDisplay, format_summary
 from elastic.report.metrics import start_metrics
 from elastic.report.print_report import print_report
 from elastic.report.tracking import start_tensorboard
-from elastic.run_dirs import claim_locations
+from elastic.run_dirs import claim_locations, release_run_dir
 from elastic.worker.hooks import StepHook
 
 if TYPE_CHECKING:
@@ -63,6 +63,7 @@ class ElasticTrainer:
         self.progress = progress
         self.report = report  # write RUN_DIR/report at the end and print its path (docs/observability.md)
         self.result: RunResult | None = None
+        self._resume_step: int | None = None  # found before anything starts (_check_before_start)
 
     @property
     def checkpoint_uri(self) -> str:
@@ -70,7 +71,10 @@ class ElasticTrainer:
 
     def fit(self) -> RunResult:
         with control_process():  # the control loop above busy ranks on this host (elastic/priority.py)
-            return self._fit()
+            try:
+                return self._fit()
+            finally:
+                release_run_dir(self.run_dir)  # claimed in _check_before_start (elastic/run_dirs.py)
 
     def _fit(self) -> RunResult:
         target = self._check_before_start()
@@ -90,7 +94,7 @@ class ElasticTrainer:
         signals.install()
         try:
             corpus = self._prepare_data()
-            resume = self._resume_point() if self.resume else None
+            resume = self._resume_step
             controller = self.controller_cls(
                 self.spec,
                 events,
@@ -145,6 +149,7 @@ class ElasticTrainer:
             self.resume,
             self.spec,
         )
+        self._resume_step = self._resume_point() if self.resume else None  # before Ray starts
         return target
 
     def _prepare_data(self) -> str:
@@ -159,8 +164,12 @@ class ElasticTrainer:
         from elastic.checkpoint.restore import latest_storage_step
 
         step = latest_storage_step(self.spec, self.checkpoint_uri)
-        if step is None:
-            logger.warning("--resume: no valid checkpoint under %s; starting from step 0", self.checkpoint_uri)
+        if step is None:  # none at all, or every one damaged (their bad files were logged)
+            from elastic.errors import SpecError
+            from storage import redact_uri
+
+            where = redact_uri(self.checkpoint_uri)
+            raise SpecError("--resume", f"no valid checkpoint under {where}: nothing to resume; run without --resume")
         return step
 
 

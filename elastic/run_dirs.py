@@ -11,6 +11,11 @@ starts (driver side; ``ElasticTrainer.fit`` calls :func:`claim_locations`).
   (:class:`JobIdentity`, kept in ``job.json`` in both places): ``--resume`` may change the
   steps, the layout or the cluster, but a checkpoint of another model would only fail
   later, mid-start, with a layout mismatch.
+- One run at a time: :func:`claim_locations` takes an exclusive lock (``flock`` on
+  ``RUN_DIR/.lock``, held until :func:`release_run_dir` or the process's end) before it
+  writes anything in the run directory, and checks the directory again under it, so two
+  runs started together cannot both pass the check; the second is refused naming the field
+  ("in use by another run", exit 2).
 - Permissions (docs/outputs.md): the run directory and a local checkpoint location are
   created ``0750`` (owner and group; nobody else can list or read them, whatever the
   files' own modes). A directory that already exists keeps its mode: that is the user's
@@ -19,6 +24,7 @@ starts (driver side; ``ElasticTrainer.fit`` calls :func:`claim_locations`).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import tempfile
@@ -31,6 +37,8 @@ from storage import open_storage, redact_uri
 IDENTITY = "job.json"
 RUN_FILES = ("events.jsonl", "summary.json")
 DIR_MODE = 0o750
+LOCK = ".lock"
+_HELD: dict[str, int] = {}  # realpath of a run directory -> the descriptor holding its lock
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,12 @@ def claim_locations(
         store, root = _checkpoint_store(checkpoint_uri, options)
         check_checkpoint_location(store, root, resume, identity)
     make_private_dir(run_dir, run_dir_field)
+    lock_run_dir(run_dir, run_dir_field)
+    try:
+        check_run_dir(run_dir, run_dir_field, resume, identity)  # again, under the lock: no check-then-act
+    except SpecError:
+        release_run_dir(run_dir)
+        raise
     _write(os.path.join(run_dir, IDENTITY), identity.to_json(), run_dir_field)
     if checkpoint_uri is None:
         return
@@ -88,6 +102,37 @@ def claim_locations(
     except Exception as exc:  # noqa: BLE001
         why = _reason(exc, store.options)
         raise SpecError("checkpoint.uri", f"cannot write to {redact_uri(root)}: {why}") from None
+
+
+def lock_run_dir(run_dir: str, field: str) -> None:
+    """Hold ``run_dir``'s exclusive lock, or ``SpecError`` naming ``field`` when another run holds it."""
+    key = os.path.realpath(run_dir)
+    if key in _HELD:
+        raise SpecError(field, f"{run_dir} is in use by another run in this process")
+    path = os.path.join(run_dir, LOCK)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+    except OSError as exc:
+        raise SpecError(field, f"cannot create {path}: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        who = f" (pid {holder})" if holder.isdigit() else ""
+        raise SpecError(
+            field, f"{run_dir} is in use by another run{who}; wait for it or choose a new run directory"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _HELD[key] = fd
+
+
+def release_run_dir(run_dir: str) -> None:
+    """Let go of ``run_dir``'s lock (no-op when this process does not hold it)."""
+    fd = _HELD.pop(os.path.realpath(run_dir), None)
+    if fd is not None:
+        os.close(fd)
 
 
 def check_run_dir(run_dir: str, field: str, resume: bool, identity: JobIdentity) -> None:

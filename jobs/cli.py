@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     ce.add_argument("--out", required=True, help="a directory (local path or fsspec URI)")
     ce.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ce.add_argument("--max-shard-size", default="5GB", help="larger models are split into files of this size")
+    ce.add_argument("--spec", default=None, help="your job spec: the model to export (needed for kind: custom)")
 
     sub.add_parser("schema", help="print the JSON Schema of job specs")
 
@@ -274,8 +275,10 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
         return ckpt_list(args.uri, args.json)
     if args.ckpt_command == "export":
         from elastic.checkpoint.export import ckpt_export
+        from jobs.spec import JobSpec
 
-        return ckpt_export(args.uri, args.step, args.fmt, args.out, args.dtype, args.max_shard_size)
+        model = JobSpec.from_yaml(args.spec).model if args.spec else None  # the user's own model, never the manifest's
+        return ckpt_export(args.uri, args.step, args.fmt, args.out, args.dtype, args.max_shard_size, model)
     return ckpt_verify(args.uri, args.step)
 
 

@@ -7,8 +7,11 @@ checking each box's CRC-32) and writes ``config.json`` plus ``model.safetensors`
 ``--max-shard-size``) that ``transformers`` loads with ``LlamaForCausalLM.from_pretrained``.
 Tensors are streamed one at a time, so the export holds one tensor in memory, not the model.
 
-The model is rebuilt from the config each commit records in its manifest (``extra.model``);
-its ``ModelSpec.hf`` adapter gives the names, the config.json and the RoPE rows to permute
+The model is rebuilt from the config each commit records in its manifest (``extra.model``),
+for the built-in kinds only: nothing a checkpoint records is imported or called, so a
+``kind: custom`` model (a factory) comes from the user's own job spec (``--spec``), never
+from the manifest (an edited manifest naming ``subprocess:getoutput`` is refused, exit 2).
+Its ``ModelSpec.hf`` adapter gives the names, the config.json and the RoPE rows to permute
 back to halves. What cannot be exported is refused with exit 2 and the reason: a model
 without an adapter (``kind: gpt``, a custom factory without ``ModelSpec.hf``), a missing or
 uncommitted step, a checkpoint that does not record its model, an ``--out`` that already
@@ -54,9 +57,15 @@ def parse_size(text: str) -> int:
 
 
 def ckpt_export(
-    uri: str, step: int | None, fmt: str, out: str, dtype: str = "fp32", max_shard_size: str = DEFAULT_SHARD
+    uri: str,
+    step: int | None,
+    fmt: str,
+    out: str,
+    dtype: str = "fp32",
+    max_shard_size: str = DEFAULT_SHARD,
+    model: Any = None,
 ) -> int:
-    """The CLI command; returns the exit code."""
+    """The CLI command; returns the exit code. ``model``: the model of the user's ``--spec``, if given."""
     from storage.errors import ChecksumMismatch
 
     try:
@@ -64,7 +73,7 @@ def ckpt_export(
             raise _BadInput(f"--format {fmt!r}: only hf is supported")
         if dtype not in DTYPES:
             raise _BadInput(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-        done = export_hf(uri, step, out, DTYPES[dtype], parse_size(max_shard_size))
+        done = export_hf(uri, step, out, DTYPES[dtype], parse_size(max_shard_size), model)
     except _BadInput as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -76,10 +85,15 @@ def ckpt_export(
     return EXIT_OK
 
 
-def export_hf(uri: str, step: int | None, out: str, dtype: torch.dtype, max_shard_bytes: int) -> Exported:
-    """Write checkpoint ``step`` (default: the newest committed) under ``uri`` to ``out``."""
+def export_hf(
+    uri: str, step: int | None, out: str, dtype: torch.dtype, max_shard_bytes: int, model: Any = None
+) -> Exported:
+    """Write checkpoint ``step`` (default: the newest committed) under ``uri`` to ``out``.
+
+    ``model``: the user's own model config (``--spec``'s ``model``), the only source of a custom one.
+    """
     reader = _open_reader(uri, step)
-    adapter = _adapter_of(reader)
+    adapter = _adapter_of(reader, model)
     fs, root = open_fs(out)
     if fs.exists(root) and (fs.glob(join(root, "*.safetensors")) or fs.exists(join(root, INDEX))):
         raise _BadInput(f"--out {_redact(out)} already holds a model; export into an empty directory")
@@ -123,7 +137,7 @@ def _open_reader(uri: str, step: int | None) -> Any:
         raise _BadInput(f"step {step} under {_redact(uri)} is missing or not committed: nothing to export") from None
 
 
-def _adapter_of(reader: Any) -> HFAdapter:
+def _adapter_of(reader: Any, user_model: Any = None) -> HFAdapter:
     from pydantic import TypeAdapter, ValidationError
 
     from elastic.errors import SpecError
@@ -131,11 +145,17 @@ def _adapter_of(reader: Any) -> HFAdapter:
     from elastic.models.spec import model_spec
 
     doc = reader.manifest.extra.get("model")
-    if doc is None:
+    if doc is None and user_model is None:
         raise _BadInput(f"step {reader.step} does not record its model (written before exports existed)")
+    recorded_kind = doc.get("kind", "gpt") if isinstance(doc, dict) else None
+    if user_model is None and recorded_kind not in ("gpt", "llama"):
+        raise _BadInput(
+            f"step {reader.step} records model.kind {recorded_kind}: a checkpoint's factory is never imported;"
+            " pass --spec with the job spec that defines the model"
+        )
     try:
-        cfg = TypeAdapter(AnyModelConfig).validate_python(doc)
-        spec = model_spec(cfg)  # a custom model's factory is imported here
+        cfg: Any = user_model if user_model is not None else TypeAdapter(AnyModelConfig).validate_python(doc)
+        spec = model_spec(cfg)  # a custom factory only from the user's own spec
     except (ValidationError, SpecError) as exc:
         raise _BadInput(f"the model recorded in step {reader.step} cannot be rebuilt: {exc}") from None
     if spec.hf is None:

@@ -107,7 +107,7 @@ def test_export_refuses_what_it_cannot_export(hf_dirs, tmp_path, capsys):
         (root, 3, "out2", "step 3"),
         (root, 4, "out3", "not committed"),
         (str(tmp_path / "gpt"), None, "out4", "model.kind gpt has no Hugging Face adapter"),
-        (str(tmp_path / "custom"), None, "out5", "examples.my_transformer:build) has no Hugging Face adapter"),
+        (str(tmp_path / "custom"), None, "out5", "records model.kind custom: a checkpoint's factory is never imported"),
         (root, 2, "full", "already holds a model"),
     ]
     for uri, step, out, why in cases:
@@ -115,6 +115,23 @@ def test_export_refuses_what_it_cannot_export(hf_dirs, tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and why in err[0], (why, err)
     assert not (tmp_path / "out4").exists()
+    # the user's own spec names the custom model: its factory runs, and has no adapter
+    custom_model = JobSpec.from_yaml(os.path.join(ROOT, "examples", "custom-model.yaml")).model
+    assert ckpt_export(str(tmp_path / "custom"), None, "hf", str(tmp_path / "out6"), model=custom_model) == 2
+    assert "examples.my_transformer:build) has no Hugging Face adapter" in capsys.readouterr().err
+
+
+def test_export_never_calls_a_factory_a_checkpoint_names(tmp_path, capsys):
+    """An edited manifest naming ``subprocess:getoutput`` is refused (exit 2) and nothing runs."""
+    from elastic.models.config import GPTConfig
+
+    gpt = GPTConfig(n_layers=1, d_model=16, n_heads=2, vocab_size=32, seq_len=8)
+    marker = tmp_path / "ran"
+    evil = {"kind": "custom", "factory": "subprocess:getoutput", "args": {"cmd": f"touch {marker}"}}
+    _checkpoint(str(tmp_path / "ckpt"), evil, model_spec(gpt).build_full(0).state_dict())
+    assert ckpt_export(str(tmp_path / "ckpt"), None, "hf", str(tmp_path / "out")) == 2
+    assert "never imported" in capsys.readouterr().err
+    assert not marker.exists() and not (tmp_path / "out").exists()
 
 
 def test_custom_model_with_an_adapter_loads_and_exports(hf_dirs, tmp_path):
@@ -135,5 +152,6 @@ def test_custom_model_with_an_adapter_loads_and_exports(hf_dirs, tmp_path):
     load_into(HFReader(cfg.init_from, spec.hf, sorted(state)), state)
     assert float((our_logits(model) - hf_probe_logits(hf_dirs["llama3"])).abs().max()) < EXACT
     _checkpoint(str(tmp_path / "ckpt"), cfg.model_dump(mode="json"), state)
-    assert ckpt_export(str(tmp_path / "ckpt"), 2, "hf", str(tmp_path / "hf")) == 0
+    assert ckpt_export(str(tmp_path / "ckpt"), 2, "hf", str(tmp_path / "hf")) == 2  # a custom model: --spec
+    assert ckpt_export(str(tmp_path / "ckpt"), 2, "hf", str(tmp_path / "hf"), model=cfg) == 0
     assert float((hf_probe_logits(str(tmp_path / "hf")) - our_logits(model)).abs().max()) < EXACT

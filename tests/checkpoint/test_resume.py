@@ -66,17 +66,15 @@ def test_resume_at_another_dp_continues_with_the_next_samples(ray_local, tiny_sp
     assert [(e["step"], e["committed"]) for e in events(second_dir, "checkpoint", tier="storage")] == [(9, True)]
 
 
-def test_resume_without_a_checkpoint_starts_from_scratch(ray_local, tiny_spec_dict, tmp_path):
-    spec = ckpt_spec(
-        tiny_spec_dict,
-        str(tmp_path / "empty"),
-        train={"steps": 2},
-        elastic={"max_dp": 1},
-        checkpoint={"every_steps": 0},
-    )
-    result = ElasticTrainer(spec, run_dir=str(tmp_path / "run"), resume=True).fit()
-    assert result.status == "succeeded" and result.dp_history == [[0, 1]]
-    assert events(str(tmp_path / "run"), "restore") == []
+def test_resume_without_a_checkpoint_is_refused_before_ray_starts(tiny_spec_dict, tmp_path):
+    """``--resume`` with nothing to resume (no checkpoint, or only damaged ones): exit 2 naming --resume."""
+    from elastic.errors import SpecError
+
+    spec = ckpt_spec(tiny_spec_dict, str(tmp_path / "empty"), train={"steps": 2}, elastic={"max_dp": 1})
+    with pytest.raises(SpecError) as info:
+        ElasticTrainer(spec, run_dir=str(tmp_path / "run"), resume=True).fit()
+    assert info.value.field == "--resume" and "nothing to resume" in str(info.value)
+    assert not (tmp_path / "run" / "events.jsonl").exists()  # nothing started
 
 
 @pytest.mark.parametrize("replicate", [False, True])

@@ -24,7 +24,7 @@ from refusal_testlib import QUICKSTART, TINY_MODEL, refused, run_args, write_par
 
 from elastic import ray_join
 from elastic.errors import SpecError
-from elastic.run_dirs import JobIdentity, claim_locations
+from elastic.run_dirs import JobIdentity, claim_locations, release_run_dir
 from jobs import JobSpec
 from jobs.cli import main
 
@@ -164,8 +164,10 @@ def test_a_run_dir_holding_another_run_is_refused_unless_resume_continues_it(cap
     claim_locations(str(run_dir), "--run-dir", str(run_dir / "checkpoints"), {}, False, JobSpec.from_yaml(first))
     assert json.loads((run_dir / "job.json").read_text())["name"] == "reuse"
     assert oct((run_dir.stat().st_mode) & 0o777) == oct(0o750)  # docs/outputs.md: owner and group only
+    release_run_dir(str(run_dir))
     # Created but never started (no events): the next run may take the directory.
     claim_locations(str(run_dir), "--run-dir", str(run_dir / "checkpoints"), {}, False, JobSpec.from_yaml(first))
+    release_run_dir(str(run_dir))
     (run_dir / "events.jsonl").write_text('{"ts": 0, "kind": "job_start"}\n')
     line = refused(capsys, ["run", first, "--run-dir", str(run_dir)], "--run-dir")
     assert "holds another run" in line and "--resume" in line
@@ -179,12 +181,43 @@ def test_a_run_dir_holding_another_run_is_refused_unless_resume_continues_it(cap
     # --resume of the same job and model passes the check (a longer run, another layout: the same run)
     same = JobSpec.from_yaml(first, overrides=["train.steps=500", "elastic.max_dp=1"])
     claim_locations(str(run_dir), "--run-dir", str(run_dir / "checkpoints"), {}, True, same)
+    release_run_dir(str(run_dir))
+
+
+def test_a_run_dir_another_run_holds_is_refused_before_anything_is_written(capsys, tmp_path):
+    """Two runs on one ``--run-dir``: the second is refused (exit 2 naming ``--run-dir``), by the
+    lock the first takes before it writes, not by a check a second run could pass in between."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(run_dir / ".lock")], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == b"held"
+        line = refused(capsys, ["run", _tiny_spec(tmp_path), "--run-dir", str(run_dir)], "--run-dir")
+        assert f"in use by another run (pid {holder.pid})" in line
+        assert sorted(os.listdir(run_dir)) == [".lock"]  # no job.json, nothing else written
+    finally:
+        holder.communicate(b"", timeout=30)
+    claim_locations(str(run_dir), "--run-dir", str(run_dir / "ck"), {}, False, JobSpec.from_yaml(_tiny_spec(tmp_path)))
+    release_run_dir(str(run_dir))  # the holder gone, the directory is free again
+
+
+HOLD_LOCK = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, f"{os.getpid()}\\n".encode())
+print("held", flush=True)
+sys.stdin.read()
+"""
 
 
 def test_a_checkpoint_location_holding_checkpoints_is_refused_unless_resume_continues_it(capsys, tmp_path):
     ckpt = tmp_path / "shared-ckpt"
     first = _tiny_spec(tmp_path, ckpt=str(ckpt))
     claim_locations(str(tmp_path / "a"), "--run-dir", str(ckpt), {}, False, JobSpec.from_yaml(first))
+    release_run_dir(str(tmp_path / "a"))
     (ckpt / "step_00000002").mkdir()
     line = refused(capsys, ["run", first, "--run-dir", str(tmp_path / "b")], "checkpoint.uri")
     assert "holds checkpoints of another run" in line
@@ -193,6 +226,7 @@ def test_a_checkpoint_location_holding_checkpoints_is_refused_unless_resume_cont
     assert "another model" in line
     assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()  # nothing written when refused
     claim_locations(str(tmp_path / "d"), "--run-dir", str(ckpt), {}, True, JobSpec.from_yaml(first))
+    release_run_dir(str(tmp_path / "d"))
 
 
 def test_identity_difference_names_what_differs():
