@@ -38,6 +38,10 @@ class Benchmark:
     needs: tuple[Need, ...] = ()  # without one of these it cannot run here
     optional: tuple[Need, ...] = ()  # without one of these a side is reported skipped
     full: tuple[str, ...] = ()  # the published run's settings, where they are not the defaults
+    # the settings the test suite runs it with (tests/test_benchmarks_run.py), its smallest
+    # that still goes through every phase; None: not run there, and ``not_in_suite`` says why
+    smoke: tuple[str, ...] | None = None
+    not_in_suite: str = ""
 
     @property
     def module(self) -> str:
@@ -162,6 +166,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "--results",
         ("--ranks", "64", "--steps", "12", "--step-s", "0.5", "--heartbeat-timeout-s", "2", "--no-store-ops"),
         full=("--ranks", "16384", "--json"),
+        smoke=(
+            *("--ranks", "32", "--steps", "8", "--step-s", "0.25", "--heartbeat-timeout-s", "1"),
+            *("--real-agents", "2", "--fan-in", "2", "--no-store-ops", "--no-save", "--json"),
+        ),
     ),
     Benchmark(
         "peer_replication",

@@ -1,0 +1,88 @@
+"""The benchmarks run in the suite, at their smallest settings (``Benchmark.smoke`` in
+``benchmarks/catalog.py``), so that a change that breaks one fails here and not at its next
+published run. Each runs as ``python -m benchmarks.X`` in its own process; a benchmark whose
+``needs`` this machine lacks (a GPU, torchtitan) is skipped, saying which.
+
+``test_every_benchmark_is_covered`` keeps a new benchmark from escaping: it must carry smoke
+settings, or needs this machine lacks, or be named below as not yet run here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import catalog
+
+# Benchmarks the suite does not run yet: each named, so the list can only shrink (a test
+# below fails once one of them gets smoke settings and is still listed).
+NOT_YET_IN_SUITE = {
+    "checkpoint_stall",
+    "data_bytes_per_host",
+    "data_ingest",
+    "drain_vs_kill",
+    "gpu_check",
+    "job_start",
+    "overhead",
+    "parallel_layouts",
+    "peer_fetch",
+    "peer_replication",
+    "playbook_memory",
+    "prepare_throughput",
+    "rank_start",
+    "reconfigure_profile",
+    "recovery_scaling",
+    "recovery_vs_raytrain",
+    "restore_waves",
+    "sdc_overhead",
+    "survivor_first_step",
+    "survivor_rebuild",
+    "sweep_vs_grid",
+    "tp_data_sharing",
+}
+
+
+def test_every_benchmark_is_covered():
+    """Every catalog entry runs here (smoke settings), needs what a machine may lack, or is
+    named in ``NOT_YET_IN_SUITE``; the control plane is never excused."""
+    names = {b.name for b in catalog.BENCHMARKS}
+    assert NOT_YET_IN_SUITE <= names, NOT_YET_IN_SUITE - names
+    for b in catalog.BENCHMARKS:
+        assert b.smoke is not None or b.needs or b.name in NOT_YET_IN_SUITE, b.name
+        assert not (b.smoke is not None and b.name in NOT_YET_IN_SUITE), b.name
+    assert catalog.by_name(["control_plane"])[0].smoke is not None
+
+
+@pytest.mark.parametrize("bench", [b for b in catalog.BENCHMARKS if b.needs], ids=lambda b: b.name)
+def test_a_benchmark_that_needs_what_is_missing_says_why(bench):
+    """A benchmark with ``needs`` runs where they are met; here it is skipped, naming them."""
+    missing = bench.missing()
+    if missing:
+        pytest.skip("; ".join(f"no {n.what}: {n.how}" for n in missing))
+    assert bench.smoke is not None, f"{bench.name}: its needs are met here, but it has no smoke settings"
+
+
+def _last_json(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_control_plane_runs_through_its_stall_node_loss_and_grow_back():
+    """32 virtual ranks on 4 nodes (2 aggregators, 2 agent actors): the driver stall gives no
+    false failure, the lost node's replica is dropped, and the returning node is grown into
+    through the non-blocking start (``spawn_begin``/``spawn_end``)."""
+    b = catalog.by_name(["control_plane"])[0]
+    assert b.smoke is not None
+    done = subprocess.run([sys.executable, "-m", b.module, *b.smoke], capture_output=True, text=True, timeout=200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = _last_json(done.stdout)
+    nodes = out["nodes"]
+    assert out["ranks"] == 32 and nodes == 4 and out["aggregator_actors"] >= 2
+    assert out["false_failures"] == 0
+    assert out["dp_after_loss"] == nodes - 1
+    assert out["dp_after_grow"] == nodes
+    assert out["recovery_decision_s"] is not None and out["recovery_decision_s"] < 5.0
