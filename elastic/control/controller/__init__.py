@@ -8,7 +8,7 @@ decisions are pure functions (``policies.py``, ``recovery_plan.py``) and the eff
 the worker group are carried out by ``reform.py``.
 """
 
-from elastic.control.controller.machine import Controller
-from elastic.control.states import Failed, Finished, Recovering, Resizing, Running, Starting, State
+from elastic.control.controller.controller import Controller
+from elastic.control.controller.states import Failed, Finished, Recovering, Resizing, Running, Starting, State
 
 __all__ = ["Controller", "Failed", "Finished", "Recovering", "Resizing", "Running", "Starting", "State"]

@@ -25,7 +25,7 @@ from elastic.control.reform import (
     survivors_wait_s,
 )
 from elastic.control.regroup import hsdp_order
-from elastic.control.states import Failed, Recovering, Resizing, Running, State
+from elastic.control.controller.states import Failed, Recovering, Resizing, Running, State
 from elastic.control.timing import PhaseTimer
 from elastic.control.worker_group_api import Member
 from elastic.errors import WorkerFailure, failure_fields

@@ -13,7 +13,7 @@ import numpy as np
 from elastic.agent.rows import COLUMNS
 from elastic.control import policies
 from elastic.control.health import Rollback
-from elastic.control.states import Recovering
+from elastic.control.controller.states import Recovering
 from elastic.control.step_events import StepTally, memory_checkpoint_fields, step_fields
 from elastic.errors import WorkerFailure
 from elastic.events import EventLog, Recovery

@@ -42,7 +42,7 @@ from elastic.control.health import CommitGate, HealthMonitor, gate_commits
 from elastic.control.outages import Outages
 from elastic.control.recovery_plan import RestoreChoice, complete_replicas
 from elastic.control.reform import release_dead_groups, stop_at_boundary
-from elastic.control.states import Failed, Finished, Growing, Resizing, Running, Starting, State
+from elastic.control.controller.states import Failed, Finished, Growing, Resizing, Running, Starting, State
 from elastic.control.step_events import StepTally
 from elastic.control.stop import CHECKPOINT_TIMEOUT_S, StopSignals, checked_stop_checkpoint, stop_now_in, stopped_state
 from elastic.control.worker_group import WorkerGroup
