@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from elastic.control.worker_group_api import Member, WorkerGroupAPI
+    from elastic.control.worker_group.api import Member, WorkerGroupAPI
 
 
 class Callback:

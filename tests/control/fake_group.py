@@ -11,7 +11,7 @@ import gc
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic.control.worker_group_api import ConfigureResult, Observation
+from elastic.control.worker_group.api import ConfigureResult, Observation
 from elastic.messages import StepReport
 from elastic.placement.planned import placement_fields
 

@@ -14,9 +14,9 @@ from ray.exceptions import RayTaskError
 
 from elastic.checkpoint.committer import CheckpointCommitter
 from elastic.control.controller import Controller, Failed, Finished, Recovering, Running, Starting
-from elastic.control.group_configure import root_cause
 from elastic.control.stop import StopSignals, exit_code_of, stopped_state
-from elastic.control.worker_group import Observation
+from elastic.control.worker_group.configure import root_cause
+from elastic.control.worker_group.api import Observation
 from elastic.errors import JobFailed, NodeLost, NotRetryable, RendezvousFailed, WorkerError
 from elastic.events import EventLog, read_events
 from jobs import JobSpec
@@ -174,8 +174,8 @@ def test_a_configure_that_a_node_failed_raises_the_node_typed_error():
     error elsewhere stays a plain ``WorkerError``."""
     from types import SimpleNamespace
 
-    from elastic.control.group_configure import configure_through
-    from elastic.control.group_news import Gather
+    from elastic.control.worker_group.configure import configure_through
+    from elastic.control.worker_group.poll import Gather
     from elastic.errors import NodeResourceError
     from elastic.messages import CommandDone
 

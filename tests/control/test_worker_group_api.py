@@ -9,7 +9,7 @@ from elastic_testlib import elastic_spec
 from fake_group import FakeWorkerGroup
 
 from elastic.control.worker_group import WorkerGroup
-from elastic.control.worker_group_api import WorkerGroupAPI
+from elastic.control.worker_group.api import WorkerGroupAPI
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -63,7 +63,7 @@ from elastic.control.step_events import StepTally, memory_checkpoint_fields, ste
 from elastic.control.stop import CHECKPOINT_TIMEOUT_S, StopSignals, checked_stop_checkpoint, stop_now_in, stopped_state
 from elastic.control.timing import PhaseTimer
 from elastic.control.worker_group import WorkerGroup
-from elastic.control.worker_group_api import Member, WorkerGroupFactory
+from elastic.control.worker_group.api import Member, WorkerGroupFactory
 from elastic.errors import JobFailed, WorkerFailure, failure_fields
 from elastic.events import EventLog, Recovery, RunResult
 from elastic.messages import AnomalyReport, SdcReport, StepReport, StepRows, UploadReport, WorkerReport

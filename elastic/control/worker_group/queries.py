@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from elastic.control.group_news import Gather, GroupNews, wids_by_node
 from elastic.control.recovery_plan import Holdings
+from elastic.control.worker_group.poll import Gather, GroupNews, wids_by_node
 from elastic.messages import NodeCommand, Query, Signal, links_to
 
 if TYPE_CHECKING:
-    from elastic.control.worker_group import Member
+    from elastic.control.worker_group.worker import Member
 
 SNAPSHOT_QUERY_S = 10.0  # how long the snapshot holdings query waits for answers, in all
 

@@ -20,7 +20,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -29,15 +28,16 @@ from elastic.agent.actors import AggregatorActor, NodeAgentActor
 from elastic.control import drain
 from elastic.control.agent_link import FAN_IN, AgentTree
 from elastic.control.diagnosis import NODE_PROBE_S, RayletProbe, diagnose
-from elastic.control.group_configure import RPC_TIMEOUT_S, build_requests, configure_through, lost_failure_of
-from elastic.control.group_news import Gather, by_node, wids_by_node
-from elastic.control.group_queries import GroupQueries
 from elastic.control.recovery_plan import ReformPlan
 from elastic.control.spawning import PendingSpawn
-from elastic.control.worker_group_api import ConfigureResult, Observation
+from elastic.control.worker_group.api import ConfigureResult, Observation
+from elastic.control.worker_group.configure import RPC_TIMEOUT_S, build_requests, configure_through, lost_failure_of
+from elastic.control.worker_group.poll import Gather, by_node, wids_by_node
+from elastic.control.worker_group.queries import GroupQueries
+from elastic.control.worker_group.worker import Member
 from elastic.errors import ActorDied
 from elastic.ingest.host_readers import HostReaders
-from elastic.messages import Attach, Connection, Detach, Launch, RunOutcome, Signal
+from elastic.messages import Attach, Detach, Launch, Signal
 from elastic.placement.planned import PlannedSlots, placement_fields
 from elastic.placement.slots import ReplicaSlots, group_tables
 from elastic.worker import TrainWorker, start_args
@@ -50,28 +50,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.1  # how long one look at the group waits for news
-
-
-@dataclass
-class Member:
-    actor: Any
-    group: Any  # placement group
-    bundle: int
-    node_id: str
-    ip: str
-    pid: int
-    wid: int = -1  # the worker's id: how its agent names it
-    rank: int = -1
-    last_ok: float = field(default_factory=time.monotonic)  # driver clock: when it was last known to answer
-    run_result: RunOutcome | None = None
-    returned_at: float = 0.0  # driver clock: when its run() ended (or its actor died)
-    dead: bool = False
-    step: int = 0
-    silent_s: float = 0.0  # how long its poll is past due, as its agent last said
-    since: int = 0  # the command (configure or launch) its current run belongs to
-    launched: bool = False  # its run() was started (since its last configure)
-    quiet: bool = False  # its run ended and nothing was asked of it since: all it reported is in
-    connections: tuple[Connection, ...] = ()  # its group's TCP links (its configure answer)
 
 
 class WorkerGroup(GroupQueries):

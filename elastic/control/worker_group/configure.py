@@ -17,13 +17,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from elastic.control.recovery_plan import ReformPlan
-from elastic.control.worker_group_api import ConfigureResult
+from elastic.control.worker_group.api import ConfigureResult
 from elastic.errors import NodeResourceError, RendezvousFailed, WorkerError, WorkerFailure
 from elastic.errors import root_cause as _root_cause
 from elastic.messages import ConfigureRequest, MemoryRestore, NodeConfigure, Signal, StorageRestore
 
 if TYPE_CHECKING:
-    from elastic.control.worker_group import Member, WorkerGroup
+    from elastic.control.worker_group.group import WorkerGroup
+    from elastic.control.worker_group.worker import Member
 
 logger = logging.getLogger(__name__)
 

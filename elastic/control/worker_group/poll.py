@@ -27,7 +27,7 @@ from elastic.control.diagnosis import PEER_GRACE_S, RayletProbe
 from elastic.messages import Attach, CommandDone, NodeCommand, NodeConfigure, NodeState
 
 if TYPE_CHECKING:
-    from elastic.control.worker_group import Member
+    from elastic.control.worker_group.worker import Member
 
 logger = logging.getLogger(__name__)
 
