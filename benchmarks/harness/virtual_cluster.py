@@ -99,7 +99,7 @@ def virtual_group_class(world: Any, nodes: list[str], raylets: Raylets, real_age
 
         def spawn(self, groups):
             members = [Member(None, g, b, g.node, "10.0.0.1", 0) for g in groups for b in range(self.replica_size)]
-            self._number(members)
+            self.state.number(members)
             for m in members:
                 m.actor = VirtualRankRef(m.wid)
             self.raylets.update({g.node: raylets.address(g.node) for g in groups})
