@@ -15,7 +15,7 @@ Two measurements, each with the two sides alternating repetition by repetition (
 - ``fit``: ``ElasticTrainer.fit()`` of the tiny spec at dp 4 on a single-node Ray, from the
   call to the ``job_start`` event (the ranks started and configured) and to the first step.
   The baseline side swaps the group's actor class for the old shape in this driver
-  (``elastic.control.worker_group.TrainWorker``); everything else is the product.
+  (``elastic.control.worker_group.group.TrainWorker``); everything else is the product.
 
 Printed: median and range per side, the ratio baseline / product, the load before and after.
 
@@ -107,7 +107,7 @@ def handle_once(ray: Any, actor_cls: Any, tag: str) -> dict[str, Any]:
 
 
 def fit_once(actor_cls: Any) -> dict[str, Any]:
-    import elastic.control.worker_group as wg
+    import elastic.control.worker_group.group as wg
     from elastic.api import ElasticTrainer
     from jobs import JobSpec
 

@@ -150,7 +150,7 @@ def virtual_group_class(
             time.sleep(max(0.0, left))
             self._starting.remove(pending)
             members = pending.members
-            self._number(members)
+            self.state.number(members)
             for m in members:
                 m.actor = VirtualRankRef(m.wid)
             self.raylets.update({m.node_id: raylets.address(m.node_id) for m in members})

@@ -134,7 +134,7 @@ class AgentTree:
             self.handles[node] = self.make_agent(node)
             self.nodes_under[node] = {node}
             refs += self._hang(node, level=0)
-            self._channel[node] = self._chain(node)[-1]
+            self._channel[node] = self.chain(node)[-1]
         self._applied(refs)
         return new
 
@@ -158,7 +158,7 @@ class AgentTree:
         self.children[parent].add(key)
         nodes = sorted(self.nodes_under[key])
         refs.append(self._call(parent, "adopt", key, self.handles[key], nodes))
-        chain = self._chain(parent)
+        chain = self.chain(parent)
         for below, above in zip(chain, chain[1:]):  # every aggregator above routes these nodes down
             refs.append(self._call(above, "route", below, nodes))
         for k in chain:
@@ -189,7 +189,7 @@ class AgentTree:
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=STARTUP_GRACE_S)
 
-    def _chain(self, key: str | None) -> list[str]:
+    def chain(self, key: str | None) -> list[str]:
         """``key`` and its ancestors."""
         out = []
         while key is not None:
@@ -248,7 +248,7 @@ class AgentTree:
             self.outstanding.forget(node)
             return
         self.children[parent].discard(node)
-        for k in self._chain(parent):
+        for k in self.chain(parent):
             self.nodes_under[k].discard(node)
             self._call(k, "disown", [node])
 

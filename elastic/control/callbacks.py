@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from elastic.control.worker_group_api import Member, WorkerGroupAPI
+    from elastic.control.worker_group.api import Member, WorkerGroupAPI
 
 
 HOOKS = ("after_step", "after_event", "before_reconfigure", "close")  # what the controller calls

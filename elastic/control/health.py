@@ -23,7 +23,7 @@ from elastic.messages import SdcReport, StepRows
 from elastic.worker.sdc_vote import sdc_due
 
 if TYPE_CHECKING:
-    from elastic.control.worker_group_api import Member
+    from elastic.control.worker_group.api import Member
     from elastic.spec import JobSpec
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 Everything here works on plain values (ranks, node ids, snapshot holdings) and is tested
 without Ray. The controller (``elastic/control/controller.py``) asks the worker group for
 the facts once (who holds which snapshots), makes one ``ReformPlan`` here, and the worker
-group (``elastic/control/worker_group.py``) only carries it out.
+group (``elastic/control/worker_group/``) only carries it out.
 
 - which survivors form whole model replicas (``complete_replicas``);
 - the new rank order, rack by rack (``rank_order``);

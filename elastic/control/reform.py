@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from elastic.control import recovery_plan as plan
 from elastic.control.recovery_plan import Holdings, ReformPlan, RestoreChoice
 from elastic.control.timing import PhaseTimer
-from elastic.control.worker_group_api import ConfigureResult, Member, WorkerGroupAPI
+from elastic.control.worker_group.api import ConfigureResult, Member, WorkerGroupAPI
 from elastic.errors import WorkerFailure
 from elastic.messages import StepReport, StepRows, WorkerReport
 

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic.control.states import State
+from elastic.control.controller.states import State
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from elastic.control.worker_group_api import ConfigureResult
+    from elastic.control.worker_group.api import ConfigureResult
 
 # In the order they happen; ``first_step_s`` is known only once the first step at the new
 # size is done, so the ``restore`` event (written before it) lacks it.

@@ -107,15 +107,15 @@ def test_agent_tree_routes_every_node_through_its_ancestors():
     tree.add_nodes([f"n{i}" for i in range(5)], expected_nodes=20)  # depth 2: 2 per leaf, 2 leaves per top
     assert tree.depth == 2 and len(tree.channels) == 2  # 3 leaves -> 2 top aggregators
     for i in range(5):
-        chain = tree._chain(f"n{i}")
+        chain = tree.chain(f"n{i}")
         assert len(chain) == 3 and tree.channel_of(f"n{i}") == chain[-1]
         leaf, top = tree.handles[chain[1]], tree.handles[chain[2]]
         assert ("adopt", (f"n{i}", tree.handles[f"n{i}"], [f"n{i}"])) in leaf.log
         assert ("route", (chain[1], [f"n{i}"])) in top.log  # the top routes the node to its leaf
     tree.remove_node("n0")
-    leaf, top = (tree.handles[k] for k in tree._chain("n1")[1:])  # n0's leaf (shared with n1), then its top
+    leaf, top = (tree.handles[k] for k in tree.chain("n1")[1:])  # n0's leaf (shared with n1), then its top
     assert ("disown", (["n0"],)) in leaf.log and ("disown", (["n0"],)) in top.log
-    assert "n0" not in tree.nodes_under[tree._chain("n1")[1]] and "n1" in tree.nodes_under[tree._chain("n1")[2]]
+    assert "n0" not in tree.nodes_under[tree.chain("n1")[1]] and "n1" in tree.nodes_under[tree.chain("n1")[2]]
     for handle in made:  # each receiver's calls are numbered 1, 2, 3, ...
         numbers = [n for what, n in handle.log if what == "#"]
         assert numbers == list(range(1, len(numbers) + 1))

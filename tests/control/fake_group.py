@@ -11,7 +11,7 @@ import gc
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic.control.worker_group_api import ConfigureResult, Observation
+from elastic.control.worker_group.api import ConfigureResult, Observation
 from elastic.messages import StepReport
 from elastic.placement.planned import placement_fields
 
@@ -123,7 +123,7 @@ class FakeWorkerGroup:
         self.members = list(plan.members)  # as the real group: the members, even if configure fails
         if self.configure_failures:
             failure = self.configure_failures.pop(0)
-            for m in plan.members:  # as group_configure: the members lost in a configure are dead
+            for m in plan.members:  # as worker_group/configure.py: the members lost in a configure are dead
                 m.dead = m.dead or (getattr(failure, "cause", "") == "node_lost" and m.rank in failure.ranks)
             raise failure
         self.dp = plan.dp

@@ -8,7 +8,7 @@ import pytest
 from fake_group import FakeWorkerGroup, step_results
 
 from elastic.control.controller import Controller, Failed, Finished, Recovering, Resizing, Running, Starting
-from elastic.control.worker_group import Observation
+from elastic.control.worker_group.api import Observation
 from elastic.errors import ActorDied, JobFailed, NodeLost, WorkerError
 from elastic.events import EventLog, read_events
 from jobs import JobSpec

@@ -14,9 +14,9 @@ from ray.exceptions import RayTaskError
 
 from elastic.checkpoint.committer import CheckpointCommitter
 from elastic.control.controller import Controller, Failed, Finished, Recovering, Running, Starting
-from elastic.control.group_configure import root_cause
 from elastic.control.stop import StopSignals, exit_code_of, stopped_state
-from elastic.control.worker_group import Observation
+from elastic.control.worker_group.api import Observation
+from elastic.control.worker_group.configure import root_cause
 from elastic.errors import JobFailed, NodeLost, NotRetryable, RendezvousFailed, WorkerError
 from elastic.events import EventLog, read_events
 from jobs import JobSpec
@@ -174,8 +174,8 @@ def test_a_configure_that_a_node_failed_raises_the_node_typed_error():
     error elsewhere stays a plain ``WorkerError``."""
     from types import SimpleNamespace
 
-    from elastic.control.group_configure import configure_through
-    from elastic.control.group_news import Gather
+    from elastic.control.worker_group.configure import configure_through
+    from elastic.control.worker_group.poll import Gather
     from elastic.errors import NodeResourceError
     from elastic.messages import CommandDone
 
@@ -187,8 +187,8 @@ def test_a_configure_that_a_node_failed_raises_the_node_typed_error():
             return g
 
         return SimpleNamespace(
-            _command=command, _wait_for=lambda *a, **k: None, _done=lambda g: None,
-            tree=SimpleNamespace(send=lambda parts: None), configure_sent_at=[],
+            command=command, wait_for=lambda *a, **k: None, done=lambda g: None,
+            tree=SimpleNamespace(send=lambda parts: None),
         )  # fmt: skip
 
     members = [SimpleNamespace(rank=r, wid=r, node_id=f"n{r}", since=0) for r in range(2)]
@@ -197,11 +197,11 @@ def test_a_configure_that_a_node_failed_raises_the_node_typed_error():
         "n1": CommandDone(1, {}, {1: "OutOfDiskError: full"}, node_faults=(1,)),
     }
     with pytest.raises(NodeResourceError) as err:
-        configure_through(group(full), members, ["req0", "req1"], 3, 1.0)
+        configure_through(group(full), members, ["req0", "req1"], 3, 1.0, None, [])
     assert err.value.ranks == [1] and err.value.nodes == ["n1"] and "OutOfDiskError" in err.value.detail
     own = {"n0": CommandDone(1, {}, {0: "ValueError: bad"}), "n1": CommandDone(1, {1: "its reply"})}
     with pytest.raises(WorkerError) as err:
-        configure_through(group(own), members, ["req0", "req1"], 3, 1.0)
+        configure_through(group(own), members, ["req0", "req1"], 3, 1.0, None, [])
     assert type(err.value) is WorkerError and err.value.ranks == [0]
 
 

@@ -9,7 +9,7 @@ from elastic_testlib import elastic_spec
 from fake_group import FakeWorkerGroup
 
 from elastic.control.worker_group import WorkerGroup
-from elastic.control.worker_group_api import WorkerGroupAPI
+from elastic.control.worker_group.api import WorkerGroupAPI
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -31,9 +31,9 @@ def test_protocol_lists_what_the_controller_calls():
     import re
 
     from elastic.control import reform
-    from elastic.control.controller import machine, reforms, steps
+    from elastic.control.controller import controller
 
-    source = "".join(inspect.getsource(m) for m in (machine, reforms, steps, reform))
+    source = "".join(inspect.getsource(m) for m in (controller, reform))
     called = set(re.findall(r"group\.(\w+)\(", source))
     assert called, "the check found no call at all"
     assert called <= set(METHODS), called - set(METHODS)

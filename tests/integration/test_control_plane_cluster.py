@@ -1,5 +1,5 @@
 """The control plane on a real Ray: what a node agent's loss, a busy driver and a hung rank
-do to a run (elastic/agent/, elastic/control/agent_link.py, group_news.py, reform.py).
+do to a run (elastic/agent/, elastic/control/agent_link.py, worker_group/poll.py, reform.py).
 
 Each run is compared with the fault-free run of the same spec, per step, at 1e-5.
 """

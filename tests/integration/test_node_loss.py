@@ -42,7 +42,7 @@ class _MarkReturned(Callback):
 
 
 def test_node_lost_shrinks_then_grows_back(ray_cluster, reference_losses_cluster, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="elastic.control.controller.machine")
+    caplog.set_level(logging.INFO, logger="elastic.control.controller.controller")
     spec = elastic_spec(min_dp=1, max_dp=4, grow_check_s=0.5)
     spec.train.steps = STEPS
     injector = FaultInjector(

@@ -4,23 +4,21 @@ It owns the actors, their placement groups and the job's rendezvous store, launc
 training, turns what it sees (returned errors, dead actors, silent ranks, raylets that
 refuse connections) into typed ``WorkerFailure``s, and carries out the controller's
 decisions: evict ranks, re-form a ``ReformPlan`` as a new generation of the process group
-(``group_configure.py``), add new replicas. It decides nothing: the plan comes whole from
-``recovery_plan.py``, the diagnosis from ``diagnosis.py``. ``worker_group_api.py`` is the
+(``configure.py``), add new replicas. It decides nothing: the plan comes whole from
+``recovery_plan.py``, the diagnosis from ``diagnosis.py``. ``api.py`` is the
 interface the controller uses, which the tests' fake group implements too.
 
 It does not talk to ranks: node agents do (``elastic/agent/``), and the group reaches them
 through the agent tree (``agent_link.py``): one command per channel, one digest per channel
-per look, whatever the number of ranks (``group_news.py`` applies what comes back).
+per look, whatever the number of ranks (``poll.py`` applies what comes back).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -29,15 +27,16 @@ from elastic.agent.actors import AggregatorActor, NodeAgentActor
 from elastic.control import drain
 from elastic.control.agent_link import FAN_IN, AgentTree
 from elastic.control.diagnosis import NODE_PROBE_S, RayletProbe, diagnose
-from elastic.control.group_configure import RPC_TIMEOUT_S, build_requests, configure_through, lost_failure_of
-from elastic.control.group_news import Gather, by_node, wids_by_node
-from elastic.control.group_queries import GroupQueries
-from elastic.control.recovery_plan import ReformPlan
+from elastic.control.recovery_plan import Holdings, ReformPlan
 from elastic.control.spawning import PendingSpawn
-from elastic.control.worker_group_api import ConfigureResult, Observation
+from elastic.control.worker_group.api import ConfigureResult, Observation
+from elastic.control.worker_group.configure import RPC_TIMEOUT_S, build_requests, configure_through, lost_failure_of
+from elastic.control.worker_group.poll import Gather, GroupPoll
+from elastic.control.worker_group.state import GroupState, by_node, wids_by_node
+from elastic.control.worker_group.worker import Member
 from elastic.errors import ActorDied
 from elastic.ingest.host_readers import HostReaders
-from elastic.messages import Attach, Connection, Detach, Launch, RunOutcome, Signal
+from elastic.messages import Attach, Detach, Launch, NodeCommand, Query, Signal, links_to
 from elastic.placement.planned import PlannedSlots, placement_fields
 from elastic.placement.slots import ReplicaSlots, group_tables
 from elastic.worker import TrainWorker, start_args
@@ -50,31 +49,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.1  # how long one look at the group waits for news
+SNAPSHOT_QUERY_S = 10.0  # how long the snapshot holdings query waits for answers, in all
 
 
-@dataclass
-class Member:
-    actor: Any
-    group: Any  # placement group
-    bundle: int
-    node_id: str
-    ip: str
-    pid: int
-    wid: int = -1  # the worker's id: how its agent names it
-    rank: int = -1
-    last_ok: float = field(default_factory=time.monotonic)  # driver clock: when it was last known to answer
-    run_result: RunOutcome | None = None
-    returned_at: float = 0.0  # driver clock: when its run() ended (or its actor died)
-    dead: bool = False
-    step: int = 0
-    silent_s: float = 0.0  # how long its poll is past due, as its agent last said
-    since: int = 0  # the command (configure or launch) its current run belongs to
-    launched: bool = False  # its run() was started (since its last configure)
-    quiet: bool = False  # its run ended and nothing was asked of it since: all it reported is in
-    connections: tuple[Connection, ...] = ()  # its group's TCP links (its configure answer)
-
-
-class WorkerGroup(GroupQueries):
+class WorkerGroup:
     agent_fan_in = FAN_IN  # children per aggregator of the agent tree (agent_link.py)
 
     def __init__(self, spec: JobSpec, corpus_uri: str, step_hook: StepHook | None = None, storage_uri: str = ""):
@@ -86,7 +64,7 @@ class WorkerGroup(GroupQueries):
         self.replica_size = spec.parallel.replica_size
         self.raylets = RayletProbe()  # node id -> raylet address, for liveness probes
         self.slots = self._make_slots()
-        self.members: list[Member] = []  # ordered by rank
+        self.state = GroupState()  # the members, ordered by rank, and their indexes
         self.dp = 0
         self.tree = AgentTree(self._make_agent, self._make_aggregator, self.agent_fan_in)
         self._store: RendezvousStore | None = None  # the job's rendezvous, made at the first configure
@@ -95,18 +73,18 @@ class WorkerGroup(GroupQueries):
         self._avoid_nodes: set[str] = set()  # node ids Ray is draining (elastic/control/drain.py)
         self._starting: list[PendingSpawn] = []  # starts begun and not yet collected (spawn_begin)
         self._lost_failure = lost_failure_of(self.raylets, NODE_PROBE_S)
-        self._wids = itertools.count()
-        self._by_wid: dict[int, Member] = {}
-        self._on_node: dict[str, list[Member]] = {}
-        self._inbox: list[tuple[int, Any]] = []  # (rank, report) taken in, not yet handed to the controller
-        self._notable: set[int] = set()
-        self._news_nodes: set[str] = set()
-        self._unreachable: dict[str, float] = {}
-        self._died: dict[str, float] = {}
+        self.poll = GroupPoll(self.tree, self.raylets, self.state, spec.elastic.heartbeat_timeout_s)
         self._holdings_ahead: tuple[frozenset[int], Gather] | None = None  # asked with an abort (abort_steps)
-        self._gathers: dict[int, Gather] = {}
-        self._configuring = False
         self.configure_sent_at: list[float] = []  # driver clock: each configure's requests all sent
+
+    @property
+    def members(self) -> list[Member]:
+        """Ordered by rank."""
+        return self.state.members
+
+    @members.setter
+    def members(self, members: list[Member]) -> None:
+        self.state.members = members
 
     # ------------------------------------------------------------------ seams (the control-plane benchmark's)
     def _make_slots(self) -> ReplicaSlots:
@@ -214,14 +192,8 @@ class WorkerGroup(GroupQueries):
 
     def _adopt(self, members: list[Member]) -> None:
         """Give new members worker ids and their nodes' agents (new nodes get one)."""
-        self._number(members)
+        self.state.number(members)
         self._attach(members)
-
-    def _number(self, members: list[Member]) -> None:
-        for m in members:
-            m.wid = next(self._wids)
-            self._by_wid[m.wid] = m
-            self._on_node.setdefault(m.node_id, []).append(m)
 
     def _start_agents(self, groups: Sequence[Any]) -> None:
         """Start the agents of the nodes ``groups`` are placed on now, before their workers:
@@ -246,12 +218,9 @@ class WorkerGroup(GroupQueries):
         """Carry ``plan`` out: its members become ranks 0..n-1 of a new generation of the
         group and restore the state it names."""
         members = plan.members
-        for rank, m in enumerate(members):
-            m.rank, m.run_result, m.silent_s, m.launched, m.quiet = rank, None, 0.0, False, False
         # From here on these are the members: a loss below is a failure of this layout,
         # and the next recovery evicts it by its new rank (newcomers are not leaked).
-        self.members = list(members)
-        self._notable = {w for w in self._notable if self._by_wid[w].dead}
+        self.state.form(members)
         if self._store is None:
             self._store = RendezvousStore(ray.util.get_node_ip_address(), self.spec.elastic.collective_timeout_s)
         self._generation += 1
@@ -266,13 +235,16 @@ class WorkerGroup(GroupQueries):
             read_plans=self.readers.plans([m.node_id for m in members], self._generation),  # docs/data.md
             store_secret=self._store.secret,
         )
-        self._configuring = True
-        try:
+        with self.poll.configuring():
             result = configure_through(
-                self, members, requests, self._generation, self.spec.elastic.collective_timeout_s
+                self.poll,
+                members,
+                requests,
+                self._generation,
+                self.spec.elastic.collective_timeout_s,
+                self._lost_failure,
+                self.configure_sent_at,
             )
-        finally:
-            self._configuring = False
         self.dp = plan.dp
         now = time.monotonic()
         for m in members:
@@ -290,11 +262,10 @@ class WorkerGroup(GroupQueries):
             m.run_result, m.since, m.launched, m.quiet = None, cid, True, False
 
     def observe(self, timeout: float = POLL_INTERVAL_S) -> Observation:
-        now = self._look(timeout)
-        obs = Observation(results=self._inbox)
-        self._inbox = []
-        if self._evidence():
-            self._refresh_last_ok(now)
+        now = self.poll.look(timeout)
+        obs = Observation(results=self.poll.take())
+        if self.poll.evidence():
+            self.poll.refresh_last_ok(now)
             obs.failure = diagnose(self.members, self.spec.elastic, now, self.raylets)
         if obs.failure is None and self.members and self._all_returned():
             obs.results.extend(self.drain_results(self.members, RPC_TIMEOUT_S))
@@ -304,7 +275,7 @@ class WorkerGroup(GroupQueries):
         return obs
 
     def _all_returned(self) -> bool:
-        returned = sum(1 for w in self._notable if self._by_wid[w].run_result is not None)
+        returned = sum(1 for m in self.state.notable_members() if m.run_result is not None)
         if returned < len(self.members):  # O(news): most looks stop here
             return False
         return all(m.run_result is not None for m in self.members)
@@ -320,7 +291,77 @@ class WorkerGroup(GroupQueries):
             left = deadline - time.monotonic()
             if not running or left <= 0:
                 return running
-            self._look(min(left, POLL_INTERVAL_S))
+            self.poll.look(min(left, POLL_INTERVAL_S))
+
+    # ------------------------------------------------------------------ questions, and commands that interrupt a step
+    def snapshot_holdings(self, members: Sequence[Member]) -> list[Holdings | None]:
+        """Each member's memory-tier holdings; None for one that is gone or silent.
+
+        Members on a node whose raylet refuses connections are not asked: a call to an
+        actor on a lost node can hang until Ray notices the loss. Only nodes out of reach
+        (their agent, or a link above it, unanswered or dead) are probed: every other node
+        answered the tree just now (at 16k ranks, probing every raylet was a quarter of a
+        second of the recovery's decision).
+        """
+        gone = self.raylets.dead(self.poll.out_of_reach({m.node_id for m in members}), wait_s=0.0)
+        asked = [m for m in members if m.node_id not in gone and not m.dead]
+        ahead, self._holdings_ahead = self._holdings_ahead, None
+        wanted = {m.wid for m in asked}
+        if ahead is not None and wanted <= ahead[0]:
+            g = ahead[1]  # asked with the abort of the step: answered as each run ended
+            g.lose(set(ahead[0]) - wanted)  # killed or left out since: not waited for
+        else:
+            if ahead is not None:
+                self.poll.done(ahead[1])
+            expect = wids_by_node(asked)
+            g = self.poll.command({n: Query("snapshot_holdings", tuple(ws)) for n, ws in expect.items()}, expect)
+        self.poll.wait_for(g, SNAPSHOT_QUERY_S)
+        self.poll.done(g)
+        return [g.replies.get(m.wid) for m in members]
+
+    def drain_results(self, members: Sequence[Member], timeout: float = 10.0) -> list[tuple[int, Any]]:
+        """The results ``members`` reported that the controller has not seen yet: every
+        agent sends up all its ranks reported before it answers. A member whose run ended
+        with nothing asked of it since is not asked: all it reported came with its end."""
+        expect = wids_by_node([m for m in members if not m.dead and not m.quiet])
+        g = self.poll.command({n: Query("flush", tuple(ws)) for n, ws in expect.items()}, expect)
+        self.poll.wait_for(g, timeout)
+        self.poll.done(g)
+        for node, state in g.states.items():
+            for m in self.state.on_node(node) if state.step > 0 else ():
+                m.step = max(m.step, state.step)
+        return self.poll.take()
+
+    def save_checkpoints(self, timeout: float) -> None:
+        """After a stop at a step boundary: every rank writes the live step to storage."""
+        live = [m for m in self.members if not m.dead]
+        for m in live:
+            m.quiet = False  # its checkpoint's upload reports come after its run's end
+        expect = wids_by_node(live)
+        g = self.poll.command({n: Query("save_checkpoint", tuple(ws), timeout) for n, ws in expect.items()}, expect)
+        self.poll.wait_for(g, timeout)
+        self.poll.done(g)
+
+    def abort_steps(self, members: Sequence[Member], lost: Sequence[Member] = ()) -> None:
+        """A peer was lost: every member leaves the step in flight at its next block (fire
+        and forget, through the members' node agents: one message per aggregator link, not
+        one actor call per rank from the driver), and shuts down its links to the ``lost``
+        ranks (their connections, seen from the other end: ``links_to``).
+
+        The recovery's next question goes down with it: each member's snapshot holdings as
+        of the end of its run (``TrainWorker.snapshot_holdings(after_run_s)``), so they come
+        up with the runs' ends and ``snapshot_holdings`` finds them in, instead of asking
+        after every run has ended (a round trip of the tree: at 16k ranks, tenths of a
+        second of the recovery's decision)."""
+        by_node = wids_by_node(members)
+        links = links_to(c for m in lost for c in m.connections)
+        self.tree.send(dict.fromkeys(by_node, Signal("abort_step", self._generation, links)))
+        if self._holdings_ahead is not None:
+            self.poll.done(self._holdings_ahead[1])
+        query: dict[str, NodeCommand] = {
+            n: Query("snapshot_holdings", tuple(ws), timeout_s=SNAPSHOT_QUERY_S) for n, ws in by_node.items()
+        }
+        self._holdings_ahead = (frozenset(m.wid for m in members), self.poll.command(query, by_node))
 
     def kill(self, members: Sequence[Member]) -> None:
         for m in members:

@@ -1,7 +1,7 @@
 """What the controller needs from a worker group: the ``WorkerGroupAPI`` protocol and the
 typed values that cross it.
 
-``elastic.control.worker_group.WorkerGroup`` implements it on Ray. The controller tests'
+``elastic.control.worker_group.group.WorkerGroup`` implements it on Ray. The controller tests'
 scripted fake (``tests/control/fake_group.py``) implements it without actors, and a test
 checks both against it, so the fake cannot drift from the real group. The group carries
 decisions out and reports what it saw; it decides nothing.

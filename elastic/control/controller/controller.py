@@ -1,5 +1,8 @@
-"""The elastic controller's state machine: the main loop, starting, running, growing back,
-the notices it acts on (a stop signal, drained nodes) and a graceful stop.
+"""The elastic controller: one class, ``Controller``, the state machine that drives a run.
+In the order of this file: the main loop, starting, running, growing back, the notices it
+acts on (a stop signal, drained nodes), a graceful stop, the re-formations (recovering
+from a failure, resizing without one) and the step accounting (the reports ranks send,
+the steps they commit, the rollbacks done in place: NaN, spike, SDC).
 
 Where it runs: in the driver process (the process of ``elastic run``, of the Python API,
 or of a ``ray job submit`` entrypoint). The driver already owns the run's lifetime, the
@@ -7,7 +10,7 @@ terminal display and the run directory; an extra controller actor would add one 
 every poll and a second thing that can die. Workers are Ray actors and outlive process
 groups; the controller only talks to them through its worker group.
 
-States (one small class each, carrying its own data, ``states.py``) and one ``_step`` that
+States (one small class each, carrying its own data, ``states.py`` beside this file) and one ``_step`` that
 moves on::
 
     Starting ──> Running ──> Finished            Running ──> Stopped (a signal)
@@ -30,25 +33,41 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from elastic.agent.rows import COLUMNS
 from elastic.checkpoint.committer import CheckpointCommitter
 from elastic.control import policies
 from elastic.control.callbacks import Callback, checked
-from elastic.control.controller.reforms import Reformations
+from elastic.control.controller.states import Failed, Finished, Growing, Recovering, Resizing, Running, Starting, State
 from elastic.control.drain import DrainWatch, shrink_intent
 from elastic.control.gc_pauses import collector_paused
-from elastic.control.health import CommitGate, HealthMonitor, gate_commits
+from elastic.control.health import CommitGate, HealthMonitor, Rollback, gate_commits
 from elastic.control.outages import Outages
-from elastic.control.recovery_plan import RestoreChoice, complete_replicas
-from elastic.control.reform import release_dead_groups, stop_at_boundary
-from elastic.control.states import Failed, Finished, Growing, Resizing, Running, Starting, State
-from elastic.control.step_events import StepTally
+from elastic.control.recovery_plan import Holdings, RestoreChoice, complete_replicas, plan_recovery
+from elastic.control.reform import (
+    Boundary,
+    Reformed,
+    choose_restore,
+    free_survivors,
+    reform,
+    release_dead_groups,
+    stop_at_boundary,
+    survivors_wait_s,
+)
+from elastic.control.regroup import hsdp_order
+from elastic.control.step_events import StepTally, memory_checkpoint_fields, step_fields
 from elastic.control.stop import CHECKPOINT_TIMEOUT_S, StopSignals, checked_stop_checkpoint, stop_now_in, stopped_state
+from elastic.control.timing import PhaseTimer
 from elastic.control.worker_group import WorkerGroup
-from elastic.control.worker_group_api import WorkerGroupFactory
+from elastic.control.worker_group.api import Member, WorkerGroupFactory
 from elastic.errors import JobFailed, WorkerFailure, failure_fields
 from elastic.events import EventLog, Recovery, RunResult
+from elastic.messages import AnomalyReport, SdcReport, StepReport, StepRows, UploadReport, WorkerReport
+from elastic.models.config import token_shape
 from elastic.worker.hooks import StepHook
 
 if TYPE_CHECKING:
@@ -60,7 +79,7 @@ logger = logging.getLogger(__name__)
 GROW_WAITS_FOR_UPLOAD_S = 120.0
 
 
-class Controller(Reformations):
+class Controller:
     worker_group_cls: WorkerGroupFactory = WorkerGroup
     clock = staticmethod(time.monotonic)  # the driver's clock for recovery figures (test seam)
 
@@ -389,3 +408,333 @@ class Controller(Reformations):
 
     def _on_failed(self, state: Failed) -> State:
         return state
+
+    # ------------------------------------------------------------------ re-forming: recovering, resizing
+    def _re_form(
+        self,
+        members: Sequence[Member],
+        dp: int,
+        step: int,
+        choice: RestoreChoice,
+        holdings: Sequence[tuple[Member, Holdings | None]],
+        timer: PhaseTimer | None = None,
+        notify: bool = False,
+    ) -> Reformed:
+        """Plan and carry out one re-formation; ``notify``: a failure's recovery (callbacks)."""
+        timer = timer or PhaseTimer(self.clock, self.clock())
+
+        def before(order: Sequence[Member]) -> None:
+            for cb in self.callbacks:
+                cb.before_reconfigure(self.failures, self.group, order)
+
+        reformed = reform(self.spec, self.group, members, dp, step, choice, holdings, timer, before if notify else None)
+        self.health.new_layout()
+        return reformed
+
+    def _absorb(self, reports: Sequence[tuple[int, WorkerReport]]) -> None:
+        """Steps that stopping ranks reported on the way out: kept until a plan commits them.
+        Their upload reports go to the committer (an upload that finished just before the stop)."""
+        for rank, result in reports:
+            if isinstance(result, UploadReport):
+                if self.committer is not None:
+                    self.committer.add(rank, result)
+            elif isinstance(result, StepRows) and result.step > self.step:
+                self._tally(result.step).add(result)
+            elif isinstance(result, StepReport) and result.step > self.step:
+                self._tally(result.step).add_report(rank, result)
+
+    def _reformed(self, old_dp: int, reformed: Reformed, reason: str, **resize: Any) -> None:
+        """Record a re-formation: the step resumed from, the resize and restore events."""
+        dp, choice, result = reformed.plan.dp, reformed.plan.restore, reformed.result
+        if self.committer is not None:  # the old generation's uploads still going were dropped
+            self.committer.cut_off(self._base_step, self.step, f"its uploads were cut off by a re-formation ({reason})")
+        self.step = self._base_step = result.step
+        self._pending.clear()
+        if dp != old_dp or resize:
+            self.events.emit(
+                "resize", old_dp=old_dp, new_dp=dp, grad_accum=self.spec.grad_accum(dp), reason=reason, **resize
+            )
+        if dp != old_dp:
+            self.dp_history.append([self.step, dp])
+        if choice.source != "none":
+            extra = {"bytes_read": result.restore_bytes_read} if choice.source == "storage" else {}
+            self.events.emit(
+                "restore",
+                step=self.step,
+                source=choice.source,
+                duration_s=result.restore_s,
+                breakdown=reformed.breakdown,
+                store_ops_per_rank=result.store_ops_per_rank,  # the rendezvous' cost (docs/outputs.md)
+                ranks_kept_state=result.ranks_kept_state,
+                peer_bytes=result.peer_bytes,
+                configure_cpu_s=round(result.cpu_s, 3),
+                **extra,
+            )
+        self.events.emit("placement", **self.group.placement())
+
+    def _on_recovering(self, state: Recovering) -> State:
+        """Free the survivors, plan the new layout, re-form it, and record what happened."""
+        f = state.failure
+        self.failures += 1
+        self.outages.failed(f.cause, state.failed_at, state.detected_at)
+        self.events.emit("failure", **failure_fields(f))
+        logger.warning("failure: %s ranks=%s (%s)", f.cause, f.ranks, f.detail)
+        if not f.retryable:  # a re-formation would meet it again: spend no budget on retries
+            return Failed(f"{f.cause} that a retry would repeat: {f.detail}")
+        if self._budget_spent():
+            return Failed(
+                f"failure budget exhausted: {self.failures} failures > "
+                f"elastic.max_failures={self.spec.elastic.max_failures} (last: {f.cause})"
+            )
+        group, e = self.group, self.spec.elastic
+        timer = PhaseTimer(self.clock, state.detected_at, state.detected_at - state.failed_at)
+        timer.mark("decide_s")
+        blamed = set(f.ranks) if f.cause != "worker_error" else set()
+        culprits = [m for m in group.members if m.rank in blamed]
+        nccl = self.spec.resources.device == "cuda"  # shrink in place (docs/architecture.md)
+        shrink_unit = self.spec.parallel.replica_size if nccl else None
+        wait_s = survivors_wait_s(self._step_time_s(), e.collective_timeout_s, self.spec.resources.device)
+        survivors, boundary = free_survivors(group, culprits, wait_s, shrink_unit=shrink_unit)
+        if boundary.stuck:
+            hung = [m.rank for m in boundary.stuck]
+            logger.warning("ranks %s did not leave their step within %.1fs: hung, killed", hung, wait_s)
+        self._absorb(boundary.reports)
+        replicas = complete_replicas(survivors, self.spec.parallel.replica_size)
+        p = self.spec.parallel
+        if p.shard_group:  # HSDP: keep whole shard groups first, survivors in place
+            replicas = hsdp_order(replicas, lambda m: m.rank, p.shard_group, p.replica_size)
+        timer.mark("free_s")
+        worker_step = max(state.last_seen_step, self._last_seen_step())  # the culprits' last reports too
+        whole = {id(m) for r in replicas for m in r}
+        group.kill([m for m in group.members if not m.dead and id(m) not in whole])
+        release_dead_groups(group)
+        group.request_capacity()
+        spare = group.spare_groups()
+        decision = plan_recovery(len(replicas), len(spare), self.allowed)
+        if decision is None:
+            spare = group.wait_spare(e.min_dp - len(replicas), timeout=e.min_dp_wait_s)
+            decision = plan_recovery(len(replicas), len(spare), self.allowed)
+        if decision is None:
+            return Failed(
+                f"only {len(replicas)} whole replica(s) left and no capacity for "
+                f"min_dp={e.min_dp} within {e.min_dp_wait_s:g}s"
+            )
+        old_dp = group.dp
+        kept = [m for r in replicas[: decision.keep] for m in r]
+        group.kill([m for r in replicas[decision.keep :] for m in r])
+        timer.mark("decide_s")
+        newcomers = group.spawn(spare[: decision.grow]) if decision.grow else []
+        timer.mark("spawn_s")
+        choice, holdings = choose_restore(self.spec, group, self.committer, kept)
+        if choice.source == "memory" and choice.step is not None:
+            self._commit_survivors_steps(choice.step)
+        reformed = self._re_form(kept + newcomers, decision.dp, 0, choice, holdings, timer, notify=True)
+        logger.info("recovery breakdown: %s", reformed.breakdown)
+        self._reformed(old_dp, reformed, f.cause)
+        self._recovered_at_step = self.step
+        self.outages.lost(worker_step - self.step)
+        self.outages.reformed(reformed.breakdown, reformed.configured_at)
+        return Running()
+
+    def _on_resizing(self, state: Resizing) -> State:
+        """A resize without a failure: grow into returned capacity, or shrink around draining
+        nodes. At the next step boundary (the leaving workers are alive: their snapshots of
+        that step count), or, for a drain too near its deadline, at once."""
+        group, timeout = self.group, self.spec.elastic.collective_timeout_s + 5
+        ahead, not_started = state.ahead, state.not_started  # a grow-back's, started as the job trained
+        started = time.monotonic()
+        timer = PhaseTimer(self.clock, self.clock())
+        keep = {id(m) for m in (state.keep if state.keep is not None else group.members)}
+        kept = [m for m in group.members if id(m) in keep]
+        leaving = [m for m in group.members if id(m) not in keep]
+        if state.at_once:
+            _, boundary = free_survivors(group, leaving, timeout, stop=True)
+            if boundary.stuck:
+                ranks = [m.rank for m in boundary.stuck]
+                return self._recovering(WorkerFailure("workers did not stop after a drain", ranks=ranks))
+            self._absorb(boundary.reports)
+            last_seen, holders = self._last_seen_step(), kept
+        else:
+            if (recovering := self._at_boundary(stop_at_boundary(group, group.members, timeout))) is not None:
+                group.kill(ahead)  # not members yet: the recovery plans its own
+                return recovering
+            if not_started is not None:  # met now that the job stands at a boundary, as if started here
+                raise not_started
+            last_seen, holders = self.step, [m for m in group.members if not m.dead]
+        stopped = time.monotonic()
+        timer.mark("free_s")
+        newcomers = ahead or (group.spawn(state.groups) if state.groups else [])
+        timer.mark("spawn_s")
+        choice, holdings = choose_restore(self.spec, group, self.committer, holders)
+        if choice.source == "memory" and choice.step is not None:
+            self._commit_survivors_steps(choice.step)
+        old_dp = group.dp
+        reformed = self._re_form(kept + newcomers, state.dp, 0 if state.at_once else self.step, choice, holdings, timer)
+        if leaving:
+            group.kill(leaving)
+            for pg in {id(m.group): m.group for m in leaving}.values():
+                group.release_group(pg)
+            group.request_capacity()
+        fields = dict(state.fields)
+        if state.reason == "drain":
+            fields.update(
+                lost_steps=max(0, last_seen - reformed.result.step),
+                reform_s=round(time.monotonic() - started, 3),
+                stop_s=round(stopped - started, 3),  # of which: until every rank left the step (and was collected)
+            )
+        self._reformed(old_dp, reformed, state.reason, **fields)
+        logger.info("resized from dp=%d to dp=%d in %.2fs", old_dp, state.dp, time.monotonic() - started)
+        return Running()
+
+    def _at_boundary(self, boundary: Boundary) -> State | None:
+        """Collect what stopping ranks reported; a recovery when some did not stop or failed."""
+        evict = None
+        for rank, result in boundary.reports:
+            evict = self._collect(rank, result) or evict
+        if boundary.stuck or boundary.failure is not None:
+            ranks = [m.rank for m in boundary.stuck]
+            return self._recovering(
+                boundary.failure or WorkerFailure("workers did not stop at a step boundary", ranks=ranks)
+            )
+        return self._recovering(evict) if evict is not None else None
+
+    # ------------------------------------------------------------------ step accounting: reports, commits, rollbacks
+    def _collect(self, rank: int, result: WorkerReport | StepRows) -> WorkerFailure | None:
+        """One report from a rank; returns an eviction a health policy asks for."""
+        if isinstance(result, UploadReport):  # storage tier: a rank's part of a checkpoint (may trail its step)
+            if self.committer is not None:
+                self.committer.add(rank, result)
+            return None
+        if isinstance(result, AnomalyReport):
+            self._on_anomaly(rank, result)
+            return None
+        if isinstance(result, SdcReport):
+            rollback, evict = self.health.on_sdc(rank, result)
+            if rollback is not None:
+                self._roll_back(rollback)
+            return evict
+        if isinstance(result, StepRows):
+            return self._collect_rows(result)
+        if self.health.stale(rank) or result.step <= self.step:
+            return None  # a replay after a rollback: already committed
+        tally = self._tally(result.step)
+        tally.add_report(rank, result)
+        return self._commit_if_complete(tally)
+
+    def _collect_rows(self, rows: StepRows) -> WorkerFailure | None:
+        """A block of step reports from the agents: many ranks' reports of one step."""
+        if rows.step <= self.step:
+            return None  # a replay after a rollback: already committed
+        stale = self.health.stale_ranks()
+        if stale:  # reports of ranks from before an SDC rollback they have not announced yet
+            keep = ~np.isin(rows.ranks, list(stale))
+            rows = StepRows(step=rows.step, **{k: getattr(rows, k)[keep] for k in COLUMNS})
+        tally = self._tally(rows.step)
+        tally.add(rows)
+        return self._commit_if_complete(tally)
+
+    def _tally(self, step: int) -> StepTally:
+        tally = self._pending.get(step)
+        if tally is None:
+            tally = self._pending[step] = StepTally(step, len(self.group.members))
+        return tally
+
+    def _commit_if_complete(self, tally: StepTally) -> WorkerFailure | None:
+        if not tally.complete:
+            return None
+        evict = None
+        # Every rank finished this step, so each finished the ones before it: a step still
+        # short of reports lost some on the way (an agent replaced mid-step) and is committed
+        # with those that came.
+        for earlier in sorted(s for s in self._pending if s < tally.step):
+            evict = self._commit_step(earlier, self._pending.pop(earlier)) or evict
+        return self._commit_step(tally.step, self._pending.pop(tally.step)) or evict
+
+    def _commit_survivors_steps(self, upto: int) -> None:
+        """After a failure: commit the steps up to ``upto`` that survivors completed.
+
+        A step's last collective precedes its optimizer update, so if any survivor finished
+        step s, every rank (the lost ones too) took part in all of it: its loss is the
+        global one and the survivors' snapshots of it are consistent.
+        """
+        for step in sorted(s for s in self._pending if self.step < s <= upto):
+            self._commit_step(step, self._pending.pop(step))
+
+    def _commit_step(self, step: int, tally: StepTally) -> WorkerFailure | None:
+        rows = tally.rows()
+        if not len(rows.ranks):
+            return None
+        fields = step_fields(self.spec, self.group.dp, step, rows)
+        self.step = step
+        self.losses[step] = fields["loss"]
+        self.tokens_per_s.append(fields["tokens_per_s"])
+        self.events.emit("step", ts=float(rows.done_at.max()), **fields)
+        evict = self.health.on_step(step, rows)
+        snapshot = memory_checkpoint_fields(rows)
+        if snapshot is not None:
+            self.events.emit("checkpoint", **snapshot)
+        if step >= self.spec.train.steps and self.committer is not None:
+            self.committer.join()  # the last step: its checkpoint must be committed before job_end
+        if step > self._recovered_at_step:
+            self.outages.first_step(self.clock())
+        for cb in self.callbacks:
+            cb.after_step(step, self.group)
+        return evict
+
+    def _on_anomaly(self, rank: int, result: AnomalyReport) -> None:
+        """NaN/spike: every rank rolled back in place; record it once (from rank 0)."""
+        if rank != 0:
+            return
+        self.failures += 1
+        self.events.emit(
+            "failure",
+            cause=result.cause,
+            ranks=list(range(len(self.group.members))),
+            nodes=[],
+            detail=f"step {result.step} loss {result.loss}: rolled back to step {result.restored_step}, "
+            f"{result.action} batch {result.batch_index}",
+        )
+        self.events.emit("restore", step=result.restored_step, source="memory", duration_s=0.0)
+        lost = max(0, result.step - 1 - result.restored_step)
+        # Rolled back inside the step on the workers: the group never stopped or changed
+        # size, so there is no pause for the driver to time; the cost is the steps redone.
+        self.outages.record(Recovery(cause=result.cause, detect_s=0.0, recover_s=0.0, downtime_s=0.0, lost_steps=lost))
+        self.step = min(self.step, result.restored_step)
+
+    def _roll_back(self, rollback: Rollback) -> None:
+        """An SDC repair: every rank went back to ``rollback.to_step``; the steps after it are redone."""
+        self.step = min(self.step, rollback.to_step)
+        for step in [s for s in self._pending if s > rollback.to_step]:
+            del self._pending[step]
+        self.outages.record(rollback.recovery)
+        if rollback.counts:
+            self.failures += 1
+
+    def _last_seen_step(self) -> int:
+        """The newest step any worker reported completing: each worker's own step counter
+        (from its last poll answer) and the per-step results received but not committed."""
+        return max([self.step] + [m.step for m in self.group.members] + list(self._pending))
+
+    def _step_time_s(self) -> float:
+        """The last committed step's time (1 s before the first)."""
+        if not self.tokens_per_s or self.tokens_per_s[-1] <= 0:
+            return 1.0
+        return self.spec.train.global_batch * token_shape(self.spec.model)[0] / self.tokens_per_s[-1]
+
+    def _budget_spent(self) -> bool:
+        decision = policies.failure_decision(self.failures, self.spec.elastic.max_failures)
+        return decision is policies.FailureDecision.RAISE
+
+    def _recovering(self, failure: WorkerFailure) -> Recovering:
+        now = self.clock()
+        return Recovering(failure, now, self._last_seen_step(), self._failed_at(failure, now))
+
+    def _failed_at(self, f: WorkerFailure, detected_at: float) -> float:
+        """The failure time the driver can measure on its own clock: the last time it heard
+        from a culprit (a poll answer; ``worker_group.POLL_INTERVAL_S`` apart). The worker
+        died after that answer, so the true moment is at most one poll interval later (or,
+        for a reply in flight, a few ms earlier). Without culprits (a hang found by the
+        collective timeout), the detection time."""
+        culprits = set(f.ranks)
+        seen = [m.last_ok for m in self.group.members if m.rank in culprits]
+        return min(detected_at, max(seen)) if seen else detected_at

@@ -1,5 +1,5 @@
 """What the worker group learns from the agent tree, and what it does about a lost agent
-(driver side; a part of ``WorkerGroup``, split out by concern).
+(driver side): ``GroupPoll``, which the group looks through and sends its commands by.
 
 Each look at the tree (``agent_link.AgentTree.look``) brings step rows and reports (kept
 for the controller), answers to commands (gathered by command id), and news of ranks: a
@@ -18,16 +18,15 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from elastic.control.agent_link import AgentTree, Taken
 from elastic.control.diagnosis import PEER_GRACE_S, RayletProbe
+from elastic.control.worker_group.state import GroupState
 from elastic.messages import Attach, CommandDone, NodeCommand, NodeConfigure, NodeState
-
-if TYPE_CHECKING:
-    from elastic.control.worker_group import Member
 
 logger = logging.getLogger(__name__)
 
@@ -73,25 +72,38 @@ class Gather:
         return bool(self.errors or self.lost)
 
 
-class GroupNews:
-    """Fields set by ``WorkerGroup.__init__``."""
+class GroupPoll:
+    """The group's end of the agent tree: each look applied to the members (``GroupState``),
+    the answers to commands gathered, lost agents and aggregators judged and replaced."""
 
-    spec: Any
-    tree: AgentTree
-    raylets: RayletProbe
-    members: list[Member]
-    _by_wid: dict[int, Member]
-    _on_node: dict[str, list[Member]]  # node -> every member spawned there
-    _inbox: list[tuple[int, Any]]
-    _notable: set[int]  # worker ids with news
-    _news_nodes: set[str]
-    _unreachable: dict[str, float]  # tree key -> seconds out of reach, as of the last look
-    _died: dict[str, float]  # agent key -> when the driver saw it dead with its raylet answering
-    _gathers: dict[int, Gather]
-    _configuring: bool  # a configure is in flight
+    def __init__(self, tree: AgentTree, raylets: RayletProbe, state: GroupState, heartbeat_timeout_s: float):
+        self.tree = tree
+        self.raylets = raylets
+        self.state = state
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._inbox: list[tuple[int, Any]] = []  # (rank, report) taken in, not yet handed to the controller
+        self._news_nodes: set[str] = set()
+        self._unreachable: dict[str, float] = {}  # tree key -> seconds out of reach, as of the last look
+        self._died: dict[str, float] = {}  # agent key -> when the driver saw it dead with its raylet answering
+        self._gathers: dict[int, Gather] = {}
+        self._configuring = False  # a configure is in flight
+
+    @contextmanager
+    def configuring(self) -> Iterator[None]:
+        """While the group re-forms: silence is not acted on (death is)."""
+        self._configuring = True
+        try:
+            yield
+        finally:
+            self._configuring = False
+
+    def take(self) -> list[tuple[int, Any]]:
+        """The reports taken in since the last ``take``."""
+        taken, self._inbox = self._inbox, []
+        return taken
 
     # ------------------------------------------------------------------ a look
-    def _look(self, timeout_s: float) -> float:
+    def look(self, timeout_s: float) -> float:
         """One look at the tree, applied; returns the driver clock when it was taken in."""
         taken = self.tree.look(timeout_s)
         now = time.monotonic()
@@ -117,7 +129,7 @@ class GroupNews:
     def _apply_state(self, state: NodeState, now: float) -> None:
         self._news_nodes.add(state.node)
         for news in state.news:
-            m = self._by_wid.get(news.wid)
+            m = self.state.by_wid.get(news.wid)
             if m is None:
                 continue
             m.step = max(m.step, news.step)
@@ -128,46 +140,39 @@ class GroupNews:
             if news.outcome is not None and m.run_result is None and news.since >= m.since:
                 m.run_result, m.returned_at = news.outcome, now - news.age_s
                 m.quiet = True  # its reports came up with (or before) this news
-            self._notable.add(m.wid)
+            self.state.notable.add(m.wid)
 
     def _clear_news(self, node: str) -> None:
         self._news_nodes.discard(node)
-        for m in self._members_on(node):
+        for m in self.state.on_node(node):
             m.silent_s = 0.0
 
-    def _members_on(self, node: str) -> list[Member]:
-        """Its members, live or not (newcomers not configured yet included)."""
-        return self._on_node.get(node, [])
-
     # ------------------------------------------------------------------ liveness as the diagnosis reads it
-    def _evidence(self) -> bool:
+    def evidence(self) -> bool:
         """Is there anything for the diagnosis to read? (else it is not run: O(news) per look)"""
-        for m in self._notable_members():
+        for m in self.state.notable_members():
             if m.dead or m.run_result is not None or m.silent_s >= PEER_GRACE_S:
                 return True
         return any(s >= PEER_GRACE_S for s in self._unreachable.values())
 
-    def _notable_members(self) -> list[Member]:
-        return [self._by_wid[w] for w in self._notable if w in self._by_wid]
-
-    def _out_of_reach(self, nodes: set[str]) -> set[str]:
+    def out_of_reach(self, nodes: set[str]) -> set[str]:
         """Those of ``nodes`` whose agent, or a link above it, is unanswered or dead."""
         bad = set(self._unreachable) | set(self.tree.broken_at) | set(self._died)
         if not bad:
             return set()
-        return {n for n in nodes if n not in self.tree.handles or any(k in bad for k in self.tree._chain(n))}
+        return {n for n in nodes if n not in self.tree.handles or any(k in bad for k in self.tree.chain(n))}
 
-    def _refresh_last_ok(self, now: float) -> None:
+    def refresh_last_ok(self, now: float) -> None:
         """Each member's ``last_ok`` as the diagnosis reads it: now, less how long it has been
         out of reach (its own poll past due, or its agent's or an aggregator's answer)."""
         reach, broken = self._unreachable, self.tree.broken_at
         chain_silence: dict[str, float] = {}
-        for m in self.members:
+        for m in self.state.members:
             s = chain_silence.get(m.node_id)
             if s is None:
                 # a dead link: silent since its first failed call (0 when the driver never saw one)
                 ks = [reach.get(k, 0.0) if math.isfinite(reach.get(k, 0.0)) else now - broken.get(k, now)
-                      for k in self.tree._chain(m.node_id)]  # fmt: skip
+                      for k in self.tree.chain(m.node_id)]  # fmt: skip
                 s = chain_silence[m.node_id] = max(ks, default=0.0)
             m.last_ok = now - max(m.silent_s, s)
 
@@ -193,7 +198,7 @@ class GroupNews:
                     continue
             # Silence is not acted on while the group re-forms (its ranks' work starves the
             # agents of CPU on a small host; the configure has its own timeout), death is.
-            if math.isinf(seconds) or (seconds >= self.spec.elastic.heartbeat_timeout_s and not self._configuring):
+            if math.isinf(seconds) or (seconds >= self.heartbeat_timeout_s and not self._configuring):
                 what = "the agent of node" if is_agent else "aggregator"
                 logger.warning(
                     "%s %s %s: replaced", what, key, "died" if math.isinf(seconds) else f"silent {seconds:.1f}s"
@@ -205,11 +210,11 @@ class GroupNews:
 
     def _node_lost(self, node: str) -> None:
         """Its agent is gone and its raylet refuses: every rank there is dead."""
-        for m in self._members_on(node):
+        for m in self.state.on_node(node):
             if not m.dead:
                 m.dead = True
                 m.returned_at = time.monotonic()
-                self._notable.add(m.wid)
+                self.state.notable.add(m.wid)
         self.tree.remove_node(node)
 
     def _relink(self, key: str) -> None:
@@ -218,7 +223,7 @@ class GroupNews:
         agent is lost: its ranks' answers went to the old one)."""
         nodes = self.tree.nodes_under.get(key, set())
         if key not in self.tree.children:
-            live = [m for m in self._members_on(key) if not m.dead]
+            live = [m for m in self.state.on_node(key) if not m.dead]
             if live:
                 self.tree.send({key: Attach({m.wid: (m.actor, m.rank) for m in live}, {m.wid: m.since for m in live})})
         for g in self._gathers.values():
@@ -232,39 +237,28 @@ class GroupNews:
             self.tree.resend(g.cid, parts)
 
     # ------------------------------------------------------------------ commands and their answers
-    def _command(self, parts: dict[str, NodeCommand], expect: dict[str, set[int]] | None = None) -> Gather:
+    def command(self, parts: dict[str, NodeCommand], expect: dict[str, set[int]] | None = None) -> Gather:
         cid = self.tree.send(parts)
         g = self._gathers[cid] = Gather(cid, parts, expect or {})
         return g
 
-    def _wait_for(self, g: Gather, timeout_s: float, until_failure: bool = False) -> Gather:
+    def wait_for(self, g: Gather, timeout_s: float, until_failure: bool = False) -> Gather:
         """Look until every expected answer is in (a dead member counts as lost), a failure
         with ``until_failure``, or ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         expected = {w for ws in g.expect.values() for w in ws}
         try:
             while True:
-                g.lose({w for w in self._notable if w in expected and self._by_wid[w].dead})
+                g.lose({w for w in self.state.notable if w in expected and self.state.by_wid[w].dead})
                 if g.complete() or (until_failure and g.failed()):
                     return g
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return g
-                self._look(min(left, 0.1))
+                self.look(min(left, 0.1))
         finally:
             if g.complete():
                 self._gathers.pop(g.cid, None)
 
-    def _done(self, g: Gather) -> None:
+    def done(self, g: Gather) -> None:
         self._gathers.pop(g.cid, None)
-
-
-def by_node(members: Iterable[Member]) -> dict[str, list[Member]]:
-    out: dict[str, list[Member]] = {}
-    for m in members:
-        out.setdefault(m.node_id, []).append(m)
-    return out
-
-
-def wids_by_node(members: Sequence[Member]) -> dict[str, set[int]]:
-    return {node: {m.wid for m in ms} for node, ms in by_node(members).items()}

@@ -1,5 +1,5 @@
 """The controller's states: one small class each, carrying its own data
-(``elastic/control/controller.py`` moves between them)."""
+(``controller.py`` beside it moves between them)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Carrying out a ``ReformPlan`` on Ray: every rank's ``ConfigureRequest`` built first, then
 all sent in one command down the agent tree, then gathered (driver side;
-``WorkerGroup.configure`` calls it).
+``WorkerGroup.configure`` calls it, through the group's ``GroupPoll``).
 
 Building every request before sending any keeps the first and the last rank's arrival at
 the rendezvous apart by the tree's fan-out only, not by the planning work: with the
@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from elastic.control.recovery_plan import ReformPlan
-from elastic.control.worker_group_api import ConfigureResult
+from elastic.control.worker_group.api import ConfigureResult
 from elastic.errors import NodeResourceError, RendezvousFailed, WorkerError, WorkerFailure
 from elastic.errors import root_cause as _root_cause
 from elastic.messages import ConfigureRequest, MemoryRestore, NodeConfigure, Signal, StorageRestore
 
 if TYPE_CHECKING:
-    from elastic.control.worker_group import Member, WorkerGroup
+    from elastic.control.worker_group.poll import GroupPoll
+    from elastic.control.worker_group.worker import Member
 
 logger = logging.getLogger(__name__)
 
@@ -91,15 +92,18 @@ def build_requests(
 
 
 def configure_through(
-    group: WorkerGroup,
+    poll: GroupPoll,
     members: Sequence[Member],
     requests: Sequence[ConfigureRequest],
     generation: int,
     timeout_s: float,
+    lost_failure: Callable[[Sequence[Member], str], WorkerFailure],
+    sent_at: list[float],
 ) -> ConfigureResult:
     """Send every request down the agent tree in one command (one call per channel, each
     node's requests together), then gather every rank's reply; a member lost meanwhile
-    becomes a typed failure (``lost_failure(members, when)``).
+    becomes a typed failure (``lost_failure(members, when)``); ``sent_at`` gets the driver
+    clock once every request is on its way.
 
     As soon as one member is lost or fails, the generation is abandoned: every member
     still configuring is told so (``abandon_rendezvous``, answered by its control thread
@@ -112,16 +116,16 @@ def configure_through(
     for m, req in zip(members, requests):
         parts.setdefault(m.node_id, {})[m.wid] = req
     expect = {node: set(reqs) for node, reqs in parts.items()}
-    g = group._command({node: NodeConfigure(reqs) for node, reqs in parts.items()}, expect)
-    group.configure_sent_at.append(time.monotonic())  # every request is on its way (benchmarks/control_plane.py)
+    g = poll.command({node: NodeConfigure(reqs) for node, reqs in parts.items()}, expect)
+    sent_at.append(time.monotonic())  # every request is on its way (benchmarks/control_plane.py)
     for m in members:
         m.since = g.cid
-    group._wait_for(g, timeout_s + RPC_TIMEOUT_S, until_failure=True)
+    poll.wait_for(g, timeout_s + RPC_TIMEOUT_S, until_failure=True)
     if g.failed() and not g.complete():
         logger.info("generation %d abandoned: a member was lost or failed while it formed", generation)
-        group.tree.send(dict.fromkeys(expect, Signal("abandon_rendezvous", generation)))
-        group._wait_for(g, timeout_s + RPC_TIMEOUT_S)
-    group._done(g)
+        poll.tree.send(dict.fromkeys(expect, Signal("abandon_rendezvous", generation)))
+        poll.wait_for(g, timeout_s + RPC_TIMEOUT_S)
+    poll.done(g)
     by_wid = {m.wid: m for m in members}
     lost = [by_wid[w] for w in sorted(g.lost)]
     for m in lost:
@@ -131,7 +135,7 @@ def configure_through(
     nodes = len({m.node_id for m in silent})
     failed += [(m, f"GetTimeoutError: no answer from {len(silent)} rank(s) on {nodes} node(s)") for m in silent]
     if lost or failed:
-        failure = group._lost_failure(lost, "lost while reconfiguring") if lost else _configure_failure(g, failed)
+        failure = lost_failure(lost, "lost while reconfiguring") if lost else _configure_failure(g, failed)
         failure.unanswered = [m.rank for m in silent]
         raise failure
     ordered = [g.replies[m.wid] for m in members]
