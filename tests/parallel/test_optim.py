@@ -62,7 +62,9 @@ def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int = 3) -> No
             {"name": "sgd", "momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
             lambda d, n: torch.optim.SGD(
                 [{"params": d, "weight_decay": 0.01}, {"params": n, "weight_decay": 0.0}],
-                lr=0.1, momentum=0.9, nesterov=True,
+                lr=0.1,
+                momentum=0.9,
+                nesterov=True,
             ),
         ),
         ("sgd", lambda d, n: torch.optim.SGD(d + n, lr=0.1)),
@@ -70,7 +72,9 @@ def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int = 3) -> No
             {"betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.05},
             lambda d, n: torch.optim.AdamW(
                 [{"params": d, "weight_decay": 0.05}, {"params": n, "weight_decay": 0.0}],
-                lr=0.1, betas=(0.8, 0.99), eps=1e-6,
+                lr=0.1,
+                betas=(0.8, 0.99),
+                eps=1e-6,
             ),
         ),
     ],
@@ -103,6 +107,7 @@ def test_adamw_default_is_unchanged():
 
 def test_each_schedule_follows_its_curve():
     """100 steps, warmup 10, floor 0.1: the factor at chosen steps, by hand."""
+
     def curve(schedule: str, **kw) -> list[float]:
         cfg = TrainConfig(steps=100, warmup_steps=10, min_lr_ratio=0.1, schedule=schedule, **kw)
         return [lr_factor(s, cfg) for s in (0, 9, 10, 55, 79, 80, 90, 100)]
@@ -115,13 +120,17 @@ def test_each_schedule_follows_its_curve():
     assert curve("constant") == pytest.approx(warm + [1.0] * 6)
     # wsd, last 20% decaying: flat to step 80, then linear to the floor at step 100
     assert curve("wsd") == pytest.approx(warm + [1.0, 1.0, 1.0, 1.0, 1 - 0.9 * 0.5, 0.1], abs=1e-12)
-    assert curve("wsd", decay_fraction=0.5)[3:] == pytest.approx([1 - 0.9 * 5 / 50, 1 - 0.9 * 29 / 50, 1 - 0.9 * 0.6, 0.28, 0.1])
+    assert curve("wsd", decay_fraction=0.5)[3:] == pytest.approx(
+        [1 - 0.9 * 5 / 50, 1 - 0.9 * 29 / 50, 1 - 0.9 * 0.6, 0.28, 0.1]
+    )
 
 
 def test_memory_model_counts_each_optimizers_state():
     """Per-rank state: AdamW 8 bytes a parameter, SGD with momentum 4, plain SGD none."""
-    est = {name: estimate_for_spec(spec({"optimizer": o}), 1) for name, o in
-           [("adamw", {}), ("momentum", {"name": "sgd", "momentum": 0.9}), ("plain", "sgd")]}
+    est = {
+        name: estimate_for_spec(spec({"optimizer": o}), 1)
+        for name, o in [("adamw", {}), ("momentum", {"name": "sgd", "momentum": 0.9}), ("plain", "sgd")]
+    }
     params = est["adamw"].params // 4
     assert est["adamw"].optimizer == 8 * params
     assert est["momentum"].optimizer == 4 * params
