@@ -161,6 +161,8 @@ def _first_error(exc: ValidationError) -> SpecError:
     loc = list(err["loc"])
     if loc[:1] == ["model"] and len(loc) > 1 and loc[1] in MODEL_KINDS:
         del loc[1]  # the union's tag (model.llama.n_kv_heads -> model.n_kv_heads)
+    if loc[:2] == ["train", "optimizer"] and len(loc) > 2 and loc[2] in ("adamw", "sgd"):
+        del loc[2]  # the same for train.optimizer (train.optimizer.sgd.momentum)
     if err["type"] == "model_kind":
         loc = ["model", "kind"]
     field = ".".join(str(p) for p in loc) or "spec"

@@ -57,7 +57,7 @@ def load_snapshots_into(engine: Any, snaps: dict[int, Snapshot]) -> None:
         # memory tier reuses for later snapshots (and AdamW bumps ``step`` in place).
         flat = {k: v.clone() for k, v in first.tensors.items() if k.startswith(APP + "/")}
         flat.update({k: copy.deepcopy(v) for k, v in first.objects.items() if k.startswith(APP + "/")})
-        engine.load_state_dict(unflatten_state(flat)[APP])
+        engine.load_state_dict(app_state(flat))
         sync_lr(engine)
         return
     _load_resharded(engine, list(snaps.values()))
@@ -133,8 +133,17 @@ def finish_load(engine: Any, tensors: dict[str, Any], target_objects: dict[str, 
             flat[path] = copy.deepcopy(loaded[path])
         else:
             raise LayoutMismatch(f"{path}: not in the checkpoint")
-    engine.load_state_dict(unflatten_state(flat)[APP])
+    engine.load_state_dict(app_state(flat))
     sync_lr(engine)
+
+
+def app_state(flat: dict[str, Any]) -> dict:
+    """The engine's state from flat snapshot paths. An optimizer that keeps no per-parameter
+    state (SGD without momentum) saves an empty ``state``, which flattening drops; DCP would
+    read its absence as another format, so it is put back."""
+    state = unflatten_state(flat)[APP]
+    state.setdefault("optim", {}).setdefault("state", {})
+    return state
 
 
 def sync_lr(engine: Any) -> None:

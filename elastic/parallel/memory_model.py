@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from elastic.errors import SpecError
+from elastic.optim import state_bytes_name
 from elastic.parallel.memory_terms import STATE_BYTES, ceil_div, layers_per_stage, stage_estimate, stage_params
 
 
@@ -349,6 +350,8 @@ def estimate_for_spec(spec: Any, dp: int, dtype_bytes: int = 4, **kwargs: Any) -
         kwargs["compute_dtype_bytes"] = 2 if train.resolved_dtype(device) == "bf16" else None
     if "num_microbatches" not in kwargs and hasattr(spec, "grad_accum"):
         kwargs["num_microbatches"] = max(1, spec.grad_accum(dp))
+    if "optimizer" not in kwargs and train is not None and hasattr(train, "optimizer"):
+        kwargs["optimizer"] = state_bytes_name(train)  # train.optimizer: SGD keeps 0 or 4 bytes
     kwargs.setdefault("pp_schedule", getattr(p, "pp_schedule", "1f1b"))
     kwargs.setdefault("ep", getattr(p, "ep", 1))
     kwargs.setdefault("cp", getattr(p, "cp", 1))

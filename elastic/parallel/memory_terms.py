@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from elastic.parallel.memory_model import LayerActivations, MemoryInputs, StageContext
 
-STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}  # optimizer state bytes per fp32 parameter
+# Optimizer state bytes per fp32 parameter: AdamW's two moments, SGD's momentum buffer,
+# plain SGD (momentum 0) none.
+STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4, "sgd_plain": 0}
 # The loss on the last stage, bytes per token and vocabulary entry (all fp32: the loss
 # upcasts): the log-probabilities cross_entropy keeps for backward; when backward starts,
 # their gradient and the logits' gradient (torch's loss_parallel fuses the two: one).

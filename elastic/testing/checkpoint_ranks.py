@@ -30,13 +30,14 @@ from elastic.testing.ranks import init_group
 GLOBAL, MICRO, STEPS = 8, 2, 3
 
 
-def make_spec(zero: int, uri: str) -> JobSpec:
+def make_spec(zero: int, uri: str, train: dict | None = None) -> JobSpec:
+    """``train``: keys over the default ``train`` section (``optimizer``, ``schedule``)."""
     return JobSpec.from_dict(
         {
             "model": {"n_layers": 2, "d_model": 32, "n_heads": 4, "vocab_size": 64, "seq_len": 16},
             "parallel": {"micro_batch": MICRO, "zero": zero},
             "elastic": {"min_dp": 1, "max_dp": 2},
-            "train": {"steps": 20, "global_batch": GLOBAL, "lr": 1e-2, "warmup_steps": 6},
+            "train": {"steps": 20, "global_batch": GLOBAL, "lr": 1e-2, "warmup_steps": 6, **(train or {})},
             "checkpoint": {"uri": uri, "every_steps": 1, "async": False},
         }
     )
@@ -115,10 +116,11 @@ def staggered_restore(
         dist.destroy_process_group()
 
 
-def reshard_memory(rank: int, world: int, out: str) -> dict | None:
-    """FSDP (zero 3) dp=2 memory snapshots of step 3, loaded by a dp=1 engine on rank 0."""
+def reshard_memory(rank: int, world: int, out: str, train_keys: dict | None = None) -> dict | None:
+    """FSDP (zero 3) dp=2 memory snapshots of step 3, loaded by a dp=1 engine on rank 0
+    (``train_keys``: over the spec's ``train`` section, e.g. another optimizer)."""
     init_group(rank, world, os.path.join(out, "store"))
-    spec = make_spec(3, "unused")
+    spec = make_spec(3, "unused", train_keys)
     engine = build(spec, world)
     train(engine, 0, STEPS)
     tier = MemoryTier()
@@ -142,6 +144,31 @@ def reshard_memory(rank: int, world: int, out: str) -> dict | None:
             "losses": (loss_dp2, train(single, STEPS, 1)[0]),
             "lr": got["lr"],
             "want_lr": want["lr"],
+            "optimizer": type(single.optimizer).__name__,
+            "state_keys": sorted({k.rsplit("/", 1)[-1] for k in got if "/optim/state/" in k}),
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def roundtrip_memory(rank: int, world: int, out: str, train_keys: dict) -> dict:
+    """A DDP memory snapshot of step 3 loaded into a fresh engine of the same layout."""
+    init_group(rank, world, os.path.join(out, "store"))
+    try:
+        spec = make_spec(0, "unused", train_keys)
+        engine = build(spec, world)
+        train(engine, 0, STEPS)
+        tier = MemoryTier()
+        tier.snapshot_async(STEPS, rank, {"app": engine.state_dict(), "train": {"step": STEPS}}, {"dp": world})
+        tier.wait()
+        want = full_state(engine)
+        restored = build(spec, world)
+        load_snapshots_into(restored, {rank: tier.get(rank, STEPS)})
+        got = full_state(restored)
+        return {
+            "diff": diff(want, got),
+            "lr": (want["lr"], got["lr"]),
+            "losses": (train(engine, STEPS, 1), train(restored, STEPS, 1)),
         }
     finally:
         dist.destroy_process_group()

@@ -44,11 +44,31 @@ def test_staggered_restore_reads_each_shard_once(tmp_path, zero):
 
 
 @pytest.mark.timeout(240)
-def test_fsdp_dp2_snapshots_reshard_into_dp1(tmp_path):
-    r = run_ranks(2, checkpoint_ranks.reshard_memory, (), tmp_path / "out")[0]
+@pytest.mark.parametrize(
+    ("train_keys", "optimizer", "state_keys"),
+    [
+        ({}, "AdamW", ["exp_avg", "exp_avg_sq", "step"]),
+        ({"optimizer": {"name": "sgd", "momentum": 0.9}, "schedule": "wsd"}, "SGD", ["momentum_buffer"]),
+    ],
+)
+def test_fsdp_dp2_snapshots_reshard_into_dp1(tmp_path, train_keys, optimizer, state_keys):
+    """Each optimizer's state (AdamW's moments, SGD's momentum buffer) and the schedule's
+    position reshard from FSDP dp=2 into dp=1 exactly; the next step's loss agrees."""
+    r = run_ranks(2, checkpoint_ranks.reshard_memory, (train_keys,), tmp_path / "out")[0]
     assert r["sharded"] == ["ShardRecord"]  # the snapshots really were FSDP shards
+    assert (r["optimizer"], r["state_keys"]) == (optimizer, state_keys)
     assert r["diff"] == [] and r["lr"] == r["want_lr"]
     assert r["losses"][1] == pytest.approx(r["losses"][0], rel=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_plain_sgd_without_state_restores_from_memory(tmp_path):
+    """SGD without momentum keeps no per-parameter state: its snapshot still restores (the
+    empty ``state`` a flattened snapshot drops is put back), the schedule's lr with it."""
+    keys = {"optimizer": "sgd", "schedule": "linear"}
+    r = run_ranks(1, checkpoint_ranks.roundtrip_memory, (keys,), tmp_path / "out")[0]
+    assert r["diff"] == [] and r["lr"][0] == r["lr"][1]
+    assert r["losses"][0] == r["losses"][1]
 
 
 @pytest.mark.timeout(240)
