@@ -3,7 +3,10 @@
 Runs in the driver (``elastic`` CLI, the Python API), before anything starts. Two things
 plain ``yaml.safe_load`` lets through are refused here: a key written twice in one mapping
 (YAML keeps the last one silently, so a spec would run with a value its author did not
-see), and a file that is not text.
+see), and a file that is not text. So is a document too large or deep to be a spec, which
+would otherwise hang or crash the checks after it: an alias "bomb" (a few hundred bytes of
+anchors that expand to 10^9 values), an alias that contains itself, or nesting deeper than
+``MAX_DEPTH`` (Python's recursion limit is hit at about 1,000 levels).
 """
 
 from __future__ import annotations
@@ -24,13 +27,68 @@ class DuplicateKey(yaml.constructor.ConstructorError):
         super().__init__(None, None, f"key {path!r} is given twice (line {line})")
 
 
+MAX_VALUES = 100_000  # values of the document once every alias is expanded; a spec has < 1,000
+MAX_DEPTH = 64  # nesting levels; a spec has 4
+
+
+class TooComplex(yaml.YAMLError):
+    """The document's shape is refused before it is built (see the module docstring)."""
+
+
+def check_shape(root: yaml.Node) -> None:
+    """Refuse a cycle through aliases, nesting deeper than ``MAX_DEPTH`` and more than
+    ``MAX_VALUES`` values after alias expansion. Iterative, with each shared node's expanded
+    size counted once, so the check itself costs the size of the text, not of the expansion."""
+    size: dict[int, int] = {}
+    depth: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        kids = _children(node)
+        if children_done:
+            on_path.discard(key)
+            size[key] = 1 + sum(size[id(k)] for k in kids)
+            depth[key] = 1 + max((depth[id(k)] for k in kids), default=0)
+            if depth[key] > MAX_DEPTH:
+                raise TooComplex(f"nested deeper than {MAX_DEPTH} levels (line {node.start_mark.line + 1})")
+            if size[key] > MAX_VALUES:
+                raise TooComplex(
+                    f"expands to more than {MAX_VALUES:,} values (aliases of aliases, line {node.start_mark.line + 1})"
+                )
+            continue
+        if key in size:
+            continue
+        on_path.add(key)
+        stack.append((node, True))
+        for kid in kids:
+            if id(kid) in on_path:
+                raise TooComplex(f"an alias contains itself (line {kid.start_mark.line + 1})")
+            if id(kid) not in size:
+                stack.append((kid, False))
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
 class _StrictLoader(yaml.SafeLoader):
     """``SafeLoader`` that refuses a key written twice in one mapping."""
 
     _root: yaml.Node | None = None  # the document, kept to name a duplicate's dotted path
 
     def get_single_data(self) -> Any:
-        self._root = self.get_single_node()
+        try:
+            self._root = self.get_single_node()
+        except RecursionError:  # the composer recurses once per nesting level
+            raise TooComplex(f"nested deeper than {MAX_DEPTH} levels") from None
+        if self._root is not None:
+            check_shape(self._root)
         return None if self._root is None else self.construct_document(self._root)
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:

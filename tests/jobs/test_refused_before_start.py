@@ -104,6 +104,34 @@ def test_binary_or_duplicate_key_spec_files_arerefused(capsys, tmp_path, content
         assert "given twice" in line
 
 
+_BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(8)
+)  # 9 levels of 10 aliases: 10^9 values from ~330 bytes
+
+
+@pytest.mark.parametrize(
+    "content,says",
+    [
+        (_BOMB, "expands to more than"),
+        ("a: &a [1, *a]\n", "contains itself"),
+        ("a: &a {b: *a}\n", "contains itself"),
+        ("x: " + "[" * 3000 + "]" * 3000 + "\n", "nested deeper"),
+    ],
+    ids=["alias-bomb", "cyclic-list", "cyclic-map", "3000-levels"],
+)
+def test_spec_files_too_large_or_deep_to_be_a_spec_are_refused_fast(capsys, tmp_path, content, says):
+    """Before: the bomb hung the CLI in the finite-number walk; a cycle or deep nesting was a
+    RecursionError traceback. Now one line naming the file's field, within a second."""
+    import time
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(content)
+    start = time.monotonic()
+    line = refused(capsys, ["run", str(spec), "--run-dir", str(tmp_path / "run")], "config")
+    assert says in line and time.monotonic() - start < 5.0
+    assert not (tmp_path / "run").exists()
+
+
 def test_merge_keys_are_not_duplicates(tmp_path):
     spec = tmp_path / "spec.yaml"
     spec.write_text("base: &b {n_layers: 2, d_model: 32}\n")  # `base` is not a spec key: read_yaml only
