@@ -65,6 +65,8 @@ up() {
     && [ ! -s "${HOME}/.ray/auth_token" ]; then
     "${RAY}" get-auth-token --generate >/dev/null
   fi
+  # Ray writes the token with the umask (0644): a password, readable by its owner only.
+  [ -f "${HOME}/.ray/auth_token" ] && [ ! -L "${HOME}/.ray/auth_token" ] && chmod 600 "${HOME}/.ray/auth_token"
   "${RAY}" start --head --node-ip-address=127.0.0.1 --port="${port}" --num-cpus=0 \
     --object-store-memory="${STORE}" --include-dashboard=true --dashboard-host=127.0.0.1 \
     --dashboard-port="${dashboard}" --ray-client-server-port="${client}" --disable-usage-stats \

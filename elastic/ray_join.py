@@ -96,6 +96,7 @@ def connect(target: Target, start_embedded: Callable[[], None]) -> bool:
             start_embedded()
             return True
         ray.init(address=target.address, log_to_driver=False, logging_level=QUIET_LOG_LEVEL)
+        private_token_file()
         return False
     except (SpecError, JobFailed):
         raise
@@ -118,8 +119,25 @@ def embedded(num_cpus: int, **init: Any) -> Callable[[], None]:
             logging_level=QUIET_LOG_LEVEL,
             **init,
         )
+        private_token_file()
 
     return start
+
+
+def private_token_file() -> None:
+    """Make Ray's token file (``~/.ray/auth_token``) readable by its owner only.
+
+    Ray writes the token it generates for a new local cluster with the process's umask
+    (0644 on most hosts), so any user of the machine could read it and join the cluster; it
+    is a password, so it is made 0600, as ``ssh`` keeps its keys. A file another user owns
+    is left alone (it is not ours to change)."""
+    path = os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if st.st_uid == os.getuid() and st.st_mode & 0o077 and not os.path.islink(path):
+        os.chmod(path, 0o600)
 
 
 def _one_line(exc: BaseException, limit: int = 300) -> str:
