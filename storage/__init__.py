@@ -30,6 +30,7 @@ from storage.errors import (
     LayoutMismatch,
     StorageError,
     StorageUnavailable,
+    UnsafePath,
 )
 from storage.fs import FsspecStorage, Storage, open_storage, redact, redact_uri, url_to_fs
 from storage.manifest import Damage, FileRecord, Manifest
@@ -69,4 +70,5 @@ __all__ = [
     "ChecksumMismatch",
     "IncompleteCheckpoint",
     "LayoutMismatch",
+    "UnsafePath",
 ]

@@ -35,10 +35,10 @@ from storage import codec
 from storage.dcp_meta import to_torch_metadata
 from storage.dcp_planner import ReshardPlanner
 from storage.dcp_write import METADATA_JSON
-from storage.errors import CheckpointNotFound, ChecksumMismatch
+from storage.errors import CheckpointNotFound, ChecksumMismatch, UnsafePath
 from storage.manifest import MANIFEST, MARKER, Manifest, Marker, crc32
 from storage.records import ShardRecord
-from storage.store import CheckpointStore
+from storage.store import CheckpointStore, safe_relpath
 
 _MAX_REQUEST = 64 << 20
 
@@ -114,6 +114,12 @@ class CheckpointReader(_ReaderBase):
         self.manifest = Manifest.from_bytes(raw)
         self.doc = json.loads(self._get_verified(METADATA_JSON))
         self.metadata, self._where = to_torch_metadata(self.doc["tensors"])
+        named = {box["file"] for box in self._where.values()} | {rec["file"] for rec in self.doc["objects"].values()}
+        for file in sorted(named, key=str):
+            if not safe_relpath(file):
+                raise UnsafePath(str(file))
+            if file not in self.manifest.files:
+                raise ChecksumMismatch(file, f"named by {METADATA_JSON} but not in the manifest")
 
     def _get(self, relpath: str, start: int | None = None, end: int | None = None) -> bytes:
         data = self.store.get_file(self.step, relpath, start, end)

@@ -27,6 +27,9 @@ class StorageUnavailable(StorageError):
         cause = f"{type(last_error).__name__}: {last_error}" if last_error is not None else "unknown"
         super().__init__(f"storage unavailable for {what} after {attempts} attempts in {elapsed_s:.1f}s ({cause})")
 
+    def __reduce__(self):  # crosses Ray's actor boundary: rebuilt from its own arguments
+        return (type(self), (self.what, self.attempts, self.elapsed_s, self.last_error))
+
 
 class CheckpointNotFound(StorageError):
     """No committed checkpoint exists for the requested step (or at all)."""
@@ -39,6 +42,18 @@ class ChecksumMismatch(StorageError):
         self.relpath = relpath
         self.detail = detail
         super().__init__(f"{relpath}: {detail}")
+
+    def __reduce__(self):  # without it a worker's error reached the driver as "Failed to deserialize exception"
+        return (type(self), (self.relpath, self.detail))
+
+
+class UnsafePath(ChecksumMismatch):
+    """A checkpoint's manifest or metadata names a file outside its own directory (an absolute
+    path, ``..``, a backslash or an empty part): the checkpoint is treated as damaged and the
+    file is never opened."""
+
+    def __init__(self, relpath: str, detail: str = "names a path outside its checkpoint directory"):
+        super().__init__(relpath, detail)
 
 
 class IncompleteCheckpoint(StorageError):

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from storage.errors import CheckpointNotFound, IncompleteCheckpoint
+from storage.errors import CheckpointNotFound, IncompleteCheckpoint, UnsafePath
 from storage.fs import Storage, open_storage, redact, redact_uri
 from storage.manifest import MANIFEST, MARKER, Damage, FileRecord, Manifest, Marker, crc32
 from storage.retry import RetryPolicy, call_with_retry
@@ -32,6 +32,18 @@ from storage.retry import RetryPolicy, call_with_retry
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_SAFE_PART = re.compile(r"^[A-Za-z0-9_.+=@,-]+$")
+
+
+def safe_relpath(relpath: object) -> bool:
+    """A relative name of ``/``-separated parts, none empty, ``.`` or ``..``, each of plain
+    characters (no backslash, colon, NUL or space): it cannot leave the directory it is
+    joined to, on a file system or an object store."""
+    if not isinstance(relpath, str) or not relpath:
+        return False
+    return all(part not in (".", "..") and _SAFE_PART.match(part) for part in relpath.split("/"))
+
+
 _READ_BLOCK = 4 << 20
 
 
@@ -78,6 +90,10 @@ class CheckpointStore:
         return self.storage.join(self.root, f"step_{step:08d}")
 
     def file_uri(self, step: int, relpath: str) -> str:
+        """The URI of ``relpath`` inside step ``step``'s directory; a name that could leave it
+        (the names come from files a reader does not trust) is :class:`UnsafePath`."""
+        if not safe_relpath(relpath):
+            raise UnsafePath(relpath)
         return self.storage.join(self.step_uri(step), relpath)
 
     # ----- reading the catalogue -----
@@ -160,7 +176,9 @@ class CheckpointStore:
             damage.append(Damage(MANIFEST, "crc32 does not match the commit marker"))
         present = self._retry(lambda: self.storage.sizes(self.step_uri(step)), "list checkpoint files")
         for rec in sorted(manifest.files.values(), key=lambda r: r.relpath):
-            if rec.relpath not in present:
+            if not safe_relpath(rec.relpath):
+                damage.append(Damage(rec.relpath, "names a path outside its checkpoint directory"))
+            elif rec.relpath not in present:
                 damage.append(Damage(rec.relpath, "missing"))
             elif present[rec.relpath] != rec.size:
                 damage.append(Damage(rec.relpath, f"size {present[rec.relpath]} != {rec.size} in manifest"))

@@ -84,6 +84,8 @@ def ckpt_verify(uri: str, step: int | None) -> int:
             if not store.storage.ls(store.step_uri(step)):
                 raise _BadInput(f"no checkpoint for step {step} under {_redact(uri)}")
             steps = [step]
+        from storage.store import safe_relpath
+
         damaged = 0
         for s in steps:
             damage = store.verify(s, deep=True)
@@ -92,7 +94,8 @@ def ckpt_verify(uri: str, step: int | None) -> int:
                 continue
             damaged += 1
             for d in damage:
-                print(f"step {s}: DAMAGED {_redact(store.file_uri(s, d.relpath))}: {d.reason}")
+                where = _redact(store.file_uri(s, d.relpath)) if safe_relpath(d.relpath) else repr(d.relpath)
+                print(f"step {s}: DAMAGED {where}: {d.reason}")
     except _BadInput as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

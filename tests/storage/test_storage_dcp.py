@@ -242,3 +242,76 @@ def test_cpu_snapshot_copies_and_assigns_writers():
     cursor["offsets"].append(3)
     assert torch.equal(snap0["w"], torch.arange(6.0)) and snap0["cursor"] == {"offsets": [1, 2]}
     assert owned0 == {"w", "step", "cursor", "rng.rank0"} and owned1 == {"rng.rank1"}
+
+
+def _forge(store, edit) -> None:
+    """Edit ``metadata.json`` (or the manifest) of STEP and fix every checksum up, as an
+    attacker with write access to the checkpoint would: the commit chain still verifies."""
+    import json
+
+    from storage.manifest import FileRecord, Manifest, Marker, crc32
+
+    step_dir = store.step_uri(STEP)
+    meta_path = os.path.join(step_dir, "metadata.json")
+    doc = json.load(open(meta_path))
+    raw_manifest = open(os.path.join(step_dir, "manifest.json"), "rb").read()
+    manifest = Manifest.from_bytes(raw_manifest)
+    edit(doc, manifest)
+    body = json.dumps(doc, sort_keys=True).encode()
+    open(meta_path, "wb").write(body)
+    manifest.files["metadata.json"] = FileRecord("metadata.json", len(body), crc32(body))
+    raw_manifest = manifest.to_bytes()
+    open(os.path.join(step_dir, "manifest.json"), "wb").write(raw_manifest)
+    marker = Marker.from_bytes(open(os.path.join(step_dir, "COMMITTED"), "rb").read())
+    marker = Marker(marker.step, crc32(raw_manifest), manifest.total_bytes, marker.committed_at)
+    open(os.path.join(step_dir, "COMMITTED"), "wb").write(marker.to_bytes())
+
+
+@pytest.mark.parametrize("outside", ["../../outside.distcp", "/abs/outside.distcp", "sub/../../outside.distcp"])
+def test_a_metadata_path_that_leaves_the_checkpoint_is_never_opened(saved, state, tmp_path, outside):
+    """A box's ``file`` forged to point outside the step directory (checksums fixed up, and
+    the outside file a byte-exact copy, so a reader that followed it would load cleanly) is
+    refused as damage naming the path; issue 48: the worker used to open it."""
+    from storage.errors import UnsafePath
+
+    store, results = saved
+    tensors, _ = state
+    box = next(c for c in results[2].chunks if c.fqn == "model.0.weight")
+    real = os.path.join(store.step_uri(STEP), box.file)
+    copy = os.path.normpath(os.path.join(store.step_uri(STEP), "../../outside.distcp"))
+    open(copy, "wb").write(open(real, "rb").read())
+
+    def point_outside(doc, manifest):
+        for chunk in doc["tensors"]["model.0.weight"]["chunks"]:
+            if chunk["file"] == box.file:
+                chunk["file"] = outside
+
+    _forge(store, point_outside)
+    with pytest.raises(UnsafePath, match="outside its checkpoint directory"):
+        load_into(store, {"model.0.weight": torch.empty_like(tensors["model.0.weight"])})
+    assert isinstance(pickle.loads(pickle.dumps(UnsafePath(outside))), UnsafePath)  # crosses actors whole
+
+
+def test_a_manifest_entry_that_leaves_the_checkpoint_is_damage(saved):
+    store, _ = saved
+
+    def add_outside(doc, manifest):
+        from storage.manifest import FileRecord
+
+        manifest.files["../../etc/passwd"] = FileRecord("../../etc/passwd", 1, 0)
+
+    _forge(store, add_outside)
+    damage = store.verify(STEP)
+    assert [d.relpath for d in damage] == ["../../etc/passwd"], damage
+    assert "outside its checkpoint directory" in damage[0].reason
+
+
+def test_storage_errors_survive_pickling_with_their_fields():
+    """Ray re-raises a worker's exception in the driver by pickling it; a type that could not
+    be rebuilt from its args arrived as "Failed to deserialize exception"."""
+    from storage import StorageUnavailable
+
+    err = pickle.loads(pickle.dumps(ChecksumMismatch("a.distcp", "fails its crc32")))
+    assert (err.relpath, err.detail, str(err)) == ("a.distcp", "fails its crc32", "a.distcp: fails its crc32")
+    un = pickle.loads(pickle.dumps(StorageUnavailable("read x", 3, 1.5, OSError("down"))))
+    assert (un.what, un.attempts, un.elapsed_s) == ("read x", 3, 1.5) and "down" in str(un)
