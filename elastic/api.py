@@ -139,6 +139,8 @@ class ElasticTrainer:
         seq_len, vocab_size = token_shape(self.spec.model)
         check_corpus(self.spec.data, seq_len, vocab_size)
         target = None if ray.is_initialized() else ray_join.resolve(self.address)
+        if target is not None and target.address is None:
+            check_fits_embedded(self.spec)
         ck = self.spec.checkpoint
         uses_storage = bool(ck.every_steps) or self.resume
         claim_locations(
@@ -183,6 +185,36 @@ def ensure_ray(address: str | None, spec: Any) -> bool:
     if ray.is_initialized():
         return False
     return ray_join.connect(ray_join.resolve(address), _embedded(spec))
+
+
+WORKERS_PER_CORE = 8  # torch workers an embedded cluster may start per core of this machine
+
+
+def check_fits_embedded(spec: Any, cores: int | None = None) -> None:
+    """An embedded cluster starts ``max_dp`` replicas of ``replica_size`` workers on this one
+    machine (it is sized to the job: :func:`_embedded`): more than ``WORKERS_PER_CORE`` a core
+    would thrash it for minutes before the first step, so the spec is refused with the
+    number that fits (exit 2). A real cluster (``--address``) grows to what it has instead."""
+    from elastic.errors import SpecError
+
+    cores = cores or os.cpu_count() or 1
+    limit = WORKERS_PER_CORE * cores
+    replica = spec.parallel.replica_size
+    if replica > limit:
+        wide = [k for k in ("tp", "pp", "cp", "ep") if getattr(spec.parallel, k, 1) > 1]
+        field = f"parallel.{wide[0]}" if wide else "parallel"
+        raise SpecError(
+            field,
+            f"a replica of {replica} workers is more than the {limit} an embedded cluster starts on "
+            f"{cores} cores ({WORKERS_PER_CORE} a core); join a cluster with --address",
+        )
+    if spec.elastic.max_dp * replica > limit:
+        raise SpecError(
+            "elastic.max_dp",
+            f"{spec.elastic.max_dp} replicas of {replica} workers are more than the {limit} an embedded cluster "
+            f"starts on {cores} cores ({WORKERS_PER_CORE} a core): at most {limit // replica} fit here; "
+            "or join a cluster with --address",
+        )
 
 
 def _embedded(spec: Any):

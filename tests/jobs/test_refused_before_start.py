@@ -381,3 +381,21 @@ def test_rows_found_bad_while_training_end_the_job_at_once(ray_local, capsys, tm
     assert ingest_cli.main(parser.parse_args([str(docs), str(out)])) == 2
     assert "holds no documents" in capsys.readouterr().err
     assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.parametrize(
+    "sets,field,says",
+    [
+        (["elastic.max_dp=1000000"], "elastic.max_dp", "fit here"),
+        (["parallel.tp=64", "model.n_heads=64", "model.d_model=256"], "parallel.tp", "a replica of 64 workers"),
+    ],
+    ids=["max-dp", "tp"],
+)
+def test_more_workers_than_an_embedded_cluster_holds_are_refused_with_what_fits(capsys, tmp_path, sets, field, says):
+    """The embedded cluster is sized to the job: `max_dp: 1000000` would start a million torch
+    workers on this machine's cores; refused before anything starts, naming what fits."""
+    from elastic.api import WORKERS_PER_CORE
+
+    line = refused(capsys, run_args(tmp_path, *sets), field)
+    assert says in line and str(WORKERS_PER_CORE * (os.cpu_count() or 1)) in line, line
+    assert not (tmp_path / "run").exists()
