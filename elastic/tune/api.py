@@ -82,7 +82,7 @@ def run_sweep(
         raise SpecError("--out", f"{out} holds another sweep; choose a new --out")
     check_corpus(spec.data, spec.model.seq_len, spec.model.vocab_size)
     target = None if ray.is_initialized() else ray_join.resolve(address)
-    os.makedirs(out, exist_ok=True)
+    rep.private_dir(out)
     started = _connect(target, spec, worker_slots)
     t0 = time.monotonic()
     try:
@@ -101,11 +101,14 @@ def run_sweep(
             "corpus_cache": _prepare_corpus(spec, out),
             "faults": [(dict(m), hook) for m, hook in faults or []],
         }
-        with open(os.path.join(out, "sweep.json"), "w") as f:
-            plain = dict(
-                ctx, faults=[m for m, _ in ctx["faults"]], spec_cls=None
-            )  # the hooks are objects: their matches only
-            json.dump({"context": plain, "space": parsed, "exhaustive": exhaustive}, f, indent=2, default=str)
+        plain = dict(
+            ctx,
+            faults=[m for m, _ in ctx["faults"]],  # the hooks are objects: their matches only
+            spec_cls=None,
+            spec=rep.without_storage_options(raw_spec)[0],  # no credentials in a file
+        )
+        record = {"context": plain, "space": parsed, "exhaustive": exhaustive}
+        rep.write_private(os.path.join(out, "sweep.json"), json.dumps(record, indent=2, default=str))
         grid = None
         by_key: dict[str, Any] = {}
         if feasible:
@@ -136,18 +139,24 @@ def run_sweep(
             ray.shutdown()
 
 
-def restore_trainable(out: str, spec_cls: type[JobSpec]):
+def restore_trainable(out: str, spec_cls: type[JobSpec], spec: JobSpec | None = None):
     """The trainable (with its resources) of the sweep in ``out``, for ``Tuner.restore``;
-    ``spec_cls`` is ``jobs.JobSpec``."""
+    ``spec_cls`` is ``jobs.JobSpec``. ``sweep.json`` holds no credentials: a sweep whose
+    spec had ``storage_options`` is restored with ``spec``, the user's own, to take them from."""
     from ray import tune
 
     with open(os.path.join(out, "sweep.json")) as f:
         ctx = json.load(f)["context"]
     ctx["faults"] = []  # step hooks are not restored
     ctx["spec_cls"] = spec_cls
-    spec = spec_cls.from_dict(ctx["spec"])
+    if spec is not None:
+        given = spec.model_dump(by_alias=True)
+        for section, body in ctx["spec"].items():
+            if isinstance(body, dict) and "storage_options" in body and isinstance(given.get(section), dict):
+                body["storage_options"] = given[section].get("storage_options", {})
+    restored = spec_cls.from_dict(ctx["spec"])
     return tune.with_resources(
-        tune.with_parameters(run_trial, ctx=ctx), resources=lambda config: trial_resources(spec, config["cfg"])
+        tune.with_parameters(run_trial, ctx=ctx), resources=lambda config: trial_resources(restored, config["cfg"])
     )
 
 

@@ -13,6 +13,36 @@ import yaml
 from elastic.tune.space import Candidate, config_key, trial_spec_dict
 
 MEASURED = ("ok", "stopped_early")
+PRIVATE_DIR, PRIVATE_FILE = 0o750, 0o640  # a sweep's outputs: no more readable than a run dir
+
+
+def private_dir(path: str) -> None:
+    """Make ``path`` (and its parents) with mode 0750, whatever the umask."""
+    os.makedirs(path, mode=PRIVATE_DIR, exist_ok=True)
+    os.chmod(path, PRIVATE_DIR)
+
+
+def write_private(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` with mode 0640, whatever the umask."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE)
+    os.fchmod(fd, PRIVATE_FILE)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def without_storage_options(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A copy of a raw spec with every ``storage_options`` emptied, and the dotted keys
+    emptied: they hold credentials (and name which), and no output file of a sweep may
+    carry them. The trials themselves get the user's spec in memory, options included."""
+    out = json.loads(json.dumps(raw, default=str))
+    removed = []
+    for section, body in out.items():
+        if isinstance(body, dict) and body.get("storage_options"):
+            body["storage_options"] = {}
+            removed.append(f"{section}.storage_options")
+    return out, removed
+
+
 ORDER = {"ok": 0, "stopped_early": 1, "oom": 2, "failed": 3, "pruned_memory": 4, "pruned_batch": 5}
 
 
@@ -71,15 +101,13 @@ def memory_errors(entries: list[dict[str, Any]]) -> list[float]:
 
 def write_results(out: str, entries: list[dict[str, Any]]) -> str:
     path = os.path.join(out, "results.json")
-    with open(path, "w") as f:
-        json.dump(rank(entries), f, indent=2, allow_nan=False)
-        f.write("\n")
+    write_private(path, json.dumps(rank(entries), indent=2, allow_nan=False) + "\n")
     return path
 
 
 def write_best(out: str, spec: Any, best: dict[str, Any]) -> str:
     """The winner as a complete job spec (validated before it is written)."""
-    raw = trial_spec_dict(spec, best["config"])
+    raw, removed = without_storage_options(trial_spec_dict(spec, best["config"]))
     raw["run_dir"] = None
     type(spec).from_dict(raw)
     c = best["config"]
@@ -88,9 +116,10 @@ def write_best(out: str, spec: Any, best: dict[str, Any]) -> str:
         f"# measured {best['tokens_per_s']:.0f} tokens/s at dp={c['dp']} (grad_accum={c['grad_accum']}); "
         "DP follows from the cluster and elastic.min_dp/max_dp.\n"
     )
+    if removed:
+        head += f"# {', '.join(removed)} left out (credentials): copy them from your own spec.\n"
     path = os.path.join(out, "best.yaml")
-    with open(path, "w") as f:
-        f.write(head + yaml.safe_dump(raw, sort_keys=False))
+    write_private(path, head + yaml.safe_dump(raw, sort_keys=False))
     return path
 
 
@@ -173,5 +202,6 @@ def write_heatmap(out: str, entries: list[dict[str, Any]]) -> str:
     fig.tight_layout()
     path = os.path.join(out, "heatmap.png")
     fig.savefig(path, dpi=110)
+    os.chmod(path, PRIVATE_FILE)
     plt.close(fig)
     return path

@@ -193,3 +193,32 @@ def test_search_state_round_trips_as_json(tmp_path):
         assert getattr(restored, key) == getattr(s, key), key
     assert restored.trial_config["a"] == first["cfg"]
     assert restored.suggest("b") == s.suggest("b")
+
+
+def test_report_files_hold_no_credentials_and_are_private(tmp_path):
+    """Issue 48: best.yaml and sweep.json carried checkpoint.storage_options (keys and secrets)
+    in clear, 0644 in a 0755 directory; now the options are left out (named in a comment) and
+    every file is 0640 in a 0750 directory, whatever the umask."""
+    import stat
+
+    raw = json.loads(json.dumps(RAW))
+    raw["checkpoint"] = {"storage_options": {"key": "AKIAEXAMPLE", "secret": "s3cr3t-value"}}
+    s = JobSpec.from_dict(raw)
+    out = tmp_path / "sweep"
+    old = os.umask(0o022)
+    try:
+        report.private_dir(str(out))
+        entries = [{"config": _cfg(2, 1, 1, 0, 2), "status": "ok", "tokens_per_s": 900.0, "mfu": None}]
+        entries[0].update(peak_mem_bytes=None, predicted_mem_bytes=1000, trial_s=1.0, reason=None)
+        paths = [report.write_results(str(out), entries), report.write_best(str(out), s, entries[0])]
+        paths.append(report.write_heatmap(str(out), entries))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o750
+    for path in paths:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o640, path
+        text = open(path, "rb").read()
+        assert b"s3cr3t-value" not in text and b"AKIAEXAMPLE" not in text, path
+    best = open(paths[1]).read()
+    assert "checkpoint.storage_options left out" in best
+    assert JobSpec.from_yaml(paths[1]).checkpoint.storage_options == {}
