@@ -25,7 +25,7 @@ from elastic.parallel import batch
 from elastic.parallel.config import ParallelConfig
 from elastic.parallel.dims import validate_layout
 from elastic.placement.slots import ResourcesConfig
-from elastic.spec_limits import check_finite, check_sizes
+from elastic.spec_limits import check_finite, check_no_bool_numbers, check_sizes
 from elastic.yaml_io import DuplicateKey, load_yaml, read_yaml
 
 MAX_NAME_LEN = 128  # the name is part of the default run directory's name (255 bytes at most)
@@ -54,6 +54,7 @@ class JobSpec(BaseModel):
         except ValidationError as exc:
             raise _first_error(exc) from None
         check_finite(spec)  # strings such as "inf" become floats in validation
+        check_no_bool_numbers(raw, spec)
         spec.check()
         return spec
 

@@ -51,6 +51,23 @@ def check_finite(value: Any) -> None:
         raise SpecError(found[0], f"must be a finite number, got {found[1]}")
 
 
+def check_no_bool_numbers(raw: Any, model: Any, path: str = "") -> None:
+    """A YAML ``true``/``false`` where the field is a number: pydantic's lax mode reads
+    ``train.steps: true`` as 1 and runs one step; refused, naming the field."""
+    if not (isinstance(raw, dict) and isinstance(model, BaseModel)):
+        return
+    by_alias = {(f.alias or name): name for name, f in type(model).model_fields.items()}
+    for key, value in raw.items():
+        name = by_alias.get(str(key), str(key))
+        if not hasattr(model, name):
+            continue
+        got = getattr(model, name)
+        where = f"{path}.{key}" if path else str(key)
+        if isinstance(value, bool) and isinstance(got, (int, float)) and not isinstance(got, bool):
+            raise SpecError(where, f"must be a number, got {str(value).lower()}")
+        check_no_bool_numbers(value, got, where)
+
+
 def check_sizes(spec: Any) -> None:
     """``model.seq_len`` within ``MAX_SEQ_LEN``; a synthetic corpus that fits in the driver."""
     seq_len = spec.model.seq_len

@@ -399,3 +399,10 @@ def test_more_workers_than_an_embedded_cluster_holds_are_refused_with_what_fits(
     line = refused(capsys, run_args(tmp_path, *sets), field)
     assert says in line and str(WORKERS_PER_CORE * (os.cpu_count() or 1)) in line, line
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("key", ["train.steps", "train.global_batch", "elastic.max_dp"])
+def test_a_boolean_where_a_number_belongs_is_refused(capsys, tmp_path, key):
+    """`train.steps: true` was read as 1 by pydantic's lax mode and ran one step."""
+    line = refused(capsys, run_args(tmp_path, f"{key}=true"), key)
+    assert "must be a number, got true" in line
