@@ -17,6 +17,7 @@ from ray.tune import Callback
 from elastic import ray_join
 from elastic.errors import SpecError
 from elastic.ingest.preflight import check_corpus
+from elastic.run_dirs import make_private_dir
 from elastic.tune import report as rep
 from elastic.tune.space import Cluster, config_key, default_space, enumerate_space, parse_space
 from elastic.tune.trial import DRIVER_CPU, run_trial, trial_resources, worker_bundle
@@ -82,7 +83,7 @@ def run_sweep(
         raise SpecError("--out", f"{out} holds another sweep; choose a new --out")
     check_corpus(spec.data, spec.model.seq_len, spec.model.vocab_size)
     target = None if ray.is_initialized() else ray_join.resolve(address)
-    rep.private_dir(out)
+    make_private_dir(out, "--out")  # 0750, as a run dir
     started = _connect(target, spec, worker_slots)
     t0 = time.monotonic()
     try:

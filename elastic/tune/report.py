@@ -13,13 +13,7 @@ import yaml
 from elastic.tune.space import Candidate, config_key, trial_spec_dict
 
 MEASURED = ("ok", "stopped_early")
-PRIVATE_DIR, PRIVATE_FILE = 0o750, 0o640  # a sweep's outputs: no more readable than a run dir
-
-
-def private_dir(path: str) -> None:
-    """Make ``path`` (and its parents) with mode 0750, whatever the umask."""
-    os.makedirs(path, mode=PRIVATE_DIR, exist_ok=True)
-    os.chmod(path, PRIVATE_DIR)
+PRIVATE_FILE = 0o640  # a sweep's outputs: no more readable than a run dir (its directory: run_dirs.make_private_dir)
 
 
 def write_private(path: str, text: str) -> None:

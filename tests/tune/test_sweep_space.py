@@ -201,13 +201,15 @@ def test_report_files_hold_no_credentials_and_are_private(tmp_path):
     every file is 0640 in a 0750 directory, whatever the umask."""
     import stat
 
+    from elastic.run_dirs import make_private_dir
+
     raw = json.loads(json.dumps(RAW))
     raw["checkpoint"] = {"storage_options": {"key": "AKIAEXAMPLE", "secret": "s3cr3t-value"}}
     s = JobSpec.from_dict(raw)
     out = tmp_path / "sweep"
     old = os.umask(0o022)
     try:
-        report.private_dir(str(out))
+        make_private_dir(str(out), "--out")
         entries = [{"config": _cfg(2, 1, 1, 0, 2), "status": "ok", "tokens_per_s": 900.0, "mfu": None}]
         entries[0].update(peak_mem_bytes=None, predicted_mem_bytes=1000, trial_s=1.0, reason=None)
         paths = [report.write_results(str(out), entries), report.write_best(str(out), s, entries[0])]
