@@ -12,6 +12,12 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+
+class TrainConfigError(ValueError):
+    """A field of the run's configuration is wrong: one line naming it. A script that does
+    not catch it ends with that line and exit status 2 (``elastic/train/__init__.py``)."""
+
+
 KNOWN_RESOURCES = ("CPU", "GPU", "memory")  # besides the cluster's custom resources
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -30,22 +36,22 @@ class ScalingConfig:
         if isinstance(n, list):
             n = self.num_workers = (n[0], n[1]) if len(n) == 2 else n
         if isinstance(n, bool) or not isinstance(n, (int, tuple)):
-            raise ValueError(f"ScalingConfig.num_workers: an int or a (min, max) pair, got {n!r}")
+            raise TrainConfigError(f"ScalingConfig.num_workers: an int or a (min, max) pair, got {n!r}")
         if isinstance(n, tuple):
             if len(n) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in n):
-                raise ValueError(f"ScalingConfig.num_workers: a (min, max) pair of ints, got {n!r}")
+                raise TrainConfigError(f"ScalingConfig.num_workers: a (min, max) pair of ints, got {n!r}")
             if n[0] < 1 or n[0] > n[1]:
-                raise ValueError(f"ScalingConfig.num_workers: need 1 <= min <= max, got {n!r}")
+                raise TrainConfigError(f"ScalingConfig.num_workers: need 1 <= min <= max, got {n!r}")
         elif n < 1:
-            raise ValueError(f"ScalingConfig.num_workers: must be at least 1, got {n}")
+            raise TrainConfigError(f"ScalingConfig.num_workers: must be at least 1, got {n}")
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
-            raise ValueError(
+            raise TrainConfigError(
                 f"ScalingConfig.placement_strategy: one of {', '.join(PLACEMENT_STRATEGIES)}, "
                 f"got {self.placement_strategy!r}"
             )
         for key, value in (self.resources_per_worker or {}).items():
             if not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"ScalingConfig.resources_per_worker[{key!r}]: a number >= 0, got {value!r}")
+                raise TrainConfigError(f"ScalingConfig.resources_per_worker[{key!r}]: a number >= 0, got {value!r}")
 
     @property
     def min_workers(self) -> int:
@@ -77,7 +83,7 @@ class FailureConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.max_failures, bool) or not isinstance(self.max_failures, int) or self.max_failures < -1:
-            raise ValueError(f"FailureConfig.max_failures: an int >= -1, got {self.max_failures!r}")
+            raise TrainConfigError(f"FailureConfig.max_failures: an int >= -1, got {self.max_failures!r}")
 
 
 @dataclass
@@ -91,9 +97,9 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         k = self.num_to_keep
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ValueError(f"CheckpointConfig.num_to_keep: None or an int >= 1, got {k!r}")
+            raise TrainConfigError(f"CheckpointConfig.num_to_keep: None or an int >= 1, got {k!r}")
         if self.checkpoint_score_order not in ("max", "min"):
-            raise ValueError(
+            raise TrainConfigError(
                 f"CheckpointConfig.checkpoint_score_order: 'max' or 'min', got {self.checkpoint_score_order!r}"
             )
 
@@ -111,7 +117,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         if self.name is not None and (not isinstance(self.name, str) or not self.name or "/" in self.name):
-            raise ValueError(f"RunConfig.name: a non-empty name without '/', got {self.name!r}")
+            raise TrainConfigError(f"RunConfig.name: a non-empty name without '/', got {self.name!r}")
         if self.storage_path is not None and not isinstance(self.storage_path, str):
             self.storage_path = os.fspath(self.storage_path)
         self.failure_config = self.failure_config or FailureConfig()
@@ -145,4 +151,4 @@ def check_writable(storage_path: str) -> None:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
             pass
     except OSError as exc:
-        raise ValueError(f"RunConfig.storage_path: {path!r} cannot be written ({exc.strerror or exc})") from None
+        raise TrainConfigError(f"RunConfig.storage_path: {path!r} cannot be written ({exc.strerror or exc})") from None

@@ -1,0 +1,720 @@
+"""``LoopDriver``: runs a user's loop on an elastic group of ``LoopRank`` actors (driver
+side of ``TorchTrainer.fit``).
+
+The life of a run:
+
+1. Start ``max`` workers (each ``resources_per_worker``); go on when ``min`` are up, the
+   others join as they come (growth).
+2. Form generation 1 (the job's ``RendezvousStore``, sealed per job) and enter the loop on
+   every rank, from the newest committed checkpoint when the run is resumed.
+3. Watch: each rank's reports (its steps, checkpoints, uploads) and its run. A step is the
+   report index every rank of the generation has reached; a checkpoint is committed in
+   storage once each part of it is uploaded.
+4. A lost worker (its actor gone, or a survivor's collective failed and the lost one does
+   not answer): the survivors are pulled out of their collectives (``abort``), then either
+   re-formed in place, inside their running loop (every survivor is waiting in a held step:
+   ``elastic/train/step_guard.py``), or their loop is entered again at the new size from
+   the newest checkpoint, which a rank or its peer holds in memory (storage last).
+5. Growth: a worker that came up while the group is below ``max`` joins at the next report
+   that carries a checkpoint (every rank leaves its loop there, and all enter again).
+6. The end: every rank's loop returned. Uploads are waited for, the run files written.
+
+``FailureConfig.max_failures`` counts recoveries as Ray Train does (0: the first lost
+worker ends the run; -1: no limit). An exception the loop raises on every rank is the
+loop's own error: the run ends with it at once, spending no retry.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from elastic.events import EventLog, Recovery, RunResult, write_summary
+from elastic.train import checkpoints as ckpts
+from elastic.train.rank import Entry, LoopRank, Place, Restore
+from elastic.worker.process_group import RendezvousStore
+
+logger = logging.getLogger(__name__)
+
+TICK_S = 0.02
+PING_TIMEOUT_S = 1.5  # a live rank's control thread answers in milliseconds, whatever its loop does
+START_TIMEOUT_S = float(os.environ.get("ELASTIC_TRAIN_START_TIMEOUT_S", "120"))
+SETTLE_TIMEOUT_S = 30.0  # survivors reaching a wait or an end after an abort
+UPLOAD_WAIT_S = 300.0
+
+
+class LoopFailed(RuntimeError):
+    """The run ended without finishing: ``error`` is the cause (the loop's own exception when
+    it raised one on every rank)."""
+
+    def __init__(self, message: str, error: BaseException | None = None):
+        super().__init__(message)
+        self.error = error
+
+
+@dataclass
+class Worker:
+    actor: Any
+    info_ref: Any
+    node_id: str = ""
+    ip: str = ""
+    pid: int = 0
+    run_ref: Any = None
+    poll_ref: Any = None
+    outcome: dict[str, Any] | None = None
+    waiting: bool = False
+    rss: list[int] = field(default_factory=list)  # resident bytes at each poll
+    generation: int = 0  # the generation it was last placed in
+    entries: int = 0
+
+
+@dataclass
+class Job:
+    fn: Any
+    config: dict[str, Any] | None
+    min_workers: int
+    max_workers: int
+    resources: dict[str, float]
+    use_gpu: bool
+    placement_strategy: str
+    max_failures: int
+    num_to_keep: int | None
+    score_attribute: str | None
+    score_order: str
+    name: str
+    trial_name: str | None
+    storage_dir: str
+    run_dir: str
+    datasets: dict[str, tuple[list[tuple[Any, int]], bool]]
+    collective_timeout_s: float = 60.0
+
+
+class LoopDriver:
+    def __init__(self, job: Job):
+        self.job = job
+        self.events = EventLog(job.run_dir)
+        self.generation = 0
+        self.members: list[Worker] = []
+        self.spares: list[Worker] = []
+        self.store: RendezvousStore | None = None
+        self.reports: dict[int, dict[int, dict[str, Any]]] = defaultdict(dict)
+        self.steps = 0  # the newest index every rank reached
+        self.metrics: list[dict[str, Any]] = []  # rank 0's, one per step
+        self.parts: dict[int, set[int]] = {}  # index -> ranks that reported checkpoint files
+        self.holders: dict[tuple[int, int], list[Any]] = {}
+        self.manifests: dict[int, dict[int, dict[str, Any]]] = defaultdict(dict)
+        self.positions: dict[int, list[dict[str, Any]]] = {}
+        self.committed: list[dict[str, Any]] = []  # {index, path, metrics}
+        self.checkpoint_failures: list[dict[str, Any]] = []
+        self.newest_ckpt = 0  # the newest index with a complete checkpoint in memory
+        self.failures = 0
+        self.recoveries: list[Recovery] = []
+        self.dp_history: list[list[int]] = []
+        self._pending_recovery: dict[str, Any] | None = None
+        self._growth_asked = False
+        self.ledger: list[dict[str, Any]] = []  # every report: index, rank, world, rows
+
+    # ------------------------------------------------------------------ public
+    def run(self) -> dict[str, Any]:
+        t0 = time.monotonic()
+        self.events.emit(
+            "job_start",
+            name=self.job.name,
+            min_workers=self.job.min_workers,
+            max_workers=self.job.max_workers,
+            storage_dir=self.job.storage_dir,
+        )
+        status, error, values = "failed", None, []
+        try:
+            restore = self._resumed()
+            self.store = RendezvousStore(ray.util.get_node_ip_address(), self.job.collective_timeout_s)
+            self._start_workers()
+            values = self._train(restore)
+            status = "finished"
+        except LoopFailed as exc:
+            error = exc
+        finally:
+            self._wait_uploads()
+            self._shutdown()
+            wall = time.monotonic() - t0
+            final = self.metrics[-1] if self.metrics else {}
+            loss = final.get("loss")
+            result = RunResult(
+                status=status,
+                steps=self.steps,
+                final_loss=float(loss) if isinstance(loss, (int, float)) else None,
+                wall_s=wall,
+                mean_tokens_per_s=0.0,
+                failures=self.failures,
+                dp_history=self.dp_history,
+                recoveries=self.recoveries,
+                checkpoint_failures=self.checkpoint_failures,
+            )
+            end: dict[str, Any] = {"status": status}
+            if error is not None:
+                end["reason"] = str(error)
+            self.events.emit("job_end", **end)
+            write_summary(self.job.run_dir, result)
+            self.events.close()
+        return {
+            "status": status,
+            "error": error,
+            "values": values,
+            "metrics": self.metrics,
+            "committed": self.committed,
+            "steps": self.steps,
+            "recoveries": self.recoveries,
+            "rss": {i: w.rss for i, w in enumerate(self.members)},
+            "ledger": self.ledger,
+        }
+
+    # ------------------------------------------------------------------ start
+    def _resumed(self) -> Restore | None:
+        records = ckpts.committed(self.job.storage_dir)
+        if not records:
+            return None
+        rec = records[-1]
+        index = int(rec["index"])
+        self.committed = [
+            {
+                "index": int(r["index"]),
+                "path": ckpts.checkpoint_dir(self.job.storage_dir, int(r["index"])),
+                "metrics": r.get("metrics", {}),
+            }
+            for r in records
+        ]
+        self.steps = index
+        self.events.emit("restore", step=index, source="storage")
+        return Restore(index, [], ckpts.checkpoint_dir(self.job.storage_dir, index), rec.get("positions", []))
+
+    def _spawn(self, n: int) -> list[Worker]:
+        res = dict(self.job.resources)
+        options: dict[str, Any] = {
+            "num_cpus": res.pop("CPU", 0.0),
+            "num_gpus": res.pop("GPU", 0.0),
+            "max_restarts": 0,
+        }
+        if "memory" in res:
+            options["memory"] = res.pop("memory")
+        if res:
+            options["resources"] = res
+        if self.job.placement_strategy in ("SPREAD", "STRICT_SPREAD"):
+            options["scheduling_strategy"] = "SPREAD"
+        cls = _REMOTE.options(**options)
+        device = "cuda" if self.job.use_gpu else "cpu"
+        out = []
+        for _ in range(n):
+            actor = cls.remote(self.job.fn, self.job.config, device, self.job.collective_timeout_s)
+            out.append(Worker(actor, actor.info.remote()))
+        return out
+
+    def _start_workers(self) -> None:
+        pending = self._spawn(self.job.max_workers)
+        target = max(self.job.min_workers, min(self.job.max_workers, _fits(self.job.resources)))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            self._adopt_ready(pending)
+            if len(self.spares) >= target:
+                break  # as many as the cluster holds now; the rest join as they come
+            time.sleep(0.05)
+        self.spares.extend(w for w in pending if w not in self.spares)
+        ready = [w for w in self.spares if w.node_id]
+        if len(ready) < self.job.min_workers:
+            raise LoopFailed(
+                f"ScalingConfig.num_workers: only {len(ready)} of at least {self.job.min_workers} workers started "
+                f"within {START_TIMEOUT_S:.0f} s (resources per worker: {self.job.resources})"
+            )
+
+    def _adopt_ready(self, pending: list[Worker]) -> None:
+        refs = [w.info_ref for w in pending if not w.node_id and w.info_ref is not None]
+        if not refs:
+            return
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for w in pending:
+            if w.info_ref in done:
+                try:
+                    info = ray.get(w.info_ref)
+                except Exception:  # noqa: BLE001 - it died starting: dropped
+                    w.info_ref = None
+                    continue
+                w.node_id, w.ip, w.pid = info["node_id"], info["ip"], info["pid"]
+                if w not in self.spares:
+                    self.spares.append(w)
+
+    def _ready_spares(self, check: bool = False) -> list[Worker]:
+        """Spares that are up; ``check``: each answers a ping now (one may have started on a
+        node that was dying)."""
+        self._adopt_ready(self.spares)
+        ready = [w for w in self.spares if w.node_id]
+        if check and ready:
+            pings = [w.actor.ping.remote() for w in ready]
+            done, _ = ray.wait(pings, num_returns=len(pings), timeout=PING_TIMEOUT_S)
+            for w, ref in zip(list(ready), pings, strict=True):
+                ok = ref in done
+                if ok:
+                    try:
+                        ray.get(ref)
+                    except Exception:  # noqa: BLE001
+                        ok = False
+                if not ok:
+                    ready.remove(w)
+                    self.spares.remove(w)
+                    _kill(w)
+        return ready
+
+    # ------------------------------------------------------------------ forming
+    def _places(self, workers: list[Worker]) -> list[Place]:
+        assert self.store is not None
+        self.generation += 1
+        nodes: dict[str, list[int]] = {}
+        for i, w in enumerate(workers):
+            nodes.setdefault(w.node_id, []).append(i)
+        node_order = list(nodes)
+        places = []
+        for i, w in enumerate(workers):
+            on_node = nodes[w.node_id]
+            peer = next(
+                (
+                    workers[(i + k) % len(workers)].actor
+                    for k in range(1, len(workers))
+                    if workers[(i + k) % len(workers)].node_id != w.node_id
+                ),
+                None,
+            )
+            places.append(
+                Place(
+                    self.generation,
+                    i,
+                    len(workers),
+                    on_node.index(i),
+                    len(on_node),
+                    node_order.index(w.node_id),
+                    self.store.address,
+                    self.store.secret,
+                    peer,
+                )
+            )
+        return places
+
+    def _enter(self, workers: list[Worker], restore: Restore | None) -> None:
+        self.members = workers
+        self.spares = [w for w in self.spares if w not in workers]
+        index = restore.index if restore is not None else 0
+        for w, place in zip(workers, self._places(workers), strict=True):
+            entry = Entry(
+                place,
+                index,
+                restore,
+                self.job.name,
+                self.job.trial_name,
+                self.job.storage_dir,
+                f"{self.job.name}-{self.generation}",
+                self.job.datasets,
+            )
+            w.outcome, w.waiting, w.generation = None, False, place.generation
+            w.run_ref = w.actor.run.remote(entry)
+            w.entries += 1
+        self.dp_history.append([index, len(workers)])
+        self._growth_asked = False
+
+    def _restore_point(self) -> Restore | None:
+        index = self.newest_ckpt
+        if index == 0:
+            if self.committed:
+                c = self.committed[-1]
+                rec = [r for r in ckpts.committed(self.job.storage_dir) if int(r["index"]) == c["index"]]
+                return Restore(c["index"], [], c["path"], rec[0].get("positions", []) if rec else [])
+            return None
+        parts = [(r, self.holders.get((index, r), [])) for r in sorted(self.parts.get(index, ()))]
+        storage = next((c["path"] for c in self.committed if c["index"] == index), None)
+        return Restore(index, parts, storage, self.positions.get(index, []))
+
+    # ------------------------------------------------------------------ the run
+    def _train(self, restore: Restore | None) -> list[Any]:
+        first = self._ready_spares()[: self.job.max_workers]
+        self._enter(first, restore)
+        while True:
+            self._poll()
+            lost = self._lost()
+            if lost is not None:
+                self._recover(lost)
+                continue
+            outcomes = [w.outcome for w in self.members]
+            if all(o is not None for o in outcomes):
+                kinds = {o["kind"] for o in outcomes}  # type: ignore[index]
+                if kinds == {"finished"}:
+                    self._drain()
+                    return [o["value"] for o in outcomes]  # type: ignore[index]
+                if kinds == {"exited"}:
+                    self._drain()
+                    self._grow()
+                    continue
+            self._maybe_ask_growth()
+            time.sleep(TICK_S)
+
+    def _poll(self) -> None:
+        for w in self.members:
+            if w.run_ref is not None and w.outcome is None:
+                done, _ = ray.wait([w.run_ref], timeout=0)
+                if done:
+                    try:
+                        w.outcome = ray.get(w.run_ref)
+                    except Exception as exc:  # noqa: BLE001 - the actor is gone
+                        w.outcome = {"kind": "lost", "error": f"{type(exc).__name__}: {exc}"}
+            if w.poll_ref is None:
+                w.poll_ref = w.actor.poll.remote()
+            done, _ = ray.wait([w.poll_ref], timeout=0)
+            if done:
+                ref, w.poll_ref = w.poll_ref, None
+                try:
+                    reply = ray.get(ref)
+                except Exception:  # noqa: BLE001 - the actor is gone: its run says so
+                    continue
+                w.waiting = reply["waiting"] and reply["generation"] == w.generation  # not a stale answer
+                w.rss.append(reply["rss"])
+                self._absorb(w, reply)
+
+    def _drain(self, timeout_s: float = 10.0) -> None:
+        """Every report the live members made is in (their runs returned)."""
+        for w in self.members:
+            if w.outcome is not None and w.outcome.get("kind") == "lost":
+                continue
+            try:
+                if w.poll_ref is not None:
+                    reply = ray.get(w.poll_ref, timeout=timeout_s)
+                    self._absorb(w, reply)
+                    w.poll_ref = None
+                reply = ray.get(w.actor.poll.remote(), timeout=timeout_s)
+                self._absorb(w, reply)
+            except Exception:  # noqa: BLE001 - lost meanwhile
+                w.poll_ref = None
+
+    def _absorb(self, w: Worker, reply: dict[str, Any]) -> None:
+        for rep in reply["reports"]:
+            index, rank = rep["index"], rep["rank"]
+            self.reports[index][rank] = rep
+            self.ledger.append({k: rep[k] for k in ("index", "rank", "world", "rows", "ts")})
+            if rep["checkpoint"]:
+                self.parts.setdefault(index, set()).add(rank)
+                peer = self._peer_of(rank)
+                self.holders[(index, rank)] = [w.actor] + ([peer] if peer is not None else [])
+            if len(self.reports[index]) == rep["world"]:
+                self._step_done(index, rep["world"])
+        for up in reply["uploads"]:
+            self._uploaded(up)
+
+    def _peer_of(self, rank: int) -> Any:
+        members = self.members
+        me = members[rank] if rank < len(members) else None
+        if me is None:
+            return None
+        for k in range(1, len(members)):
+            other = members[(rank + k) % len(members)]
+            if other.node_id != me.node_id:
+                return other.actor
+        return None
+
+    def _step_done(self, index: int, world: int) -> None:
+        reps = self.reports.pop(index)
+        if index <= self.steps and self._pending_recovery is None:
+            return
+        self.steps = max(self.steps, index)
+        metrics = reps[0]["metrics"] if 0 in reps else {}
+        self.metrics.append({**metrics, "_step": index, "_world": world})
+        ts = max(r["ts"] for r in reps.values())
+        fields: dict[str, Any] = {"step": index, "world": world}
+        loss = metrics.get("loss")
+        if isinstance(loss, (int, float)):
+            fields["loss"] = float(loss)
+        self.events.emit("step", ts=ts, **fields)
+        if index in self.parts:
+            self.positions[index] = reps[min(self.parts[index])]["positions"]
+            if self.parts[index] and all(r in self.parts[index] for r in self.parts[index]):
+                self.newest_ckpt = max(self.newest_ckpt, index)
+            self._try_commit(index)
+        rec = self._pending_recovery
+        if rec is not None and world == rec["world"]:
+            now = time.monotonic()
+            self.recoveries.append(
+                Recovery(
+                    cause=rec["cause"],
+                    detect_s=rec["detected"] - rec["failed"],
+                    recover_s=now - rec["detected"],
+                    downtime_s=now - rec["failed"],
+                    lost_steps=max(0, rec["newest"] - rec["resumed"]),
+                    breakdown=rec["breakdown"],
+                )
+            )
+            self._pending_recovery = None
+
+    def _uploaded(self, up: dict[str, Any]) -> None:
+        index = up["index"]
+        if "error" in up:
+            self.checkpoint_failures.append({"step": index, "cause": up["error"]})
+            self.events.emit("checkpoint", step=index, committed=False, cause=up["error"])
+            return
+        self.manifests[index][up["rank"]] = up["manifest"]
+        self._try_commit(index)
+
+    def _try_commit(self, index: int) -> None:
+        want = self.parts.get(index)
+        if not want or index not in self.positions or set(self.manifests.get(index, {})) != want:
+            return
+        if any(c["index"] == index for c in self.committed):
+            return
+        manifest: dict[str, Any] = {}
+        for rank in sorted(want):
+            manifest.update(self.manifests[index][rank])
+        metrics = next((m for m in self.metrics if m["_step"] == index), {})
+        metrics = {k: v for k, v in metrics.items() if not k.startswith("_")}
+        path = ckpts.commit(
+            self.job.storage_dir, index, manifest, {"metrics": metrics, "positions": self.positions[index]}
+        )
+        self.committed.append({"index": index, "path": path, "metrics": metrics})
+        self.events.emit("checkpoint", step=index, committed=True, uri=path)
+        self._prune()
+
+    def _prune(self) -> None:
+        keep_n = self.job.num_to_keep
+        if keep_n is None or len(self.committed) <= keep_n:
+            return
+        ranked = list(self.committed)
+        attr = self.job.score_attribute
+        if attr:
+            sign = 1 if self.job.score_order == "max" else -1
+            ranked.sort(key=lambda c: (sign * float(c["metrics"].get(attr, float("-inf") * sign)), c["index"]))
+            keep = ranked[-keep_n:]
+        else:
+            keep = ranked[-keep_n:]
+        newest = self.committed[-1]
+        if newest not in keep:  # the newest is always kept: a rerun resumes from it
+            keep = keep[1:] + [newest]
+        ckpts.prune(self.job.storage_dir, [c["index"] for c in keep])
+        self.committed = [c for c in self.committed if c in keep]
+
+    def _wait_uploads(self) -> None:
+        deadline = time.monotonic() + UPLOAD_WAIT_S
+        while time.monotonic() < deadline:
+            missing = [
+                i
+                for i, want in self.parts.items()
+                if i in self.positions
+                and not any(c["index"] == i for c in self.committed)
+                and not any(f["step"] == i for f in self.checkpoint_failures)
+            ]
+            alive = [w for w in self.members if not (w.outcome and w.outcome.get("kind") == "lost")]
+            if not missing or not alive:
+                return
+            for w in alive:
+                try:
+                    reply = ray.get(w.actor.poll.remote(), timeout=PING_TIMEOUT_S * 5)
+                except Exception:  # noqa: BLE001 - lost: its parts cannot come
+                    w.outcome = {"kind": "lost"}
+                    continue
+                for up in reply["uploads"]:
+                    self._uploaded(up)
+            time.sleep(0.05)
+
+    # ------------------------------------------------------------------ failures
+    def _lost(self) -> str | None:
+        """A cause when a member is lost, a survivor's collective failed, or a loop raised."""
+        for w in self.members:
+            o = w.outcome
+            if o is not None and o["kind"] in ("lost", "collective", "error"):
+                return o.get("error", o["kind"])
+            if w.waiting:
+                return "a collective failed"
+        return None
+
+    def _recover(self, cause: str) -> None:
+        detected = time.monotonic()
+        failed_at = detected
+        newest = max([self.steps] + [i for i in self.reports])
+        for w in self.members:
+            if w.outcome is None or w.outcome["kind"] not in ("lost",):
+                try:
+                    w.actor.abort.remote()
+                except Exception:  # noqa: BLE001 - gone
+                    pass
+        t_abort = time.monotonic()
+        lost, survivors = self._census()
+        t_census = time.monotonic()
+        errors = [w.outcome for w in survivors if w.outcome and w.outcome["kind"] in ("error", "collective")]
+        if not lost and errors and len(errors) == len(self.members):
+            first = errors[0]
+            if all((e["type"], e["error"]) == (first["type"], first["error"]) for e in errors):
+                raise LoopFailed(  # the loop's own error: retrying would raise it again
+                    f"the training loop raised {first['error']} on every rank\n{first.get('traceback', '')}",
+                    first.get("exception"),
+                )
+        self.failures += 1
+        self.events.emit("failure", cause=cause, lost=len(lost), survivors=len(survivors), step=self.steps)
+        if self.job.max_failures != -1 and self.failures > self.job.max_failures:
+            raise LoopFailed(
+                f"{cause} (FailureConfig.max_failures={self.job.max_failures}: {self.failures} failures)",
+                _exception_of(errors),
+            )
+        for w in lost:
+            try:
+                ray.kill(w.actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        spares = self._ready_spares(check=True)
+        need = self.job.min_workers - len(survivors)
+        if need > 0:
+            deadline = time.monotonic() + START_TIMEOUT_S
+            if len(spares) < need:
+                self.spares.extend(self._spawn(need - len(spares)))
+            while len(spares) < need and time.monotonic() < deadline:
+                time.sleep(0.1)
+                spares = self._ready_spares()
+            if len(spares) < need:
+                raise LoopFailed(
+                    f"{cause}: fewer than ScalingConfig.num_workers' minimum ({self.job.min_workers}) left"
+                )
+        in_place = survivors and all(w.waiting and w.outcome is None for w in survivors)
+        breakdown = {"abort_s": t_abort - detected, "census_s": t_census - t_abort}
+        if in_place:
+            places = self._places(survivors)
+            self.members = survivors
+            for w, place in zip(survivors, places, strict=True):
+                w.actor.reform.remote(place)
+                w.waiting, w.generation = False, place.generation
+            self.dp_history.append([self.steps, len(survivors)])
+            resumed = self.steps
+            self.events.emit("resize", step=self.steps, world=len(survivors), how="in place")
+        else:
+            for w in survivors:
+                if w.outcome is None:
+                    w.actor.reform.remote(None)
+            self._wait_runs(survivors)
+            for w in survivors:
+                w.poll_ref = None
+            self.members = survivors
+            self._drain()
+            restore = self._restore_point()
+            resumed = restore.index if restore is not None else 0
+            self.steps = resumed
+            self.reports.clear()
+            group = survivors + spares[: max(0, self.job.max_workers - len(survivors))]
+            self._enter(group, restore)
+            self.events.emit("resize", step=resumed, world=len(group), how="entered again")
+        breakdown["reform_s"] = time.monotonic() - t_census
+        self._pending_recovery = {
+            "cause": cause,
+            "failed": failed_at,
+            "detected": detected,
+            "newest": newest,
+            "resumed": resumed,
+            "world": len(self.members),
+            "breakdown": breakdown,
+        }
+
+    def _census(self) -> tuple[list[Worker], list[Worker]]:
+        """Who is lost: a run gone with its actor, or no answer to a ping; the survivors are
+        waited for until each is waiting in a held step or its run has returned."""
+        pings = {id(w): w.actor.ping.remote() for w in self.members if not (w.outcome and w.outcome["kind"] == "lost")}
+        deadline = time.monotonic() + PING_TIMEOUT_S
+        lost, alive = [], []
+        for w in self.members:
+            ref = pings.get(id(w))
+            if ref is None:
+                lost.append(w)
+                continue
+            try:
+                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                alive.append(w)
+            except Exception:  # noqa: BLE001 - dead or silent
+                lost.append(w)
+        settle = time.monotonic() + SETTLE_TIMEOUT_S
+        while time.monotonic() < settle:
+            self._poll_some(alive)
+            if all(w.outcome is not None or w.waiting for w in alive):
+                break
+            time.sleep(TICK_S)
+        stuck = [w for w in alive if w.outcome is None and not w.waiting]
+        for w in stuck:
+            logger.warning("worker pid %d neither left its step nor returned: treated as lost", w.pid)
+        return lost + stuck, [w for w in alive if w not in stuck and not (w.outcome and w.outcome["kind"] == "lost")]
+
+    def _poll_some(self, workers: list[Worker]) -> None:
+        saved = self.members
+        self.members = workers
+        try:
+            self._poll()
+        finally:
+            self.members = saved
+
+    def _wait_runs(self, workers: list[Worker]) -> None:
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        for w in workers:
+            if w.outcome is not None:
+                continue
+            try:
+                w.outcome = ray.get(w.run_ref, timeout=max(0.1, deadline - time.monotonic()))
+            except Exception as exc:  # noqa: BLE001
+                w.outcome = {"kind": "lost", "error": str(exc)}
+
+    # ------------------------------------------------------------------ growth
+    def _maybe_ask_growth(self) -> None:
+        if self._growth_asked or len(self.members) >= self.job.max_workers:
+            return
+        if len(self.spares) == 0:
+            self.spares.extend(self._spawn(self.job.max_workers - len(self.members)))
+        if self._ready_spares():
+            for w in self.members:
+                w.actor.request_exit.remote()
+            self._growth_asked = True
+
+    def _grow(self) -> None:
+        restore = self._restore_point()
+        self.reports.clear()
+        spares = self._ready_spares(check=True)
+        group = self.members + spares[: self.job.max_workers - len(self.members)]
+        old = len(self.members)
+        self.steps = restore.index if restore is not None else 0
+        self._enter(group, restore)
+        self.events.emit("resize", step=self.steps, world=len(group), previous=old, how="grown at a checkpoint")
+
+    # ------------------------------------------------------------------ end
+    def _shutdown(self) -> None:
+        for w in self.members + self.spares:
+            try:
+                ray.kill(w.actor, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        if self.store is not None:
+            self.store.close()
+
+
+def _fits(resources: dict[str, float]) -> int:
+    """How many workers of ``resources`` the cluster's nodes hold, each node on its own."""
+    total = 0
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        have = node.get("Resources", {})
+        total += int(
+            min((have.get(k, 0.0) // v if v > 0 else 1 << 30) for k, v in resources.items()) if resources else 0
+        )
+    return total
+
+
+_REMOTE = ray.remote(concurrency_groups={"control": 8})(LoopRank)  # type: ignore[call-overload]
+
+
+def _kill(w: Worker) -> None:
+    try:
+        ray.kill(w.actor, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+        pass
+
+
+def _exception_of(errors: list[dict[str, Any]]) -> BaseException | None:
+    return errors[0].get("exception") if errors else None
