@@ -1,0 +1,154 @@
+"""``TorchTrainer.fit`` on a real 4-node Ray cluster (one CPU each): a user's loop trained
+elastic, held against one process replaying the run's own batches (tests/train/loops.py),
+through a node killed with SIGKILL and a node added back."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import elastic.train as train
+from elastic.events import read_events
+from elastic.train.torch import TorchTrainer
+from tests.train import loops
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(400)]
+
+
+def _trainer(tmp_path, name, workers, **config):
+    nodes = tmp_path / "nodes"
+    nodes.mkdir(exist_ok=True)
+    return TorchTrainer(
+        loops.loop,
+        train_loop_config={"nodes": str(nodes), **config},
+        scaling_config=train.ScalingConfig(num_workers=workers),
+        run_config=train.RunConfig(
+            name=name,
+            storage_path=str(tmp_path / "runs"),
+            failure_config=train.FailureConfig(max_failures=2),
+            checkpoint_config=train.CheckpointConfig(num_to_keep=2),
+        ),
+    )
+
+
+def _summary(result):
+    with open(os.path.join(result.path, "summary.json")) as f:
+        return json.load(f)
+
+
+def _assert_matches_replay(trainer, result, rows=loops.ROWS):
+    steps = loops.lineage(trainer.last_run["ledger"])
+    counts = collections.Counter(i for ranks in steps.values() for ids in ranks for i in ids)
+    assert sorted(counts) == list(range(rows)) and set(counts.values()) == {1}, "each row once in the epoch"
+    want = loops.replay(steps)
+    got = result.return_values[0]
+    for key, value in want.items():
+        torch.testing.assert_close(torch.tensor(got[key]), value, rtol=1e-5, atol=1e-6)
+    return steps
+
+
+def _kill_when(cluster, tmp_path, run_name, at_step, out):
+    """Kill the node of rank 1 once step ``at_step`` is in the run's events (a driver thread)."""
+    from elastic.faults import kill_node, worker_nodes
+
+    events = tmp_path / "runs" / run_name / "events.jsonl"
+
+    def watch():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if events.exists() and any(
+                e.get("kind") == "step" and e["step"] >= at_step for e in map(json.loads, events.read_text().splitlines())
+            ):
+                node = (tmp_path / "nodes" / "rank1").read_text()
+                index = [n.node_id for n in worker_nodes(cluster)].index(node)
+                out["kill_ts"] = time.time()
+                kill_node(cluster, index)
+                out["killed"] = node
+                return
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_fault_free_run_is_one_process_and_a_rerun_resumes(ray_cluster, tmp_path):
+    trainer = _trainer(tmp_path, "plain", 2, batch=4)
+    result = trainer.fit()
+    steps = _assert_matches_replay(trainer, result)
+    assert len(steps) == loops.ROWS // 8 and result.metrics["step"] == len(steps)
+    summary = _summary(result)
+    assert summary["status"] == "finished" and summary["steps"] == len(steps) and summary["failures"] == 0
+    kinds = {e["kind"] for e in read_events(result.path)}
+    assert {"job_start", "step", "checkpoint", "job_end"} <= kinds
+    # CheckpointConfig(num_to_keep=2): the newest two committed checkpoints are kept
+    kept = sorted(p for p in os.listdir(result.path) if p.startswith("checkpoint_"))
+    assert kept == ["checkpoint_000020", "checkpoint_000024"][-len(kept) :] and len(kept) == 2
+    assert result.checkpoint.path.endswith("checkpoint_000020") is False
+    with result.checkpoint.as_directory() as d:
+        state = torch.load(os.path.join(d, "state.pt"))
+    assert state["step"] == 20
+    # the same name and storage again: it resumes from the newest committed checkpoint (step 20)
+    again = _trainer(tmp_path, "plain", 2, batch=4, epochs=2)
+    second = again.fit()
+    assert min(e["index"] for e in again.last_run["ledger"]) == 21
+    assert second.metrics["step"] == 2 * len(steps)
+
+
+def test_a_node_loss_with_the_step_held_loses_nothing(ray_cluster, tmp_path):
+    trainer = _trainer(tmp_path, "held", (1, 4), batch=4, hold=True, pace_s=0.05)
+    out: dict = {}
+    killer = _kill_when(ray_cluster, tmp_path, "held", 6, out)
+    result = trainer.fit()
+    killer.join(timeout=10)
+    assert "killed" in out
+    _assert_matches_replay(trainer, result)
+    summary = _summary(result)
+    assert summary["failures"] == 1 and [r["lost_steps"] for r in summary["recoveries"]] == [0]
+    resizes = [e for e in read_events(result.path) if e["kind"] == "resize"]
+    assert resizes and resizes[0]["how"] == "in place" and resizes[0]["world"] == 3
+    first_at_3 = min(e["ts"] for e in read_events(result.path) if e["kind"] == "step" and e["world"] == 3)
+    assert first_at_3 - out["kill_ts"] < 10.0  # the figure is the benchmark's; this catches a hang
+
+
+def test_a_node_loss_enters_the_loop_again_then_it_grows_back(ray_cluster, tmp_path):
+    trainer = _trainer(tmp_path, "again", (1, 4), batch=4, pace_s=0.05, epochs=1)
+    out: dict = {}
+    killer = _kill_when(ray_cluster, tmp_path, "again", 7, out)
+
+    def add_back():
+        killer.join(timeout=300)
+        ray_cluster.add_node(num_cpus=1)
+
+    adder = threading.Thread(target=add_back, daemon=True)
+    adder.start()
+    result = trainer.fit()
+    adder.join(timeout=60)
+    _assert_matches_replay(trainer, result)
+    events = read_events(result.path)
+    resizes = [e for e in events if e["kind"] == "resize"]
+    assert resizes[0]["how"] == "entered again" and resizes[0]["step"] in (5, 10)
+    summary = _summary(result)
+    assert summary["failures"] == 1
+    lost = summary["recoveries"][0]["lost_steps"]
+    assert 0 < lost <= 5  # the steps since the checkpoint, trained again
+    if len(resizes) > 1:  # the node came back before the epoch ended
+        assert resizes[1]["how"] == "grown at a checkpoint" and resizes[1]["world"] == 4
+
+
+def test_an_error_the_loop_raises_on_every_rank_ends_the_run_at_once(ray_cluster, tmp_path):
+    trainer = _trainer(tmp_path, "bug", 2, fail_at=3)
+    with pytest.raises(train.TrainingFailedError) as info:
+        trainer.fit()
+    message = str(info.value)
+    assert "ValueError: boom at step 3" in message and "loops.py" in message and "in loop" in message
+    assert "elastic/train/rank.py" not in message  # the loop's own frames, not the runtime's
+    with open(tmp_path / "runs" / "bug" / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["status"] == "failed" and summary["failures"] == 0
