@@ -17,6 +17,8 @@ from elastic.models.llama_sizes import LLAMA_SIZES
 from elastic.models.rope_scaling import RopeScaling
 from elastic.parallel.memory_model import LayerActivations, MemoryInputs
 
+# The Hugging Face model_types ``model.init_from`` loads and an export writes (hf_families.py).
+HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 INIT_FROM_HELP = "a Hugging Face model directory (config.json + *.safetensors), local path or fsspec URI"
 
 
@@ -153,6 +155,16 @@ class LlamaConfig(BaseModel):
     tie_embeddings: bool = Field(False, description="the output head shares the embedding's weight")
     max_seq_len: int | None = Field(None, ge=2, description="the published context length (metadata)")
     moe: MoEConfig | None = Field(None, description="a routed mixture of experts in place of the MLP")
+    qkv_bias: bool = Field(False, description="biases on the q, k and v projections (Qwen2)")
+    qk_norm: bool = Field(False, description="RMSNorm over each head of q and k before RoPE (Qwen3)")
+    family: Literal[HF_FAMILIES] | None = Field(  # type: ignore[valid-type]
+        None, description="the Hugging Face model_type an export writes; default: the one the architecture is"
+    )
+    sliding_window: int | None = Field(
+        None, ge=2, description="Mistral's attention window (metadata: attention here spans seq_len, at most it)"
+    )
+    bos_token_id: int | None = Field(None, description="metadata for an export: from init_from's config.json")
+    eos_token_id: int | list[int] | None = Field(None, description="metadata for an export, as bos_token_id")
 
     @model_validator(mode="before")
     @classmethod
@@ -194,6 +206,16 @@ class LlamaConfig(BaseModel):
             self.rope_scaling.check()
         if self.moe is not None:
             self.moe.check()
+        if self.sliding_window is not None and self.sliding_window < self.seq_len:
+            raise SpecError(
+                "model.sliding_window",
+                f"{self.sliding_window} is shorter than model.seq_len ({self.seq_len}): sliding-window attention "
+                "is not implemented",
+            )
+        if self.family is not None:  # a model of that family, or an export would write another model
+            from elastic.models.hf_families import family_of
+
+            family_of(self)
 
     @property
     def expert_hidden(self) -> int:
@@ -230,8 +252,9 @@ class LlamaConfig(BaseModel):
             raise SpecError("parallel.cp", f"{cp} does not split model.seq_len ({self.seq_len}) into equal chunks")
 
     def block_params(self) -> int:
+        """A block's parameters that tensor parallelism splits (the norms stay whole)."""
         d, kv = self.d_model, self.kv_heads * self.head_dim
-        attn = 2 * d * d + 2 * d * kv
+        attn = 2 * d * d + 2 * d * kv + ((d + 2 * kv) if self.qkv_bias else 0)
         if self.moe is None:
             return attn + 3 * d * self.hidden_dim
         return attn + self.moe_block_params()
@@ -261,7 +284,7 @@ class LlamaConfig(BaseModel):
             seq_len=self.seq_len,
             vocab_size=V,
             block_split=self.block_params(),
-            block_whole=2 * d,  # two RMSNorm weights
+            block_whole=2 * d + 2 * self.head_dim * int(self.qk_norm),  # RMSNorm weights
             first_split=0 if tied else V * d,
             first_whole=V * d if tied else 0,
             last_split=0 if tied else V * d,
@@ -289,7 +312,8 @@ class LlamaConfig(BaseModel):
 
         moe, d, he, V = self.moe_config(), self.d_model, self.expert_hidden, self.vocab_size
         tied = self.tie_embeddings
-        dense = 2 * d * d + 2 * d * self.kv_heads * self.head_dim
+        kv = self.kv_heads * self.head_dim
+        dense = 2 * d * d + 2 * d * kv + ((d + 2 * kv) if self.qkv_bias else 0)
         experts = ExpertMemory(moe.n_experts, d, he)
         return MemoryInputs(
             n_layers=self.n_layers,
@@ -298,7 +322,8 @@ class LlamaConfig(BaseModel):
             seq_len=self.seq_len,
             vocab_size=V,
             block_split=dense + int(moe.shared_expert) * 3 * d * he + experts.params,
-            block_whole=2 * d + d * moe.n_experts,  # norms and the router, replicated over TP
+            # norms (Qwen3's q/k norms too) and the router, replicated over TP
+            block_whole=2 * d + 2 * self.head_dim * int(self.qk_norm) + d * moe.n_experts,
             first_split=0 if tied else V * d,
             first_whole=V * d if tied else 0,
             last_split=0 if tied else V * d,

@@ -31,11 +31,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from elastic.models.config import LlamaConfig, RopeScaling
-from elastic.models.hf import llama_adapter
+from elastic.models.hf_families import hf_adapter
 from elastic.models.spec import ModelSpec, lm_loss, normal_or_ones, register_model, seeded_init
 
 if TYPE_CHECKING:
     from elastic.parallel.cp import ContextParallel
+
+
+# The norm weights (initialised to ones): per block, the final one, Qwen3's per-head q/k norms.
+NORMS = ("attn_norm.weight", "mlp_norm.weight", "norm.weight", "q_norm.weight", "k_norm.weight")
 
 
 class RMSNorm(nn.Module):
@@ -94,17 +98,23 @@ class Attention(nn.Module):
         self.head_dim, self.theta, self.rope_scaling = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
         self.n_rep = cfg.n_heads // cfg.kv_heads
         kv_dim = cfg.kv_heads * cfg.head_dim
-        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.wk = nn.Linear(cfg.d_model, kv_dim, bias=False)
-        self.wv = nn.Linear(cfg.d_model, kv_dim, bias=False)
+        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, kv_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, kv_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        # Qwen3: each head of q and k RMS-normalised (one weight per head dimension) before RoPE
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.cp: ContextParallel | None = None  # set when the sequence is split over ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds n_heads / tp (n_kv_heads / tp) of them.
-        q = self.wq(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         start = self.cp.rope_offset(seq) if self.cp is not None else 0
         cos, sin = rope_tables(seq, self.head_dim, self.theta, x.device, self.rope_scaling, start)
@@ -174,8 +184,7 @@ class Llama(nn.Module):
         if self.cfg.tie_embeddings and self.head is not None and self.tok_emb is not None:
             self.head.weight = self.tok_emb.weight  # ``to_empty`` after a meta build unties them
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
-        norms = ("attn_norm.weight", "mlp_norm.weight", "norm.weight")
-        seeded_init(self, seed, normal_or_ones(0.02, residual_std, norms, ("wo.weight", "w2.weight")))
+        seeded_init(self, seed, normal_or_ones(0.02, residual_std, NORMS, ("wo.weight", "w2.weight")))
 
 
 def build_stage(model: Llama, pp: int, pp_rank: int) -> Llama:
@@ -237,7 +246,7 @@ def llama_spec(cfg: LlamaConfig) -> ModelSpec:
         loss_context=lambda tp: loss_context(shards_vocab(cfg, tp)),
         validate_layout=cfg.validate_layout,
         memory=cfg.memory_inputs(),
-        hf=llama_adapter(cfg),
+        hf=hf_adapter(cfg),
         cp_plan=apply_cp,
     )
 
