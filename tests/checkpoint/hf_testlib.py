@@ -4,6 +4,7 @@ deterministic batches. Importable by spawned ranks (``hf_workers.py``)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -235,3 +236,12 @@ def hf_first_loss(path: str) -> float:
     inputs, targets = batch(0)
     with torch.no_grad():
         return float(lm_loss(hf_model(path)(inputs).logits, targets))
+
+
+def header_only(path: str, names: list[str] | set[str]) -> None:
+    """A ``model.safetensors`` that is a header naming ``names`` and no tensor data: the spec
+    check (which reads the names only) passes, and any read of the weights fails."""
+    doc = {name: {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]} for name in sorted(names)}
+    raw = json.dumps(doc).encode()
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
