@@ -15,8 +15,8 @@ a missing embedding or head, and per-FQN seeded init. The rotary tables are comp
 the forward from positions (no buffers: the engine's state is parameters only).
 
 TP plan: ``wq``, ``wk``, ``wv`` column-wise (each TP rank owns ``n_heads / tp`` query and
-``n_kv_heads / tp`` key/value heads, so ``tp`` must divide ``n_kv_heads``), ``wo``
-row-wise; ``w1`` and ``w3`` column-wise, ``w2`` row-wise; the embedding vocab-parallel
+``n_kv_heads / tp`` key/value heads, so ``tp`` must divide ``n_kv_heads``; Qwen2's biases
+split with their rows, Qwen3's q/k norm weights replicated), ``wo`` row-wise; ``w1`` and ``w3`` column-wise, ``w2`` row-wise; the embedding vocab-parallel
 and the head's logits sharded for ``loss_parallel`` when ``tp`` divides the vocabulary and
 the two are not tied.
 """
@@ -201,11 +201,25 @@ def build_stage(model: Llama, pp: int, pp_rank: int) -> Llama:
     return model
 
 
-def _block_plan() -> dict:
+def attention_plan(qk_norm: bool) -> dict:
+    """The attention's TP plan. Qwen3's q/k norms act on each rank's own heads (dimension 2 of
+    ``[b, s, heads, head_dim]``): their weights are replicated DTensors, so that the gradient,
+    a sum over every head, is all-reduced over the TP group (as a sequence-parallel norm's)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    col, row = ColwiseParallel(), RowwiseParallel()
+    plan: dict = {"attn.wq": col, "attn.wk": col, "attn.wv": col, "attn.wo": row}
+    if qk_norm:
+        heads = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan.update({"attn.q_norm": heads, "attn.k_norm": heads})
+    return plan
+
+
+def _block_plan(qk_norm: bool) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     col, row = ColwiseParallel(), RowwiseParallel()
-    return {"attn.wq": col, "attn.wk": col, "attn.wv": col, "attn.wo": row, "mlp.w1": col, "mlp.w3": col, "mlp.w2": row}
+    return {**attention_plan(qk_norm), "mlp.w1": col, "mlp.w3": col, "mlp.w2": row}
 
 
 def shards_vocab(cfg: LlamaConfig, tp: int) -> bool:
@@ -216,7 +230,7 @@ def shards_vocab(cfg: LlamaConfig, tp: int) -> bool:
 def apply_tp(model: Llama, tp_mesh) -> Llama:
     from elastic.parallel.tp import apply_block_plan, apply_vocab_parallel
 
-    apply_block_plan(list(model.blocks.values()), tp_mesh, _block_plan())
+    apply_block_plan(list(model.blocks.values()), tp_mesh, _block_plan(model.cfg.qk_norm))
     if shards_vocab(model.cfg, tp_mesh.size()):
         apply_vocab_parallel(model.tok_emb, model.head, tp_mesh)
     return model

@@ -36,7 +36,7 @@ from torch import nn
 
 from elastic.models.config import LlamaConfig
 from elastic.models.hf_families import hf_adapter
-from elastic.models.llama import NORMS, Attention, Llama, RMSNorm, build_stage
+from elastic.models.llama import NORMS, Attention, Llama, RMSNorm, attention_plan, build_stage
 from elastic.models.spec import ModelSpec, lm_loss, register_variant, seeded_init
 from elastic.parallel import ep as ep_comm
 
@@ -210,7 +210,7 @@ def apply_tp(model: Llama, tp_mesh) -> Llama:
     from elastic.parallel.tp import apply_block_plan, apply_vocab_parallel
 
     col, row = ColwiseParallel(), RowwiseParallel()
-    plan = {"attn.wq": col, "attn.wk": col, "attn.wv": col, "attn.wo": row}
+    plan = attention_plan(model.cfg.qk_norm)
     if model.cfg.moe_config().shared_expert:
         plan.update({"mlp.shared.w1": col, "mlp.shared.w3": col, "mlp.shared.w2": row})
     apply_block_plan(list(model.blocks.values()), tp_mesh, plan)

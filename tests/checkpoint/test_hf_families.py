@@ -104,7 +104,7 @@ def test_family_exports_as_its_own_model_type(family_dirs, name, tmp_path):
     assert AutoTokenizer.from_pretrained(out)(text).input_ids == AutoTokenizer.from_pretrained(src)(text).input_ids
 
 
-# ----- multi-process: DDP and ZeRO at dp 2 ---------------------------------------------------------
+# ----- multi-process: DDP and ZeRO at dp 2, TP 2 ---------------------------------------------------------
 
 LAYOUTS = [  # name, model, parallel, data.waves
     ("qwen2_ddp", "qwen2", {}, 1),
@@ -112,14 +112,17 @@ LAYOUTS = [  # name, model, parallel, data.waves
     ("mistral_zero1", "mistral", {"zero": 1}, 1),
     ("mixtral_ddp", "mixtral", {}, 1),
     ("qwen3_moe_zero3", "qwen3_moe", {"zero": 3}, 1),
+    ("qwen2_tp2", "qwen2", {"tp": 2}, 1),  # the q/k/v biases split with their rows
+    ("qwen3_tp2", "qwen3", {"tp": 2}, 1),  # the per-head norms on each rank's heads
+    ("qwen3_moe_tp2", "qwen3_moe", {"tp": 2}, 1),
 ]
 TRAINED = 1e-4
 
 
 @pytest.mark.cluster
 @pytest.mark.timeout(400)
-def test_families_train_under_dp2_and_export(family_dirs, tmp_path):
-    """Two gloo ranks per layout: the loaded weights are the Hugging Face ones (bitwise), the
+def test_families_train_under_dp2_tp2_and_export(family_dirs, tmp_path):
+    """Two gloo ranks per layout (DP 2 with DDP or ZeRO, or TP 2): the loaded weights are the Hugging Face ones (bitwise), the
     losses those of the single-process reference (whose first equals transformers'), and the
     checkpoint exports to the family transformers loads with the trained reference's logits."""
     from hf_workers import hf_layouts
