@@ -144,6 +144,9 @@ class LlamaConfig(BaseModel):
     d_model: int = Field(256, ge=8)
     n_heads: int = Field(8, ge=1)
     n_kv_heads: int | None = Field(None, ge=1, description="key/value heads (GQA); default n_heads")
+    head_dim: int | None = Field(
+        None, ge=2, description="the size of one attention head; default d_model / n_heads (Qwen3 sets its own)"
+    )
     vocab_size: int = Field(2048, ge=2)
     seq_len: int = Field(128, ge=2)
     multiple_of: int = Field(256, ge=1, description="SwiGLU hidden size is rounded up to a multiple of this")
@@ -178,8 +181,14 @@ class LlamaConfig(BaseModel):
         return self.n_kv_heads or self.n_heads
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def head_size(self) -> int:
+        """The size of one attention head: ``head_dim``, else ``d_model / n_heads``."""
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def attn_dim(self) -> int:
+        """The width of the query heads together (``d_model`` unless ``head_dim`` is set)."""
+        return self.n_heads * self.head_size
 
     @property
     def hidden_dim(self) -> int:
@@ -196,10 +205,11 @@ class LlamaConfig(BaseModel):
             from elastic.models.hf import apply_hf_config
 
             apply_hf_config(self)
-        if self.d_model % self.n_heads:
+        if self.head_dim is None and self.d_model % self.n_heads:
             raise SpecError("model.n_heads", f"{self.n_heads} does not divide model.d_model ({self.d_model})")
-        if self.head_dim % 2:
-            raise SpecError("model.n_heads", f"head dim d_model/n_heads = {self.head_dim} must be even for RoPE")
+        if self.head_size % 2:
+            field = "model.head_dim" if self.head_dim else "model.n_heads"
+            raise SpecError(field, f"the head size {self.head_size} must be even for RoPE")
         if self.n_heads % self.kv_heads:
             raise SpecError("model.n_kv_heads", f"{self.kv_heads} does not divide model.n_heads ({self.n_heads})")
         if self.rope_scaling is not None:
@@ -253,8 +263,8 @@ class LlamaConfig(BaseModel):
 
     def block_params(self) -> int:
         """A block's parameters that tensor parallelism splits (the norms stay whole)."""
-        d, kv = self.d_model, self.kv_heads * self.head_dim
-        attn = 2 * d * d + 2 * d * kv + ((d + 2 * kv) if self.qkv_bias else 0)
+        d, q, kv = self.d_model, self.attn_dim, self.kv_heads * self.head_size
+        attn = 2 * d * q + 2 * d * kv + ((q + 2 * kv) if self.qkv_bias else 0)
         if self.moe is None:
             return attn + 3 * d * self.hidden_dim
         return attn + self.moe_block_params()
@@ -284,7 +294,7 @@ class LlamaConfig(BaseModel):
             seq_len=self.seq_len,
             vocab_size=V,
             block_split=self.block_params(),
-            block_whole=2 * d + 2 * self.head_dim * int(self.qk_norm),  # RMSNorm weights
+            block_whole=2 * d + 2 * self.head_size * int(self.qk_norm),  # RMSNorm weights
             first_split=0 if tied else V * d,
             first_whole=V * d if tied else 0,
             last_split=0 if tied else V * d,
@@ -312,8 +322,8 @@ class LlamaConfig(BaseModel):
 
         moe, d, he, V = self.moe_config(), self.d_model, self.expert_hidden, self.vocab_size
         tied = self.tie_embeddings
-        kv = self.kv_heads * self.head_dim
-        dense = 2 * d * d + 2 * d * kv + ((d + 2 * kv) if self.qkv_bias else 0)
+        q, kv = self.attn_dim, self.kv_heads * self.head_size
+        dense = 2 * d * q + 2 * d * kv + ((q + 2 * kv) if self.qkv_bias else 0)
         experts = ExpertMemory(moe.n_experts, d, he)
         return MemoryInputs(
             n_layers=self.n_layers,
@@ -323,7 +333,7 @@ class LlamaConfig(BaseModel):
             vocab_size=V,
             block_split=dense + int(moe.shared_expert) * 3 * d * he + experts.params,
             # norms (Qwen3's q/k norms too) and the router, replicated over TP
-            block_whole=2 * d + 2 * self.head_dim * int(self.qk_norm) + d * moe.n_experts,
+            block_whole=2 * d + 2 * self.head_size * int(self.qk_norm) + d * moe.n_experts,
             first_split=0 if tied else V * d,
             first_whole=V * d if tied else 0,
             last_split=0 if tied else V * d,
@@ -344,7 +354,7 @@ class LlamaConfig(BaseModel):
         if self.moe is not None:
             block += self.moe_block_params(active=True) - self.moe_block_params()
         n = self.n_layers * block + self.vocab_size * self.d_model
-        return 6.0 * n + 12.0 * self.n_layers * self.d_model * self.seq_len
+        return 6.0 * n + 12.0 * self.n_layers * self.attn_dim * self.seq_len
 
 
 class CustomConfig(BaseModel):

@@ -129,6 +129,9 @@ def apply_hf_config(cfg: LlamaConfig) -> None:
     for name in _AGREE + _AGREE_FLAGS:
         if name in given and getattr(cfg, name) != hf[name]:
             raise SpecError(f"model.{name}", f"{getattr(cfg, name)} differs from {_shown(cfg.init_from)}: {hf[name]}")
+    heads = hf["head_dim"] or hf["d_model"] // hf["n_heads"]
+    if "head_dim" in given and cfg.head_size != heads:
+        raise SpecError("model.head_dim", f"{cfg.head_size} differs from config.json's {heads}")
     if "n_kv_heads" in given and cfg.kv_heads != hf["n_kv_heads"]:
         raise SpecError("model.n_kv_heads", f"{cfg.kv_heads} differs from config.json's {hf['n_kv_heads']}")
     if given & {"ffn_dim", "multiple_of", "ffn_dim_multiplier"} and cfg.hidden_dim != hf["ffn_dim"]:

@@ -75,11 +75,8 @@ def fields_from_hf(doc: dict[str, Any]) -> dict[str, Any]:
     fields: dict[str, Any] = {name: doc[key] for name, key in _SHAPE.items() if key in doc}
     fields.setdefault("norm_eps", 1e-6)  # transformers' default in every family here
     fields.setdefault("tie_embeddings", False)
-    head_dim = doc.get("head_dim")
-    if head_dim is not None and head_dim * doc["num_attention_heads"] != doc["hidden_size"]:
-        raise SpecError(
-            FIELD, f"config.json head_dim {head_dim} is not hidden_size / num_attention_heads: not implemented"
-        )
+    head_dim = doc.get("head_dim")  # Qwen3's is its own; elsewhere hidden_size / num_attention_heads
+    fields["head_dim"] = head_dim if head_dim and head_dim * doc["num_attention_heads"] != doc["hidden_size"] else None
     fields["n_kv_heads"] = doc.get("num_key_value_heads") or doc["num_attention_heads"]
     fields["ffn_dim"] = doc["intermediate_size"]
     fields["max_seq_len"] = doc.get("max_position_embeddings")
@@ -208,7 +205,7 @@ def hf_config(cfg: LlamaConfig, family: str) -> dict[str, Any]:
         "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_dim,
+        "head_dim": cfg.head_size,
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len or cfg.seq_len,
         "rms_norm_eps": cfg.norm_eps,
@@ -286,7 +283,7 @@ def hf_adapter(cfg: LlamaConfig) -> HFAdapter | None:
         # Rotary rows permuted per head: q and k (their biases; a q/k norm is one head's weight).
         for fqn in ("attn.wq.weight", "attn.wk.weight", "attn.wq.bias", "attn.wk.bias", "attn.q_norm.weight", "attn.k_norm.weight"):
             if f"{ours}{fqn}" in names:
-                rotary[f"{ours}{fqn}"] = cfg.head_dim
+                rotary[f"{ours}{fqn}"] = cfg.head_size
         if cfg.moe is not None:
             router, prefix, (w1, w3, w2) = _EXPERTS[family]
             names[f"{ours}mlp.router.weight"] = f"{theirs}{router}.weight"

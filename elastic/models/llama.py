@@ -95,16 +95,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.head_dim, self.theta, self.rope_scaling = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
+        self.head_dim, self.theta, self.rope_scaling = cfg.head_size, cfg.rope_theta, cfg.rope_scaling
         self.n_rep = cfg.n_heads // cfg.kv_heads
-        kv_dim = cfg.kv_heads * cfg.head_dim
-        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.qkv_bias)
+        kv_dim = cfg.kv_heads * cfg.head_size
+        self.wq = nn.Linear(cfg.d_model, cfg.attn_dim, bias=cfg.qkv_bias)
         self.wk = nn.Linear(cfg.d_model, kv_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.d_model, kv_dim, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wo = nn.Linear(cfg.attn_dim, cfg.d_model, bias=False)
         # Qwen3: each head of q and k RMS-normalised (one weight per head dimension) before RoPE
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_size, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_size, cfg.norm_eps) if cfg.qk_norm else None
         self.cp: ContextParallel | None = None  # set when the sequence is split over ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -170,11 +170,11 @@ def llama_factory(**shape: Any):
 # model_type -> the transformers config keys beyond the common tiny shape
 FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": {"tie_word_embeddings": True},  # small Qwen2s tie their head
-    "qwen3": {"head_dim": 8},
+    "qwen3": {"head_dim": 16},  # not hidden_size / heads (8): as Qwen3-0.6B's 128 for 1024 / 16
     "mistral": {"head_dim": 8, "sliding_window": 4096},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "norm_topk_prob": True},
-    "qwen3_moe_unnormed": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24},
+    "qwen3_moe_unnormed": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "head_dim": 12},
 }
 BOS, EOS = 1, 2
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

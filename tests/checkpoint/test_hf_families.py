@@ -219,6 +219,7 @@ def _edited(src: str, dst: str, **changes) -> str:
         ("mixtral", {}, {"moe": {"n_experts": 4, "top_k": 1}}, "model.moe.top_k", "differs"),
         ("qwen2", {}, {"qkv_bias": False}, "model.qkv_bias", "differs"),
         ("qwen3", {}, {"family": "llama"}, "model.family", "differs"),
+        ("qwen3", {}, {"head_dim": 8}, "model.head_dim", "differs"),
     ],
 )
 def test_what_the_model_does_not_compute_is_refused(family_dirs, tmp_path, name, changes, extra, field, words):
@@ -234,11 +235,14 @@ def test_a_spec_may_set_the_training_keys_of_a_loaded_moe(family_dirs):
     assert _cfg(family_dirs["mixtral"]).moe.aux_loss_coef == 0.001  # router_aux_loss_coef
 
 
-def test_family_key_without_init_from_must_match_the_architecture():
+def test_architecture_keys_without_init_from_are_checked():
     with pytest.raises(SpecError) as info:
         JobSpec.from_dict({"model": {**MOE_SHAPE, "family": "qwen2"}})
     assert info.value.field == "model.qkv_bias"
     assert JobSpec.from_dict({"model": {**MOE_SHAPE, "family": "qwen2", "qkv_bias": True}}).model.family == "qwen2"
+    with pytest.raises(SpecError) as info:  # attention here spans the whole sequence
+        JobSpec.from_dict({"model": {**MOE_SHAPE, "sliding_window": 8}})
+    assert info.value.field == "model.sliding_window" and "shorter than model.seq_len" in str(info.value)
 
 
 @pytest.mark.parametrize("src,label,tensor", [("qwen2", "llama", "k_proj.bias"), ("qwen3", "qwen2", "q_norm")])
