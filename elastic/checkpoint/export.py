@@ -32,8 +32,8 @@ import torch
 
 from elastic.checkpoint.cli import EXIT_BAD_INPUT, EXIT_DAMAGED, EXIT_OK, _BadInput, _open, _redact
 from elastic.checkpoint.hf_import import pairs_to_halves
-from elastic.checkpoint.safetensors_io import write_file
 from elastic.checkpoint.hf_ship import ship_beside
+from elastic.checkpoint.safetensors_io import write_file
 from elastic.errors import SpecError
 from elastic.models.hf import CONFIG, INDEX, SINGLE, HFAdapter, join, open_fs
 

@@ -2,8 +2,8 @@
 
 Torch-free at import. It runs on the driver when a spec is validated (``model.init_from``:
 ``config.json`` and the tensor names, from the index or the safetensors headers, are read
-before Ray starts; what each family's config.json means is in ``hf_families.py``), on every rank that loads Hugging Face weights
-(``elastic/checkpoint/hf_import.py``) and in ``elastic ckpt export --format hf``
+before Ray starts; what each family's config.json means is in ``hf_families.py``), on every
+rank that loads Hugging Face weights (``elastic/checkpoint/hf_import.py``) and in ``elastic ckpt export --format hf``
 (``elastic/checkpoint/export.py``).
 
 A model that can travel to and from Hugging Face describes itself with an ``HFAdapter``
@@ -168,7 +168,7 @@ def _merged_moe(cfg: LlamaConfig, hf: dict[str, Any] | None, moe_class: Any) -> 
     mine = cfg.moe
     if hf is None:
         if mine is not None:
-            raise SpecError("model.moe", f"set, but {_shown(cfg.init_from)} is a dense model (no experts)")
+            raise SpecError("model.moe", f"set, but {_shown(_init_from(cfg))} is a dense model (no experts)")
         return None
     if mine is None:
         return moe_class(**hf)

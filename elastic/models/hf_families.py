@@ -68,7 +68,9 @@ def fields_from_hf(doc: dict[str, Any]) -> dict[str, Any]:
         raise SpecError(FIELD, f"config.json hidden_act is {doc['hidden_act']!r}; the Llama here uses silu")
     for key in ("attention_bias", "mlp_bias"):  # llama and qwen3: a bias on every projection, o_proj too
         if doc.get(key):
-            raise SpecError(FIELD, f"config.json sets {key}: {family} with biases on every projection is not implemented")
+            raise SpecError(
+                FIELD, f"config.json sets {key}: {family} with biases on every projection is not implemented"
+            )
     missing = [k for k in _REQUIRED if k not in doc]
     if missing:
         raise SpecError(FIELD, f"config.json lacks {', '.join(missing)}")
@@ -93,7 +95,9 @@ def _window(doc: dict[str, Any], family: str) -> int | None:
     """Mistral's (Mixtral's) window over every layer; Qwen's only matters with ``use_sliding_window``."""
     layer_types = doc.get("layer_types") or []
     if family.startswith("qwen") and (doc.get("use_sliding_window") or set(layer_types) - {"full_attention"}):
-        raise SpecError(FIELD, "config.json uses sliding-window attention on some layers (use_sliding_window): not implemented")
+        raise SpecError(
+            FIELD, "config.json uses sliding-window attention on some layers (use_sliding_window): not implemented"
+        )
     window = doc.get("sliding_window") if family in ("mistral", "mixtral") else None
     return int(window) if window is not None else None
 
@@ -110,7 +114,11 @@ def _moe_from_hf(doc: dict[str, Any], family: str) -> dict[str, Any]:
         moe.update(expert_hidden=doc["intermediate_size"], norm_topk_prob=True)
     else:
         if doc.get("mlp_only_layers") or doc.get("decoder_sparse_step", 1) != 1:
-            raise SpecError(FIELD, "config.json has dense layers among the experts (mlp_only_layers, decoder_sparse_step): not implemented")
+            raise SpecError(
+                FIELD,
+                "config.json has dense layers among the experts (mlp_only_layers, decoder_sparse_step): "
+                "not implemented",
+            )
         if "moe_intermediate_size" not in doc:
             raise SpecError(FIELD, "config.json of a qwen3_moe lacks moe_intermediate_size")
         moe.update(expert_hidden=doc["moe_intermediate_size"], norm_topk_prob=bool(doc.get("norm_topk_prob", False)))
@@ -165,7 +173,10 @@ def _mismatch(cfg: LlamaConfig, family: str) -> tuple[str, str] | None:
     """``(field, why)`` if ``cfg`` is not a model of ``family``, else None."""
     moe = cfg.moe
     if (moe is not None) != (family in MOE):
-        return "model.moe", f"{'set' if moe else 'not set'}, but {family} is {'a mixture of experts' if family in MOE else 'dense'}"
+        return (
+            "model.moe",
+            f"{'set' if moe else 'not set'}, but {family} is {'a mixture of experts' if family in MOE else 'dense'}",
+        )
     wants_bias, wants_norm = family == "qwen2", family in ("qwen3", "qwen3_moe")
     if cfg.qkv_bias != wants_bias:
         return "model.qkv_bias", f"{cfg.qkv_bias}, but {family} has {'' if wants_bias else 'no '}q/k/v biases"
@@ -241,7 +252,9 @@ def hf_config(cfg: LlamaConfig, family: str) -> dict[str, Any]:
         if family == "mixtral":
             doc.update(intermediate_size=cfg.expert_hidden, router_jitter_noise=0.0)
         else:  # transformers 4 spells num_local_experts num_experts
-            doc.update(num_experts=moe.n_experts, moe_intermediate_size=cfg.expert_hidden, norm_topk_prob=moe.norm_topk_prob)
+            doc.update(
+                num_experts=moe.n_experts, moe_intermediate_size=cfg.expert_hidden, norm_topk_prob=moe.norm_topk_prob
+            )
             doc.update(decoder_sparse_step=1, mlp_only_layers=[])
     return doc
 
@@ -281,7 +294,14 @@ def hf_adapter(cfg: LlamaConfig) -> HFAdapter | None:
             for mine, hf in _ATTN:
                 names[f"{ours}{mine}.bias"] = f"{theirs}{hf}.bias"
         # Rotary rows permuted per head: q and k (their biases; a q/k norm is one head's weight).
-        for fqn in ("attn.wq.weight", "attn.wk.weight", "attn.wq.bias", "attn.wk.bias", "attn.q_norm.weight", "attn.k_norm.weight"):
+        for fqn in (
+            "attn.wq.weight",
+            "attn.wk.weight",
+            "attn.wq.bias",
+            "attn.wk.bias",
+            "attn.q_norm.weight",
+            "attn.k_norm.weight",
+        ):
             if f"{ours}{fqn}" in names:
                 rotary[f"{ours}{fqn}"] = cfg.head_size
         if cfg.moe is not None:

@@ -5,8 +5,8 @@ RMSNorm (in fp32), rotary position embeddings (RoPE, Su et al. 2021), a SwiGLU M
 key/value heads shared by ``n_heads / n_kv_heads`` query heads each, Ainslie et al. 2023).
 Shapes follow Meta's reference code, so ``size: llama3-8b`` has 8.03e9 parameters. Llama 3.1
 and later add a RoPE frequency scaling (``model.rope_scaling``, ``llama3_scaled``); Llama 3.2
-1B/3B tie the head to the embedding (``tie_embeddings``). ``elastic.models.hf`` maps the
-model to and from Hugging Face's ``LlamaForCausalLM`` (the ``ModelSpec.hf`` adapter).
+1B/3B tie the head to the embedding (``tie_embeddings``). ``elastic.models.hf_families`` maps
+the model to and from Hugging Face's ``LlamaForCausalLM`` and its kin (``ModelSpec.hf``).
 
 The layout rules of the reference GPT hold: blocks in a ``ModuleDict`` keyed by layer
 index (a pipeline stage keeps its FQNs), separate ``wq/wk/wv/wo`` and ``w1/w2/w3``
@@ -16,9 +16,13 @@ the forward from positions (no buffers: the engine's state is parameters only).
 
 TP plan: ``wq``, ``wk``, ``wv`` column-wise (each TP rank owns ``n_heads / tp`` query and
 ``n_kv_heads / tp`` key/value heads, so ``tp`` must divide ``n_kv_heads``; Qwen2's biases
-split with their rows, Qwen3's q/k norm weights replicated), ``wo`` row-wise; ``w1`` and ``w3`` column-wise, ``w2`` row-wise; the embedding vocab-parallel
-and the head's logits sharded for ``loss_parallel`` when ``tp`` divides the vocabulary and
-the two are not tied.
+split with their rows, Qwen3's q/k norm weights replicated), ``wo`` row-wise; ``w1`` and
+``w3`` column-wise, ``w2`` row-wise; the embedding vocab-parallel and the head's logits
+sharded for ``loss_parallel`` when ``tp`` divides the vocabulary and the two are not tied.
+
+The Hugging Face families (``hf_families.py``) are this model with switches: ``qkv_bias``
+(Qwen2), ``qk_norm`` (Qwen3: each head of q and k RMS-normalised before RoPE) and
+``head_dim`` (a head size other than ``d_model / n_heads``).
 """
 
 from __future__ import annotations

@@ -122,9 +122,10 @@ TRAINED = 1e-4
 @pytest.mark.cluster
 @pytest.mark.timeout(400)
 def test_families_train_under_dp2_tp2_and_export(family_dirs, tmp_path):
-    """Two gloo ranks per layout (DP 2 with DDP or ZeRO, or TP 2): the loaded weights are the Hugging Face ones (bitwise), the
-    losses those of the single-process reference (whose first equals transformers'), and the
-    checkpoint exports to the family transformers loads with the trained reference's logits."""
+    """Two gloo ranks per layout (DP 2 with DDP or ZeRO, or TP 2): the loaded weights are the
+    Hugging Face ones (bitwise), the losses those of the single-process reference (whose first
+    equals transformers'), and the checkpoint exports to the family transformers loads with the
+    trained reference's logits."""
     from hf_workers import hf_layouts
 
     runs = run_ranks(2, hf_layouts, (family_dirs, LAYOUTS), tmp_path)
