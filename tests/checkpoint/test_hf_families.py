@@ -260,3 +260,24 @@ def test_relabelled_checkpoint_is_refused_before_ray_starts(family_dirs, tmp_pat
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model.init_from" in err[0] and tensor in err[0], err
     assert f"{label} architecture does not have" in err[0], err
+
+
+def test_reader_fetches_an_expert_parallel_slice(family_dirs):
+    """An EP rank's experts (2 and 3 of 4) with a TP rank's half of their hidden dimension:
+    the reader reads those experts' rows of each Hugging Face linear only, transposed."""
+    from elastic.checkpoint.hf_import import HFReader
+    from storage import ShardRecord, load_into
+
+    path = family_dirs["mixtral"]
+    spec = model_spec(_cfg(path))
+    fqns = ["blocks.1.mlp.experts.w1", "blocks.1.mlp.experts.w2"]
+    w1 = ShardRecord(torch.empty(2, 32, 24), (4, 32, 48), (2, 0, 24))  # [E, d, h]: hidden 24..47
+    w2 = ShardRecord(torch.empty(2, 24, 32), (4, 48, 32), (2, 24, 0))  # [E, h, d]
+    reader = HFReader(path, spec.hf, fqns)
+    load_into(reader, dict(zip(fqns, (w1, w2))))
+    experts = hf_model(path).model.layers[1].mlp.experts
+    state = {k: v for k, v in experts.state_dict().items()}  # transformers 5: fused [E, ...] tensors
+    gate_up, down = state["gate_up_proj"], state["down_proj"]  # [E, 2h, d] (gate, then up), [E, d, h]
+    assert torch.equal(w1.local, gate_up[2:4, 24:48].transpose(1, 2))
+    assert torch.equal(w2.local, down[2:4, :, 24:48].transpose(1, 2))
+    assert reader.data_bytes_read == 4 * 2 * (24 * 32 + 32 * 24)
