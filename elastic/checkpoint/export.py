@@ -4,7 +4,9 @@ Runs in the CLI process: no Ray, no process group. It reads one committed checkp
 project (any layout: DCP's planner consolidates each tensor from the boxes every rank saved,
 checking each box's CRC-32) and writes ``config.json`` plus ``model.safetensors`` (or
 ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json`` above
-``--max-shard-size``) that ``transformers`` loads with ``LlamaForCausalLM.from_pretrained``.
+``--max-shard-size``) that ``transformers`` loads with ``AutoModelForCausalLM.from_pretrained``,
+as the model's own family (``elastic.models.hf_families``), with ``generation_config.json`` and
+the tokenizer files of the ``model.init_from`` directory (``hf_ship.py``).
 Tensors are streamed one at a time, so the export holds one tensor in memory, not the model.
 
 The model is rebuilt from the config each commit records in its manifest (``extra.model``),
@@ -30,7 +32,9 @@ import torch
 
 from elastic.checkpoint.cli import EXIT_BAD_INPUT, EXIT_DAMAGED, EXIT_OK, _BadInput, _open, _redact
 from elastic.checkpoint.hf_import import pairs_to_halves
+from elastic.checkpoint.hf_ship import ship_beside
 from elastic.checkpoint.safetensors_io import write_file
+from elastic.errors import SpecError
 from elastic.models.hf import CONFIG, INDEX, SINGLE, HFAdapter, join, open_fs
 
 MODEL = "app/model/"  # where the model's tensors sit in a checkpoint (the trainer's state layout)
@@ -45,6 +49,7 @@ class Exported:
     files: list[str]
     bytes: int
     tensors: int
+    shipped: list[str]  # generation_config.json and the tokenizer files beside the weights
 
 
 def parse_size(text: str) -> int:
@@ -80,7 +85,9 @@ def ckpt_export(
     except ChecksumMismatch as exc:
         print(f"error: damaged checkpoint: {_redact(str(exc))}", file=sys.stderr)
         return EXIT_DAMAGED
-    where = f"{len(done.files)} file(s) in {_redact(out)}"
+    tokenizer = len(done.shipped) - 1
+    where = f"{len(done.files)} file(s) in {_redact(out)}, with generation_config.json"
+    where += f" and {tokenizer} tokenizer file(s) from model.init_from" if tokenizer else " (no tokenizer files)"
     print(f"exported step {done.step}: {done.tensors} tensors, {done.bytes:,} bytes, {where}")
     return EXIT_OK
 
@@ -93,17 +100,24 @@ def export_hf(
     ``model``: the user's own model config (``--spec``'s ``model``), the only source of a custom one.
     """
     reader = _open_reader(uri, step)
-    adapter = _adapter_of(reader, model)
+    adapter, cfg = _adapter_of(reader, model)
     fs, root = open_fs(out)
     if fs.exists(root) and (fs.glob(join(root, "*.safetensors")) or fs.exists(join(root, INDEX))):
         raise _BadInput(f"--out {_redact(out)} already holds a model; export into an empty directory")
     fs.makedirs(root, exist_ok=True)
     sources = _sources(reader, adapter)
-    shapes = {name: tuple(reader.metadata.state_dict_metadata[MODEL + fqn].size) for name, fqn in sources.items()}
+    shapes = {name: _shape(reader, fqn, expert) for name, (fqn, expert) in sources.items()}
     shards = _shard(list(sources), shapes, dtype, max_shard_bytes)
+    last: dict[str, torch.Tensor] = {}  # the expert tensor the previous names came from
 
     def produce(name: str) -> torch.Tensor:
-        return _consolidated(reader, sources[name], adapter)
+        fqn, expert = sources[name]
+        if expert is None:
+            return _consolidated(reader, fqn, adapter)
+        if fqn not in last:
+            last.clear()
+            last[fqn] = _consolidated(reader, fqn, adapter)
+        return last[fqn][expert].t()
 
     files, total = [], 0
     for i, names in enumerate(shards, start=1):
@@ -118,7 +132,8 @@ def export_hf(
     dtype_name = str(dtype).removeprefix("torch.")
     config = {**adapter.config, "dtype": dtype_name, "torch_dtype": dtype_name}  # transformers 5 and 4
     _write_json(fs, join(root, CONFIG), config)
-    return Exported(reader.step, files, total, len(sources))
+    copied = ship_beside(fs, root, getattr(cfg, "init_from", None), config)
+    return Exported(reader.step, files, total, len(sources), copied)
 
 
 def _open_reader(uri: str, step: int | None) -> Any:
@@ -137,10 +152,9 @@ def _open_reader(uri: str, step: int | None) -> Any:
         raise _BadInput(f"step {step} under {_redact(uri)} is missing or not committed: nothing to export") from None
 
 
-def _adapter_of(reader: Any, user_model: Any = None) -> HFAdapter:
+def _adapter_of(reader: Any, user_model: Any = None) -> tuple[HFAdapter, Any]:
     from pydantic import TypeAdapter, ValidationError
 
-    from elastic.errors import SpecError
     from elastic.models.config import AnyModelConfig
     from elastic.models.spec import model_spec
 
@@ -158,21 +172,37 @@ def _adapter_of(reader: Any, user_model: Any = None) -> HFAdapter:
         spec = model_spec(cfg)  # a custom factory only from the user's own spec
     except (ValidationError, SpecError) as exc:
         raise _BadInput(f"the model recorded in step {reader.step} cannot be rebuilt: {exc}") from None
+    if spec.hf is None and cfg.kind == "llama":  # no Hugging Face family computes this model: say why
+        from elastic.models.hf_families import family_of
+
+        try:
+            family_of(cfg)
+        except SpecError as exc:
+            raise _BadInput(f"no Hugging Face family computes this model: {exc}") from None
     if spec.hf is None:
         what = f"model.kind {cfg.kind}" + (f" ({cfg.factory})" if cfg.kind == "custom" else "")
         raise _BadInput(f"{what} has no Hugging Face adapter (ModelSpec.hf): nothing maps it to a Hugging Face model")
-    return spec.hf
+    return spec.hf, cfg
 
 
-def _sources(reader: Any, adapter: HFAdapter) -> dict[str, str]:
-    """Hugging Face name -> the project FQN it is written from (the first, for tied weights)."""
+def _sources(reader: Any, adapter: HFAdapter) -> dict[str, tuple[str, int | None]]:
+    """Hugging Face name -> the project FQN it is written from (the first, for tied weights)
+    and, for an expert's linear, the expert's index in that FQN's ``[E, in, out]`` tensor."""
     saved = reader.metadata.state_dict_metadata
-    sources: dict[str, str] = {}
-    for fqn, name in adapter.names.items():
+    sources: dict[str, tuple[str, int | None]] = {}
+    for fqn in [*adapter.names, *adapter.experts]:
         if MODEL + fqn not in saved:
             raise _BadInput(f"step {reader.step} lacks {fqn}: not a checkpoint of this model")
-        sources.setdefault(name, fqn)
+    for fqn, name in adapter.names.items():
+        sources.setdefault(name, (fqn, None))
+    for fqn, names in adapter.experts.items():
+        sources.update({name: (fqn, e) for e, name in enumerate(names)})
     return sources
+
+
+def _shape(reader: Any, fqn: str, expert: int | None) -> tuple[int, ...]:
+    size = tuple(reader.metadata.state_dict_metadata[MODEL + fqn].size)
+    return size if expert is None else tuple(reversed(size[1:]))  # one expert's [out, in]
 
 
 def _shard(names: list[str], shapes: dict[str, tuple], dtype: torch.dtype, limit: int) -> list[list[str]]:

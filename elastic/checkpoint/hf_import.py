@@ -11,7 +11,9 @@ broadcast, DP-sharded ones by their owner, in ``data.waves`` host rounds.
 
 The rows of rotary projections (``HFAdapter.rotary``) are stored by ``transformers`` as
 halves per head; the reader fetches the whole heads that cover a requested row range and
-permutes them to interleaved pairs before cutting the box out.
+permutes them to interleaved pairs before cutting the box out. An expert tensor
+(``HFAdapter.experts``, ``[E, in, out]``) is read from each of its experts' ``[out, in]``
+linears, transposed.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.futures import Future
 
 from elastic.checkpoint.safetensors_io import TensorEntry, read_header, read_rows
-from elastic.models.hf import INDEX, SINGLE, HFAdapter, join, open_fs, read_json
+from elastic.models.hf import INDEX, SINGLE, HFAdapter, expected_names, ignorable, join, open_fs, read_json
 from storage import redact_uri
 
 log = logging.getLogger(__name__)
@@ -88,17 +90,21 @@ class HFReader(StorageReader):
         self.adapter = adapter
         self.bytes_read = self.data_bytes_read = 0
         unexpected = sorted(
-            n for n in set(self.directory.weight_map) - set(adapter.names.values()) - adapter.optional
-            if not n.endswith(".rotary_emb.inv_freq")  # a buffer old transformers versions saved
-        )  # fmt: skip
+            n for n in set(self.directory.weight_map) - expected_names(adapter) - adapter.optional if not ignorable(n)
+        )
         if unexpected:
             raise ValueError(f"{redact_uri(uri)} holds tensors this model has no place for: {unexpected[:5]}")
         tensors: dict[str, STORAGE_TYPES] = {}
         for fqn in fqns:
-            if fqn not in adapter.names:
+            if fqn in adapter.experts:  # E linears [out, in] -> one [E, in, out]
+                e = self.directory.entry(adapter.experts[fqn][0])
+                shape = (len(adapter.experts[fqn]), *reversed(e.shape))
+            elif fqn in adapter.names:
+                e = self.directory.entry(adapter.names[fqn])
+                shape = e.shape
+            else:
                 raise ValueError(f"{fqn}: the model's Hugging Face adapter does not name it")
-            e = self.directory.entry(adapter.names[fqn])
-            size = torch.Size(e.shape)
+            size = torch.Size(shape)
             tensors[fqn] = TensorStorageMetadata(
                 TensorProperties(dtype=e.dtype), size, [ChunkStorageMetadata(torch.Size([0] * len(size)), size)]
             )
@@ -132,7 +138,9 @@ class HFReader(StorageReader):
         before = self.directory.bytes_read
         by_file = defaultdict(list)
         for req in plan.items:
-            by_file[self.directory.weight_map[self.adapter.names[req.storage_index.fqn]]].append(req)
+            fqn = req.storage_index.fqn
+            first = self.adapter.experts[fqn][0] if fqn in self.adapter.experts else self.adapter.names[fqn]
+            by_file[self.directory.weight_map[first]].append(req)
         for _, reqs in sorted(by_file.items()):
             for req in sorted(reqs, key=lambda r: (r.storage_index.fqn, tuple(r.storage_offsets))):
                 source = self._read_box(req.storage_index.fqn, list(req.storage_offsets), list(req.lengths))
@@ -147,6 +155,8 @@ class HFReader(StorageReader):
         return fut
 
     def _read_box(self, fqn: str, offsets: list[int], lengths: list[int]) -> torch.Tensor:
+        if fqn in self.adapter.experts:
+            return self._read_experts(fqn, offsets, lengths)
         entry = self.directory.entry(self.adapter.names[fqn])
         if not entry.shape:
             rows, fetched = read_rows(self.directory.fs, entry, 0, 0, [], self.directory.local)
@@ -162,6 +172,18 @@ class HFReader(StorageReader):
         if head_dim:
             rows = halves_to_pairs(rows, head_dim)
         return rows.narrow(0, offsets[0] - lo, lengths[0])
+
+    def _read_experts(self, fqn: str, offsets: list[int], lengths: list[int]) -> torch.Tensor:
+        """Box ``[e, a, b]`` of an ``[E, in, out]`` tensor: rows ``b`` (columns ``a``) of each
+        expert's ``[out, in]`` linear, transposed."""
+        (e0, a0, b0), (ne, na, nb) = offsets, lengths
+        parts = []
+        for name in self.adapter.experts[fqn][e0 : e0 + ne]:
+            entry = self.directory.entry(name)
+            rows, fetched = read_rows(self.directory.fs, entry, b0, b0 + nb, [(a0, na)], self.directory.local)
+            self._count(fetched)
+            parts.append(rows.t())
+        return torch.stack(parts)
 
     def _count(self, fetched: int) -> None:
         self.bytes_read += fetched

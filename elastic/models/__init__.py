@@ -8,6 +8,7 @@
 * ``llama_sizes.py`` the named Llama shapes (``model.size``)
 * ``rope_scaling.py`` ``model.rope_scaling`` (Llama 3.1)
 * ``hf.py``      Hugging Face ``config.json`` and tensor names (``model.init_from``, export)
+* ``hf_families.py`` what each Hugging Face family (llama, mistral, qwen2, qwen3, mixtral, qwen3_moe) means
 * ``custom.py``  ``kind: custom``, a user's ``package.module:function`` factory
 
 The model list is here, as in torchtitan's ``models/__init__.py``: each model module

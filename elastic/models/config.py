@@ -17,6 +17,8 @@ from elastic.models.llama_sizes import LLAMA_SIZES
 from elastic.models.rope_scaling import RopeScaling
 from elastic.parallel.memory_model import LayerActivations, MemoryInputs
 
+# The Hugging Face model_types ``model.init_from`` loads and an export writes (hf_families.py).
+HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 INIT_FROM_HELP = "a Hugging Face model directory (config.json + *.safetensors), local path or fsspec URI"
 
 
@@ -142,6 +144,9 @@ class LlamaConfig(BaseModel):
     d_model: int = Field(256, ge=8)
     n_heads: int = Field(8, ge=1)
     n_kv_heads: int | None = Field(None, ge=1, description="key/value heads (GQA); default n_heads")
+    head_dim: int | None = Field(
+        None, ge=2, description="the size of one attention head; default d_model / n_heads (Qwen3 sets its own)"
+    )
     vocab_size: int = Field(2048, ge=2)
     seq_len: int = Field(128, ge=2)
     multiple_of: int = Field(256, ge=1, description="SwiGLU hidden size is rounded up to a multiple of this")
@@ -153,6 +158,16 @@ class LlamaConfig(BaseModel):
     tie_embeddings: bool = Field(False, description="the output head shares the embedding's weight")
     max_seq_len: int | None = Field(None, ge=2, description="the published context length (metadata)")
     moe: MoEConfig | None = Field(None, description="a routed mixture of experts in place of the MLP")
+    qkv_bias: bool = Field(False, description="biases on the q, k and v projections (Qwen2)")
+    qk_norm: bool = Field(False, description="RMSNorm over each head of q and k before RoPE (Qwen3)")
+    family: Literal[HF_FAMILIES] | None = Field(  # type: ignore[valid-type]
+        None, description="the Hugging Face model_type an export writes; default: the one the architecture is"
+    )
+    sliding_window: int | None = Field(
+        None, ge=2, description="Mistral's attention window (metadata: attention here spans seq_len, at most it)"
+    )
+    bos_token_id: int | None = Field(None, description="metadata for an export: from init_from's config.json")
+    eos_token_id: int | list[int] | None = Field(None, description="metadata for an export, as bos_token_id")
 
     @model_validator(mode="before")
     @classmethod
@@ -166,8 +181,14 @@ class LlamaConfig(BaseModel):
         return self.n_kv_heads or self.n_heads
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def head_size(self) -> int:
+        """The size of one attention head: ``head_dim``, else ``d_model / n_heads``."""
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def attn_dim(self) -> int:
+        """The width of the query heads together (``d_model`` unless ``head_dim`` is set)."""
+        return self.n_heads * self.head_size
 
     @property
     def hidden_dim(self) -> int:
@@ -184,16 +205,27 @@ class LlamaConfig(BaseModel):
             from elastic.models.hf import apply_hf_config
 
             apply_hf_config(self)
-        if self.d_model % self.n_heads:
+        if self.head_dim is None and self.d_model % self.n_heads:
             raise SpecError("model.n_heads", f"{self.n_heads} does not divide model.d_model ({self.d_model})")
-        if self.head_dim % 2:
-            raise SpecError("model.n_heads", f"head dim d_model/n_heads = {self.head_dim} must be even for RoPE")
+        if self.head_size % 2:
+            field = "model.head_dim" if self.head_dim else "model.n_heads"
+            raise SpecError(field, f"the head size {self.head_size} must be even for RoPE")
         if self.n_heads % self.kv_heads:
             raise SpecError("model.n_kv_heads", f"{self.kv_heads} does not divide model.n_heads ({self.n_heads})")
         if self.rope_scaling is not None:
             self.rope_scaling.check()
         if self.moe is not None:
             self.moe.check()
+        if self.sliding_window is not None and self.sliding_window < self.seq_len:
+            raise SpecError(
+                "model.sliding_window",
+                f"{self.sliding_window} is shorter than model.seq_len ({self.seq_len}): sliding-window attention "
+                "is not implemented",
+            )
+        if self.family is not None:  # a model of that family, or an export would write another model
+            from elastic.models.hf_families import family_of
+
+            family_of(self)
 
     @property
     def expert_hidden(self) -> int:
@@ -230,8 +262,9 @@ class LlamaConfig(BaseModel):
             raise SpecError("parallel.cp", f"{cp} does not split model.seq_len ({self.seq_len}) into equal chunks")
 
     def block_params(self) -> int:
-        d, kv = self.d_model, self.kv_heads * self.head_dim
-        attn = 2 * d * d + 2 * d * kv
+        """A block's parameters that tensor parallelism splits (the norms stay whole)."""
+        d, q, kv = self.d_model, self.attn_dim, self.kv_heads * self.head_size
+        attn = 2 * d * q + 2 * d * kv + ((q + 2 * kv) if self.qkv_bias else 0)
         if self.moe is None:
             return attn + 3 * d * self.hidden_dim
         return attn + self.moe_block_params()
@@ -261,7 +294,7 @@ class LlamaConfig(BaseModel):
             seq_len=self.seq_len,
             vocab_size=V,
             block_split=self.block_params(),
-            block_whole=2 * d,  # two RMSNorm weights
+            block_whole=2 * d + 2 * self.head_size * int(self.qk_norm),  # RMSNorm weights
             first_split=0 if tied else V * d,
             first_whole=V * d if tied else 0,
             last_split=0 if tied else V * d,
@@ -289,7 +322,8 @@ class LlamaConfig(BaseModel):
 
         moe, d, he, V = self.moe_config(), self.d_model, self.expert_hidden, self.vocab_size
         tied = self.tie_embeddings
-        dense = 2 * d * d + 2 * d * self.kv_heads * self.head_dim
+        q, kv = self.attn_dim, self.kv_heads * self.head_size
+        dense = 2 * d * q + 2 * d * kv + ((q + 2 * kv) if self.qkv_bias else 0)
         experts = ExpertMemory(moe.n_experts, d, he)
         return MemoryInputs(
             n_layers=self.n_layers,
@@ -298,7 +332,8 @@ class LlamaConfig(BaseModel):
             seq_len=self.seq_len,
             vocab_size=V,
             block_split=dense + int(moe.shared_expert) * 3 * d * he + experts.params,
-            block_whole=2 * d + d * moe.n_experts,  # norms and the router, replicated over TP
+            # norms (Qwen3's q/k norms too) and the router, replicated over TP
+            block_whole=2 * d + 2 * self.head_size * int(self.qk_norm) + d * moe.n_experts,
             first_split=0 if tied else V * d,
             first_whole=V * d if tied else 0,
             last_split=0 if tied else V * d,
@@ -319,7 +354,7 @@ class LlamaConfig(BaseModel):
         if self.moe is not None:
             block += self.moe_block_params(active=True) - self.moe_block_params()
         n = self.n_layers * block + self.vocab_size * self.d_model
-        return 6.0 * n + 12.0 * self.n_layers * self.d_model * self.seq_len
+        return 6.0 * n + 12.0 * self.n_layers * self.attn_dim * self.seq_len
 
 
 class CustomConfig(BaseModel):

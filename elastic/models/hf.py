@@ -1,8 +1,9 @@
 """Hugging Face model directories and the project's models: config.json and tensor names.
 
-Torch-free at import. It runs on the driver when a spec is validated (``model.init_from``: only
-``config.json`` is read, before Ray starts), on every rank that loads Hugging Face weights
-(``elastic/checkpoint/hf_import.py``) and in ``elastic ckpt export --format hf``
+Torch-free at import. It runs on the driver when a spec is validated (``model.init_from``:
+``config.json`` and the tensor names, from the index or the safetensors headers, are read
+before Ray starts; what each family's config.json means is in ``hf_families.py``), on every
+rank that loads Hugging Face weights (``elastic/checkpoint/hf_import.py``) and in ``elastic ckpt export --format hf``
 (``elastic/checkpoint/export.py``).
 
 A model that can travel to and from Hugging Face describes itself with an ``HFAdapter``
@@ -10,8 +11,8 @@ A model that can travel to and from Hugging Face describes itself with an ``HFAd
 tensors, and which tensors hold rotary query/key rows. The project's Llama rotates
 interleaved pairs ``(x[2i], x[2i+1])`` of each head (Meta's layout); ``transformers`` rotates
 the two halves ``(x[i], x[i + d/2])``. The same model in both layouts differs only by a
-permutation of the rows of ``wq`` and ``wk`` inside each head, applied on load and reversed
-on export.
+permutation of the rows of ``wq`` and ``wk`` inside each head (and of their biases and
+Qwen3's per-head q/k norm weights), applied on load and reversed on export.
 
 Both config.json styles are read: ``rope_parameters`` (transformers 5) and the older
 top-level ``rope_theta`` with ``rope_scaling``; an export writes both, so transformers 4 and
@@ -45,6 +46,8 @@ class HFAdapter:
     names: dict[str, str]  # project FQN -> Hugging Face tensor name (tied FQNs share one)
     rotary: dict[str, int] = field(default_factory=dict)  # FQN -> head dim, rows permuted per head
     optional: frozenset[str] = frozenset()  # Hugging Face names a directory may hold and nobody reads
+    # FQN of an [E, in, out] expert tensor -> the E Hugging Face [out, in] linears it stacks
+    experts: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 # ----- reading a directory ------------------------------------------------------------------
@@ -103,74 +106,32 @@ def _shown(uri: str) -> str:
     return redact_uri(uri)
 
 
-# ----- Llama: config.json <-> LlamaConfig ---------------------------------------------------------
+# ----- config.json -> the spec's model (families: elastic/models/hf_families.py) -------------------
 
-_SHAPE = {  # LlamaConfig field -> config.json key
-    "n_layers": "num_hidden_layers",
-    "d_model": "hidden_size",
-    "n_heads": "num_attention_heads",
-    "vocab_size": "vocab_size",
-    "norm_eps": "rms_norm_eps",
-    "tie_embeddings": "tie_word_embeddings",
-}
-_REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size", "intermediate_size")
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
-def llama_fields_from_hf(doc: dict[str, Any]) -> dict[str, Any]:
-    """LlamaConfig fields from a Hugging Face Llama ``config.json``; refuses what the model lacks."""
-    kind = doc.get("model_type", "llama")
-    if kind != "llama":
-        raise SpecError(FIELD, f"config.json model_type is {kind!r}; only Hugging Face Llama models load")
-    if doc.get("hidden_act", "silu") != "silu":
-        raise SpecError(FIELD, f"config.json hidden_act is {doc['hidden_act']!r}; the Llama here uses silu")
-    for key in ("attention_bias", "mlp_bias"):
-        if doc.get(key):
-            raise SpecError(FIELD, f"config.json sets {key}: the Llama here has no biases")
-    missing = [k for k in _REQUIRED if k not in doc]
-    if missing:
-        raise SpecError(FIELD, f"config.json lacks {', '.join(missing)}")
-    fields: dict[str, Any] = {name: doc[key] for name, key in _SHAPE.items() if key in doc}
-    fields.setdefault("norm_eps", 1e-6)  # transformers' LlamaConfig default
-    fields.setdefault("tie_embeddings", False)
-    head_dim = doc.get("head_dim")
-    if head_dim is not None and head_dim * doc["num_attention_heads"] != doc["hidden_size"]:
-        raise SpecError(FIELD, f"config.json head_dim {head_dim} is not hidden_size / num_attention_heads")
-    fields["n_kv_heads"] = doc.get("num_key_value_heads") or doc["num_attention_heads"]
-    fields["ffn_dim"] = doc["intermediate_size"]
-    fields["max_seq_len"] = doc.get("max_position_embeddings")
-    fields["rope_theta"], fields["rope_scaling"] = _rope_from_hf(doc)
-    return fields
-
-
-def _rope_from_hf(doc: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    params = doc.get("rope_parameters") or doc.get("rope_scaling") or {}
-    if not isinstance(params, dict) or ("rope_type" not in params and "type" not in params and params):
-        raise SpecError(FIELD, "config.json rope_parameters per layer type are not supported")
-    theta = float(params.get("rope_theta", doc.get("rope_theta", 10_000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return theta, None
-    if rope_type != "llama3":
-        raise SpecError(FIELD, f"config.json RoPE type {rope_type!r}: only default and llama3 are supported")
-    scaling = {"type": "llama3"}
-    for key in _LLAMA3_KEYS:
-        value = params.get(key, doc.get("max_position_embeddings") if key == _LLAMA3_KEYS[-1] else None)
-        if value is None:
-            raise SpecError(FIELD, f"config.json llama3 RoPE scaling lacks {key}")
-        scaling[key] = value
-    return theta, scaling
+# Given in the spec, these must equal what config.json says (the architecture); the
+# metadata (max_seq_len, bos/eos ids) and moe.aux_loss_coef (training) the spec may set.
+_AGREE = ("n_layers", "d_model", "n_heads", "vocab_size", "norm_eps", "tie_embeddings", "rope_theta")
+_AGREE_FLAGS = ("qkv_bias", "qk_norm", "family", "sliding_window")
+_MOE_AGREE = ("n_experts", "top_k", "expert_hidden", "shared_expert", "router", "norm_topk_prob")
+_METADATA = ("max_seq_len", "bos_token_id", "eos_token_id")
 
 
 def apply_hf_config(cfg: LlamaConfig) -> None:
-    """Fill ``cfg``'s shape from ``cfg.init_from``'s config.json; a key the spec gives that
-    disagrees is bad input naming that key. Reads ``config.json`` only (and lists the weights)."""
+    """Fill ``cfg``'s architecture from ``cfg.init_from``'s config.json; a key the spec gives that
+    disagrees is bad input naming that key. Reads ``config.json`` and the safetensors headers
+    (or the index): a tensor the architecture has no place for, or lacks, is refused here."""
+    from elastic.models.config import MoEConfig
+    from elastic.models.hf_families import fields_from_hf, hf_adapter
+
     cfg.init_from = resolve(_init_from(cfg))
-    hf = llama_fields_from_hf(read_hf_config(cfg.init_from))
+    hf = fields_from_hf(read_hf_config(cfg.init_from))
     given = cfg.model_fields_set
-    for name in ("n_layers", "d_model", "n_heads", "vocab_size", "norm_eps", "tie_embeddings", "rope_theta"):
+    for name in _AGREE + _AGREE_FLAGS:
         if name in given and getattr(cfg, name) != hf[name]:
             raise SpecError(f"model.{name}", f"{getattr(cfg, name)} differs from {_shown(cfg.init_from)}: {hf[name]}")
+    heads = hf["head_dim"] or hf["d_model"] // hf["n_heads"]
+    if "head_dim" in given and cfg.head_size != heads:
+        raise SpecError("model.head_dim", f"{cfg.head_size} differs from config.json's {heads}")
     if "n_kv_heads" in given and cfg.kv_heads != hf["n_kv_heads"]:
         raise SpecError("model.n_kv_heads", f"{cfg.kv_heads} differs from config.json's {hf['n_kv_heads']}")
     if given & {"ffn_dim", "multiple_of", "ffn_dim_multiplier"} and cfg.hidden_dim != hf["ffn_dim"]:
@@ -181,85 +142,100 @@ def apply_hf_config(cfg: LlamaConfig) -> None:
         )
     if "rope_scaling" in given:
         _check_rope_scaling(cfg, hf["rope_scaling"])
+    window = hf["sliding_window"]
+    if window is not None and window < cfg.seq_len:
+        raise SpecError(
+            FIELD,
+            f"config.json sliding_window {window} is shorter than model.seq_len {cfg.seq_len}: "
+            "sliding-window attention is not implemented (train with seq_len <= the window)",
+        )
+    moe = _merged_moe(cfg, hf.pop("moe"), MoEConfig)
     from elastic.models.rope_scaling import RopeScaling
 
     for name, value in hf.items():
-        if name == "max_seq_len" and (value is None or "max_seq_len" in given):
+        if name in _METADATA and (value is None or name in given):
             continue  # metadata, not shape: the spec's own value stands
         setattr(cfg, name, RopeScaling(**value) if name == "rope_scaling" and value else value)
+    cfg.moe = moe
+    adapter = hf_adapter(cfg)
+    if adapter is None:  # every family fields_from_hf returns has an adapter
+        raise RuntimeError(f"model.init_from: no Hugging Face adapter for {cfg.family}")
+    _check_tensor_names(cfg.init_from, adapter, cfg.family or "llama")
+
+
+def _merged_moe(cfg: LlamaConfig, hf: dict[str, Any] | None, moe_class: Any) -> Any:
+    """``model.moe`` from config.json; a spec's ``moe`` must agree (``aux_loss_coef`` is the spec's)."""
+    mine = cfg.moe
+    if hf is None:
+        if mine is not None:
+            raise SpecError("model.moe", f"set, but {_shown(_init_from(cfg))} is a dense model (no experts)")
+        return None
+    if mine is None:
+        return moe_class(**hf)
+    for key in _MOE_AGREE:
+        if key in mine.model_fields_set and getattr(mine, key) != hf[key]:
+            raise SpecError(f"model.moe.{key}", f"{getattr(mine, key)} differs from config.json's {hf[key]}")
+    own = {k: getattr(mine, k) for k in ("aux_loss_coef",) if k in mine.model_fields_set}
+    return moe_class(**{**hf, **own})
 
 
 def _check_rope_scaling(cfg: LlamaConfig, hf: dict[str, Any] | None) -> None:
+    from elastic.models.hf_families import LLAMA3_KEYS
+
     mine = cfg.rope_scaling.model_dump() if cfg.rope_scaling is not None else None
     if mine is None or hf is None:
         if (mine is None) != (hf is None):
             raise SpecError("model.rope_scaling", f"{mine} differs from config.json's {hf}")
         return
-    for key in _LLAMA3_KEYS:
+    for key in LLAMA3_KEYS:
         if mine[key] != hf[key]:
             raise SpecError(f"model.rope_scaling.{key}", f"{mine[key]} differs from config.json's {hf[key]}")
 
 
-def llama_hf_config(cfg: LlamaConfig) -> dict[str, Any]:
-    """The Hugging Face ``config.json`` of a project Llama (``transformers`` ``LlamaConfig``)."""
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    scaling = None
-    if cfg.rope_scaling is not None:
-        scaling = {"rope_type": "llama3", **{k: getattr(cfg.rope_scaling, k) for k in _LLAMA3_KEYS}}
-        rope = {**scaling, "rope_theta": cfg.rope_theta}
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": cfg.vocab_size,
-        "hidden_size": cfg.d_model,
-        "intermediate_size": cfg.hidden_dim,
-        "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len or cfg.seq_len,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": scaling,
-        "rope_parameters": rope,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        # The tokenizer is not part of the model: copy its files (and generation_config.json)
-        # from where the weights came from; null keeps transformers' Llama 2 defaults out.
-        "bos_token_id": None,
-        "eos_token_id": None,
-    }
+# ----- tensor names, from the index or the safetensors headers (never the weights) ---------------
 
 
-def llama_adapter(cfg: LlamaConfig) -> HFAdapter:
-    names = {
-        "tok_emb.weight": "model.embed_tokens.weight",
-        "norm.weight": "model.norm.weight",
-        "head.weight": "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight",
-    }
-    rotary = {}
-    for i in range(cfg.n_layers):
-        ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
-        for mine, hf in (
-            ("attn_norm", "input_layernorm"),
-            ("mlp_norm", "post_attention_layernorm"),
-            ("attn.wq", "self_attn.q_proj"),
-            ("attn.wk", "self_attn.k_proj"),
-            ("attn.wv", "self_attn.v_proj"),
-            ("attn.wo", "self_attn.o_proj"),
-            ("mlp.w1", "mlp.gate_proj"),
-            ("mlp.w3", "mlp.up_proj"),
-            ("mlp.w2", "mlp.down_proj"),
-        ):
-            names[f"{ours}{mine}.weight"] = f"{theirs}{hf}.weight"
-        rotary[f"{ours}attn.wq.weight"] = rotary[f"{ours}attn.wk.weight"] = cfg.head_dim
-    optional = frozenset({"lm_head.weight"}) if cfg.tie_embeddings else frozenset()
-    return HFAdapter(config=llama_hf_config(cfg), names=names, rotary=rotary, optional=optional)
+def expected_names(adapter: HFAdapter) -> set[str]:
+    """Every Hugging Face tensor name the adapter reads."""
+    return set(adapter.names.values()) | {n for names in adapter.experts.values() for n in names}
+
+
+def ignorable(name: str) -> bool:
+    return name.endswith(".rotary_emb.inv_freq")  # a buffer old transformers versions saved
+
+
+def tensor_names(uri: str) -> set[str]:
+    """The tensor names of a Hugging Face directory: the index's ``weight_map``, else each
+    safetensors file's header (8 bytes of length, then the JSON header; no tensor data)."""
+    fs, root = open_fs(uri)
+    if fs.exists(join(root, INDEX)):
+        return set(read_json(join(uri, INDEX))["weight_map"])
+    files = [join(root, SINGLE)] if fs.exists(join(root, SINGLE)) else sorted(fs.glob(join(root, "*.safetensors")))
+    names: set[str] = set()
+    for path in files:
+        size = int.from_bytes(fs.cat_file(path, start=0, end=8), "little")
+        if size <= 0 or size > 100_000_000:
+            raise ValueError(f"{path.rsplit('/', 1)[-1]} has no safetensors header")
+        names |= set(json.loads(fs.cat_file(path, start=8, end=8 + size))) - {"__metadata__"}
+    return names
+
+
+def _check_tensor_names(uri: str, adapter: HFAdapter, family: str) -> None:
+    try:
+        found = tensor_names(uri)
+    except (OSError, ValueError, KeyError) as exc:
+        raise SpecError(FIELD, f"cannot read the tensor names in {_shown(uri)}: {type(exc).__name__}: {exc}") from None
+    expected = expected_names(adapter)
+    unexpected = sorted(n for n in found - expected - adapter.optional if not ignorable(n))
+    missing = sorted(expected - found)
+    for what, names in (("holds tensors", unexpected), ("lacks tensors", missing)):
+        if names:
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            raise SpecError(
+                FIELD,
+                f"{_shown(uri)} {what} that config.json's {family} architecture does not have: "
+                f"{', '.join(names[:3])}{more}",
+            )
 
 
 # ----- a user's model with its own adapter --------------------------------------------------------
@@ -297,3 +273,4 @@ def check_custom_init_from(cfg: CustomConfig, spec: ModelSpec) -> None:
     for key, value in spec.hf.config.items():
         if key in doc and key not in _NOT_SHAPE and doc[key] != value:
             raise SpecError(FIELD, f"config.json has {key}={doc[key]!r}, the factory's model {value!r}")
+    _check_tensor_names(cfg.init_from, spec.hf, f"{cfg.factory}")

@@ -5,8 +5,8 @@ RMSNorm (in fp32), rotary position embeddings (RoPE, Su et al. 2021), a SwiGLU M
 key/value heads shared by ``n_heads / n_kv_heads`` query heads each, Ainslie et al. 2023).
 Shapes follow Meta's reference code, so ``size: llama3-8b`` has 8.03e9 parameters. Llama 3.1
 and later add a RoPE frequency scaling (``model.rope_scaling``, ``llama3_scaled``); Llama 3.2
-1B/3B tie the head to the embedding (``tie_embeddings``). ``elastic.models.hf`` maps the
-model to and from Hugging Face's ``LlamaForCausalLM`` (the ``ModelSpec.hf`` adapter).
+1B/3B tie the head to the embedding (``tie_embeddings``). ``elastic.models.hf_families`` maps
+the model to and from Hugging Face's ``LlamaForCausalLM`` and its kin (``ModelSpec.hf``).
 
 The layout rules of the reference GPT hold: blocks in a ``ModuleDict`` keyed by layer
 index (a pipeline stage keeps its FQNs), separate ``wq/wk/wv/wo`` and ``w1/w2/w3``
@@ -15,10 +15,14 @@ a missing embedding or head, and per-FQN seeded init. The rotary tables are comp
 the forward from positions (no buffers: the engine's state is parameters only).
 
 TP plan: ``wq``, ``wk``, ``wv`` column-wise (each TP rank owns ``n_heads / tp`` query and
-``n_kv_heads / tp`` key/value heads, so ``tp`` must divide ``n_kv_heads``), ``wo``
-row-wise; ``w1`` and ``w3`` column-wise, ``w2`` row-wise; the embedding vocab-parallel
-and the head's logits sharded for ``loss_parallel`` when ``tp`` divides the vocabulary and
-the two are not tied.
+``n_kv_heads / tp`` key/value heads, so ``tp`` must divide ``n_kv_heads``; Qwen2's biases
+split with their rows, Qwen3's q/k norm weights replicated), ``wo`` row-wise; ``w1`` and
+``w3`` column-wise, ``w2`` row-wise; the embedding vocab-parallel and the head's logits
+sharded for ``loss_parallel`` when ``tp`` divides the vocabulary and the two are not tied.
+
+The Hugging Face families (``hf_families.py``) are this model with switches: ``qkv_bias``
+(Qwen2), ``qk_norm`` (Qwen3: each head of q and k RMS-normalised before RoPE) and
+``head_dim`` (a head size other than ``d_model / n_heads``).
 """
 
 from __future__ import annotations
@@ -31,11 +35,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from elastic.models.config import LlamaConfig, RopeScaling
-from elastic.models.hf import llama_adapter
+from elastic.models.hf_families import hf_adapter
 from elastic.models.spec import ModelSpec, lm_loss, normal_or_ones, register_model, seeded_init
 
 if TYPE_CHECKING:
     from elastic.parallel.cp import ContextParallel
+
+
+# The norm weights (initialised to ones): per block, the final one, Qwen3's per-head q/k norms.
+NORMS = ("attn_norm.weight", "mlp_norm.weight", "norm.weight", "q_norm.weight", "k_norm.weight")
 
 
 class RMSNorm(nn.Module):
@@ -91,20 +99,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.head_dim, self.theta, self.rope_scaling = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling
+        self.head_dim, self.theta, self.rope_scaling = cfg.head_size, cfg.rope_theta, cfg.rope_scaling
         self.n_rep = cfg.n_heads // cfg.kv_heads
-        kv_dim = cfg.kv_heads * cfg.head_dim
-        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-        self.wk = nn.Linear(cfg.d_model, kv_dim, bias=False)
-        self.wv = nn.Linear(cfg.d_model, kv_dim, bias=False)
-        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        kv_dim = cfg.kv_heads * cfg.head_size
+        self.wq = nn.Linear(cfg.d_model, cfg.attn_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, kv_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, kv_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.attn_dim, cfg.d_model, bias=False)
+        # Qwen3: each head of q and k RMS-normalised (one weight per head dimension) before RoPE
+        self.q_norm = RMSNorm(cfg.head_size, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_size, cfg.norm_eps) if cfg.qk_norm else None
         self.cp: ContextParallel | None = None  # set when the sequence is split over ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds n_heads / tp (n_kv_heads / tp) of them.
-        q = self.wq(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         start = self.cp.rope_offset(seq) if self.cp is not None else 0
         cos, sin = rope_tables(seq, self.head_dim, self.theta, x.device, self.rope_scaling, start)
@@ -174,8 +188,7 @@ class Llama(nn.Module):
         if self.cfg.tie_embeddings and self.head is not None and self.tok_emb is not None:
             self.head.weight = self.tok_emb.weight  # ``to_empty`` after a meta build unties them
         residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
-        norms = ("attn_norm.weight", "mlp_norm.weight", "norm.weight")
-        seeded_init(self, seed, normal_or_ones(0.02, residual_std, norms, ("wo.weight", "w2.weight")))
+        seeded_init(self, seed, normal_or_ones(0.02, residual_std, NORMS, ("wo.weight", "w2.weight")))
 
 
 def build_stage(model: Llama, pp: int, pp_rank: int) -> Llama:
@@ -192,11 +205,25 @@ def build_stage(model: Llama, pp: int, pp_rank: int) -> Llama:
     return model
 
 
-def _block_plan() -> dict:
+def attention_plan(qk_norm: bool) -> dict:
+    """The attention's TP plan. Qwen3's q/k norms act on each rank's own heads (dimension 2 of
+    ``[b, s, heads, head_dim]``): their weights are replicated DTensors, so that the gradient,
+    a sum over every head, is all-reduced over the TP group (as a sequence-parallel norm's)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    col, row = ColwiseParallel(), RowwiseParallel()
+    plan: dict = {"attn.wq": col, "attn.wk": col, "attn.wv": col, "attn.wo": row}
+    if qk_norm:
+        heads = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan.update({"attn.q_norm": heads, "attn.k_norm": heads})
+    return plan
+
+
+def _block_plan(qk_norm: bool) -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     col, row = ColwiseParallel(), RowwiseParallel()
-    return {"attn.wq": col, "attn.wk": col, "attn.wv": col, "attn.wo": row, "mlp.w1": col, "mlp.w3": col, "mlp.w2": row}
+    return {**attention_plan(qk_norm), "mlp.w1": col, "mlp.w3": col, "mlp.w2": row}
 
 
 def shards_vocab(cfg: LlamaConfig, tp: int) -> bool:
@@ -207,7 +234,7 @@ def shards_vocab(cfg: LlamaConfig, tp: int) -> bool:
 def apply_tp(model: Llama, tp_mesh) -> Llama:
     from elastic.parallel.tp import apply_block_plan, apply_vocab_parallel
 
-    apply_block_plan(list(model.blocks.values()), tp_mesh, _block_plan())
+    apply_block_plan(list(model.blocks.values()), tp_mesh, _block_plan(model.cfg.qk_norm))
     if shards_vocab(model.cfg, tp_mesh.size()):
         apply_vocab_parallel(model.tok_emb, model.head, tp_mesh)
     return model
@@ -237,7 +264,7 @@ def llama_spec(cfg: LlamaConfig) -> ModelSpec:
         loss_context=lambda tp: loss_context(shards_vocab(cfg, tp)),
         validate_layout=cfg.validate_layout,
         memory=cfg.memory_inputs(),
-        hf=llama_adapter(cfg),
+        hf=hf_adapter(cfg),
         cp_plan=apply_cp,
     )
 

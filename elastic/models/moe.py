@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from elastic.models.config import LlamaConfig
-from elastic.models.llama import Attention, Llama, RMSNorm, build_stage
+from elastic.models.hf_families import hf_adapter
+from elastic.models.llama import NORMS, Attention, Llama, RMSNorm, attention_plan, build_stage
 from elastic.models.spec import ModelSpec, lm_loss, register_variant, seeded_init
 from elastic.parallel import ep as ep_comm
 
@@ -190,12 +191,13 @@ def moe_layers(model: Llama) -> list[MoE]:
 def init_rule(n_layers: int):
     """Ones for norms, N(0, 0.02) else, N(0, 0.02 / sqrt(2 L)) into the residual stream."""
     residual_std = 0.02 / math.sqrt(2 * n_layers)
-    norms = ("attn_norm.weight", "mlp_norm.weight", "norm.weight")
     residual = ("wo.weight", "w2.weight", "experts.w2")
 
     def value(fqn: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-        if fqn.endswith(norms):
+        if fqn.endswith(NORMS):
             return torch.ones(shape)
+        if fqn.endswith("bias"):
+            return torch.zeros(shape)
         return torch.randn(shape, generator=gen) * (residual_std if fqn.endswith(residual) else 0.02)
 
     return value
@@ -208,7 +210,7 @@ def apply_tp(model: Llama, tp_mesh) -> Llama:
     from elastic.parallel.tp import apply_block_plan, apply_vocab_parallel
 
     col, row = ColwiseParallel(), RowwiseParallel()
-    plan = {"attn.wq": col, "attn.wk": col, "attn.wv": col, "attn.wo": row}
+    plan = attention_plan(model.cfg.qk_norm)
     if model.cfg.moe_config().shared_expert:
         plan.update({"mlp.shared.w1": col, "mlp.shared.w3": col, "mlp.shared.w2": row})
     apply_block_plan(list(model.blocks.values()), tp_mesh, plan)
@@ -263,6 +265,7 @@ def moe_spec(cfg: LlamaConfig) -> ModelSpec:
         ep_plan=apply_ep,
         cp_plan=apply_moe_cp,
         set_loss_scale=set_loss_scale,
+        hf=hf_adapter(cfg),
     )
 
 

@@ -4,6 +4,7 @@ deterministic batches. Importable by spawned ranks (``hf_workers.py``)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import torch
@@ -60,11 +61,10 @@ def save_hf(path: str, kind: str) -> str:
 
 
 def hf_logits(path: str, tokens: torch.Tensor) -> torch.Tensor:
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    """Logits of the model at ``path`` as ``transformers`` loads it (``AutoModelForCausalLM``:
+    the family its config.json names)."""
     with torch.no_grad():
-        return model(tokens).logits
+        return hf_model(path)(tokens).logits
 
 
 def probe() -> torch.Tensor:
@@ -163,3 +163,85 @@ def llama_factory(**shape: Any):
     from elastic.models.spec import model_spec
 
     return model_spec(LlamaConfig(**shape))
+
+
+# ----- the other Hugging Face families -------------------------------------------------------------
+
+# model_type -> the transformers config keys beyond the common tiny shape
+FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen2": {"tie_word_embeddings": True},  # small Qwen2s tie their head
+    "qwen3": {"head_dim": 16},  # not hidden_size / heads (8): as Qwen3-0.6B's 128 for 1024 / 16
+    "mistral": {"head_dim": 8, "sliding_window": 4096},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "norm_topk_prob": True},
+    "qwen3_moe_unnormed": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "head_dim": 12},
+}
+BOS, EOS = 1, 2
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def save_family(path: str, name: str) -> str:
+    """A random tiny model of a Hugging Face family saved by ``transformers``, with a tokenizer
+    (a word-level ``tokenizers`` vocabulary of ``VOCAB`` entries: nothing downloaded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    family = name.removesuffix("_unnormed")
+    cfg = AutoConfig.for_model(
+        family,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        **FAMILIES[name],
+    )
+    torch.manual_seed(sorted(FAMILIES).index(name) + 10)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in pname else 0.1 * torch.randn_like(p))
+    model.save_pretrained(path, max_shard_size="20KB" if family == "qwen3" else "50GB")
+    save_tokenizer(path)
+    return path
+
+
+def save_tokenizer(path: str) -> None:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": BOS, "</s>": EOS, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(path)
+
+
+def hf_model(path: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_first_loss(path: str) -> float:
+    """``transformers``' loss on step 0's global batch, as ``lm_loss`` takes it."""
+    from elastic.models.spec import lm_loss
+
+    inputs, targets = batch(0)
+    with torch.no_grad():
+        return float(lm_loss(hf_model(path)(inputs).logits, targets))
+
+
+def header_only(path: str, names: list[str] | set[str]) -> None:
+    """A ``model.safetensors`` that is a header naming ``names`` and no tensor data: the spec
+    check (which reads the names only) passes, and any read of the weights fails."""
+    doc = {name: {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]} for name in sorted(names)}
+    raw = json.dumps(doc).encode()
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)

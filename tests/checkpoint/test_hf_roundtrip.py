@@ -18,6 +18,7 @@ import torch
 from hf_testlib import (
     EXACT,
     STEPS,
+    header_only,
     hf_probe_logits,
     load_reference,
     model_raw,
@@ -29,6 +30,8 @@ from hf_testlib import (
 
 from elastic.checkpoint.export import ckpt_export
 from elastic.errors import SpecError
+from elastic.models.hf import expected_names, tensor_names
+from elastic.models.hf_families import hf_adapter
 from elastic.models.spec import model_spec
 from elastic.testing.ranks import run_ranks
 from jobs import JobSpec
@@ -75,10 +78,12 @@ def test_named_sizes_agree_with_the_published_config_json(size, tmp_path):
         "rope_type": "llama3", **doc["rope_scaling"],
     }  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(doc))
-    (tmp_path / "model.safetensors").write_bytes(b"")
-    loaded = JobSpec.from_dict({"model": {"kind": "llama", "size": size, "init_from": str(tmp_path)}}).model
     named = JobSpec.from_dict({"model": {"kind": "llama", "size": size}}).model
-    assert loaded.model_dump(exclude={"init_from", "ffn_dim"}) == named.model_dump(exclude={"init_from", "ffn_dim"})
+    header_only(str(tmp_path / "model.safetensors"), expected_names(hf_adapter(named)))  # names, no weights
+    loaded = JobSpec.from_dict({"model": {"kind": "llama", "size": size, "init_from": str(tmp_path)}}).model
+    metadata = {"init_from", "ffn_dim", "family", "bos_token_id", "eos_token_id"}  # from config.json only
+    assert loaded.model_dump(exclude=metadata) == named.model_dump(exclude=metadata)
+    assert (loaded.family, loaded.bos_token_id, loaded.eos_token_id) == ("llama", 128000, 128001)
     assert loaded.hidden_dim == named.hidden_dim == doc["intermediate_size"]
     other = "llama3.2-1b" if size == "llama3.1-8b" else "llama3.1-8b"
     with pytest.raises(SpecError):
@@ -280,11 +285,12 @@ def test_run_from_hf_exports_and_resume_wins_over_init_from(ray_local, hf_dirs, 
     print(f"elastic run: trained {moved:.1e} away from the Hugging Face weights; exported logits within {diff:.2e}")
     assert diff < EXACT
 
+    names = tensor_names(hf_dir)
     for f in os.listdir(hf_dir):
         if f.endswith(".safetensors"):
             os.remove(os.path.join(hf_dir, f))
-    with open(os.path.join(hf_dir, "model.safetensors"), "wb"):
-        pass  # listed (the spec check passes), unreadable: only a read of init_from would fail
+    # the names (the spec check passes), no weights: only a read of init_from would fail
+    header_only(os.path.join(hf_dir, "model.safetensors"), names)
     raw["train"].update(steps=3)
     resumed = ElasticTrainer(JobSpec.from_dict(raw), run_dir=str(tmp_path / "run2"), resume=True).fit()
     assert resumed.status == "succeeded" and resumed.steps == 3 and resumed.dp_history[0] == [2, 2]
