@@ -276,7 +276,7 @@ class NodeCore:
         elif isinstance(part, NodeConfigure):
             for wid in part.requests:
                 self._expect_new_run(wid, cid)
-            self._gather(cid, {wid: ("configure", (req,)) for wid, req in part.requests.items()})
+            self._gather(cid, {wid: ("reconfigure", (req,)) for wid, req in part.requests.items()})
         elif isinstance(part, Launch):
             for r in self._live():
                 self._expect_new_run(r.wid, cid)

@@ -309,7 +309,7 @@ class VirtualRanks:
 
     def _due(self, f: _VFuture) -> float:
         r = f.rank
-        if f.method == "configure":
+        if f.method == "reconfigure":
             return f.issued + self.world.configure_s
         if f.method != "poll" or not f.args[0]:
             return f.issued
@@ -339,7 +339,7 @@ class VirtualRanks:
             self._settle(r, now)
             phase = "train" if r.start is not None else "idle"
             return PollReply(r.rank, upto, phase, 0.0, reports, r.outcome, r.runs)
-        if f.method == "configure":
+        if f.method == "reconfigure":
             req = f.args[0]
             r.rank, r.step, r.reported, r.start, r.outcome = req.rank, req.step, req.step, None, None
             c = self.world.configure_s

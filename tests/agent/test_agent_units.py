@@ -154,7 +154,7 @@ def test_configure_is_answered_per_node_and_a_failure_first():
     core, backend, clock = node(3)
     core.command(5, NodeConfigure({0: "req0", 1: "req1", 2: "req2"}))
     core.pump(0)
-    calls = {f.handle: f for f in backend.calls if f.method == "configure"}
+    calls = {f.handle: f for f in backend.calls if f.method == "reconfigure"}
     assert set(calls) == {"r0", "r1", "r2"} and calls["r1"].args == ("req1",)
     calls["r1"].answer("ValueError: bad", status="error")
     core.pump(0)
@@ -177,7 +177,7 @@ def test_a_call_failed_by_its_node_is_named_so():
     core, backend, clock = node(2)
     core.command(5, NodeConfigure({0: "req0", 1: "req1"}))
     core.pump(0)
-    calls = {f.handle: f for f in backend.calls if f.method == "configure"}
+    calls = {f.handle: f for f in backend.calls if f.method == "reconfigure"}
     calls["r0"].answer("OutOfDiskError: disk full", status="node_fault")
     calls["r1"].answer("ValueError: bad", status="error")
     core.pump(0)

@@ -1,6 +1,6 @@
 """Carrying out a ``ReformPlan`` on Ray: every rank's ``ConfigureRequest`` built first, then
 all sent in one command down the agent tree, then gathered (driver side;
-``WorkerGroup.configure`` calls it, through the group's ``GroupPoll``).
+``WorkerGroup.reform`` calls it, through the group's ``GroupPoll``).
 
 Building every request before sending any keeps the first and the last rank's arrival at
 the rendezvous apart by the tree's fan-out only, not by the planning work: with the
@@ -91,7 +91,7 @@ def build_requests(
     return requests
 
 
-def configure_through(
+def reconfigure_ranks(
     poll: GroupPoll,
     members: Sequence[Member],
     requests: Sequence[ConfigureRequest],

@@ -30,7 +30,7 @@ from elastic.control.diagnosis import NODE_PROBE_S, RayletProbe, diagnose
 from elastic.control.recovery_plan import Holdings, ReformPlan
 from elastic.control.spawning import PendingSpawn
 from elastic.control.worker_group.api import ConfigureResult, Observation
-from elastic.control.worker_group.configure import RPC_TIMEOUT_S, build_requests, configure_through, lost_failure_of
+from elastic.control.worker_group.configure import RPC_TIMEOUT_S, build_requests, lost_failure_of, reconfigure_ranks
 from elastic.control.worker_group.poll import Gather, GroupPoll
 from elastic.control.worker_group.state import GroupState, by_node, wids_by_node
 from elastic.control.worker_group.worker import Member
@@ -214,7 +214,7 @@ class WorkerGroup:
         self.tree.send({node: Attach({m.wid: (m.actor, m.rank) for m in ms}) for node, ms in grouped.items()})
 
     # ------------------------------------------------------------------ (re)configuration
-    def configure(self, plan: ReformPlan[Member]) -> ConfigureResult:
+    def reform(self, plan: ReformPlan[Member]) -> ConfigureResult:
         """Carry ``plan`` out: its members become ranks 0..n-1 of a new generation of the
         group and restore the state it names."""
         members = plan.members
@@ -236,7 +236,7 @@ class WorkerGroup:
             store_secret=self._store.secret,
         )
         with self.poll.configuring():
-            result = configure_through(
+            result = reconfigure_ranks(
                 self.poll,
                 members,
                 requests,
