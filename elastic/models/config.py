@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, T
 from elastic.errors import SpecError
 from elastic.models.llama_sizes import LLAMA_SIZES
 from elastic.models.rope_scaling import RopeScaling
-from elastic.parallel.memory_model import LayerActivations, MemoryInputs
+from elastic.protocols.memory import ExpertMemory, LayerActivations, MemoryInputs
 
 INIT_FROM_HELP = "a Hugging Face model directory (config.json + *.safetensors), local path or fsspec URI"
 
@@ -285,8 +285,6 @@ class LlamaConfig(BaseModel):
         (elastic/parallel/memory_moe.py): kept whole under TP, the router's scores and the
         ``top_k`` token copies in and out of the experts; split, the experts' (and the
         shared expert's) four SwiGLU intermediates per copy."""
-        from elastic.parallel.memory_moe import ExpertMemory
-
         moe, d, he, V = self.moe_config(), self.d_model, self.expert_hidden, self.vocab_size
         tied = self.tie_embeddings
         dense = 2 * d * d + 2 * d * self.kv_heads * self.head_dim

@@ -22,29 +22,58 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from elastic.errors import SpecError
+from elastic.protocols.hf_adapter import HFAdapter
 
 if TYPE_CHECKING:
-    from elastic.models.config import CustomConfig, LlamaConfig
-    from elastic.models.spec import ModelSpec
+    from elastic.models.rope_scaling import RopeScaling
+    from elastic.protocols.model_spec import ModelSpec
+
+
+# What this module reads (and, reading config.json, sets) of a model config: the configs
+# (``elastic/models/config.py``) call it to check ``model.init_from``, so it names their
+# shape here rather than importing them back.
+class LlamaShape(Protocol):
+    """A Llama's config (``elastic.models.config.LlamaConfig``)."""
+
+    init_from: str | None
+    n_layers: int
+    d_model: int
+    n_heads: int
+    vocab_size: int
+    seq_len: int
+    norm_eps: float
+    tie_embeddings: bool
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_seq_len: int | None
+
+    @property
+    def model_fields_set(self) -> set[str]: ...  # the fields the spec gave (pydantic)
+
+    @property
+    def kv_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def hidden_dim(self) -> int: ...
+
+
+class FactoryShape(Protocol):
+    """A user's model config (``elastic.models.config.CustomConfig``)."""
+
+    init_from: str | None
+    factory: str
+
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 FIELD = "model.init_from"
-
-
-@dataclass(frozen=True)
-class HFAdapter:
-    """How a model maps to a Hugging Face model directory."""
-
-    config: dict[str, Any]  # the config.json an export writes (without the dtype)
-    names: dict[str, str]  # project FQN -> Hugging Face tensor name (tied FQNs share one)
-    rotary: dict[str, int] = field(default_factory=dict)  # FQN -> head dim, rows permuted per head
-    optional: frozenset[str] = frozenset()  # Hugging Face names a directory may hold and nobody reads
 
 
 # ----- reading a directory ------------------------------------------------------------------
@@ -162,7 +191,7 @@ def _rope_from_hf(doc: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, scaling
 
 
-def apply_hf_config(cfg: LlamaConfig) -> None:
+def apply_hf_config(cfg: LlamaShape) -> None:
     """Fill ``cfg``'s shape from ``cfg.init_from``'s config.json; a key the spec gives that
     disagrees is bad input naming that key. Reads ``config.json`` only (and lists the weights)."""
     cfg.init_from = resolve(_init_from(cfg))
@@ -189,7 +218,7 @@ def apply_hf_config(cfg: LlamaConfig) -> None:
         setattr(cfg, name, RopeScaling(**value) if name == "rope_scaling" and value else value)
 
 
-def _check_rope_scaling(cfg: LlamaConfig, hf: dict[str, Any] | None) -> None:
+def _check_rope_scaling(cfg: LlamaShape, hf: dict[str, Any] | None) -> None:
     mine = cfg.rope_scaling.model_dump() if cfg.rope_scaling is not None else None
     if mine is None or hf is None:
         if (mine is None) != (hf is None):
@@ -200,7 +229,7 @@ def _check_rope_scaling(cfg: LlamaConfig, hf: dict[str, Any] | None) -> None:
             raise SpecError(f"model.rope_scaling.{key}", f"{mine[key]} differs from config.json's {hf[key]}")
 
 
-def llama_hf_config(cfg: LlamaConfig) -> dict[str, Any]:
+def llama_hf_config(cfg: LlamaShape) -> dict[str, Any]:
     """The Hugging Face ``config.json`` of a project Llama (``transformers`` ``LlamaConfig``)."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     scaling = None
@@ -236,7 +265,7 @@ def llama_hf_config(cfg: LlamaConfig) -> dict[str, Any]:
     }
 
 
-def llama_adapter(cfg: LlamaConfig) -> HFAdapter:
+def llama_adapter(cfg: LlamaShape) -> HFAdapter:
     names = {
         "tok_emb.weight": "model.embed_tokens.weight",
         "norm.weight": "model.norm.weight",
@@ -281,14 +310,14 @@ _NOT_SHAPE = {
 }
 
 
-def _init_from(cfg: LlamaConfig | CustomConfig) -> str:
+def _init_from(cfg: LlamaShape | FactoryShape) -> str:
     """``cfg.init_from``, which the config's ``check()`` only hands here when it is set."""
     if cfg.init_from is None:
         raise RuntimeError("model.init_from is not set: there is no Hugging Face checkpoint to read")
     return cfg.init_from
 
 
-def check_custom_init_from(cfg: CustomConfig, spec: ModelSpec) -> None:
+def check_custom_init_from(cfg: FactoryShape, spec: ModelSpec) -> None:
     """``kind: custom`` with ``init_from``: the factory's adapter must agree with config.json."""
     if spec.hf is None:
         raise SpecError(FIELD, f"{cfg.factory} gives no Hugging Face adapter (ModelSpec.hf), so it cannot load one")
