@@ -47,9 +47,9 @@ from benchmarks.harness.results import utc_stamp, write_json
 from benchmarks.harness.stats import summary
 from elastic.checkpoint.memory_tier import MemoryTier
 from elastic.checkpoint.storage_tier import StorageUploader
+from elastic.engine import TrainEngine
 from elastic.messages import UploadReport
 from elastic.parallel.dims import ParallelDims
-from elastic.parallel.engine import TrainEngine
 from elastic.testing.ports import free_port
 from jobs import JobSpec
 from storage import RankWriteResult, commit_checkpoint

@@ -45,11 +45,11 @@ SHAPES = {
 
 
 def our_side(args, device: torch.device):
+    from elastic.engine import TrainEngine
     from elastic.models.config import LlamaConfig
     from elastic.optim import TrainConfig
     from elastic.parallel.config import ParallelConfig
     from elastic.parallel.dims import ParallelDims
-    from elastic.parallel.engine import TrainEngine
 
     world = dist.get_world_size()
     cfg = LlamaConfig(**SHAPES[args.flavor], seq_len=args.seq)

@@ -61,7 +61,7 @@ class Holder:
     def take(self, handles: list[Any]) -> dict[str, Any]:
         import sys
 
-        assert all(hasattr(h, "configure") for h in handles)  # a real handle, its methods known
+        assert all(hasattr(h, "reconfigure") for h in handles)  # a real handle, its methods known
         return {"rss_after_mb": _rss_mb(), "torch": "torch" in sys.modules}
 
 

@@ -43,8 +43,8 @@ def _rank(rank: int, world: int, out_dir: str, cfg: dict[str, Any]) -> list[dict
 
     from elastic.checkpoint.memory_tier import MemoryTier
     from elastic.checkpoint.restore import load_snapshots_into
+    from elastic.engine import TrainEngine
     from elastic.parallel.dims import ParallelDims
-    from elastic.parallel.engine import TrainEngine
     from elastic.testing.ranks import init_group
     from elastic.worker.process_group import _drop_torch_group_references
     from jobs import JobSpec

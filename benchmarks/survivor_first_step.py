@@ -57,8 +57,8 @@ def _rank(rank: int, port: int, cfg: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from elastic.checkpoint.restore import flat_target, load_live_into
+    from elastic.engine import TrainEngine
     from elastic.parallel.dims import ParallelDims
-    from elastic.parallel.engine import TrainEngine
     from elastic.parallel.live import release
     from elastic.worker.process_group import _drop_torch_group_references
     from jobs import JobSpec

@@ -67,8 +67,8 @@ def one(model: str, layout: str) -> dict[str, float]:
     import torch
 
     from elastic.checkpoint.restore import flat_target, load_live_into
+    from elastic.engine import TrainEngine
     from elastic.parallel.dims import ParallelDims
-    from elastic.parallel.engine import TrainEngine
     from elastic.parallel.live import release
     from jobs import JobSpec
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 Connection = tuple[str, int, str, int]  # a TCP link: (local host, local port, peer host, peer port)
 
@@ -337,29 +337,113 @@ class Launch:
 
 @dataclass(frozen=True)
 class Signal:
-    """A call every rank of the node gets, answered by no one: ``request_stop``,
-    ``abort_step(generation, links)`` (a peer was lost: leave that generation's step in flight,
-    and shut down these connections to the lost ranks, as the survivors see them) or
-    ``abandon_rendezvous(generation)``."""
+    """A call every rank of the node gets, answered by no one: ``RequestStop``,
+    ``AbortStep`` or ``AbandonRendezvous``."""
 
-    method: Literal["request_stop", "abort_step", "abandon_rendezvous"]
-    generation: int = 0
-    links: frozenset[Connection] = frozenset()
+    call: RequestStop | AbortStep | AbandonRendezvous
 
 
 @dataclass(frozen=True)
 class Query:
-    """A call to some ranks of the node, answered by one ``CommandDone``: ``snapshot_holdings``
-    (with ``timeout_s``: each rank answers once its ``run()`` has ended, waiting that long at
-    most), ``save_checkpoint(timeout_s)``, or ``flush`` (every report they produced so far
-    comes up before the answer, which carries the node's state)."""
+    """A call to some ranks of the node, answered by one ``CommandDone``:
+    ``SnapshotHoldings`` or ``SaveCheckpoint``."""
 
-    method: Literal["snapshot_holdings", "save_checkpoint", "flush"]
+    call: SnapshotHoldings | SaveCheckpoint
     wids: tuple[int, ...] | None = None  # None: every rank of the node
-    timeout_s: float = 0.0
 
 
-NodeCommand = Attach | Detach | NodeConfigure | Launch | Signal | Query
+@dataclass(frozen=True)
+class Flush:
+    """Every report these ranks produced so far comes up before the answer (one
+    ``CommandDone``, which carries the node's state)."""
+
+    wids: tuple[int, ...] | None = None  # None: every rank of the node
+
+
+NodeCommand = Attach | Detach | NodeConfigure | Launch | Signal | Query | Flush
+
+
+# --------------------------------------------------------------------------- agent -> rank
+# What a node's agent asks of one of its ranks, each a type. ``method`` names the
+# ``TrainWorker`` method that carries it and ``rank_call_args`` gives its arguments, as
+# Ray sends them: on the wire a call is what it was, the method's own arguments.
+
+
+@dataclass(frozen=True, slots=True)
+class Poll:
+    """Heartbeat and reports: back at once with news, else after ``wait_s``; ``ack``: the
+    last report the driver has (the rank may drop it), ``have``: the last the agent has."""
+
+    method: ClassVar[str] = "poll"
+    wait_s: float
+    ack: int
+    have: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reconfigure:
+    """Re-form in place as the request says; answered with a ``ConfigureReply``."""
+
+    method: ClassVar[str] = "reconfigure"
+    req: ConfigureRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Train up to ``last_step``; its end comes with a poll (``PollReply.outcome``)."""
+
+    method: ClassVar[str] = "run"
+    last_step: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStop:
+    """Stop at the next step boundary."""
+
+    method: ClassVar[str] = "request_stop"
+
+
+@dataclass(frozen=True, slots=True)
+class AbortStep:
+    """A peer was lost: leave ``generation``'s step in flight (0: whichever), and shut down
+    these connections to the lost ranks, as the survivors see them."""
+
+    method: ClassVar[str] = "abort_step"
+    generation: int = 0
+    links: frozenset[Connection] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class AbandonRendezvous:
+    """The driver gave ``generation`` up: a rank still forming it fails at once."""
+
+    method: ClassVar[str] = "abandon_rendezvous"
+    generation: int
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotHoldings:
+    """Owner rank -> the steps this rank can serve from memory; with ``after_run_s``, once
+    its ``run()`` has ended, waiting that long at most."""
+
+    method: ClassVar[str] = "snapshot_holdings"
+    after_run_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class SaveCheckpoint:
+    """Write a checkpoint of the current state, waiting ``timeout_s`` at most."""
+
+    method: ClassVar[str] = "save_checkpoint"
+    timeout_s: float
+
+
+RankCall = Poll | Reconfigure | Run | RequestStop | AbortStep | AbandonRendezvous | SnapshotHoldings | SaveCheckpoint
+
+
+def rank_call_args(call: RankCall) -> tuple[Any, ...]:
+    """The call's fields in order: the arguments of ``TrainWorker.<call.method>``."""
+    return tuple(getattr(call, name) for name in call.__match_args__)
 
 
 class ReportSink(Protocol):

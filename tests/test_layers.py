@@ -4,18 +4,21 @@
   imports the test package;
 * worker-side files (``elastic/worker/``) import nothing from the control package: each
   file sits on one side of the actor boundary;
-* no import circle among the modules of ``elastic/``, ``storage/`` and ``jobs/``;
+* no import circle among the modules of ``elastic/``, ``storage/`` and ``jobs/``, nor among
+  ``elastic/``'s sub-packages (``models`` and ``parallel`` share their types through
+  ``protocols``, below both);
 * one concept per file: a file holds one class or one algorithm, whatever its length up to
   ``MAX_LINES``, and no class is cut across files (a base class in another module of the
   same package that exists only to be the base of one class is a piece of that class).
 
 What counts as an import: every ``import`` statement in the module, a lazy one inside a
 function included (a lazy import only defers a circle to the call that closes it; it is
-still a dependency of the module), but not the ones under ``if TYPE_CHECKING:``, which
-never run and are the way to name a type across a one-way dependency. An import names a
-module: ``from a.b import c`` depends on ``a.b.c`` when that is a module, else on ``a.b``;
-the package ``__init__`` files that Python runs on the way are not counted as dependencies,
-or every package would be a circle with its own modules.
+still a dependency of the module), and a type-only one under ``if TYPE_CHECKING:`` too (it
+never runs, but a reader following the types goes round the same circle: a type two
+modules share lives below both). An import names a module: ``from a.b import c`` depends
+on ``a.b.c`` when that is a module, else on ``a.b``; the package ``__init__`` files that
+Python runs on the way are not counted as dependencies, or every package would be a
+circle with its own modules.
 """
 
 from __future__ import annotations
@@ -53,20 +56,11 @@ def _module_name(path: pathlib.Path, root: pathlib.Path = ROOT) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _import_nodes(node: ast.AST):
-    """Every import statement under ``node``, except those under ``if TYPE_CHECKING:``."""
+    """Every import statement under ``node``: lazy ones and those under ``if TYPE_CHECKING:`` included."""
     for child in ast.iter_child_nodes(node):
         if isinstance(child, (ast.Import, ast.ImportFrom)):
             yield child
-        elif isinstance(child, ast.If) and _is_type_checking(child.test):
-            for other in child.orelse:
-                yield from _import_nodes(ast.Module(body=[other], type_ignores=[]))
         else:
             yield from _import_nodes(child)
 
@@ -186,6 +180,28 @@ def test_no_import_circle_in_the_runtime():
     assert not circles, "import circles: " + "; ".join(" <-> ".join(c) for c in circles)
 
 
+def _package_graph(graph: dict[str, set[str]], root: pathlib.Path, top: str = "elastic") -> dict[str, set[str]]:
+    """Sub-package of ``top`` -> the sub-packages its modules import (a directory with an
+    ``__init__.py``; the modules directly in ``top`` are none)."""
+    packages = {p.parent.name for p in (root / top).glob("*/__init__.py")}
+
+    def package_of(module: str) -> str | None:
+        parts = module.split(".")
+        return f"{top}.{parts[1]}" if len(parts) > 1 and parts[0] == top and parts[1] in packages else None
+
+    out: dict[str, set[str]] = {f"{top}.{p}": set() for p in packages}
+    for module, deps in graph.items():
+        mine = package_of(module)
+        if mine is not None:
+            out[mine] |= {d for d in map(package_of, deps) if d is not None and d != mine}
+    return out
+
+
+def test_no_import_circle_among_the_sub_packages():
+    circles = _circles(_package_graph(_import_graph(ROOT, RUNTIME), ROOT))
+    assert not circles, "sub-package circles: " + "; ".join(" <-> ".join(c) for c in circles)
+
+
 def test_no_runtime_file_over_max_lines():
     lengths = {
         str(path.relative_to(ROOT)): len(path.read_text().splitlines())
@@ -239,7 +255,8 @@ def test_no_class_is_cut_across_files():
 
 def test_the_checks_see_what_they_forbid(tmp_path):
     """The checkers themselves, on planted code: an upward lazy import, a worker importing
-    the control package, a circle closed by a lazy import (and none by a TYPE_CHECKING one)."""
+    the control package, a circle closed by a type-only import or by a lazy one, a circle
+    of sub-packages."""
     pkg = tmp_path / "elastic"
     (pkg / "worker").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -252,9 +269,19 @@ def test_the_checks_see_what_they_forbid(tmp_path):
     assert "jobs.spec" in [m for m, _ in _imports(pkg / "a.py", tmp_path)]
     assert [m for m, _ in _imports(pkg / "worker" / "w.py", tmp_path)] == ["elastic.control.stop", "elastic.control"]
     graph = _import_graph(tmp_path, ("elastic",))
-    assert graph["elastic.c"] == set() and _circles(graph) == []
+    assert graph["elastic.c"] == {"elastic.b"} and _circles(graph) == [["elastic.b", "elastic.c"]]
     (pkg / "c.py").write_text("def g():\n    from elastic.d import a\n")
     assert _circles(_import_graph(tmp_path, ("elastic",))) == [["elastic.a", "elastic.b", "elastic.c", "elastic.d"]]
+    (pkg / "c.py").write_text("")
+    assert _circles(_package_graph(_import_graph(tmp_path, ("elastic",)), tmp_path)) == []
+    (pkg / "control").mkdir()
+    (pkg / "control" / "__init__.py").write_text("")
+    (pkg / "control" / "stop.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from elastic.worker import w\n"
+    )
+    packages = _package_graph(_import_graph(tmp_path, ("elastic",)), tmp_path)
+    assert packages == {"elastic.worker": {"elastic.control"}, "elastic.control": {"elastic.worker"}}
+    assert _circles(packages) == [["elastic.control", "elastic.worker"]]
 
 
 def test_the_split_class_check_sees_a_cut_class(tmp_path):

@@ -69,7 +69,7 @@ def run(rec: Any, dry_run: bool) -> None:
 
 def measure_peak(spec: Any, dims: Any, device: torch.device) -> int:
     """Peak bytes of the engine's second step (CUDA allocator peak, or the CPU probe)."""
-    from elastic.parallel.engine import TrainEngine
+    from elastic.engine import TrainEngine
     from elastic.tune.trial import ProbedParallel
 
     parallel = ProbedParallel(**spec.parallel.model_dump(), memory_probe_step=PROBE_STEP)

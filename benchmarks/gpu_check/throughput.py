@@ -153,9 +153,9 @@ Split = Callable[[torch.Tensor, torch.Tensor], tuple[float, float]]
 
 
 def engine_side(rank: Any, cfg: Any, s: dict, device: torch.device) -> tuple[Step, Split]:
+    from elastic.engine import TrainEngine
     from elastic.optim import TrainConfig
     from elastic.parallel.config import ParallelConfig
-    from elastic.parallel.engine import TrainEngine
 
     train = TrainConfig(
         steps=10**6, global_batch=s["batch"], lr=3e-4, warmup_steps=0, grad_clip=1.0,

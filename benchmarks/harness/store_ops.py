@@ -66,7 +66,7 @@ def _reform_twice(rank: int, tp: int, dp: int, port: int, out: Any) -> None:
     count = 0
     for generation in (1, 2):
         before = pg.ops()
-        pg.configure(generation, rank, world, ("127.0.0.1", port))
+        pg.join(generation, rank, world, ("127.0.0.1", port))
         dims = ParallelDims(dp=dp, tp=tp, pp=1, world_size=world, timeout=pg.rendezvous_timeout)
         dims.build_mesh("cpu")
         groups = [dims.world_mesh[name].get_group() for name in MESH_DIM_NAMES]
@@ -164,7 +164,7 @@ def _reform_ranks(rank: int, world: int, out: str, address: Any, secret: str, tp
     rows = []
     for gen in range(1, 5):
         t0 = time.perf_counter()
-        group.configure(gen, rank, world, address, secret)
+        group.join(gen, rank, world, address, secret)
         dims = ParallelDims(dp=world // (tp * pp), tp=tp, pp=pp, world_size=world, timeout=group.rendezvous_timeout)
         dims.build_mesh("cpu")
         ops, join_s = group.store_ops(), time.perf_counter() - t0

@@ -10,9 +10,11 @@ a ``RankBackend`` (``ranks.py``: Ray actor calls) and answers its parent with ``
   is news at once, and so is a ``run()`` that ended (the poll's ``outcome``);
 * reports: step reports become one ``StepRows`` block per step (once every rank of the node
   reported it, or after ``LINGER_S``), other reports go up as they are;
-* commands: configure, launch, stop, abandon, queries (snapshot holdings, checkpoints, a
-  flush of every report so far), each answered by one ``CommandDone`` per node (partial
-  answers first when a rank fails, so the driver can abandon a generation at once).
+* commands (``NodeCommand``s, typed, each turned into typed calls to its ranks:
+  ``RankCall``s): reconfigure, launch, stop, abandon, queries (snapshot holdings,
+  checkpoints) and a flush of every report so far, each answered by one ``CommandDone`` per
+  node (partial answers first when a rank fails, so the driver can abandon a generation at
+  once).
 
 Everything it sends up is numbered (``seq``) and kept until the driver acks it, so a
 replacement parent asks again (``resend``) and loses nothing.
@@ -33,14 +35,19 @@ from elastic.messages import (
     CommandDone,
     Detach,
     Digest,
+    Flush,
     Launch,
     NodeCommand,
     NodeConfigure,
     NodeState,
+    Poll,
     PollReply,
     Query,
+    RankCall,
     RankNews,
     RankReport,
+    Reconfigure,
+    Run,
     RunOutcome,
     Signal,
     StepReport,
@@ -55,7 +62,7 @@ REPORT_SILENCE_S = 0.25  # a rank's poll this far past due is news, renewed as i
 class RankBackend(Protocol):
     """How the agent reaches its ranks: calls that return futures, and one wait for many."""
 
-    def call(self, handle: Any, method: str, *args: Any) -> Any: ...
+    def call(self, handle: Any, call: RankCall) -> Any: ...
 
     def wait(self, futures: list[Any], timeout_s: float) -> list[Any]: ...
 
@@ -81,7 +88,7 @@ class _Rank:
     silence_mark: int = 0  # how many REPORT_SILENCE_S its poll is past due, as last reported
     have: int = -1  # the worker's number of the last report this agent took in
     ack: int = -1  # ... and of the last one the driver has: the worker may drop it
-    since: int = 0  # the command (configure or launch) its current run belongs to
+    since: int = 0  # the command (reconfigure or launch) its current run belongs to
 
 
 class AgentGone(RuntimeError):
@@ -210,7 +217,7 @@ class NodeCore:
     def _issue_polls(self, now: float) -> None:
         for wid, r in self.ranks.items():
             if r.dead_at is None and wid not in self.polls:
-                f = self.backend.call(r.handle, "poll", self.poll_wait_s, r.ack, r.have)
+                f = self.backend.call(r.handle, Poll(self.poll_wait_s, r.ack, r.have))
                 self.inflight[f] = ("poll", wid)
                 self.polls[wid] = f
                 if not self.outstanding.in_flight(wid):  # a retried poll keeps its first due time
@@ -276,23 +283,19 @@ class NodeCore:
         elif isinstance(part, NodeConfigure):
             for wid in part.requests:
                 self._expect_new_run(wid, cid)
-            self._gather(cid, {wid: ("configure", (req,)) for wid, req in part.requests.items()})
+            self._gather(cid, {wid: Reconfigure(req) for wid, req in part.requests.items()})
         elif isinstance(part, Launch):
             for r in self._live():
                 self._expect_new_run(r.wid, cid)
-                self.backend.call(r.handle, "run", part.last_step)  # its end comes with a poll
+                self.backend.call(r.handle, Run(part.last_step))  # its end comes with a poll
         elif isinstance(part, Signal):
-            args: tuple[Any, ...] = (part.generation,) if part.generation else ()
-            args += (part.links,) if part.links else ()
             for r in self._live():
-                self.backend.call(r.handle, part.method, *args)
+                self.backend.call(r.handle, part.call)
         elif isinstance(part, Query):
             wids = part.wids if part.wids is not None else tuple(self.ranks)
-            if part.method == "flush":
-                self._flush(cid, wids)
-            else:
-                query_args = (part.timeout_s,) if part.timeout_s else ()
-                self._gather(cid, {wid: (part.method, query_args) for wid in wids})
+            self._gather(cid, dict.fromkeys(wids, part.call))
+        elif isinstance(part, Flush):
+            self._flush(cid, part.wids if part.wids is not None else tuple(self.ranks))
 
     def _live(self) -> list[_Rank]:
         return [r for r in self.ranks.values() if r.dead_at is None]
@@ -303,16 +306,16 @@ class NodeCore:
             r.stale_upto, r.outcome, r.since = r.runs_seen, None, cid
             self.version += 1
 
-    def _gather(self, cid: int, calls: dict[int, tuple[str, tuple]]) -> None:
+    def _gather(self, cid: int, calls: dict[int, RankCall]) -> None:
         g = self.gathers[cid] = CallGather(cid, set(calls))
-        for wid, (method, args) in calls.items():
+        for wid, call in calls.items():
             r = self.ranks.get(wid)
             if r is None or r.dead_at is not None:
                 g.waiting.discard(wid)
                 g.lost.append(wid)
                 g.unsent += 1
                 continue
-            self.inflight[self.backend.call(r.handle, method, *args)] = ("call", cid, wid)
+            self.inflight[self.backend.call(r.handle, call)] = ("call", cid, wid)
 
     def _flush(self, cid: int, wids: tuple[int, ...]) -> None:
         """A short poll to each rank, which also sends back the long poll in flight: the
@@ -326,7 +329,7 @@ class NodeCore:
             if wid in self.polls:
                 g.long_polls[wid] = self.polls[wid]
             g.waiting.add(wid)
-            self.inflight[self.backend.call(r.handle, "poll", 0.0, r.ack, r.have)] = ("flush", cid, wid)
+            self.inflight[self.backend.call(r.handle, Poll(0.0, r.ack, r.have))] = ("flush", cid, wid)
 
     # ------------------------------------------------------------------ the parent's long poll
     def digest(self, acks: dict[str, int] | None, wait_s: float, resend: bool = False, linger_s: float = 0.0) -> Digest:

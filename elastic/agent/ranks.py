@@ -15,14 +15,15 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, OutOfDiskErro
 
 from elastic.agent.bell import Doorbell
 from elastic.errors import cause_chain, root_cause
+from elastic.messages import RankCall, rank_call_args
 
 
 class ActorRanks:
     def __init__(self, bell: Doorbell):
         self.bell = bell
 
-    def call(self, handle: Any, method: str, *args: Any) -> Any:
-        return getattr(handle, method).remote(*args)
+    def call(self, handle: Any, call: RankCall) -> Any:
+        return getattr(handle, call.method).remote(*rank_call_args(call))
 
     def wait(self, futures: list[Any], timeout_s: float) -> list[Any]:
         return self.bell.wait(futures, timeout_s)

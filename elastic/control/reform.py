@@ -176,7 +176,7 @@ def reform(
     if before is not None:
         before(reform_plan.members)
     timer.mark("decide_s")
-    result = group.configure(reform_plan)
+    result = group.reform(reform_plan)
     configured_at = timer.configured(result)
     return Reformed(reform_plan, result, timer.rounded(), configured_at)
 

@@ -2,7 +2,7 @@
 ``summary.json`` ``recoveries`` (``docs/outputs.md``).
 
 Every phase is timed on the driver's monotonic clock, except the three inside the
-workers' ``configure`` (rendezvous, rebuild, restore), which each rank times itself; the
+workers' ``reconfigure`` (rendezvous, rebuild, restore), which each rank times itself; the
 slowest rank's time is the one that holds the group up. What the driver waited for beyond
 those three (RPC round trips, leaving the old group, opening the data stream) is
 ``configure_other_s``. The phases add up to the recovery's ``downtime_s`` (to within the
@@ -47,7 +47,7 @@ class PhaseTimer:
         return now
 
     def configured(self, result: ConfigureResult) -> float:
-        """Charge a ``configure`` call (just returned) to the three worker phases and the rest."""
+        """Charge a ``reform`` call (just returned) to the three worker phases and the rest."""
         now = self.clock()
         wall = max(0.0, now - self.last)
         inside = {"rendezvous_s": result.init_s, "rebuild_s": result.build_s, "restore_s": result.restore_s}

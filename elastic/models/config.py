@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, T
 from elastic.errors import SpecError
 from elastic.models.llama_sizes import LLAMA_SIZES
 from elastic.models.rope_scaling import RopeScaling
-from elastic.parallel.memory_model import LayerActivations, MemoryInputs
+from elastic.protocols.memory import ExpertMemory, LayerActivations, MemoryInputs
 
 # The Hugging Face model_types ``model.init_from`` loads and an export writes (hf_families.py).
 HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
@@ -204,7 +204,7 @@ class LlamaConfig(BaseModel):
         if self.init_from is not None:  # reads config.json only: the shape, checked against the keys given
             from elastic.models.hf import apply_hf_config
 
-            apply_hf_config(self)
+            apply_hf_config(self, MoEConfig)
         if self.head_dim is None and self.d_model % self.n_heads:
             raise SpecError("model.n_heads", f"{self.n_heads} does not divide model.d_model ({self.d_model})")
         if self.head_size % 2:
@@ -318,8 +318,6 @@ class LlamaConfig(BaseModel):
         (elastic/parallel/memory_moe.py): kept whole under TP, the router's scores and the
         ``top_k`` token copies in and out of the experts; split, the experts' (and the
         shared expert's) four SwiGLU intermediates per copy."""
-        from elastic.parallel.memory_moe import ExpertMemory
-
         moe, d, he, V = self.moe_config(), self.d_model, self.expert_hidden, self.vocab_size
         tied = self.tie_embeddings
         q, kv = self.attn_dim, self.kv_heads * self.head_size

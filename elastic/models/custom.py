@@ -14,18 +14,25 @@ import importlib
 import json
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from elastic.errors import SpecError
 from elastic.models.spec import ModelSpec, register_model
 
-if TYPE_CHECKING:  # config.py imports this module (lazily) to check a custom model
-    from elastic.models.config import CustomConfig
+
+class FactoryConfig(Protocol):
+    """What this module reads and records of ``model`` (``elastic.models.config.CustomConfig``,
+    which imports this module, lazily, to check a custom model: its shape is named here)."""
+
+    factory: str
+    args: dict[str, Any]
+    _import_root: str | None  # where the driver found the module
+
 
 _CACHE: dict[tuple[str, str], tuple[ModelSpec, str | None]] = {}  # -> (spec, import root)
 
 
-def _import_factory(cfg: CustomConfig):
+def _import_factory(cfg: FactoryConfig):
     module_name, sep, fn_name = cfg.factory.partition(":")
     if not sep or not module_name or not fn_name:
         raise SpecError("model.factory", f"expected 'package.module:function', got {cfg.factory!r}")
@@ -60,7 +67,7 @@ def _root_of(module: Any, module_name: str) -> str | None:
     return root
 
 
-def load_spec(cfg: CustomConfig) -> ModelSpec:
+def load_spec(cfg: FactoryConfig) -> ModelSpec:
     """Import and call the factory once per (factory, args) in this process."""
     key = (cfg.factory, json.dumps(cfg.args, sort_keys=True, default=str))
     spec, root = _CACHE.get(key) or (_call_factory(cfg), cfg._import_root)
@@ -74,7 +81,7 @@ def load_spec(cfg: CustomConfig) -> ModelSpec:
     return spec
 
 
-def _call_factory(cfg: CustomConfig) -> ModelSpec:
+def _call_factory(cfg: FactoryConfig) -> ModelSpec:
     fn = _import_factory(cfg)
     try:
         spec = fn(**cfg.args)

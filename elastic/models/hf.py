@@ -23,31 +23,24 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from elastic.errors import SpecError
+from elastic.protocols.hf_adapter import HFAdapter
+
+# The model configs (``elastic/models/config.py``) call this module to check
+# ``model.init_from``, so it does not import them back (no import circle): their types are
+# named here only.
+LlamaConfig = Any  # elastic.models.config.LlamaConfig
+CustomConfig = Any  # elastic.models.config.CustomConfig
 
 if TYPE_CHECKING:
-    from elastic.models.config import CustomConfig, LlamaConfig
-    from elastic.models.spec import ModelSpec
+    from elastic.protocols.model_spec import ModelSpec
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 FIELD = "model.init_from"
-
-
-@dataclass(frozen=True)
-class HFAdapter:
-    """How a model maps to a Hugging Face model directory."""
-
-    config: dict[str, Any]  # the config.json an export writes (without the dtype)
-    names: dict[str, str]  # project FQN -> Hugging Face tensor name (tied FQNs share one)
-    rotary: dict[str, int] = field(default_factory=dict)  # FQN -> head dim, rows permuted per head
-    optional: frozenset[str] = frozenset()  # Hugging Face names a directory may hold and nobody reads
-    # FQN of an [E, in, out] expert tensor -> the E Hugging Face [out, in] linears it stacks
-    experts: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 # ----- reading a directory ------------------------------------------------------------------
@@ -116,11 +109,11 @@ _MOE_AGREE = ("n_experts", "top_k", "expert_hidden", "shared_expert", "router", 
 _METADATA = ("max_seq_len", "bos_token_id", "eos_token_id")
 
 
-def apply_hf_config(cfg: LlamaConfig) -> None:
+def apply_hf_config(cfg: LlamaConfig, moe_class: Any) -> None:
     """Fill ``cfg``'s architecture from ``cfg.init_from``'s config.json; a key the spec gives that
     disagrees is bad input naming that key. Reads ``config.json`` and the safetensors headers
-    (or the index): a tensor the architecture has no place for, or lacks, is refused here."""
-    from elastic.models.config import MoEConfig
+    (or the index): a tensor the architecture has no place for, or lacks, is refused here.
+    ``moe_class``: the config's ``MoEConfig`` (passed in: this module does not import the configs)."""
     from elastic.models.hf_families import fields_from_hf, hf_adapter
 
     cfg.init_from = resolve(_init_from(cfg))
@@ -149,7 +142,7 @@ def apply_hf_config(cfg: LlamaConfig) -> None:
             f"config.json sliding_window {window} is shorter than model.seq_len {cfg.seq_len}: "
             "sliding-window attention is not implemented (train with seq_len <= the window)",
         )
-    moe = _merged_moe(cfg, hf.pop("moe"), MoEConfig)
+    moe = _merged_moe(cfg, hf.pop("moe"), moe_class)
     from elastic.models.rope_scaling import RopeScaling
 
     for name, value in hf.items():

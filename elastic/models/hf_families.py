@@ -24,13 +24,13 @@ linear per expert (``HFAdapter.experts``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from elastic.errors import SpecError
-from elastic.models.hf import FIELD, HFAdapter
+from elastic.protocols.hf_adapter import HFAdapter
 
-if TYPE_CHECKING:
-    from elastic.models.config import LlamaConfig
+FIELD = "model.init_from"  # as elastic.models.hf.FIELD (which imports this module)
+LlamaConfig = Any  # elastic.models.config.LlamaConfig, which calls here: not imported back (no circle)
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

@@ -1,131 +1,27 @@
-"""``ModelSpec``: everything the engine needs to know about a model, in one small object.
+"""The model registry and the layout-independent initialisation every model uses.
 
-In the manner of torchtitan's ``TrainSpec``: the engine never looks inside a model, it
-calls the spec. A spec is bound to one model config (``model_spec(cfg)``); a user's
-factory (``model.kind: custom``) returns one directly. See docs/models.md.
+* the registry: ``model.kind`` -> a function of the config returning its ``ModelSpec``
+  (``register_model``, ``register_variant``, ``model_spec(cfg)``), and a built-in model's
+  pipeline stage through its spec (``build_stage_module``);
+* seeded initialisation: every parameter from a generator seeded by ``(seed, FQN)``
+  (``seeded_init``, ``normal_or_ones``), the same weights under any layout.
 
-The contract the engine relies on:
-
-* ``build()`` returns the full model; the engine calls it under ``torch.device("meta")``,
-  so it must allocate nothing real. ``init_weights(model, seed)`` then fills the
-  materialised (possibly pipeline-cut, possibly TP-sharded) model. ``seeded_init`` gives
-  every parameter its own generator seeded by ``(seed, FQN)`` and writes the full value
-  into whatever shard a rank holds: the weights depend on the seed only, never on the
-  layout, which is what makes every layout (and every elastic resize) train the same model.
-* ``blocks(model)`` lists the repeated units: the grain of FSDP, activation checkpointing
-  and ``torch.compile``.
-* ``tp_plan(model, tp_mesh)`` shards it in place (``None``: no tensor parallelism).
-* ``ep_plan(model, dims)`` shards its experts over ``dims.expert_shard_mesh`` and returns
-  the expert modules (``None``: no experts); ``cp_plan(model, cp_mesh)`` makes its
-  attention context-parallel (``None``: no context parallelism). See docs/parallelism.md.
-* ``set_loss_scale(model, scale)`` tells a model with auxiliary losses injected in backward
-  (the MoE balance loss) the factor the engine applies to each micro-batch's loss.
-* ``split_stage(model, pp, pp_rank)`` keeps only stage ``pp_rank``, without renaming any
-  parameter (``None``: no pipeline parallelism). Checkpoints are keyed by FQN.
-* ``loss_fn(outputs, targets)`` is the mean loss of a micro-batch; it runs inside
-  ``loss_context(tp)`` (e.g. torch's ``loss_parallel``).
-* ``flops_per_token`` (training, forward + backward) feeds MFU; ``memory`` the memory model.
-* ``check_layout(tp, pp)`` refuses what the model cannot do, naming the spec field.
-* ``hf`` maps the model to and from a Hugging Face model (``model.init_from``, ``elastic
-  ckpt export --format hf``): its ``config.json``, tensor names and RoPE row layout
-  (``elastic.models.hf.HFAdapter``; ``None``: neither is possible).
+``ModelSpec`` itself, its contract and ``lm_loss`` live in ``elastic/protocols/model_spec.py``
+(below ``models/`` and ``parallel/``); they are named here too, where model modules and
+users' factories import them from. See docs/models.md.
 """
 
 from __future__ import annotations
 
-import contextlib
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from elastic.errors import SpecError
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from elastic.models.hf import HFAdapter
-    from elastic.parallel.memory_model import MemoryInputs
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy over every token of the micro-batch."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
-
-
-def default_blocks(model: nn.Module) -> list[nn.Module]:
-    """``model.blocks`` (a ModuleDict or ModuleList) if the model has one, else no blocks."""
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.ModuleDict):
-        return list(blocks.values())
-    if isinstance(blocks, nn.ModuleList):
-        return list(blocks)
-    return []
-
-
-def _no_context(tp: int) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext()
-
-
-# The model class a spec builds: every hook below takes the model that ``build`` returned.
-M = TypeVar("M", bound=nn.Module)
-
-
-@dataclass
-class ModelSpec(Generic[M]):
-    name: str
-    build: Callable[[], M]
-    init_weights: Callable[[M, int], None]
-    vocab_size: int
-    seq_len: int
-    flops_per_token: float = 0.0
-    blocks: Callable[[M], list[nn.Module]] = default_blocks
-    tp_plan: Callable[[M, DeviceMesh], Any] | None = None
-    split_stage: Callable[[M, int, int], nn.Module] | None = None
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
-    loss_context: Callable[[int], contextlib.AbstractContextManager] = _no_context
-    validate_layout: Callable[..., None] | None = None
-    memory: MemoryInputs | None = None
-    hf: HFAdapter | None = None
-    ep_plan: Callable[[M, Any], list[nn.Module]] | None = None
-    cp_plan: Callable[[M, DeviceMesh], Any] | None = None
-    set_loss_scale: Callable[[M, float], None] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def check_layout(self, tp: int, pp: int, ep: int = 1, cp: int = 1) -> None:
-        """Refuse a layout the model cannot run, with the spec field at fault.
-
-        ``validate_layout`` is called as ``(tp, pp)``, and with ``ep=``/``cp=`` keywords only
-        when one of them is above 1 (a model with an ``ep_plan`` or ``cp_plan`` takes them).
-        """
-        if tp > 1 and self.tp_plan is None:
-            raise SpecError("parallel.tp", f"model {self.name!r} has no TP plan; it needs parallel.tp=1 (got {tp})")
-        if pp > 1 and self.split_stage is None:
-            raise SpecError("parallel.pp", f"model {self.name!r} has no stage split; it needs parallel.pp=1 (got {pp})")
-        if ep > 1 and self.ep_plan is None:
-            raise SpecError("parallel.ep", f"model {self.name!r} has no experts to shard; it needs parallel.ep=1")
-        if cp > 1 and self.cp_plan is None:
-            raise SpecError(
-                "parallel.cp", f"model {self.name!r} has no context-parallel attention; it needs parallel.cp=1"
-            )
-        if self.validate_layout is not None:
-            if ep == 1 and cp == 1:
-                self.validate_layout(tp, pp)
-            else:
-                self.validate_layout(tp, pp, ep=ep, cp=cp)
-
-    def build_full(self, seed: int, device: str | torch.device = "cpu") -> nn.Module:
-        """The whole model, materialised on ``device`` and initialised (a reference run)."""
-        with torch.device("meta"):
-            model = self.build()
-        model.to_empty(device=device)
-        self.init_weights(model, seed)
-        return model
-
+from elastic.protocols.model_spec import ModelSpec, default_blocks, lm_loss  # noqa: F401  (named here too)
 
 # ----- the registry: model.kind -> a function of the config returning its spec -------------
 # Filled by the model modules as they are imported: ``elastic/models/__init__.py`` lists
@@ -158,6 +54,14 @@ def model_spec(cfg: Any) -> ModelSpec:
         if when(cfg):
             return fn(cfg)
     return _REGISTRY[kind](cfg)
+
+
+def build_stage_module(model: nn.Module, pp: int, pp_rank: int) -> nn.Module:
+    """Turn a built-in model (``model.cfg``) into stage ``pp_rank`` of ``pp`` in place, keeping FQNs."""
+    split_stage = model_spec(model.cfg).split_stage
+    if split_stage is None:  # check_layout refuses pp > 1 for such a model before any worker starts
+        raise RuntimeError(f"{type(model).__name__} cannot be split into parallel.pp={pp} stages")
+    return split_stage(model, pp, pp_rank)
 
 
 # ----- layout-independent initialisation ------------------------------------------------------

@@ -8,7 +8,9 @@
 * ``pp.py``          pipeline stages and schedules (1F1B, GPipe)
 * ``clip.py``        global gradient-norm clipping across shards and stages
 * ``parallelize.py`` TP -> recompute -> FSDP/DDP
-* ``engine.py``      ``TrainEngine``, what a worker trains with
+
+``TrainEngine``, what a worker trains with, sits above this package and ``elastic/models/``
+(``elastic/engine.py``); the types both share sit below them (``elastic/protocols/``).
 
 Kept import-free: ``elastic.parallel.config`` is read by the CLI's input checks, which
 must not pay for importing torch.distributed.

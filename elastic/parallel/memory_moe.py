@@ -33,24 +33,11 @@ are added on top:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from elastic.parallel.memory_terms import STATE_BYTES, layers_per_stage
-
-
-@dataclass(frozen=True)
-class ExpertMemory:
-    """What the memory model needs to know about one layer's routed experts (unsplit)."""
-
-    n_experts: int
-    d_model: int
-    expert_hidden: int
-
-    @property
-    def params(self) -> int:
-        """All routed experts of one layer: three ``d x h`` matrices each."""
-        return self.n_experts * 3 * self.d_model * self.expert_hidden
+from elastic.protocols.memory import ExpertMemory
 
 
 def estimate_moe_cp(estimate: Any, inputs: Any, *, tp: int, pp: int, dp: int, ep: int, cp: int, **kw: Any) -> Any:

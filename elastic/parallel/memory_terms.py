@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from elastic.parallel.memory_model import LayerActivations, MemoryInputs, StageContext
+    from elastic.protocols.memory import LayerActivations, MemoryInputs, StageContext
 
 # Optimizer state bytes per fp32 parameter: AdamW's two moments, SGD's momentum buffer,
 # plain SGD (momentum 0) none.

@@ -23,9 +23,9 @@ from elastic.parallel.fsdp import apply_fsdp
 from elastic.parallel.live import dtensor_like
 
 if TYPE_CHECKING:
-    from elastic.models.spec import ModelSpec
     from elastic.parallel.config import ParallelConfig
     from elastic.parallel.dims import ParallelDims
+    from elastic.protocols.model_spec import ModelSpec
 
 Plan = TypeVar("Plan")
 

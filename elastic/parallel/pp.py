@@ -44,16 +44,6 @@ def stage_layers(n_layers: int, pp: int, pp_rank: int) -> range:
     return range(pp_rank * per_stage, (pp_rank + 1) * per_stage)
 
 
-def build_stage_module(model: nn.Module, pp: int, pp_rank: int) -> nn.Module:
-    """Turn a built-in model (``model.cfg``) into stage ``pp_rank`` of ``pp`` in place, keeping FQNs."""
-    from elastic.models.spec import model_spec
-
-    split_stage = model_spec(model.cfg).split_stage
-    if split_stage is None:  # check_layout refuses pp > 1 for such a model before any worker starts
-        raise RuntimeError(f"{type(model).__name__} cannot be split into parallel.pp={pp} stages")
-    return split_stage(model, pp, pp_rank)
-
-
 def build_stage(stage_module: nn.Module, pp_mesh: DeviceMesh, device: torch.device) -> PipelineStage:
     """The ``PipelineStage`` of this rank (its index is the rank's place in the PP group)."""
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()

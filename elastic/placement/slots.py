@@ -45,7 +45,7 @@ class ReplicaSlots:
 
     The strategy is STRICT_PACK for a GPU tensor-parallel replica (its TP group stays on
     one node) and PACK otherwise (a replica's workers as close together as the cluster
-    allows). Replicas are then ranked rack by rack (``WorkerGroup.configure``), so the DP
+    allows). Replicas are then ranked rack by rack (``WorkerGroup.reform``), so the DP
     ring crosses racks as few times as possible.
     """
 

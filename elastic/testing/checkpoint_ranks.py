@@ -20,10 +20,10 @@ from elastic.checkpoint.committer import CheckpointCommitter
 from elastic.checkpoint.memory_tier import MemoryTier
 from elastic.checkpoint.restore import load_from_storage, load_snapshots_into
 from elastic.checkpoint.storage_tier import StorageUploader, walk_state
+from elastic.engine import TrainEngine
 from elastic.events import EventLog
 from elastic.messages import UploadReport
 from elastic.parallel.dims import ParallelDims
-from elastic.parallel.engine import TrainEngine
 from elastic.spec import JobSpec
 from elastic.testing.ranks import init_group
 

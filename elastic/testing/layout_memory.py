@@ -70,13 +70,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from pydantic import TypeAdapter
 
+from elastic.engine import TrainEngine
 from elastic.models.config import AnyModelConfig, token_shape
 from elastic.models.gpt import ModelConfig
 from elastic.optim import TrainConfig
 from elastic.parallel import pp
 from elastic.parallel.config import ParallelConfig
 from elastic.parallel.dims import ParallelDims
-from elastic.parallel.engine import TrainEngine
 from elastic.parallel.memory_model import MemoryEstimate, estimate_memory
 from elastic.parallel.memtrack import LiveTensorBytes, tensor_bytes
 from elastic.parallel.memtrack import tensors_in as _tensors

@@ -67,9 +67,9 @@ class SingleRank:
         self.generation = 0
 
     def join(self) -> ParallelDims:
-        """Form the next generation (world size 1) and its mesh, as a worker's ``configure`` does."""
+        """Form the next generation (world size 1) and its mesh, as a worker's ``reconfigure`` does."""
         self.generation += 1
-        self.group.configure(self.generation, 0, 1, self.store.address, self.store.secret)
+        self.group.join(self.generation, 0, 1, self.store.address, self.store.secret)
         self.group.settled()
         dims = ParallelDims(dp=1, tp=1, pp=1, world_size=1, timeout=self.group.rendezvous_timeout)
         dims.build_mesh(self.device.type)
@@ -101,7 +101,7 @@ def trainer_on(
     restore: dict[int, Snapshot] | None = None,
 ) -> Iterator[Trainer]:
     """A ``Trainer`` for ``spec`` on a new generation of ``rank``'s group, its state loaded
-    from ``restore`` (memory-tier snapshots) when given, as a worker's ``configure`` does; on
+    from ``restore`` (memory-tier snapshots) when given, as a worker's ``reconfigure`` does; on
     exit (normal or not) its stream is closed, its engine dropped and the group left."""
     dims = rank.join()
     d, m = spec.data, spec.model

@@ -30,7 +30,21 @@ from typing import Any, Protocol
 
 from elastic.agent.bell import Doorbell
 from elastic.agent.node import AgentGone, NodeCore
-from elastic.messages import ConfigureReply, PollReply, RunOutcome, SnapshotReport, StepReport, WorkerReport
+from elastic.messages import (
+    ConfigureReply,
+    Poll,
+    PollReply,
+    RankCall,
+    Reconfigure,
+    RequestStop,
+    Run,
+    RunOutcome,
+    SaveCheckpoint,
+    SnapshotHoldings,
+    SnapshotReport,
+    StepReport,
+    WorkerReport,
+)
 
 FABRIC_CHECK_S = 0.05
 
@@ -228,8 +242,7 @@ class _VRank:
 @dataclass(eq=False)
 class _VFuture:
     rank: _VRank
-    method: str
-    args: tuple
+    call: RankCall
     issued: float  # unix time
     result: tuple[str, Any] | None = field(default=None)
 
@@ -243,17 +256,17 @@ class VirtualRanks:
         self.jitter = (zlib.crc32(node.encode()) % 1000) / 1000 * world.jitter_s
 
     # ------------------------------------------------------------------ RankBackend
-    def call(self, handle: Any, method: str, *args: Any) -> _VFuture:
+    def call(self, handle: Any, call: RankCall) -> _VFuture:
         r = self.ranks.setdefault(handle.wid, _VRank(handle.wid))
         now = time.time()
-        f = _VFuture(r, method, args, now)
-        if method == "run":
+        f = _VFuture(r, call, now)
+        if isinstance(call, Run):
             self._settle(r, now)
             r.runs, r.outcome, r.stop_at = r.runs + 1, None, None
-            r.start, r.first, r.last = now + self.jitter, r.step, args[0]
-        elif method == "poll" and not args[0]:  # a flush: a long poll in flight answers now too
+            r.start, r.first, r.last = now + self.jitter, r.step, call.last_step
+        elif isinstance(call, Poll) and not call.wait_s:  # a flush: a long poll in flight answers now too
             r.flush_at = now
-        elif method == "request_stop":
+        elif isinstance(call, RequestStop):
             if r.start is not None and r.stop_at is None:
                 r.stop_at = now
         return f
@@ -308,12 +321,12 @@ class VirtualRanks:
         return min(r.first + done, end[1].step if end else r.last)
 
     def _due(self, f: _VFuture) -> float:
-        r = f.rank
-        if f.method == "configure":
+        r, call = f.rank, f.call
+        if isinstance(call, Reconfigure):
             return f.issued + self.world.configure_s
-        if f.method != "poll" or not f.args[0]:
+        if not isinstance(call, Poll) or not call.wait_s:
             return f.issued
-        due = f.issued + f.args[0]
+        due = f.issued + call.wait_s
         if r.flush_at >= f.issued:
             return r.flush_at
         if r.start is not None:
@@ -331,23 +344,23 @@ class VirtualRanks:
             r.step, r.outcome, r.start = end[1].step, end[1], None
 
     def _answer(self, f: _VFuture, now: float) -> Any:
-        r = f.rank
-        if f.method == "poll":
+        r, call = f.rank, f.call
+        if isinstance(call, Poll):
             upto = self._completed(r, now)
             reports: list[WorkerReport] = [self._report(r, s) for s in range(r.reported + 1, upto + 1)]
             r.reported = max(r.reported, upto)
             self._settle(r, now)
             phase = "train" if r.start is not None else "idle"
             return PollReply(r.rank, upto, phase, 0.0, reports, r.outcome, r.runs)
-        if f.method == "configure":
-            req = f.args[0]
+        if isinstance(call, Reconfigure):
+            req = call.req
             r.rank, r.step, r.reported, r.start, r.outcome = req.rank, req.step, req.step, None, None
             c = self.world.configure_s
             return ConfigureReply(req.rank, req.step, init_s=c / 2, build_s=c / 4, restore_s=c / 4)
-        if f.method == "snapshot_holdings":
+        if isinstance(call, SnapshotHoldings):
             step = self._completed(r, now)
             return {r.rank: [s for s in (step - 1, step) if s > 0]}
-        if f.method == "save_checkpoint":
+        if isinstance(call, SaveCheckpoint):
             return True
         return None
 

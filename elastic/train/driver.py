@@ -399,7 +399,7 @@ class LoopDriver:
         for rep in reply["reports"]:
             index, rank = rep["index"], rep["rank"]
             self.reports[index][rank] = rep
-            self.ledger.append({k: rep[k] for k in ("index", "rank", "world", "rows", "ts")})
+            self.ledger.append({k: rep[k] for k in ("index", "rank", "generation", "world", "rows", "ts")})
             if rep["checkpoint"]:
                 self.parts.setdefault(index, set()).add(rank)
                 peer = self._peer_of(rank)

@@ -237,7 +237,7 @@ class LoopRank:
     def _join(self, place: Place) -> None:
         self.place = place
         try:
-            self.group.configure(place.generation, place.rank, place.world, place.store, place.secret)
+            self.group.join(place.generation, place.rank, place.world, place.store, place.secret)
         finally:
             self.group.settled()
         if place.world > 1:
@@ -342,6 +342,7 @@ class LoopRank:
                 {
                     "index": index,
                     "rank": rank,
+                    "generation": self.place.generation if self.place is not None else 0,
                     "world": session.context.world_size,
                     "metrics": _plain(metrics),
                     "checkpoint": files is not None,

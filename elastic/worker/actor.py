@@ -1,13 +1,13 @@
 """``Rank``: one rank, hosted by the Ray actor ``TrainWorker`` (``remote.py``, a shell that
 only forwards). It exposes typed RPCs and nothing else.
 
-The rank outlives process groups. ``configure`` re-forms it in place (leaves the old
+The rank outlives process groups. ``reconfigure`` re-forms it in place (leaves the old
 group, joins the new generation, builds a new ``Trainer``, restores from memory or
 storage); process, imports and CPU buffers survive.
 
 The actor's two concurrency groups keep the rank observable while it trains:
 
-* ``train`` (one thread): ``configure`` and ``run``, the only code that touches the model
+* ``train`` (one thread): ``reconfigure`` and ``run``, the only code that touches the model
   or the process group;
 * ``control``: ``poll`` (heartbeat and reports), ``request_stop``, snapshot queries and
   transfers. A worker stopped with SIGSTOP answers none of these, which is how the
@@ -184,7 +184,7 @@ class Rank:
         return self.tier.store_replica(Snapshot.from_wire(wire))
 
     # ------------------------------------------------------------------ train group
-    def configure(self, req: ConfigureRequest) -> ConfigureReply:
+    def reconfigure(self, req: ConfigureRequest) -> ConfigureReply:
         """Join generation ``req.generation`` of the group and get ready to train from ``req.step``.
 
         On any error it leaves the half-formed group before raising, so that peers blocked
@@ -192,14 +192,14 @@ class Rank:
         """
         training_thread()
         try:
-            return self._configure(req)
+            return self._reconfigure(req)
         except BaseException:
             self._leave()
             raise
         finally:
             self.group.settled()
 
-    def _configure(self, req: ConfigureRequest) -> ConfigureReply:
+    def _reconfigure(self, req: ConfigureRequest) -> ConfigureReply:
         self._phase = "configure"
         self._beat = time.monotonic()
         cpu0, t_leave = time.process_time(), time.perf_counter()
@@ -218,7 +218,7 @@ class Rank:
         self.rank = req.rank
         if self.hook is not None:  # a test's late arrival (elastic/faults/worker.py)
             self.hook.before_join(req.generation, req.rank)
-        join_s = self.group.configure(req.generation, req.rank, world, req.store, req.store_secret, req.shrink_excluded)
+        join_s = self.group.join(req.generation, req.rank, world, req.store, req.store_secret, req.shrink_excluded)
         # The mesh's sub-groups connect within the rendezvous timeout, then get the collective one.
         t_mesh = time.perf_counter()
         dims = ParallelDims(
@@ -329,7 +329,7 @@ class Rank:
         self._runs, self._outcome = self._runs + 1, None
         trainer = self.trainer
         if trainer is None:
-            raise RuntimeError("run() before configure(): no trainer")
+            raise RuntimeError("run() before reconfigure(): no trainer")
         trainer.begin_layout()  # every peer has restored by now
         self._idle.clear()
         try:

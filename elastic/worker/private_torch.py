@@ -16,7 +16,7 @@ PRIVATE_TORCH_API = (
     "torch.distributed.device_mesh._mesh_resources.mesh_stack",
     "torch.distributed.tensor.DTensor._op_dispatcher.sharding_propagator",
     "torch.distributed.ProcessGroupGloo._Options",
-    # elastic/parallel/engine.py times a rank's own backward (straggler detection, docs/health.md)
+    # elastic/engine.py times a rank's own backward (straggler detection, docs/health.md)
     "torch.autograd.Variable._execution_engine.queue_callback",
     # elastic/parallel/dims.py flattens dp x ep x cp and dp x cp into one mesh dimension each
     # (torchtitan does the same; no public equivalent in torch 2.13)

@@ -1,6 +1,6 @@
 """A process group that can be re-formed in place: one per worker process, for its whole life.
 
-``configure(generation, rank, world, ...)`` joins generation ``generation`` of the job's
+``join(generation, rank, world, ...)`` joins generation ``generation`` of the job's
 group; ``leave()`` tears the current one down so that peers blocked on this rank fail at
 once. Most private torch calls the elastic runtime needs are made here; all are listed in
 ``elastic/worker/private_torch.py``, which ``tests/worker/test_torch_private_api.py`` checks.
@@ -135,7 +135,7 @@ class ReconfigurableProcessGroup:
     def backend(self) -> str:
         return "nccl" if self.device_type == "cuda" else "gloo"
 
-    def configure(
+    def join(
         self,
         generation: int,
         rank: int,
@@ -242,7 +242,7 @@ class ReconfigurableProcessGroup:
 
         Call only after dropping this process's own references to the engine and mesh.
         A second call, with no group left, does nothing. A group shrunk in place is kept
-        (only the old mesh's references are dropped) until ``configure`` decides.
+        (only the old mesh's references are dropped) until ``join`` decides.
         ``collect``: run a full garbage collection first, for engines whose objects hold the
         groups in reference cycles (FSDP's and DTensor's state: thousands of objects). An
         engine that holds none (a DDP wrapper, whose last reference is dropped with it)
@@ -280,7 +280,7 @@ class ReconfigurableProcessGroup:
     def abandon(self, generation: int) -> None:
         """The driver gave up on ``generation`` (a member was lost while it formed).
 
-        Safe to call from another thread while ``configure`` is blocked forming that
+        Safe to call from another thread while ``join`` is blocked forming that
         generation: the store connection is shut down under it, which fails its wait at
         once. A notice that arrives late (the rank has settled, or moved on to a newer
         generation) cuts nothing.

@@ -94,8 +94,8 @@ class TrainWorker:
 
     # ------------------------------------------------------------------ train group
     @ray.method(concurrency_group="train")
-    def configure(self, req: ConfigureRequest) -> ConfigureReply:
-        return self._rank.configure(req)
+    def reconfigure(self, req: ConfigureRequest) -> ConfigureReply:
+        return self._rank.reconfigure(req)
 
     @ray.method(concurrency_group="train")
     def save_checkpoint(self, timeout_s: float) -> bool:

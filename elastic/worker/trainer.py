@@ -27,11 +27,11 @@ from typing import Any
 from elastic.checkpoint.memory_tier import MemoryTier, Snapshot
 from elastic.checkpoint.restore import flat_target, load_from_storage, load_live_into, load_snapshots_into
 from elastic.checkpoint.storage_tier import StorageUploader
+from elastic.engine import TrainEngine
 from elastic.ingest.corpus import BatchLayout, ParquetCorpus, RankStream, ray_data_batches
 from elastic.ingest.preflight import check_rows
 from elastic.messages import AnomalyReport, ReportSink, SdcReport, SnapshotReport, StepReport, StorageRestore
 from elastic.parallel.dims import ParallelDims
-from elastic.parallel.engine import TrainEngine
 from elastic.parallel.live import LiveState, release
 from elastic.worker.abort import AbortHooks
 from elastic.worker.anomaly import AnomalyCause, LossMonitor

@@ -7,7 +7,7 @@ answers (or lets die).
 from __future__ import annotations
 
 from elastic.agent.node import NodeCore
-from elastic.messages import Attach, StepReport
+from elastic.messages import Attach, RankCall, StepReport, rank_call_args
 
 
 class Clock:
@@ -19,8 +19,9 @@ class Clock:
 
 
 class Future:
-    def __init__(self, handle: str, method: str, args: tuple):
-        self.handle, self.method, self.args = handle, method, args
+    def __init__(self, handle: str, call: RankCall):
+        self.handle, self.call = handle, call
+        self.args = rank_call_args(call)  # what Ray would send
         self.status: str | None = None
         self.value = None
 
@@ -33,8 +34,8 @@ class ScriptedRanks:
         self.calls: list[Future] = []
         self.ended: list[int] = []
 
-    def call(self, handle, method, *args):
-        f = Future(handle, method, args)
+    def call(self, handle, call):
+        f = Future(handle, call)
         self.calls.append(f)
         return f
 
@@ -50,8 +51,8 @@ class ScriptedRanks:
     def end(self, pid):
         self.ended.append(pid)
 
-    def pending(self, handle: str, method: str) -> list[Future]:
-        return [f for f in self.calls if f.handle == handle and f.method == method and f.status is None]
+    def pending(self, handle: str, kind: type) -> list[Future]:
+        return [f for f in self.calls if f.handle == handle and isinstance(f.call, kind) and f.status is None]
 
 
 def report(step: int, compute: float = 1.0) -> StepReport:

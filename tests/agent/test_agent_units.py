@@ -14,13 +14,16 @@ from agent_testlib import node, report
 from elastic.agent.liveness import Outstanding
 from elastic.agent.node import LINGER_S, POLL_WAIT_S, REPORT_SILENCE_S
 from elastic.messages import (
+    AbortStep,
     CommandDone,
     ConfigureReply,
     Detach,
+    Flush,
     Launch,
     NodeConfigure,
+    Poll,
     PollReply,
-    Query,
+    Reconfigure,
     RunOutcome,
     Signal,
     UploadReport,
@@ -37,7 +40,7 @@ def _news(digest) -> tuple:
 
 def _answer_polls(core, backend, replies: dict[int, PollReply]) -> None:
     for wid, reply in replies.items():
-        backend.pending(f"r{wid}", "poll")[0].answer(reply)
+        backend.pending(f"r{wid}", Poll)[0].answer(reply)
     core.pump(0)
 
 
@@ -49,7 +52,7 @@ def test_a_step_goes_up_once_per_node_when_every_rank_reported():
     _answer_polls(core, backend, {1: PollReply(1, 1, "train", 0.0, [report(1, 2.0)])})
     d = core.digest(None, 0.0)
     assert [(r.step, r.ranks.tolist(), r.compute_s.tolist()) for r in d.rows] == [(1, [0, 1], [1.0, 2.0])]
-    assert len(backend.pending("r0", "poll")) == 1  # asked again at once
+    assert len(backend.pending("r0", Poll)) == 1  # asked again at once
 
 
 def test_rows_of_a_lagging_rank_go_up_after_the_linger():
@@ -98,11 +101,11 @@ def test_an_outcome_of_an_earlier_run_is_stale():
 
 def test_a_dead_rank_is_news_at_once():
     core, backend, clock = node(2)
-    backend.pending("r1", "poll")[0].answer(status="dead")
+    backend.pending("r1", Poll)[0].answer(status="dead")
     core.pump(0)
     (news,) = core.digest(None, 0.0).states["n0"].news
     assert news.wid == 1 and news.dead
-    assert backend.pending("r1", "poll") == []  # not asked again
+    assert backend.pending("r1", Poll) == []  # not asked again
 
 
 def test_a_detached_rank_is_not_polled_and_its_process_is_ended():
@@ -140,7 +143,7 @@ def test_a_silent_rank_is_news_past_due_and_not_before():
     core.pump(0)
     (news,) = core.digest(None, 0.0).states["n0"].news
     assert news.silent_s == pytest.approx(REPORT_SILENCE_S * 1.5)
-    backend.pending("r0", "poll")[0].answer(status="unavailable")  # a retry keeps the first due time
+    backend.pending("r0", Poll)[0].answer(status="unavailable")  # a retry keeps the first due time
     clock.t += REPORT_SILENCE_S
     core.pump(0)
     assert core.digest(None, 0.0).states["n0"].news[0].silent_s == pytest.approx(REPORT_SILENCE_S * 2.5)
@@ -154,7 +157,7 @@ def test_configure_is_answered_per_node_and_a_failure_first():
     core, backend, clock = node(3)
     core.command(5, NodeConfigure({0: "req0", 1: "req1", 2: "req2"}))
     core.pump(0)
-    calls = {f.handle: f for f in backend.calls if f.method == "configure"}
+    calls = {f.handle: f for f in backend.calls if isinstance(f.call, Reconfigure)}
     assert set(calls) == {"r0", "r1", "r2"} and calls["r1"].args == ("req1",)
     calls["r1"].answer("ValueError: bad", status="error")
     core.pump(0)
@@ -177,7 +180,7 @@ def test_a_call_failed_by_its_node_is_named_so():
     core, backend, clock = node(2)
     core.command(5, NodeConfigure({0: "req0", 1: "req1"}))
     core.pump(0)
-    calls = {f.handle: f for f in backend.calls if f.method == "configure"}
+    calls = {f.handle: f for f in backend.calls if isinstance(f.call, Reconfigure)}
     calls["r0"].answer("OutOfDiskError: disk full", status="node_fault")
     calls["r1"].answer("ValueError: bad", status="error")
     core.pump(0)
@@ -191,10 +194,10 @@ def test_a_call_failed_by_its_node_is_named_so():
 
 def test_a_flush_answers_after_the_poll_in_flight_and_its_reports():
     core, backend, clock = node(1)
-    long_poll = backend.pending("r0", "poll")[0]
-    core.command(6, Query("flush"))
+    long_poll = backend.pending("r0", Poll)[0]
+    core.command(6, Flush())
     core.pump(0)
-    (short,) = [f for f in backend.pending("r0", "poll") if f.args[0] == 0.0]
+    (short,) = [f for f in backend.pending("r0", Poll) if f.args[0] == 0.0]
     short.answer(PollReply(0, 2, "train", 0.0, [report(2)]))
     core.pump(0)
     early = core.digest(None, 0.0)
@@ -241,12 +244,12 @@ def test_abort_step_reaches_every_rank_of_the_node_that_is_still_one():
     a late one for a generation it has left), to each rank it still watches."""
     core, backend, _ = node(ranks=3)
     core.command(2, Detach((2,), ()))
-    core.command(3, Signal("abort_step", 7))
-    aborts = [f for f in backend.calls if f.method == "abort_step"]
-    assert sorted(f.handle for f in aborts) == ["r0", "r1"] and {f.args for f in aborts} == {(7,)}
+    core.command(3, Signal(AbortStep(7)))
+    aborts = [f for f in backend.calls if isinstance(f.call, AbortStep)]
+    assert sorted(f.handle for f in aborts) == ["r0", "r1"] and {f.call for f in aborts} == {AbortStep(7)}
     links = frozenset({("10.0.0.1", 5000, "10.0.0.2", 6000)})  # to the lost ranks, as the survivors see them
-    core.command(4, Signal("abort_step", 8, links))
-    assert {f.args for f in backend.calls if f.method == "abort_step"} == {(7,), (8, links)}
+    core.command(4, Signal(AbortStep(8, links)))
+    assert {f.call for f in backend.calls if isinstance(f.call, AbortStep)} == {AbortStep(7), AbortStep(8, links)}
 
 
 def test_reports_are_acked_back_to_the_worker_once_the_driver_has_them():
@@ -257,11 +260,11 @@ def test_reports_are_acked_back_to_the_worker_once_the_driver_has_them():
     _answer_polls(core, backend, {0: PollReply(0, 1, "train", 0.0, [report(1), upload], first_seq=7)})
     d = core.digest(None, 0.0)
     assert [(i.wid, i.seq) for _, _, i in d.items] == [(0, 8)]
-    assert backend.pending("r0", "poll")[0].args == (POLL_WAIT_S, -1, 8)  # has 7 and 8, nothing acked
+    assert backend.pending("r0", Poll)[0].args == (POLL_WAIT_S, -1, 8)  # has 7 and 8, nothing acked
     core.digest(d.seqs, 0.0)  # the driver has both items
-    backend.pending("r0", "poll")[0].answer(PollReply(0, 1, "train", 0.0))
+    backend.pending("r0", Poll)[0].answer(PollReply(0, 1, "train", 0.0))
     core.pump(0)
-    assert backend.pending("r0", "poll")[0].args == (POLL_WAIT_S, 8, 8)
+    assert backend.pending("r0", Poll)[0].args == (POLL_WAIT_S, 8, 8)
     # A report sent again (not acked when the worker answered) is taken in once.
     _answer_polls(core, backend, {0: PollReply(0, 1, "train", 0.0, [upload], first_seq=8)})
     assert core.digest(None, 0.0).items == []
@@ -280,3 +283,19 @@ def test_a_new_agent_gets_every_report_not_acked_from_the_worker():
     assert q.take(ack=None, have=-1, keep=True) == (3, ["r3", "r4", "r5"])  # a new agent
     assert q.has_after(4) and not q.has_after(5)
     assert q.take(ack=None, have=-1, keep=False) == (3, ["r3", "r4", "r5"]) and not q.has_after(-1)
+
+
+def test_every_rank_call_names_a_rank_method_with_its_fields_as_parameters():
+    """A typed call reaches ``TrainWorker.<method>`` with its fields in order
+    (``rank_call_args``): the names must agree with the rank's, and the forwarder's."""
+    import inspect
+    import typing
+
+    from elastic.messages import RankCall
+    from elastic.worker.actor import Rank
+    from elastic.worker.remote import TrainWorker
+
+    for kind in typing.get_args(RankCall):
+        params = [p for p in inspect.signature(getattr(Rank, kind.method)).parameters if p != "self"]
+        assert kind.__match_args__ == tuple(params), kind
+        assert hasattr(TrainWorker, kind.method), kind

@@ -11,7 +11,7 @@ from agent_testlib import Clock, ScriptedRanks, node, report
 from elastic.agent.aggregator import AggregatorCore
 from elastic.agent.bell import Doorbell
 from elastic.agent.node import LINGER_S, NodeCore
-from elastic.messages import Attach, PollReply
+from elastic.messages import Attach, Poll, PollReply
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -28,7 +28,7 @@ def test_aggregator_merges_its_nodes_rows_and_reports_a_lost_child():
         nodes.append((core, backend))
         agg.adopt(f"n{i}", core, [f"n{i}"], local=True)
     for i, (core, backend) in enumerate(nodes):
-        backend.pending(f"r{10 * i}", "poll")[0].answer(PollReply(i, 1, "train", 0.0, [report(1, 1.0 + i)]))
+        backend.pending(f"r{10 * i}", Poll)[0].answer(PollReply(i, 1, "train", 0.0, [report(1, 1.0 + i)]))
         core.pump(0)
     for _ in range(50):
         agg.pump(0.05)
@@ -58,7 +58,7 @@ def test_a_local_child_with_news_rings_its_aggregator_and_is_asked_without_waiti
     agg.adopt("n0", core, ["n0"], local=True)
     agg.pump(0.0)  # the first ask (a new link asks for everything)
     assert not core.has_news() and bell.answer(0.0) is False
-    backend.pending("r0", "poll")[0].answer(PollReply(0, 1, "train", 0.0, [report(1)]))
+    backend.pending("r0", Poll)[0].answer(PollReply(0, 1, "train", 0.0, [report(1)]))
     core.pump(0)  # rows linger, but the poll's state change is news
     assert core.has_news() and bell.answer(0.0) is True
     agg.pump(0.0)
@@ -153,7 +153,7 @@ def test_step_rows_wait_for_the_parents_linger_and_news_does_not():
     agg.adopt("n0", core, ["n0"], local=True)
     for step in (1, 2):  # step 1 comes with the rank's first news; step 2 is rows alone
         agg.digest(None, 0.0)
-        core.backend.pending("r0", "poll")[-1].answer(PollReply(0, step, "train", 0.0, [report(step)]))
+        core.backend.pending("r0", Poll)[-1].answer(PollReply(0, step, "train", 0.0, [report(step)]))
         core.pump(0)
         clock.t += LINGER_S * 1.5
         core.pump(0)

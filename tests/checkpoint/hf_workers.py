@@ -16,8 +16,8 @@ from hf_testlib import STEPS, micro_batches, spec_raw
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from elastic.checkpoint.hf_import import load_init_from
+from elastic.engine import TrainEngine
 from elastic.parallel.dims import ParallelDims
-from elastic.parallel.engine import TrainEngine
 from elastic.testing.checkpoint_ranks import save_and_commit
 from elastic.testing.ranks import init_group
 from jobs import JobSpec

@@ -45,11 +45,11 @@ def test_engine_reports_the_cuda_peak():
 
     import torch.distributed as dist
 
+    from elastic.engine import TrainEngine
     from elastic.models.gpt import ModelConfig
     from elastic.optim import TrainConfig
     from elastic.parallel.config import ParallelConfig
     from elastic.parallel.dims import ParallelDims
-    from elastic.parallel.engine import TrainEngine
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -115,8 +115,8 @@ class FakeWorkerGroup:
             return [None for _ in members]
         return [None if m.dead else {m.rank: [self.snapshot_step]} for m in members]
 
-    def configure(self, plan):
-        self.calls.append(("configure", plan.dp, plan.restore.step, plan.restore.source))
+    def reform(self, plan):
+        self.calls.append(("reform", plan.dp, plan.restore.step, plan.restore.source))
         self.collector_on.append(gc.isenabled())
         for rank, m in enumerate(plan.members):
             m.rank = rank

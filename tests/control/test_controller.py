@@ -87,7 +87,7 @@ def test_node_lost_shrinks_in_whole_replicas(tmp_path):
     ctl.group.snapshot_step = 1
     _advance(ctl, Running)
     assert ("kill", [3]) in ctl.group.calls
-    assert ("configure", 3, 1, "memory") in ctl.group.calls
+    assert ("reform", 3, 1, "memory") in ctl.group.calls
     # No cyclic-GC pause on a re-formation's path (gc_pauses.py), the collector back after it.
     assert ctl.group.collector_on == [False, False] and gc.isenabled()
     kinds = [(e["kind"], e.get("old_dp"), e.get("new_dp"), e.get("source")) for e in read_events(str(tmp_path))]

@@ -121,7 +121,7 @@ def test_an_error_a_retry_would_repeat_fails_the_job_at_once(tmp_path):
     state = _advance(ctl, Failed)  # max_failures is 3: the budget is not what stopped it
     assert state.reason == f"worker_error that a retry would repeat: {bad}"
     assert ctl.failures == 1 and [f["cause"] for f in _failures(tmp_path)] == ["worker_error"]
-    assert not [c for c in ctl.group.calls[before:] if c[0] in ("spawn", "configure")]  # no re-formation tried
+    assert not [c for c in ctl.group.calls[before:] if c[0] in ("spawn", "reform")]  # no re-formation tried
 
 
 def test_a_final_checkpoint_not_committed_fails_the_job_naming_the_cause(tmp_path):
@@ -169,12 +169,12 @@ def test_a_node_whose_disk_fails_its_ranks_is_excluded_not_retried_until_the_bud
 
 
 def test_a_configure_that_a_node_failed_raises_the_node_typed_error():
-    """``configure_through``: when a node's agent names failed calls as its own fault (a full
+    """``reconfigure_ranks``: when a node's agent names failed calls as its own fault (a full
     disk), the failure is a ``NodeResourceError`` naming that node's ranks alone; a rank's own
     error elsewhere stays a plain ``WorkerError``."""
     from types import SimpleNamespace
 
-    from elastic.control.worker_group.configure import configure_through
+    from elastic.control.worker_group.configure import reconfigure_ranks
     from elastic.control.worker_group.poll import Gather
     from elastic.errors import NodeResourceError
     from elastic.messages import CommandDone
@@ -197,11 +197,11 @@ def test_a_configure_that_a_node_failed_raises_the_node_typed_error():
         "n1": CommandDone(1, {}, {1: "OutOfDiskError: full"}, node_faults=(1,)),
     }
     with pytest.raises(NodeResourceError) as err:
-        configure_through(group(full), members, ["req0", "req1"], 3, 1.0, None, [])
+        reconfigure_ranks(group(full), members, ["req0", "req1"], 3, 1.0, None, [])
     assert err.value.ranks == [1] and err.value.nodes == ["n1"] and "OutOfDiskError" in err.value.detail
     own = {"n0": CommandDone(1, {}, {0: "ValueError: bad"}), "n1": CommandDone(1, {1: "its reply"})}
     with pytest.raises(WorkerError) as err:
-        configure_through(group(own), members, ["req0", "req1"], 3, 1.0, None, [])
+        reconfigure_ranks(group(own), members, ["req0", "req1"], 3, 1.0, None, [])
     assert type(err.value) is WorkerError and err.value.ranks == [0]
 
 

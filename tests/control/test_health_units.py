@@ -232,7 +232,7 @@ def test_own_backward_marks_the_end_of_the_local_backward():
     ``torch.autograd.Variable._execution_engine.queue_callback`` is private torch API."""
     from torch.autograd import Variable
 
-    from elastic.parallel.engine import _own_backward
+    from elastic.engine import _own_backward
 
     order = []
     w = torch.randn(8, 8, requires_grad=True)

@@ -37,4 +37,4 @@ def test_protocol_lists_what_the_controller_calls():
     called = set(re.findall(r"group\.(\w+)\(", source))
     assert called, "the check found no call at all"
     assert called <= set(METHODS), called - set(METHODS)
-    assert called >= {"configure", "spawn", "observe", "kill", "snapshot_holdings", "draining_nodes"}
+    assert called >= {"reform", "spawn", "observe", "kill", "snapshot_holdings", "draining_nodes"}

@@ -32,7 +32,7 @@ def test_nccl_group_is_bound_split_and_re_formed():
     group = ReconfigurableProcessGroup("cuda", 60)
     try:
         for generation in (1, 2):
-            group.configure(generation, 0, 1, store.address, store.secret)
+            group.join(generation, 0, 1, store.address, store.secret)
             world = dist.group.WORLD
             assert dist.get_backend() == "nccl"
             # not bound: a bound group's second generation crashed in split_group (torch 2.11, H200)

@@ -12,10 +12,10 @@ from parallel_harness import MODEL, SEED, STEPS, TRAIN, Layout, dp_micro_batches
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
+from elastic.engine import TrainEngine
 from elastic.models.spec import model_spec
 from elastic.parallel.config import ParallelConfig
 from elastic.parallel.dims import ParallelDims
-from elastic.parallel.engine import TrainEngine
 
 
 class ProbedParallel(ParallelConfig):

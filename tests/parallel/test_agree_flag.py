@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from elastic.engine import TrainEngine
 from elastic.models.config import GPTConfig
 from elastic.optim import TrainConfig
 from elastic.parallel.config import ParallelConfig
-from elastic.parallel.engine import TrainEngine
 from elastic.testing.single_rank import SingleRank
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.cluster]  # a process group of one rank

@@ -109,8 +109,8 @@ def test_single_rank_engine_keeps_what_the_model_counts():
     before backward; holding them would add a third to the loss's terms."""
     import torch
 
+    from elastic.engine import TrainEngine
     from elastic.optim import TrainConfig
-    from elastic.parallel.engine import TrainEngine
     from elastic.parallel.memory_model import estimate_memory
     from elastic.testing.single_rank import SingleRank
     from elastic.tune.trial import ProbedParallel

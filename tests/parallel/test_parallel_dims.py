@@ -6,8 +6,9 @@ import pytest
 
 from elastic.errors import SpecError
 from elastic.models.gpt import GPT, ModelConfig
+from elastic.models.spec import build_stage_module
 from elastic.parallel.dims import ParallelDims
-from elastic.parallel.pp import bubble_fraction, build_stage_module, stage_layers
+from elastic.parallel.pp import bubble_fraction, stage_layers
 
 CFG = ModelConfig(n_layers=4, d_model=32, n_heads=4, vocab_size=64, seq_len=16)
 

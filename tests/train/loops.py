@@ -74,8 +74,12 @@ def loop(config: dict[str, Any]) -> dict[str, Any]:
             if step % config.get("ckpt_every", 5) == 0:
                 with tempfile.TemporaryDirectory() as d:
                     torch.save(
-                        {"model": getattr(net, "module", net).state_dict(), "opt": opt.state_dict(),
-                         "epoch": epoch, "step": step},
+                        {
+                            "model": getattr(net, "module", net).state_dict(),
+                            "opt": opt.state_dict(),
+                            "epoch": epoch,
+                            "step": step,
+                        },
                         os.path.join(d, "state.pt"),
                     )
                     train.report({"loss": loss.item(), "step": step}, checkpoint=train.Checkpoint.from_directory(d))

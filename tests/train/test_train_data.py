@@ -42,7 +42,9 @@ def test_every_row_once_whatever_the_sizes(n, batch):
     steps = _epoch(n, worlds, batch)
     seen = collections.Counter(i for step in steps for ids in step for i in ids)
     assert set(seen) == set(range(n))
-    padded = [step for step in steps if any(len(ids) == 1 for ids in step) and sum(map(len, step)) > len(set(sum(step, [])))]
+    padded = [
+        step for step in steps if any(len(ids) == 1 for ids in step) and sum(map(len, step)) > len(set(sum(step, [])))
+    ]
     assert all(v == 1 for v in seen.values()) or padded  # only the last, padded batch repeats
     assert all(ids for step in steps for ids in step), "a rank without rows would stall its peers"
 

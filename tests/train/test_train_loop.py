@@ -49,7 +49,7 @@ def _assert_matches_replay(trainer, result, rows=loops.ROWS):
     want = loops.replay(steps)
     got = result.return_values[0]
     for key, value in want.items():
-        torch.testing.assert_close(torch.tensor(got[key]), value, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(got[key]).reshape(value.shape), value, rtol=1e-5, atol=1e-6)
     return steps
 
 
@@ -63,7 +63,8 @@ def _kill_when(cluster, tmp_path, run_name, at_step, out):
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if events.exists() and any(
-                e.get("kind") == "step" and e["step"] >= at_step for e in map(json.loads, events.read_text().splitlines())
+                e.get("kind") == "step" and e["step"] >= at_step
+                for e in map(json.loads, events.read_text().splitlines())
             ):
                 node = (tmp_path / "nodes" / "rank1").read_text()
                 index = [n.node_id for n in worker_nodes(cluster)].index(node)

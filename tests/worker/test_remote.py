@@ -29,7 +29,7 @@ def test_a_process_handed_a_rank_handle_imports_no_torch(ray_local, tiny_spec_di
             return sorted(m for m in ("torch", "elastic.worker.actor") if m in sys.modules)
 
         def take(self, handles: list) -> list[str]:
-            assert all(hasattr(h, "configure") for h in handles)  # a real handle, its methods known
+            assert all(hasattr(h, "reconfigure") for h in handles)  # a real handle, its methods known
             return self.loaded()
 
     # A fresh process (its own runtime env): no pooled worker that imported torch for another test.

@@ -54,7 +54,7 @@ def test_sealed_values_round_trip_and_refuse_forgery():
 
 def _join(rank: int, world: int, out_dir: str, address: tuple[str, int], secret: str) -> dict:
     group = ReconfigurableProcessGroup("cpu", 30)
-    group.configure(1, rank, world, address, secret)
+    group.join(1, rank, world, address, secret)
     t = torch.ones(1)
     dist.all_reduce(t)
     ops = group.store_ops()

@@ -1,6 +1,6 @@
 """Carrying out a ``ReformPlan`` on Ray: every rank's ``ConfigureRequest`` built first, then
 all sent in one command down the agent tree, then gathered (driver side;
-``WorkerGroup.configure`` calls it, through the group's ``GroupPoll``).
+``WorkerGroup.reform`` calls it, through the group's ``GroupPoll``).
 
 Building every request before sending any keeps the first and the last rank's arrival at
 the rendezvous apart by the tree's fan-out only, not by the planning work: with the
@@ -20,7 +20,7 @@ from elastic.control.recovery_plan import ReformPlan
 from elastic.control.worker_group.api import ConfigureResult
 from elastic.errors import NodeResourceError, RendezvousFailed, WorkerError, WorkerFailure
 from elastic.errors import root_cause as _root_cause
-from elastic.messages import ConfigureRequest, MemoryRestore, NodeConfigure, Signal, StorageRestore
+from elastic.messages import AbandonRendezvous, ConfigureRequest, MemoryRestore, NodeConfigure, Signal, StorageRestore
 
 if TYPE_CHECKING:
     from elastic.control.worker_group.poll import GroupPoll
@@ -91,7 +91,7 @@ def build_requests(
     return requests
 
 
-def configure_through(
+def reconfigure_ranks(
     poll: GroupPoll,
     members: Sequence[Member],
     requests: Sequence[ConfigureRequest],
@@ -123,7 +123,7 @@ def configure_through(
     poll.wait_for(g, timeout_s + RPC_TIMEOUT_S, until_failure=True)
     if g.failed() and not g.complete():
         logger.info("generation %d abandoned: a member was lost or failed while it formed", generation)
-        poll.tree.send(dict.fromkeys(expect, Signal("abandon_rendezvous", generation)))
+        poll.tree.send(dict.fromkeys(expect, Signal(AbandonRendezvous(generation))))
         poll.wait_for(g, timeout_s + RPC_TIMEOUT_S)
     poll.done(g)
     by_wid = {m.wid: m for m in members}

@@ -30,13 +30,26 @@ from elastic.control.diagnosis import NODE_PROBE_S, RayletProbe, diagnose
 from elastic.control.recovery_plan import Holdings, ReformPlan
 from elastic.control.spawning import PendingSpawn
 from elastic.control.worker_group.api import ConfigureResult, Observation
-from elastic.control.worker_group.configure import RPC_TIMEOUT_S, build_requests, configure_through, lost_failure_of
+from elastic.control.worker_group.configure import RPC_TIMEOUT_S, build_requests, lost_failure_of, reconfigure_ranks
 from elastic.control.worker_group.poll import Gather, GroupPoll
 from elastic.control.worker_group.state import GroupState, by_node, wids_by_node
 from elastic.control.worker_group.worker import Member
 from elastic.errors import ActorDied
 from elastic.ingest.host_readers import HostReaders
-from elastic.messages import Attach, Detach, Launch, NodeCommand, Query, Signal, links_to
+from elastic.messages import (
+    AbortStep,
+    Attach,
+    Detach,
+    Flush,
+    Launch,
+    NodeCommand,
+    Query,
+    RequestStop,
+    SaveCheckpoint,
+    Signal,
+    SnapshotHoldings,
+    links_to,
+)
 from elastic.placement.planned import PlannedSlots, placement_fields
 from elastic.placement.slots import ReplicaSlots, group_tables
 from elastic.worker import TrainWorker, start_args
@@ -214,7 +227,7 @@ class WorkerGroup:
         self.tree.send({node: Attach({m.wid: (m.actor, m.rank) for m in ms}) for node, ms in grouped.items()})
 
     # ------------------------------------------------------------------ (re)configuration
-    def configure(self, plan: ReformPlan[Member]) -> ConfigureResult:
+    def reform(self, plan: ReformPlan[Member]) -> ConfigureResult:
         """Carry ``plan`` out: its members become ranks 0..n-1 of a new generation of the
         group and restore the state it names."""
         members = plan.members
@@ -236,7 +249,7 @@ class WorkerGroup:
             store_secret=self._store.secret,
         )
         with self.poll.configuring():
-            result = configure_through(
+            result = reconfigure_ranks(
                 self.poll,
                 members,
                 requests,
@@ -281,7 +294,7 @@ class WorkerGroup:
         return all(m.run_result is not None for m in self.members)
 
     def request_stop(self) -> None:
-        self.tree.send(dict.fromkeys(wids_by_node([m for m in self.members if not m.dead]), Signal("request_stop")))
+        self.tree.send(dict.fromkeys(wids_by_node([m for m in self.members if not m.dead]), Signal(RequestStop())))
 
     def wait_runs(self, members: Sequence[Member], timeout: float) -> list[Member]:
         """Wait for ``members``' run() calls to return; returns those that did not."""
@@ -314,7 +327,8 @@ class WorkerGroup:
             if ahead is not None:
                 self.poll.done(ahead[1])
             expect = wids_by_node(asked)
-            g = self.poll.command({n: Query("snapshot_holdings", tuple(ws)) for n, ws in expect.items()}, expect)
+            holdings = SnapshotHoldings()
+            g = self.poll.command({n: Query(holdings, tuple(ws)) for n, ws in expect.items()}, expect)
         self.poll.wait_for(g, SNAPSHOT_QUERY_S)
         self.poll.done(g)
         return [g.replies.get(m.wid) for m in members]
@@ -324,7 +338,7 @@ class WorkerGroup:
         agent sends up all its ranks reported before it answers. A member whose run ended
         with nothing asked of it since is not asked: all it reported came with its end."""
         expect = wids_by_node([m for m in members if not m.dead and not m.quiet])
-        g = self.poll.command({n: Query("flush", tuple(ws)) for n, ws in expect.items()}, expect)
+        g = self.poll.command({n: Flush(tuple(ws)) for n, ws in expect.items()}, expect)
         self.poll.wait_for(g, timeout)
         self.poll.done(g)
         for node, state in g.states.items():
@@ -338,7 +352,8 @@ class WorkerGroup:
         for m in live:
             m.quiet = False  # its checkpoint's upload reports come after its run's end
         expect = wids_by_node(live)
-        g = self.poll.command({n: Query("save_checkpoint", tuple(ws), timeout) for n, ws in expect.items()}, expect)
+        save = SaveCheckpoint(timeout)
+        g = self.poll.command({n: Query(save, tuple(ws)) for n, ws in expect.items()}, expect)
         self.poll.wait_for(g, timeout)
         self.poll.done(g)
 
@@ -355,12 +370,11 @@ class WorkerGroup:
         second of the recovery's decision)."""
         by_node = wids_by_node(members)
         links = links_to(c for m in lost for c in m.connections)
-        self.tree.send(dict.fromkeys(by_node, Signal("abort_step", self._generation, links)))
+        self.tree.send(dict.fromkeys(by_node, Signal(AbortStep(self._generation, links))))
         if self._holdings_ahead is not None:
             self.poll.done(self._holdings_ahead[1])
-        query: dict[str, NodeCommand] = {
-            n: Query("snapshot_holdings", tuple(ws), timeout_s=SNAPSHOT_QUERY_S) for n, ws in by_node.items()
-        }
+        holdings = SnapshotHoldings(after_run_s=SNAPSHOT_QUERY_S)
+        query: dict[str, NodeCommand] = {n: Query(holdings, tuple(ws)) for n, ws in by_node.items()}
         self._holdings_ahead = (frozenset(m.wid for m in members), self.poll.command(query, by_node))
 
     def kill(self, members: Sequence[Member]) -> None:
