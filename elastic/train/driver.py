@@ -110,7 +110,8 @@ class LoopDriver:
         self.holders: dict[tuple[int, int], list[Any]] = {}
         self.manifests: dict[int, dict[int, dict[str, Any]]] = defaultdict(dict)
         self.positions: dict[int, list[dict[str, Any]]] = {}
-        self.committed: list[dict[str, Any]] = []  # {index, path, metrics}
+        self.committed: list[dict[str, Any]] = []  # {index, path, metrics}: the kept ones
+        self.settled: set[int] = set()  # indices committed (kept or pruned since) or failed
         self.checkpoint_failures: list[dict[str, Any]] = []
         self.newest_ckpt = 0  # the newest index with a complete checkpoint in memory
         self.failures = 0
@@ -421,6 +422,10 @@ class LoopDriver:
         return None
 
     def _step_done(self, index: int, world: int) -> None:
+        for older in sorted(i for i in self.reports if i < index):
+            # some rank's report of it was lost with that rank, but the group went on past it
+            # (it was applied everywhere): it is a step too
+            self._step_done(older, next(iter(self.reports[older].values()))["world"])
         reps = self.reports.pop(index)
         if index <= self.steps and self._pending_recovery is None:
             return
@@ -447,7 +452,7 @@ class LoopDriver:
                     detect_s=rec["detected"] - rec["failed"],
                     recover_s=now - rec["detected"],
                     downtime_s=now - rec["failed"],
-                    lost_steps=max(0, rec["newest"] - rec["resumed"]),
+                    lost_steps=max(0, rec["newest"] - (index - 1)),  # it resumed after step index - 1
                     breakdown=rec["breakdown"],
                 )
             )
@@ -457,6 +462,7 @@ class LoopDriver:
         index = up["index"]
         if "error" in up:
             self.checkpoint_failures.append({"step": index, "cause": up["error"]})
+            self.settled.add(index)
             self.events.emit("checkpoint", step=index, committed=False, cause=up["error"])
             return
         self.manifests[index][up["rank"]] = up["manifest"]
@@ -466,7 +472,7 @@ class LoopDriver:
         want = self.parts.get(index)
         if not want or index not in self.positions or set(self.manifests.get(index, {})) != want:
             return
-        if any(c["index"] == index for c in self.committed):
+        if index in self.settled:
             return
         manifest: dict[str, Any] = {}
         for rank in sorted(want):
@@ -477,6 +483,7 @@ class LoopDriver:
             self.job.storage_dir, index, manifest, {"metrics": metrics, "positions": self.positions[index]}
         )
         self.committed.append({"index": index, "path": path, "metrics": metrics})
+        self.settled.add(index)
         self.events.emit("checkpoint", step=index, committed=True, uri=path)
         self._prune()
 
@@ -501,13 +508,7 @@ class LoopDriver:
     def _wait_uploads(self) -> None:
         deadline = time.monotonic() + UPLOAD_WAIT_S
         while time.monotonic() < deadline:
-            missing = [
-                i
-                for i, want in self.parts.items()
-                if i in self.positions
-                and not any(c["index"] == i for c in self.committed)
-                and not any(f["step"] == i for f in self.checkpoint_failures)
-            ]
+            missing = [i for i in self.parts if i in self.positions and i not in self.settled]
             alive = [w for w in self.members if not (w.outcome and w.outcome.get("kind") == "lost")]
             if not missing or not alive:
                 return

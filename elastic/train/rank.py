@@ -317,6 +317,10 @@ class LoopRank:
         guard = session.state.get("guard")
         if guard is not None and guard.take_discarded():
             return  # the step this report follows was not applied: it is run again
+        # the place this step was trained at (a recovery below re-forms the group under it)
+        generation = self.place.generation if self.place is not None else 0
+        rank, world = session.context.world_rank, session.context.world_size
+        recovered = False
         try:
             any_ckpt, leave = self._agree(checkpoint is not None, self._exit_requested)
         except Exception as exc:
@@ -324,11 +328,10 @@ class LoopRank:
                 raise
             if not guard.recover():
                 return  # this rank's step was rolled back: the report goes with it
-            any_ckpt, leave = checkpoint is not None, False
+            any_ckpt, leave, recovered = checkpoint is not None, False, True
         index = self.index + 1
-        rank = session.context.world_rank
         files = read_files(checkpoint.path) if checkpoint is not None else None
-        if any_ckpt and session.context.world_size > 1:
+        if any_ckpt and world > 1 and not recovered:
             files = self._own_files(files, rank)
         positions = [lo.position.as_dict() for lo in session.state["loaders"]]
         if files is not None:
@@ -342,8 +345,8 @@ class LoopRank:
                 {
                     "index": index,
                     "rank": rank,
-                    "generation": self.place.generation if self.place is not None else 0,
-                    "world": session.context.world_size,
+                    "generation": generation,
+                    "world": world,
                     "metrics": _plain(metrics),
                     "checkpoint": files is not None,
                     "positions": positions,
@@ -406,7 +409,7 @@ class LoopRank:
 
         from elastic.train.checkpoints import read_committed
 
-        for rank, holders in restore.parts:
+        for rank, holders in restore.parts if restore.parts else [(-1, [])]:  # no part in memory: storage
             files = self.held.get((restore.index, rank))
             for holder in holders:
                 if files is not None:

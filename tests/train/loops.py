@@ -89,16 +89,17 @@ def loop(config: dict[str, Any]) -> dict[str, Any]:
     return {k: v.detach().clone() for k, v in getattr(net, "module", net).state_dict().items()}
 
 
-def lineage(ledger: list[dict[str, Any]]) -> dict[int, list[list[int]]]:
-    """Each step's rows, rank by rank, from the newest generation that reported it."""
+def lineage(ledger: list[dict[str, Any]], full: bool = False) -> dict[int, Any]:
+    """Each step's reports from the newest generation that reported it: rank -> rows of its
+    first loader (``full``: rank -> the whole ledger entry)."""
     newest: dict[int, int] = {}
     for e in ledger:
         newest[e["index"]] = max(newest.get(e["index"], 0), e["generation"])
-    steps: dict[int, dict[int, list[int]]] = {}
+    steps: dict[int, dict[int, Any]] = {}
     for e in ledger:
         if e["generation"] == newest[e["index"]]:
-            steps.setdefault(e["index"], {})[e["rank"]] = e["rows"][0]
-    return {i: [steps[i][r] for r in sorted(steps[i])] for i in sorted(steps)}
+            steps.setdefault(e["index"], {})[e["rank"]] = e if full else e["rows"][0]
+    return {i: steps[i] for i in sorted(steps)}
 
 
 def replay(steps: dict[int, list[list[int]]], lr: float = 0.05) -> dict[str, torch.Tensor]:
