@@ -39,7 +39,8 @@ class Benchmark:
     optional: tuple[Need, ...] = ()  # without one of these a side is reported skipped
     full: tuple[str, ...] = ()  # the published run's settings, where they are not the defaults
     # the settings the test suite runs it with (tests/test_benchmarks_run.py), its smallest
-    # that still goes through every phase; None: not run there, and ``not_in_suite`` says why
+    # that still goes through every phase ("{out}": a results file the test names); None: not
+    # run there, and ``not_in_suite`` says why (how long its smallest run took)
     smoke: tuple[str, ...] | None = None
     not_in_suite: str = ""
 
@@ -66,6 +67,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "--json",
         ("--d-model", "128", "--layers", "2", "--checkpoints", "3", "--every", "2", "--reps", "1"),
         full=("--d-model", "256", "--layers", "4", "--checkpoints", "3"),
+        smoke=(
+            *("--d-model", "64", "--layers", "1", "--vocab", "256", "--seq", "16"),
+            *("--checkpoints", "1", "--every", "1", "--reps", "1", "--json", "{out}"),
+        ),
     ),
     Benchmark(
         "tp_data_sharing",
@@ -73,6 +78,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         None,
         "--json",
         ("--shapes", "quickstart", "--steps", "30", "--warmup", "2"),
+        smoke=("--shapes", "quickstart", "--steps", "3", "--warmup", "1", "--json", "{out}"),
     ),
     Benchmark(
         "playbook_memory",
@@ -80,6 +86,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         None,
         "--json",
         ("--model", "llama3.1-8b"),
+        smoke=("--model", "llama3.1-8b", "--json", "{out}"),
     ),
     Benchmark(
         "parallel_layouts",
@@ -94,6 +101,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         None,
         None,
         ("--generations", "2"),
+        smoke=("--generations", "1", "--world", "2"),
     ),
     Benchmark(
         "survivor_rebuild",
@@ -101,6 +109,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "survivor_rebuild.json",
         "--json",
         ("--reps", "1", "--models", "50mb,500mb_4l"),
+        smoke=("--reps", "1", "--models", "50mb", "--json", "{out}"),
     ),
     Benchmark(
         "survivor_first_step",

@@ -56,6 +56,7 @@ class CheckpointCommitter:
         self.failures: list[dict[str, Any]] = []  # {step, cause} of every storage checkpoint not committed
         self.every, self.last_step = spec.checkpoint.every_steps, spec.train.steps
         self._cut: dict[int, str] = {}  # due step -> what cut its uploads off (``cut_off``), until settled
+        self._committed: set[int] = set()  # steps this job committed: a later skip of one is a replay
 
     @property
     def store(self):
@@ -168,7 +169,7 @@ class CheckpointCommitter:
         first = min(r.started_at for r in results)
         fields = {"step": step, "tier": "storage", "blocking_s": max(r.blocking_s for r in results)}
         if any(r.already_committed for r in results):
-            log.info("step %d is already committed (a replay after a restore); keeping the first commit", step)
+            self._kept_first(step, fields, time.time() - first)
             return
         errors = [f"rank {r.rank}: {r.error}" for r in results if r.error]
         if errors:
@@ -176,7 +177,7 @@ class CheckpointCommitter:
             return
         try:
             if self.store.read_marker(step) is not None:  # never rewrite a committed step's metadata
-                log.info("step %d is already committed; keeping the first commit", step)
+                self._kept_first(step, fields, time.time() - first)
                 return
             info = commit_checkpoint(
                 self.store,
@@ -187,6 +188,8 @@ class CheckpointCommitter:
         except Exception as exc:  # noqa: BLE001 - storage down or parts missing: not committed
             self._not_committed(step, f"commit failed: {type(exc).__name__}: {exc}", fields, time.time() - first)
             return
+        with self._cond:
+            self._committed.add(step)
         self._emit(**fields, duration_s=time.time() - first, bytes=info.bytes, committed=True, uri=redact_uri(info.uri))
         try:
             report = self.store.prune(self.keep)
@@ -195,27 +198,53 @@ class CheckpointCommitter:
         except Exception as exc:  # noqa: BLE001 - retention is best effort
             log.warning("pruning checkpoints failed: %s", scrub(exc, self.options))
 
-    def _not_committed(self, step: int, cause: str, fields: dict[str, Any], duration_s: float) -> None:
+    def _kept_first(self, step: int, fields: dict[str, Any], duration_s: float) -> None:
+        """``step`` has a commit marker already, so its first commit is kept. A replay of a
+        step this job committed (after a restore) is nothing to report. The final step
+        committed by someone else (another run on ``checkpoint.uri``, or a damaged
+        checkpoint a resume passed over) is: the stored step is not this run's final state,
+        so it is recorded as not committed and the job fails (``final_failure``)."""
+        with self._cond:
+            ours = step in self._committed
+        if ours or step != self.last_step:
+            log.info("step %d is already committed (a replay after a restore); keeping the first commit", step)
+            return
+        why = (
+            f"step {step} is already committed in storage, not by this job (another run on checkpoint.uri, or a "
+            "damaged checkpoint a resume passed over): that commit is kept, and it is not this run's final state"
+        )
+        self._not_committed(step, why, fields, duration_s)
+
+    def _not_committed(self, step: int, cause: str, fields: dict[str, Any], duration_s: float) -> str:
         """A storage checkpoint that failed: a warning on the console now, its event, and an
-        entry of ``summary.json``'s ``checkpoint_failures``."""
+        entry of ``summary.json``'s ``checkpoint_failures``. Returns the cause as recorded."""
         cause = " ".join(scrub(cause, self.options).split())[:1000]
         log.warning("checkpoint of step %d NOT committed to storage: %s", step, cause)
         with self._cond:
             self.failures.append({"step": step, "cause": cause})
         self._emit(**fields, duration_s=duration_s, bytes=0, committed=False, error=cause)
+        return cause
 
     def final_failure(self, step: int) -> str | None:
-        """Why the checkpoint of ``step`` is not committed in storage, or None when it is
-        (waits for the commits in flight first). Read back from storage, not from memory."""
+        """Why the final checkpoint, of ``step``, is not this run's in storage, or None when
+        it is (waits for the commits in flight first; read back from storage, not from
+        memory). Whatever the cause, it is in ``failures`` (``summary.json``'s
+        ``checkpoint_failures``) and in a ``checkpoint`` event once this returns."""
         self.join()
+        fields = {"step": step, "tier": "storage", "blocking_s": 0.0}
         try:
-            if self.store.read_marker(step) is not None:
-                return None
+            marked = self.store.read_marker(step) is not None
         except Exception as exc:  # noqa: BLE001 - storage unreadable: the checkpoint cannot be trusted
-            return f"its commit marker cannot be read: {scrub(f'{type(exc).__name__}: {exc}', self.options)}"
+            why = f"its commit marker cannot be read: {type(exc).__name__}: {exc}"
+            return self._not_committed(step, why, fields, 0.0)
         with self._cond:
+            ours = step in self._committed
             causes = [f["cause"] for f in self.failures if f["step"] == step]
-        return causes[-1] if causes else "not every rank's upload of it arrived"
+        if marked and (ours or not causes):
+            return None
+        if causes:
+            return causes[-1]
+        return self._not_committed(step, "not every rank's upload of it arrived", fields, 0.0)
 
     def _emit(self, **fields: Any) -> None:
         try:

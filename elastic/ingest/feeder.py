@@ -82,6 +82,9 @@ class _HostFeeder(RayDataEngine):
         self._error: BaseException | None = None
         self._stop = False
         self._gets_inflight = 0  # GETs started and not finished, of any stream (engine threads)
+        self._paused = False  # quiesced: no read starts until the next stream begins
+        self._index_lock = threading.Lock()  # one read of the index at a time (it counts as a GET)
+        self._index_reading = False
         self.stats: dict[str, Any] = {
             "gets": 0,
             "bytes_read": 0,  # every byte fetched from storage: index, metadata and data
@@ -107,7 +110,7 @@ class _HostFeeder(RayDataEngine):
 
     def _read_now(self) -> Read | None:
         """The next read of the stream if it may start now (lock held)."""
-        if not self._turn or self._error is not None or self.table is None:
+        if not self._turn or self._paused or self._error is not None or self.table is None:
             return None
         cap = self.request.global_batch if self.request is not None else self.rows_ahead
         return self._next_read(max(1, cap))
@@ -145,7 +148,7 @@ class _HostFeeder(RayDataEngine):
             # Until every wave has read its first window, this host reads nothing past its own:
             # its ranks' prefetch moves the window on before the job's first step.
             self._capped = self._gate is not None
-            self._turn, self._reported = False, False
+            self._turn, self._reported, self._paused = False, False, False
             self._lock.notify_all()
             continued, gate, wave = self._continued, self._gate, self.wave
         threading.Thread(target=self._take_turn, args=(req.epoch, gate, wave, req.waves), daemon=True).start()
@@ -165,20 +168,8 @@ class _HostFeeder(RayDataEngine):
             self.stats["gate_wait_s"] = time.perf_counter() - t0
         if self.stats["first_read_at"] is None:
             self.stats["first_read_at"] = time.time()
-        if self.index is None:
-            try:
-                raw = read_index_bytes(self.root, self.storage_options)
-                if raw is None:
-                    raise FileNotFoundError(f"{self.root} has no index.json: not a prepared corpus")
-                index = parse_index(self.root, raw)
-            except BaseException as exc:  # surfaced to every caller of rows()
-                with self._lock:
-                    self._error = exc
-                    self._lock.notify_all()
-                return
-            with self._lock:
-                self._set_index(index)
-                self._count(len(raw), "index_bytes")
+        if not self._read_index():
+            return
         with self._lock:
             if self._epoch == epoch:
                 self._turn = True
@@ -186,6 +177,51 @@ class _HostFeeder(RayDataEngine):
                 self._lock.notify_all()
         if gate is not None:
             self._lift_cap(epoch, gate, waves)
+
+    def _read_index(self) -> bool:
+        """Read the index on first use (one GET, by one thread: a stream begun while an older
+        one's turn reads it waits for that read). False if it cannot be read (the error is
+        every caller's of rows())."""
+        with self._index_lock:
+            if self.index is not None:
+                return True
+            with self._lock:
+                self._index_reading = True
+            try:
+                raw = read_index_bytes(self.root, self.storage_options)
+                if raw is None:
+                    raise FileNotFoundError(f"{self.root} has no index.json: not a prepared corpus")
+                index = parse_index(self.root, raw)
+            except BaseException as exc:  # surfaced to every caller of rows()
+                with self._lock:
+                    self._error, self._index_reading = exc, False
+                    self._lock.notify_all()
+                return False
+            with self._lock:
+                self._set_index(index)
+                self._count(len(raw), "index_bytes")
+                self._index_reading = False
+                self._lock.notify_all()
+            return True
+
+    def _gets_in_flight(self) -> int:
+        """This host's GETs started and not finished, of any stream, the index's included
+        (lock held): at most ``max_reads``."""
+        reads = self._gets_inflight_ray() if self.engine == "ray_data" else self._gets_inflight
+        return reads + self._index_reading
+
+    def quiesce(self, timeout_s: float) -> int:
+        """Start no read until the next stream begins, and return once none is in flight (or
+        after ``timeout_s``): the GETs still in flight. The driver quiesces every reader
+        before a new layout's streams begin, so the old layout's reads are over before the
+        new one's waves (``HostReaders.plans``)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            self._paused = True
+            self._lock.notify_all()
+            while (left := self._gets_in_flight()) and time.monotonic() < deadline:
+                self._lock.wait(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            return left
 
     def _lift_cap(self, epoch: str, gate: Any, waves: int) -> None:
         """Read past the first window once every host's first window is read (all waves had
@@ -247,7 +283,7 @@ class _HostFeeder(RayDataEngine):
             while not self._stop:
                 if self.table is not None:
                     self._evict()
-                read = self._read_now() if self._gets_inflight < self.max_reads else None
+                read = self._read_now() if self._gets_in_flight() < self.max_reads else None
                 if read is not None:
                     meta = None
                     if read.kind == "groups" and self.table is not None:

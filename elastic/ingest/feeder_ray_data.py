@@ -42,6 +42,9 @@ class RayDataEngine(FeederWindow):
     def _read_now(self) -> Read | None:
         raise NotImplementedError
 
+    def _gets_in_flight(self) -> int:
+        raise NotImplementedError
+
     def _count_read(self, gets: int, done: Fetched) -> None:
         raise NotImplementedError
 
@@ -80,10 +83,16 @@ class RayDataEngine(FeederWindow):
                 if self._stop:
                     break
                 rebuild = it is None or spent or self._x_seq != self._seq
-                if rebuild:
+                # A jump: the old executor's permitted reads may still be doing their GETs;
+                # they are taken (and dropped) before a new executor may read, so this host
+                # never has more than ``max_reads`` GETs in flight. Its unpermitted tasks get
+                # no permit and return at once.
+                if rebuild and not (it is not None and not spent and self._x_reads):
                     self._x = x = self._x + 1
                     self._x_seq, self._x_reads, self._x_next = self._seq, {}, 0
                     self._lock.notify_all()  # permits of the old executor end
+                else:
+                    rebuild = False
             try:
                 if rebuild or it is None:
                     close_executor(it)
@@ -113,6 +122,7 @@ class RayDataEngine(FeederWindow):
         with self._lock:
             read = self._x_reads.pop(pos, None) if x == self._x else None
             current = read is not None and self._x_seq == self._seq
+            self._lock.notify_all()  # a GET less in flight (``quiesce`` waits for none)
         nbytes = (int(batch["data_bytes"][0]), int(batch["meta_bytes"][0]))
         if read is None or not current:
             with self._lock:  # a stream that jumped: the bytes were fetched all the same
@@ -143,7 +153,7 @@ class RayDataEngine(FeederWindow):
                     return None
                 if pos in self._x_reads:  # asked again after a timeout
                     return self._x_reads[pos]
-                if pos == self._x_next and self._gets_inflight_ray() < self.max_reads:
+                if pos == self._x_next and self._gets_in_flight() < self.max_reads:
                     read = self._read_now()
                     if read is not None:
                         self._x_reads[pos], self._x_next = read, pos + 1
@@ -154,7 +164,8 @@ class RayDataEngine(FeederWindow):
                 self._lock.wait(timeout=min(left, 1.0))
 
     def _gets_inflight_ray(self) -> int:
-        """GETs permitted and not yet delivered (lock held): at most ``max_reads``."""
+        """GETs permitted and not yet delivered (lock held), an old executor's still being
+        drained after a jump included."""
         return len(self._x_reads)
 
 

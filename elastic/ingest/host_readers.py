@@ -74,6 +74,7 @@ class HostReaders:
     host's reader with it; a node's loss does."""
 
     PING_TIMEOUT_S = 5.0
+    QUIESCE_S = 10.0  # the longest a reader's GETs in flight are waited for before a new layout
 
     def __init__(self, spec: Any, uri: str):
         self.spec, self.uri = spec, uri
@@ -95,9 +96,10 @@ class HostReaders:
         epoch = f"{generation}-{uuid.uuid4().hex[:8]}"
         base = plans(node_ids, self.spec.parallel.replica_size, epoch)
         hosts = {p.feeder_node for p in base}
-        self._drop([n for n in self.readers if n not in hosts])
         alive = self._alive(list(self.readers))
         self._drop([n for n in self.readers if n not in alive])
+        self._quiesce(list(self.readers))  # the old layout's reads end before the new one's waves
+        self._drop([n for n in self.readers if n not in hosts])
         d, g = self.spec.data, self.spec.train.global_batch
         engine = "ray_data" if loader == "ray_data" else "threads"
         if engine == "ray_data" and not self._pinned:
@@ -133,6 +135,23 @@ class HostReaders:
             except Exception:  # noqa: BLE001 - a dead reader is replaced
                 pass
         return alive
+
+    def _quiesce(self, nodes: list[str]) -> None:
+        """Stop the readers' reads and wait for those in flight (``HostFeeder.quiesce``): a
+        new layout's first windows are read in waves from none in flight, so the bound of
+        docs/data.md holds at storage after a resize or a recovery too. A reader whose GET
+        outlasts ``QUIESCE_S`` is left to finish it, with a warning."""
+        refs = {self.readers[n].quiesce.remote(self.QUIESCE_S): n for n in nodes}
+        ready, late = ray.wait(list(refs), num_returns=len(refs), timeout=self.QUIESCE_S + self.PING_TIMEOUT_S)
+        for ref in ready:
+            try:
+                left = ray.get(ref, timeout=0)
+            except Exception:  # noqa: BLE001 - lost since the ping: replaced with the others
+                continue
+            if left:
+                log.warning("data reader on %s: %d GET(s) in flight after %gs", refs[ref][:8], left, self.QUIESCE_S)
+        if late:
+            log.warning("data readers did not answer a quiesce within %gs: %d", self.QUIESCE_S, len(late))
 
     def _drop(self, nodes: list[str]) -> None:
         for n in nodes:

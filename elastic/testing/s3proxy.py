@@ -3,7 +3,13 @@
 It forwards every request unchanged and records, at the server side of the job, how many
 object GETs are in flight at every moment (from the request's arrival to the last byte of
 its response) and how many bytes they returned. ``peak(t0, t1)`` is the largest number of
-GETs in flight at once between two times.
+GETs in flight at once between two times; ``at_peak(t0, t1)`` names them.
+
+A GET's end is recorded just before its response's last byte is sent: a client cannot start
+a request that follows from that response before then, so a strictly sequential client never
+shows two GETs in flight. (Recorded after the last byte, as this proxy once did, the end could
+come after the next request's start: the client has its response while the proxy's thread
+waits for the GIL, which the in-process S3 server and the job's driver share.)
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class CountingProxy:
         self.bytes = 0
         self.paths: list[tuple[float, str]] = []  # (time, path) of every counted GET, as it starts
         self.served: list[tuple[float, str, str, int]] = []  # (time, path, Range header, bytes) as each ends
+        self.spans: list[tuple[float, float, str, str]] = []  # (start, end, path, Range header) of each GET
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -45,10 +52,12 @@ class CountingProxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
                 counted = self.command == "GET" and self.path.startswith(proxy.prefix) and "list-type" not in self.path
+                path, ranged = self.path.split("?", 1)[0], self.headers.get("Range") or ""
+                started = t_start = None
                 if counted:
-                    proxy._change(+1)
+                    started = t_start = proxy._change(+1)
                     with proxy._lock:
-                        proxy.paths.append((time.time(), self.path.split("?", 1)[0]))
+                        proxy.paths.append((t_start, path))
                     if get_latency_s:
                         time.sleep(get_latency_s)
                 try:
@@ -57,24 +66,30 @@ class CountingProxy:
                     conn.request(self.command, self.path, body=body, headers=headers)
                     resp = conn.getresponse()
                     data = resp.read()
+                    conn.close()
                     self.send_response(resp.status)
                     for k, v in resp.getheaders():
                         if k.lower() not in _HOP and k.lower() != "content-length":
                             self.send_header(k, v)
                     self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    if self.command != "HEAD":
-                        self.wfile.write(data)
-                    self.wfile.flush()
-                    conn.close()
-                    if counted:
+                    out = data if self.command != "HEAD" else b""
+                    if out:
+                        self.end_headers()
+                        self.wfile.write(out[:-1])
+                    if started is not None:  # the end, before the client can have the whole response
+                        ended, started = proxy._change(-1), None
                         with proxy._lock:
                             proxy.gets += 1
                             proxy.bytes += len(data)
-                            path, ranged = self.path.split("?", 1)[0], self.headers.get("Range") or ""
-                            proxy.served.append((time.time(), path, ranged, len(data)))
+                            proxy.served.append((ended, path, ranged, len(data)))
+                            proxy.spans.append((t_start, ended, path, ranged))
+                    if out:
+                        self.wfile.write(out[-1:])
+                    else:
+                        self.end_headers()
+                    self.wfile.flush()
                 finally:
-                    if counted:
+                    if started is not None:  # failed before its response was sent
                         proxy._change(-1)
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
@@ -85,10 +100,12 @@ class CountingProxy:
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
 
-    def _change(self, delta: int) -> None:
+    def _change(self, delta: int) -> float:
         with self._lock:
+            now = time.time()
             self.inflight += delta
-            self.events.append((time.time(), self.inflight))
+            self.events.append((now, self.inflight))
+            return now
 
     def peak(self, t0: float = 0.0, t1: float = float("inf")) -> int:
         """Most GETs in flight at once between ``t0`` and ``t1`` (unix seconds)."""
@@ -103,6 +120,18 @@ class CountingProxy:
                 break
             best = max(best, level, n)
             level = n
+        return best
+
+    def at_peak(self, t0: float = 0.0, t1: float = float("inf")) -> list[tuple[float, float, str, str]]:
+        """The GETs (start, end, path, Range) in flight together at the first moment between
+        ``t0`` and ``t1`` that ``peak`` counts: what a test names when a bound is broken."""
+        with self._lock:
+            spans = list(self.spans)
+        best: list[tuple[float, float, str, str]] = []
+        for t in sorted({max(s[0], t0) for s in spans if s[0] <= t1 and s[1] >= t0}):
+            here = [s for s in spans if s[0] <= t <= s[1]]
+            if len(here) > len(best):
+                best = here
         return best
 
     def idle_s(self) -> float:

@@ -291,7 +291,7 @@ def test_a_storage_checkpoint_a_failure_cut_off_is_in_checkpoint_failures(tmp_pa
     from elastic.messages import UploadReport
 
     ctl = _controller(tmp_path, storage_uri=str(tmp_path / "ckpt"), every_steps=1)
-    ctl.spec.train.steps = 5
+    ctl.spec.train.steps = ctl.committer.last_step = 5  # step 2 is not the final one
     _advance(ctl, Running)  # dp 2
     ctl.group.script = [Observation(results=step_results(1, 2))]
     _advance(ctl, Running)  # step 1 done, its uploads under way
