@@ -151,16 +151,19 @@ class TorchTrainer:
 
     # ------------------------------------------------------------------ Tune
     def __call__(self, config: dict[str, Any]) -> None:
-        """One Tune trial: this trainer with the trial's ``train_loop_config`` (and any other
-        key of ``param_space`` that names a field), fitted, its last metrics reported."""
+        """One Tune trial: this trainer with the trial's ``train_loop_config`` (merged over
+        the trainer's own) and, when given, its ``scaling_config``, fitted as an elastic run
+        of its own (``storage_path/<name>_<trial id>``), its final metrics reported to Tune."""
         from ray import tune
 
+        trial_id = tune.get_context().get_trial_id()
+        loop_config, scaling = self._trial_fields(config)
         trial = TorchTrainer(
             self.train_loop_per_worker,
-            train_loop_config={**(self.train_loop_config or {}), **dict(config.get("train_loop_config", {}))},
-            scaling_config=self.scaling_config,
+            train_loop_config={**(self.train_loop_config or {}), **loop_config},
+            scaling_config=scaling,
             run_config=RunConfig(
-                name=f"{self.run_config.name or 'TorchTrainer'}_{tune.get_context().get_trial_id()}",
+                name=f"{self.run_config.name or 'TorchTrainer'}_{trial_id}",
                 storage_path=self.run_config.storage_path,
                 failure_config=self.run_config.failure_config,
                 checkpoint_config=self.run_config.checkpoint_config,
@@ -170,6 +173,40 @@ class TorchTrainer:
         )
         result = trial.fit()
         tune.report(dict(result.metrics or {}))
+
+    def _trial_fields(self, config: dict[str, Any]) -> tuple[dict[str, Any], ScalingConfig]:
+        unknown = sorted(set(config) - {"train_loop_config", "scaling_config"})
+        if unknown:
+            raise TrainConfigError(
+                f"param_space[{unknown[0]!r}]: a TorchTrainer trial takes train_loop_config and scaling_config"
+            )
+        loop_config = config.get("train_loop_config") or {}
+        if not isinstance(loop_config, dict):
+            raise TrainConfigError(f"param_space['train_loop_config']: a dict, got {type(loop_config).__name__}")
+        scaling = config.get("scaling_config", self.scaling_config)
+        if not isinstance(scaling, ScalingConfig):
+            raise TrainConfigError(
+                f"param_space['scaling_config']: an elastic.train.ScalingConfig, got {type(scaling).__name__}"
+            )
+        return dict(loop_config), scaling
+
+    def _trial_resources(self, config: dict[str, Any]) -> Any:
+        """What Tune reserves for one trial (read by Tune as ``_resources``): a bundle for
+        the trial's driver (1 CPU) and one per worker, ``max`` of them: the trial's workers
+        start inside its reservation (Tune places a trial's actors there)."""
+        from ray.tune import PlacementGroupFactory
+
+        _, scaling = self._trial_fields(config)
+        worker = scaling.worker_resources()
+        return PlacementGroupFactory([{"CPU": 1.0}] + [worker] * scaling.max_workers, strategy="PACK")
+
+    @property
+    def _resources(self) -> Any:  # Tune's function-trainable hook (``tune.with_resources`` sets it)
+        return self.__dict__.get("_resources_override", self._trial_resources)
+
+    @_resources.setter
+    def _resources(self, value: Any) -> None:
+        self.__dict__["_resources_override"] = value
 
     @property
     def __name__(self) -> str:  # Tune names a function trainable by it
