@@ -61,7 +61,9 @@ RECOVERY_GOAL_RATIO = 0.1
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description="A Ray Train user's loop through a node loss: Ray Train V2 vs elastic.train.")
+    ap = argparse.ArgumentParser(
+        description="A Ray Train user's loop through a node loss: Ray Train V2 vs elastic.train."
+    )
     add_choice_list(ap, "sides", tuple(SIDES))
     ap.add_argument("--repeats", type=int, default=3, help="runs per side, interleaved (default 3)")
     ap.add_argument("--rows", type=int, default=1920, help="rows of the epoch (default 1920)")

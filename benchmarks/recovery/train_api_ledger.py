@@ -90,9 +90,7 @@ def row_counts(recs: list[dict[str, Any]], rows: int, steps_per_epoch: int) -> d
     }
 
 
-def analyse(
-    recs: list[dict[str, Any]], kill_ts: float | None, rows: int, steps_per_epoch: int
-) -> dict[str, Any]:
+def analyse(recs: list[dict[str, Any]], kill_ts: float | None, rows: int, steps_per_epoch: int) -> dict[str, Any]:
     """A run's figures (see the module docstring); what cannot be told is left out."""
     out: dict[str, Any] = {}
     steps = [r for r in recs if r["kind"] == "step"]

@@ -77,7 +77,12 @@ def side_child(cfg: dict[str, Any]) -> None:
     os.environ["RAY_TRAIN_V2_ENABLED"] = "1"
     name = cfg["side"]
     side = SIDES[name]
-    out: dict[str, Any] = {"side": name, "api": side.api, "data": side.data, "prepare_optimizer": side.prepare_optimizer}
+    out: dict[str, Any] = {
+        "side": name,
+        "api": side.api,
+        "data": side.data,
+        "prepare_optimizer": side.prepare_optimizer,
+    }
     arm_deadline(cfg["side_timeout"], cfg["out"], out)
     try:
         train = importlib.import_module(side.api)

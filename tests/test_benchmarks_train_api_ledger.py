@@ -1,0 +1,92 @@
+"""The figures of ``benchmarks/train_api_recovery.py`` from its ledgers
+(``benchmarks/recovery/train_api_ledger.py``), on hand-written ledgers whose answers are known:
+a Ray Train-like restart from a checkpoint whose loader begins the epoch again, and an exact
+in-place recovery. Pure: no Ray, nothing trains.
+"""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.recovery.train_api_ledger import analyse, kill_target, lineage, read_ledger, row_counts
+
+ROWS, GLOBAL = 96, 12  # 8 steps of 12 rows
+
+
+def _steps(first: int, last: int, world: int, start_row: int, t0: float, pid0: int) -> list[dict]:
+    """Steps ``first..last`` at ``world`` ranks, global rows consecutive from ``start_row``
+    (rank r takes every world-th row of the step's block, as a DistributedSampler does)."""
+    out, per = [], GLOBAL // world
+    for k, step in enumerate(range(first, last + 1)):
+        block = range(start_row + k * GLOBAL, start_row + (k + 1) * GLOBAL)
+        for rank in range(world):
+            rows = [i for j, i in enumerate(block) if j % world == rank]
+            assert len(rows) == per
+            out.append(
+                {"kind": "step", "step": step, "epoch": 0, "rank": rank, "world_size": world, "pid": pid0 + rank}
+                | {"rows": rows, "ts": t0 + k + rank * 0.01}
+            )
+    return out
+
+
+def _enters(world: int, resume: int, t: float, pid0: int) -> list[dict]:
+    return [
+        {"kind": "enter", "rank": r, "world_size": world, "pid": pid0 + r, "node_id": f"n{pid0 + r}"}
+        | {"resume_step": resume, "ts": t}
+        for r in range(world)
+    ]
+
+
+def test_a_restart_whose_loader_begins_the_epoch_again_trains_rows_twice_and_never():
+    """World 4 trains steps 1-4 (checkpoint at 2), the kill lands after step 4 (ts 103.5), world
+    3 resumes from step 2 with the loader at the epoch's start: steps 3-8 take rows 0-71 again."""
+    recs = _enters(4, 0, 99.0, 10) + _steps(1, 4, 4, 0, 100.0, 10)
+    recs += _enters(3, 2, 120.0, 20) + _steps(3, 8, 3, 0, 121.0, 20)
+    out = analyse(sorted(recs, key=lambda r: r["ts"]), kill_ts=103.5, rows=ROWS, steps_per_epoch=8)
+    assert out["old_size"] == 4 and out["new_size"] == 3
+    assert out["first_step_at_new_size"] == 3 and out["resume_step"] == 2
+    assert out["recovery_s"] == 121.0 + 2 * 0.01 - 103.5  # the last rank of the new group's first step
+    assert out["last_step_at_old_size"] == 4 and out["steps_trained_again"] == 2
+    # Lineage: steps 1-2 at world 4 (rows 0-23), steps 3-8 at world 3 (rows 0-71).
+    assert (out["rows_twice"], out["rows_once"], out["rows_never"], out["rows_more"]) == (24, 48, 24, 0)
+    assert out["epoch_steps_done"] == 8 and out["entries_after_kill"] == 3
+    assert out["survivor_processes_kept"] == 0
+
+
+def test_an_in_place_recovery_with_the_rows_not_yet_trained_counts_each_row_once():
+    """The survivors (same pids) go on at step 5 at world 3 with rows 48-95: nothing trained again."""
+    recs = _enters(4, 0, 99.0, 10) + _steps(1, 4, 4, 0, 100.0, 10)
+    recs += _steps(5, 8, 3, 48, 104.2, 10)
+    out = analyse(sorted(recs, key=lambda r: r["ts"]), kill_ts=103.5, rows=ROWS, steps_per_epoch=8)
+    assert out["steps_trained_again"] == 0 and out["first_step_at_new_size"] == 5
+    assert (out["rows_once"], out["rows_twice"], out["rows_never"]) == (ROWS, 0, 0)
+    assert out["survivor_processes_kept"] == 3
+
+
+def test_a_step_trained_again_replaces_the_earlier_one_rank_by_rank():
+    recs = _steps(1, 2, 4, 0, 100.0, 10) + _steps(2, 2, 3, 60, 110.0, 20)
+    steps = lineage(recs)
+    assert [r["world_size"] for r in steps[1]] == [4] * 4
+    assert [(r["world_size"], r["pid"]) for r in steps[2]] == [(3, 20), (3, 21), (3, 22)]
+    counts = row_counts(recs, ROWS, 8)
+    assert counts["rows_once"] == 24 and counts["epoch_steps_done"] == 2  # rows 0-11 and 60-71
+
+
+def test_a_recovery_not_completed_by_every_rank_is_not_timed():
+    recs = _enters(4, 0, 99.0, 10) + _steps(1, 3, 4, 0, 100.0, 10)
+    first_at_3 = [r for r in _steps(4, 4, 3, 36, 110.0, 20) if r["rank"] < 2]
+    out = analyse(recs + first_at_3, kill_ts=102.5, rows=ROWS, steps_per_epoch=8)
+    assert "recovery_s" not in out and out["old_size"] == 4
+    assert analyse([], kill_ts=1.0, rows=ROWS, steps_per_epoch=8) == {}
+
+
+def test_the_kill_target_is_the_node_of_the_rank_in_the_latest_group_and_lines_are_read_in_time_order(tmp_path):
+    recs = _enters(4, 0, 99.0, 10) + _steps(1, 1, 4, 0, 100.0, 10)
+    assert kill_target(recs, 1) == ("n11", [11])
+    for rank in range(4):
+        mine = [r for r in recs if r["rank"] == rank]
+        text = "".join(json.dumps(r) + "\n" for r in mine)
+        (tmp_path / f"rank{rank}-{10 + rank}.jsonl").write_text(text + ('{"kind": "st' if rank == 0 else ""))
+    got = read_ledger(str(tmp_path))
+    assert len(got) == len(recs)  # the line being written is left out
+    assert [r["ts"] for r in got] == sorted(r["ts"] for r in recs)
