@@ -24,7 +24,7 @@ def _steps(first: int, last: int, world: int, start_row: int, t0: float, pid0: i
             assert len(rows) == per
             out.append(
                 {"kind": "step", "step": step, "epoch": 0, "rank": rank, "world_size": world, "pid": pid0 + rank}
-                | {"rows": rows, "ts": t0 + k + rank * 0.01}
+                | {"rows": rows, "ts": t0 + k + rank * 0.01, "node_id": f"n{pid0 + rank}", "rss_mb": 100.0 + step}
             )
     return out
 
@@ -42,7 +42,7 @@ def test_a_restart_whose_loader_begins_the_epoch_again_trains_rows_twice_and_nev
     3 resumes from step 2 with the loader at the epoch's start: steps 3-8 take rows 0-71 again."""
     recs = _enters(4, 0, 99.0, 10) + _steps(1, 4, 4, 0, 100.0, 10)
     recs += _enters(3, 2, 120.0, 20) + _steps(3, 8, 3, 0, 121.0, 20)
-    out = analyse(sorted(recs, key=lambda r: r["ts"]), kill_ts=103.5, rows=ROWS, steps_per_epoch=8)
+    out = analyse(sorted(recs, key=lambda r: r["ts"]), kill_ts=[103.5], rows=ROWS, steps_per_epoch=8)
     assert out["old_size"] == 4 and out["new_size"] == 3
     assert out["first_step_at_new_size"] == 3 and out["resume_step"] == 2
     assert out["recovery_s"] == 121.0 + 2 * 0.01 - 103.5  # the last rank of the new group's first step
@@ -57,7 +57,7 @@ def test_an_in_place_recovery_with_the_rows_not_yet_trained_counts_each_row_once
     """The survivors (same pids) go on at step 5 at world 3 with rows 48-95: nothing trained again."""
     recs = _enters(4, 0, 99.0, 10) + _steps(1, 4, 4, 0, 100.0, 10)
     recs += _steps(5, 8, 3, 48, 104.2, 10)
-    out = analyse(sorted(recs, key=lambda r: r["ts"]), kill_ts=103.5, rows=ROWS, steps_per_epoch=8)
+    out = analyse(sorted(recs, key=lambda r: r["ts"]), kill_ts=[103.5], rows=ROWS, steps_per_epoch=8)
     assert out["steps_trained_again"] == 0 and out["first_step_at_new_size"] == 5
     assert (out["rows_once"], out["rows_twice"], out["rows_never"]) == (ROWS, 0, 0)
     assert out["survivor_processes_kept"] == 3
@@ -75,14 +75,14 @@ def test_a_step_trained_again_replaces_the_earlier_one_rank_by_rank():
 def test_a_recovery_not_completed_by_every_rank_is_not_timed():
     recs = _enters(4, 0, 99.0, 10) + _steps(1, 3, 4, 0, 100.0, 10)
     first_at_3 = [r for r in _steps(4, 4, 3, 36, 110.0, 20) if r["rank"] < 2]
-    out = analyse(recs + first_at_3, kill_ts=102.5, rows=ROWS, steps_per_epoch=8)
+    out = analyse(recs + first_at_3, kill_ts=[102.5], rows=ROWS, steps_per_epoch=8)
     assert "recovery_s" not in out and out["old_size"] == 4
-    assert analyse([], kill_ts=1.0, rows=ROWS, steps_per_epoch=8) == {}
+    assert analyse([], kill_ts=[1.0], rows=ROWS, steps_per_epoch=8) == {}
 
 
 def test_the_kill_target_is_the_node_of_the_rank_in_the_latest_group_and_lines_are_read_in_time_order(tmp_path):
     recs = _enters(4, 0, 99.0, 10) + _steps(1, 1, 4, 0, 100.0, 10)
-    assert kill_target(recs, 1) == ("n11", [11])
+    assert kill_target(recs, 1, 4) == ("n11", [11])
     for rank in range(4):
         mine = [r for r in recs if r["rank"] == rank]
         text = "".join(json.dumps(r) + "\n" for r in mine)
@@ -90,3 +90,25 @@ def test_the_kill_target_is_the_node_of_the_rank_in_the_latest_group_and_lines_a
     got = read_ledger(str(tmp_path))
     assert len(got) == len(recs)  # the line being written is left out
     assert [r["ts"] for r in got] == sorted(r["ts"] for r in recs)
+
+
+def test_every_kill_has_its_figures_and_the_survivors_memory_is_followed_across_re_entries():
+    """Three kills, 4 -> 3 -> 2 -> 1, the survivor (pid 10, rank 0 throughout) kept in place;
+    its RSS is read at its last step before the next kill: steps 4, 6 and 8 (104, 106, 108 MB)
+    after the 1st, 2nd and 3rd re-entries; the others left with their nodes."""
+    recs = _enters(4, 0, 99.0, 10) + _steps(1, 2, 4, 0, 100.0, 10)  # kill at 101.5
+    recs += _steps(3, 4, 3, 24, 102.0, 10)  # kill at 103.5
+    recs += _steps(5, 6, 2, 48, 104.0, 10)  # kill at 105.5
+    recs += _steps(7, 8, 1, 72, 106.0, 10)
+    recs.sort(key=lambda r: r["ts"])
+    assert kill_target(recs, 1, 3) == ("n11", [11])
+    out = analyse(recs, kill_ts=[101.5, 103.5, 105.5], rows=ROWS, steps_per_epoch=8)
+    assert [(r["old_size"], r["new_size"], r["steps_trained_again"]) for r in out["recoveries"]] == [
+        (4, 3, 0),
+        (3, 2, 0),
+        (2, 1, 0),
+    ]
+    assert out["recovery_s"] == out["recoveries"][0]["recovery_s"] and out["new_size"] == 3
+    assert out["rows_once"] == ROWS
+    assert out["survivor_rss_mb_after_each_kill"] == {"10": [104.0, 106.0, 108.0]}
+    assert out["survivor_rss_growth"] == 108.0 / 104.0 - 1

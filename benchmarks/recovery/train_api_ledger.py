@@ -12,7 +12,11 @@ The figures, from the workers' own wall-clock stamps (every process is on this m
 - rows trained once, twice, never (and more than twice) over the first epoch, counted on
   the run's lineage: for each step number, the latest group that completed it (the world
   size of that step's latest line), each of its ranks with its latest line of that step. A
-  step trained again replaces the earlier one, as it does in the model.
+  step trained again replaces the earlier one, as it does in the model;
+- with more than one kill, each kill's figures (``recoveries``), and the resident memory of
+  the processes that trained after every kill (survivors kept in place: none on Ray Train,
+  which starts new workers), at their last step before the next kill: its growth from after
+  the first re-entry to after the last (issue 46: within 5 % after 3 re-entries).
 """
 
 from __future__ import annotations
@@ -41,15 +45,17 @@ def read_ledger(directory: str) -> list[dict[str, Any]]:
     return sorted(out, key=lambda r: r["ts"])
 
 
-def last_step(recs: list[dict[str, Any]]) -> int:
-    return max((r["step"] for r in recs if r["kind"] == "step"), default=0)
+def kill_target(recs: list[dict[str, Any]], rank: int, world: int) -> tuple[str, list[int]]:
+    """The node of ``rank`` in the group of ``world`` ranks (its latest line there), and every
+    pid the ledgers saw on that node."""
+    mine = [r for r in recs if r["kind"] in ("enter", "step") and r["rank"] == rank and r["world_size"] == world]
+    node_id = mine[-1]["node_id"]
+    return node_id, sorted({r["pid"] for r in recs if r.get("node_id") == node_id})
 
 
-def kill_target(recs: list[dict[str, Any]], rank: int) -> tuple[str, list[int]]:
-    """The node of ``rank`` in the latest group (its latest ``enter`` line), and the pids known there."""
-    enters = [r for r in recs if r["kind"] == "enter"]
-    node_id = [r for r in enters if r["rank"] == rank][-1]["node_id"]
-    return node_id, sorted({r["pid"] for r in enters if r["node_id"] == node_id})
+def steps_at(recs: list[dict[str, Any]], world: int) -> int:
+    """The last step any rank completed in a group of ``world`` ranks (0: none)."""
+    return max((r["step"] for r in recs if r["kind"] == "step" and r["world_size"] == world), default=0)
 
 
 def lineage(recs: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
@@ -90,20 +96,16 @@ def row_counts(recs: list[dict[str, Any]], rows: int, steps_per_epoch: int) -> d
     }
 
 
-def analyse(recs: list[dict[str, Any]], kill_ts: float | None, rows: int, steps_per_epoch: int) -> dict[str, Any]:
-    """A run's figures (see the module docstring); what cannot be told is left out."""
-    out: dict[str, Any] = {}
-    steps = [r for r in recs if r["kind"] == "step"]
-    enters = [r for r in recs if r["kind"] == "enter"]
-    if not enters:
-        return out
-    out.update(row_counts(recs, rows, steps_per_epoch))
-    out["last_step"] = last_step(recs)
-    old = enters[0]["world_size"]
-    out["old_size"] = old
-    if kill_ts is None:
-        return out
-    out["entries_after_kill"] = len([r for r in enters if r["ts"] > kill_ts])
+def recovery(recs: list[dict[str, Any]], kill_ts: float, until_ts: float | None) -> dict[str, Any]:
+    """The figures of the kill at ``kill_ts`` from the lines before ``until_ts`` (the next kill)."""
+    steps = [r for r in recs if r["kind"] == "step" and (until_ts is None or r["ts"] < until_ts)]
+    before = [r for r in steps if r["ts"] <= kill_ts]
+    if not before:
+        return {}
+    old = before[-1]["world_size"]
+    out: dict[str, Any] = {"kill_ts": kill_ts, "old_size": old}
+    window = [r for r in recs if r["ts"] > kill_ts and (until_ts is None or r["ts"] < until_ts)]
+    out["entries_after_kill"] = sum(1 for r in window if r["kind"] == "enter")
     smaller = [r for r in steps if r["ts"] > kill_ts and r["world_size"] < old]
     if not smaller:
         return out
@@ -112,15 +114,52 @@ def analyse(recs: list[dict[str, Any]], kill_ts: float | None, rows: int, steps_
     done = [r for r in smaller if r["world_size"] == ws and r["step"] == first]
     if len({r["rank"] for r in done}) != ws:  # not completed by every rank of the new group
         return out
+    done_ts = max(r["ts"] for r in done)
     out["new_size"] = ws
     out["first_step_at_new_size"] = first
-    out["recovery_s"] = max(r["ts"] for r in done) - kill_ts
+    out["recovery_s"] = done_ts - kill_ts
     out["resume_step"] = first - 1
-    reached = max(r["step"] for r in steps if r["world_size"] == old)
+    reached = max(r["step"] for r in steps if r["world_size"] == old and r["ts"] <= done_ts)
     out["last_step_at_old_size"] = reached
     out["steps_trained_again"] = max(0, reached - (first - 1))
     # Processes of the smaller group that were already training before the kill: kept in place.
-    before = {r["pid"] for r in enters if r["ts"] <= kill_ts}
-    group = {r["pid"] for r in done}
-    out["survivor_processes_kept"] = len(group & before)
+    out["survivor_processes_kept"] = len({r["pid"] for r in done} & {r["pid"] for r in recs if r["ts"] <= kill_ts})
+    return out
+
+
+def survivor_memory(recs: list[dict[str, Any]], kill_ts: list[float]) -> dict[str, Any]:
+    """Resident memory of the processes that trained after every kill (the survivors kept in
+    place): each one's RSS at its last step before the next kill (or the end), per kill, and
+    the largest growth from after the first re-entry to after the last."""
+    bounds = [*kill_ts, None]
+    per_pid: dict[int, list[float]] = {}
+    for pid in {r["pid"] for r in recs if r["kind"] == "step"}:
+        mine = [r for r in recs if r["kind"] == "step" and r["pid"] == pid]
+        after = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            inside = [r for r in mine if r["ts"] > lo and (hi is None or r["ts"] < hi)]
+            after.append(inside[-1]["rss_mb"] if inside and "rss_mb" in inside[-1] else None)
+        if all(v is not None for v in after):
+            per_pid[pid] = after
+    out: dict[str, Any] = {"survivor_rss_mb_after_each_kill": {str(p): v for p, v in sorted(per_pid.items())}}
+    if per_pid and len(kill_ts) > 1:
+        out["survivor_rss_growth"] = max(v[-1] / v[0] - 1 for v in per_pid.values())
+    return out
+
+
+def analyse(recs: list[dict[str, Any]], kill_ts: list[float], rows: int, steps_per_epoch: int) -> dict[str, Any]:
+    """A run's figures (see the module docstring): the first kill's at the top level, every
+    kill's in ``recoveries``; what cannot be told is left out."""
+    out: dict[str, Any] = {}
+    if not any(r["kind"] == "enter" for r in recs):
+        return out
+    out.update(row_counts(recs, rows, steps_per_epoch))
+    out["last_step"] = max((r["step"] for r in recs if r["kind"] == "step"), default=0)
+    out["old_size"] = next(r["world_size"] for r in recs if r["kind"] == "enter")
+    if not kill_ts:
+        return out
+    recoveries = [recovery(recs, t, nxt) for t, nxt in zip(kill_ts, [*kill_ts[1:], None])]
+    out.update({k: v for k, v in recoveries[0].items() if k != "kill_ts"})
+    out["recoveries"] = recoveries
+    out.update(survivor_memory(recs, kill_ts))
     return out

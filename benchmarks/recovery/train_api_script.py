@@ -62,21 +62,28 @@ def ray_dataset(rows: int, seed: int) -> Any:
 
 
 class Ledger:
-    """One rank's ledger file for one entry of the loop: appended to, flushed at every line."""
+    """One rank's ledger file for one entry of the loop, appended to and flushed at every line;
+    each line carries the time, the process, its node and its resident memory (MB)."""
 
-    def __init__(self, directory: str, rank: int):
+    def __init__(self, directory: str, rank: int, node_id: str):
         import json
 
-        self._dumps = json.dumps
+        self._dumps, self._node_id = json.dumps, node_id
         os.makedirs(directory, exist_ok=True)
         self._f = open(os.path.join(directory, f"rank{rank}-{os.getpid()}.jsonl"), "a")  # noqa: SIM115
 
     def write(self, **rec: Any) -> None:
-        self._f.write(self._dumps({"ts": time.time(), **rec}) + "\n")
+        line = {"ts": time.time(), **rec, "pid": os.getpid(), "node_id": self._node_id, "rss_mb": _rss_mb()}
+        self._f.write(self._dumps(line) + "\n")
         self._f.flush()
 
     def close(self) -> None:
         self._f.close()
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def make_train_loop(train: ModuleType, train_torch: ModuleType) -> Callable[[dict[str, Any]], None]:
@@ -117,9 +124,8 @@ def make_train_loop(train: ModuleType, train_torch: ModuleType) -> Callable[[dic
             optimizer.load_state_dict(state["optimizer"])
             step = int(state["step"])
 
-        ledger = Ledger(config["ledger"], rank)
-        node_id = ray.get_runtime_context().get_node_id()
-        ledger.write(kind="enter", rank=rank, world_size=world, pid=os.getpid(), node_id=node_id, resume_step=step)
+        ledger = Ledger(config["ledger"], rank, ray.get_runtime_context().get_node_id())
+        ledger.write(kind="enter", rank=rank, world_size=world, resume_step=step)
 
         if config["data"] == "loader":
 
@@ -147,37 +153,34 @@ def make_train_loop(train: ModuleType, train_torch: ModuleType) -> Callable[[dic
                     yield b["x"], b["y"], b["row_id"]
 
         loss_fn = nn.MSELoss()
-        while step < total_steps:
-            epoch = step // steps_per_epoch
-            trained = False
-            for x, y, ids in epoch_batches(epoch):
-                optimizer.zero_grad()
-                loss = loss_fn(model(x.float()), y.float().reshape(-1, 1))
-                loss.backward()
-                optimizer.step()
-                if config["step_sleep_s"]:
-                    time.sleep(config["step_sleep_s"])  # the compute of a real step, so the kill lands where asked
-                step += 1
-                trained = True
-                ledger.write(
-                    kind="step",
-                    step=step,
-                    epoch=epoch,
-                    rank=rank,
-                    world_size=world,
-                    pid=os.getpid(),
-                    rows=[int(i) for i in ids],
-                )
-                metrics = {"step": step, "epoch": epoch, "world_size": world, "loss": float(loss)}
-                if step % config["checkpoint_every"] == 0:
-                    _report_checkpoint(train, rank, model, optimizer, epoch, step, metrics)
-                else:
-                    train.report(metrics)
-                if step % steps_per_epoch == 0 or step >= total_steps:
+        try:
+            while step < total_steps:
+                epoch = step // steps_per_epoch
+                trained = False
+                for x, y, ids in epoch_batches(epoch):
+                    optimizer.zero_grad()
+                    loss = loss_fn(model(x.float()), y.float().reshape(-1, 1))
+                    loss.backward()
+                    optimizer.step()
+                    if config["step_sleep_s"]:
+                        time.sleep(config["step_sleep_s"])  # a real step's compute, so the kill lands where asked
+                    step += 1
+                    trained = True
+                    # The group as it is now: a platform may resize it without entering the loop again.
+                    now = train.get_context()
+                    rank, world = now.get_world_rank(), now.get_world_size()
+                    ledger.write(kind="step", step=step, epoch=epoch, rank=rank, world_size=world, rows=ids.tolist())
+                    metrics = {"step": step, "epoch": epoch, "world_size": world, "loss": float(loss)}
+                    if step % config["checkpoint_every"] == 0:
+                        _report_checkpoint(train, rank, model, optimizer, epoch, step, metrics)
+                    else:
+                        train.report(metrics)
+                    if step % steps_per_epoch == 0 or step >= total_steps:
+                        break
+                if not trained:  # a pass that yields nothing would spin: the data ran out
                     break
-            if not trained:  # a pass that yields nothing would spin: the data ran out
-                break
-        ledger.close()
+        finally:
+            ledger.close()
 
     return train_loop_per_worker
 

@@ -1,7 +1,8 @@
 """One side of one run of ``benchmarks/train_api_recovery.py``, in its own child process: a
 fresh 4-node local cluster, the user's script (``train_api_script``) under a
 ``TorchTrainer`` of Ray Train V2 or of ``elastic.train``, and a driver thread that kills the
-node hosting rank ``kill_rank`` once step ``kill_step`` is in the ledgers.
+node hosting rank ``kill_rank`` once step ``kill_step`` is in the ledgers (and, with
+``kills`` > 1, the node of that rank in the smaller group every ``kill_gap`` steps after).
 
 Sides (``SIDES``): the API, the data path, and whether the loop hands its optimizer over:
 
@@ -31,7 +32,7 @@ from benchmarks.harness.proc import arm_deadline
 from benchmarks.harness.results import write_json
 from benchmarks.recovery.progress import report_skipped
 from benchmarks.recovery.scenario import NODES, RAY_TUNED_SYSTEM_CONFIG
-from benchmarks.recovery.train_api_ledger import analyse, kill_target, last_step, read_ledger
+from benchmarks.recovery.train_api_ledger import analyse, kill_target, read_ledger, steps_at
 
 
 @dataclass(frozen=True)
@@ -97,17 +98,23 @@ def side_child(cfg: dict[str, Any]) -> None:
     started = start_cluster(NODES, system_config=RAY_TUNED_SYSTEM_CONFIG)
     out["cluster_start_s"] = time.time() - t0
     stop = threading.Event()
+    out["kills"] = []
 
     def watch() -> None:
-        """Driver-side thread: kill rank ``kill_rank``'s node once step ``kill_step`` is in the ledgers."""
-        while not stop.is_set():
+        """Driver-side thread: the k-th kill (k from 0) takes rank ``kill_rank``'s node once the
+        group of ``NODES - k`` ranks has done step ``kill_step + k * kill_gap``."""
+        while not stop.is_set() and len(out["kills"]) < cfg["kills"]:
+            k = len(out["kills"])
             recs = read_ledger(config["ledger"])
-            reached = last_step(recs)
-            if reached >= cfg["kill_step"]:
-                node_id, pids = kill_target(recs, cfg["kill_rank"])
-                out["step_at_kill"] = reached
-                kill_node_now(out, started.cluster, node_id, pids)
-                return
+            reached = steps_at(recs, NODES - k)
+            if reached >= cfg["kill_step"] + k * cfg["kill_gap"]:
+                node_id, pids = kill_target(recs, cfg["kill_rank"], NODES - k)
+                kill: dict[str, Any] = {"step_at_kill": reached}
+                kill_node_now(kill, started.cluster, node_id, pids)
+                out["kills"].append({**kill, "group_size": NODES - k})
+                if k == 0:
+                    out.update(kill)
+                continue
             time.sleep(0.005)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -142,6 +149,7 @@ def side_child(cfg: dict[str, Any]) -> None:
             watcher.join(timeout=30)
         started.stop()
     steps_per_epoch = cfg["rows"] // cfg["global_batch"]
-    out.update(analyse(read_ledger(config["ledger"]), out.get("kill_ts"), cfg["rows"], steps_per_epoch))
+    kill_ts = [k["kill_ts"] for k in out["kills"]]
+    out.update(analyse(read_ledger(config["ledger"]), kill_ts, cfg["rows"], steps_per_epoch))
     write_json(cfg["out"], out)
     os._exit(0)
