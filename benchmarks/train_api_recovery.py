@@ -189,6 +189,13 @@ def print_run(r: dict[str, Any]) -> None:
         f"load {r['loadavg_1m_after']:.2f}" + (f"; error: {r['error'][:300]}" if r.get("error") else ""),
         flush=True,
     )
+    if len(r.get("recoveries", [])) > 1:
+        each = ", ".join(
+            f"{k.get('old_size')} -> {k.get('new_size')} in {fmt(k.get('recovery_s'))} s "
+            f"({fmt(k.get('steps_trained_again'), 'd')} again)"
+            for k in r["recoveries"]
+        )
+        print(f"    every kill: {each}; survivor RSS growth {fmt(r.get('survivor_rss_growth'), '.3f')}", flush=True)
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -279,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{NODES}-node local cluster (head num_cpus=0, {NODES} x num_cpus=1), an MLP under DDP, {args.rows} rows "
         f"in {steps} steps of {args.global_batch}, a checkpoint every {args.checkpoint_every} steps; the node of "
-        f"rank {args.kill_rank} killed when step {args.kill_step} is done; {args.repeats} run(s) per side of "
+        f"rank {args.kill_rank} killed when step {args.kill_step} is done"
+        + (f", then {args.kills - 1} more, one every {args.kill_gap} steps" if args.kills > 1 else "")
+        + f"; {args.repeats} run(s) per side of "
         f"{', '.join(sides)}; load average {load_before[0]:.2f} on {os.cpu_count()} CPUs",
         flush=True,
     )
