@@ -112,3 +112,18 @@ def test_every_kill_has_its_figures_and_the_survivors_memory_is_followed_across_
     assert out["rows_once"] == ROWS
     assert out["survivor_rss_mb_after_each_kill"] == {"10": [104.0, 106.0, 108.0]}
     assert out["survivor_rss_growth"] == 108.0 / 104.0 - 1
+
+
+def test_a_held_back_step_is_not_trained_and_its_rows_served_again_count_once():
+    """Ours with ``prepare_optimizer``: step 3's all-reduce fails on the 3 survivors, their
+    optimizer step changes nothing (``applied`` false), and the loop, which counts its own
+    steps, goes on at 4 with step 3's rows re-cut at 3 ranks: nothing trained again."""
+    recs = _enters(4, 0, 99.0, 10) + _steps(1, 2, 4, 0, 100.0, 10)
+    held = [dict(r, applied=False) for r in _steps(3, 3, 4, 24, 102.0, 10) if r["rank"] != 1]
+    recs += held + _steps(4, 9, 3, 24, 103.0, 10)  # 6 steps of 12 rows at 3 ranks: rows 24-95
+    recs.sort(key=lambda r: r["ts"])
+    out = analyse(recs, kill_ts=[101.9], rows=ROWS, steps_per_epoch=9)
+    assert out["steps_not_applied"] == [3]
+    assert (out["first_step_at_new_size"], out["last_step_at_old_size"], out["steps_trained_again"]) == (4, 2, 0)
+    assert (out["rows_once"], out["rows_twice"], out["rows_never"]) == (ROWS, 0, 0)
+    assert out["epoch_steps_done"] == 8  # the loop's step 3 was never trained

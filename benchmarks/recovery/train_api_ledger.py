@@ -4,6 +4,10 @@ process.
 
 The figures, from the workers' own wall-clock stamps (every process is on this machine):
 
+Only the lines of applied steps count (``applied``: the step changed the weights; ours holds
+back a step whose all-reduce failed and serves its rows again, and the loop, which counts its
+own steps, has counted it: ``steps_not_applied``).
+
 - ``recovery_s``: from ``kill_ts`` (stamped just before the SIGKILL) to the first step
   completed by every rank of the group at the smaller size;
 - ``steps_trained_again``: the last step the old group completed (any rank, before or after
@@ -58,12 +62,16 @@ def steps_at(recs: list[dict[str, Any]], world: int) -> int:
     return max((r["step"] for r in recs if r["kind"] == "step" and r["world_size"] == world), default=0)
 
 
+def applied_steps(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The step lines of steps that changed the weights (a held-back step is not trained)."""
+    return [r for r in recs if r["kind"] == "step" and r.get("applied", True)]
+
+
 def lineage(recs: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
-    """Step number -> the lines of the latest group to complete it, one per rank."""
+    """Step number -> the lines of the latest group to complete (apply) it, one per rank."""
     by_step: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
-    for r in recs:
-        if r["kind"] == "step":
-            by_step[r["step"]].append(r)
+    for r in applied_steps(recs):
+        by_step[r["step"]].append(r)
     out = {}
     for step, lines in by_step.items():
         world = max(lines, key=lambda r: r["ts"])["world_size"]
@@ -98,7 +106,7 @@ def row_counts(recs: list[dict[str, Any]], rows: int, steps_per_epoch: int) -> d
 
 def recovery(recs: list[dict[str, Any]], kill_ts: float, until_ts: float | None) -> dict[str, Any]:
     """The figures of the kill at ``kill_ts`` from the lines before ``until_ts`` (the next kill)."""
-    steps = [r for r in recs if r["kind"] == "step" and (until_ts is None or r["ts"] < until_ts)]
+    steps = [r for r in applied_steps(recs) if until_ts is None or r["ts"] < until_ts]
     before = [r for r in steps if r["ts"] <= kill_ts]
     if not before:
         return {}
@@ -155,6 +163,8 @@ def analyse(recs: list[dict[str, Any]], kill_ts: list[float], rows: int, steps_p
         return out
     out.update(row_counts(recs, rows, steps_per_epoch))
     out["last_step"] = max((r["step"] for r in recs if r["kind"] == "step"), default=0)
+    # Steps the loop counted whose optimizer step changed nothing (held back after a failed all-reduce).
+    out["steps_not_applied"] = sorted({r["step"] for r in recs if r["kind"] == "step" and not r.get("applied", True)})
     out["old_size"] = next(r["world_size"] for r in recs if r["kind"] == "enter")
     if not kill_ts:
         return out

@@ -20,9 +20,11 @@ What the loop does, top to bottom:
 - on entry it resumes from ``get_checkpoint()`` (state, epoch, step). It does not restore a
   data position: a Ray Train user has no way to (the sampler starts its epoch again);
 - after every step each rank appends one line to its ledger, ``<ledger>/rank<r>-<pid>.jsonl``
-  (append mode, flushed): the step, the epoch, the world size, the row ids it trained and the
-  wall time. On entry it appends an ``enter`` line (pid, node, resume step). The benchmark
-  reads the ledgers (``train_api_ledger``).
+  (append mode, flushed): the loop's own step count, the epoch, the rank and world size as
+  ``get_context()`` says then, the row ids, whether ``optimizer.step()`` changed the weights
+  (``applied``: ours holds back a step whose all-reduce failed), the wall time, the process,
+  its node and its resident memory. On entry it appends an ``enter`` line (resume step).
+  The benchmark reads the ledgers (``train_api_ledger``).
 
 Runs in the training workers of either side.
 """
@@ -161,7 +163,10 @@ def make_train_loop(train: ModuleType, train_torch: ModuleType) -> Callable[[dic
                     optimizer.zero_grad()
                     loss = loss_fn(model(x.float()), y.float().reshape(-1, 1))
                     loss.backward()
+                    before = _probe(model).detach().clone()
                     optimizer.step()
+                    # Whether this step changed the weights: a platform may hold a failed step back.
+                    applied = not torch.equal(before, _probe(model).detach())
                     if config["step_sleep_s"]:
                         time.sleep(config["step_sleep_s"])  # a real step's compute, so the kill lands where asked
                     step += 1
@@ -169,7 +174,15 @@ def make_train_loop(train: ModuleType, train_torch: ModuleType) -> Callable[[dic
                     # The group as it is now: a platform may resize it without entering the loop again.
                     now = train.get_context()
                     rank, world = now.get_world_rank(), now.get_world_size()
-                    ledger.write(kind="step", step=step, epoch=epoch, rank=rank, world_size=world, rows=ids.tolist())
+                    ledger.write(
+                        kind="step",
+                        step=step,
+                        epoch=epoch,
+                        rank=rank,
+                        world_size=world,
+                        applied=applied,
+                        rows=ids.tolist(),
+                    )
                     metrics = {"step": step, "epoch": epoch, "world_size": world, "loss": float(loss)}
                     if step % config["checkpoint_every"] == 0:
                         _report_checkpoint(train, rank, model, optimizer, epoch, step, metrics)
@@ -183,6 +196,11 @@ def make_train_loop(train: ModuleType, train_torch: ModuleType) -> Callable[[dic
             ledger.close()
 
     return train_loop_per_worker
+
+
+def _probe(model: Any) -> Any:
+    """The last layer's weight: AdamW changes it at every step it applies."""
+    return list(model.parameters())[-2]
 
 
 def _report_checkpoint(
