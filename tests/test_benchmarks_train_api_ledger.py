@@ -15,17 +15,19 @@ ROWS, GLOBAL = 96, 12  # 8 steps of 12 rows
 
 def _steps(first: int, last: int, world: int, start_row: int, t0: float, pid0: int) -> list[dict]:
     """Steps ``first..last`` at ``world`` ranks, global rows consecutive from ``start_row``
-    (rank r takes every world-th row of the step's block, as a DistributedSampler does)."""
+    (rank r takes every world-th row of the step's block, as a DistributedSampler does): a
+    ``batch`` line before each step and a ``step`` line after, as the script writes them."""
     out, per = [], GLOBAL // world
     for k, step in enumerate(range(first, last + 1)):
         block = range(start_row + k * GLOBAL, start_row + (k + 1) * GLOBAL)
         for rank in range(world):
             rows = [i for j, i in enumerate(block) if j % world == rank]
             assert len(rows) == per
-            out.append(
-                {"kind": "step", "step": step, "epoch": 0, "rank": rank, "world_size": world, "pid": pid0 + rank}
-                | {"rows": rows, "ts": t0 + k + rank * 0.01, "node_id": f"n{pid0 + rank}", "rss_mb": 100.0 + step}
-            )
+            ts = t0 + k + rank * 0.01
+            line = {"step": step, "epoch": 0, "rank": rank, "world_size": world, "pid": pid0 + rank}
+            line |= {"node_id": f"n{pid0 + rank}", "rss_mb": 100.0 + step}
+            out.append({**line, "kind": "batch", "rows": rows, "ts": ts - 0.005})
+            out.append({**line, "kind": "step", "applied": True, "ts": ts})
     return out
 
 
@@ -66,7 +68,7 @@ def test_an_in_place_recovery_with_the_rows_not_yet_trained_counts_each_row_once
 def test_a_step_trained_again_replaces_the_earlier_one_rank_by_rank():
     recs = _steps(1, 2, 4, 0, 100.0, 10) + _steps(2, 2, 3, 60, 110.0, 20)
     steps = lineage(recs)
-    assert [r["world_size"] for r in steps[1]] == [4] * 4
+    assert [(r["kind"], r["world_size"]) for r in steps[1]] == [("batch", 4)] * 4
     assert [(r["world_size"], r["pid"]) for r in steps[2]] == [(3, 20), (3, 21), (3, 22)]
     counts = row_counts(recs, ROWS, 8)
     assert counts["rows_once"] == 24 and counts["epoch_steps_done"] == 2  # rows 0-11 and 60-71
@@ -119,7 +121,8 @@ def test_a_held_back_step_is_not_trained_and_its_rows_served_again_count_once():
     optimizer step changes nothing (``applied`` false), and the loop, which counts its own
     steps, goes on at 4 with step 3's rows re-cut at 3 ranks: nothing trained again."""
     recs = _enters(4, 0, 99.0, 10) + _steps(1, 2, 4, 0, 100.0, 10)
-    held = [dict(r, applied=False) for r in _steps(3, 3, 4, 24, 102.0, 10) if r["rank"] != 1]
+    held = [r if r["kind"] == "batch" else dict(r, applied=False) for r in _steps(3, 3, 4, 24, 102.0, 10)]
+    held = [r for r in held if r["kind"] == "batch" or r["rank"] != 1]  # rank 1 died inside step 3
     recs += held + _steps(4, 9, 3, 24, 103.0, 10)  # 6 steps of 12 rows at 3 ranks: rows 24-95
     recs.sort(key=lambda r: r["ts"])
     out = analyse(recs, kill_ts=[101.9], rows=ROWS, steps_per_epoch=9)
@@ -127,3 +130,15 @@ def test_a_held_back_step_is_not_trained_and_its_rows_served_again_count_once():
     assert (out["first_step_at_new_size"], out["last_step_at_old_size"], out["steps_trained_again"]) == (4, 2, 0)
     assert (out["rows_once"], out["rows_twice"], out["rows_never"]) == (ROWS, 0, 0)
     assert out["epoch_steps_done"] == 8  # the loop's step 3 was never trained
+
+
+def test_the_rows_of_a_rank_killed_inside_a_step_the_survivors_applied_count():
+    """Rank 1 wrote its batch of step 3 and died after its gradients went into the all-reduce:
+    the 3 survivors applied step 3 at world 4, so its rows were trained."""
+    recs = _enters(4, 0, 99.0, 10) + [r for r in _steps(1, 3, 4, 0, 100.0, 10) if r["step"] < 3 or r["rank"] != 1]
+    recs += [r for r in _steps(3, 3, 4, 24, 102.0, 10) if r["kind"] == "batch" and r["rank"] == 1]
+    recs += _steps(4, 8, 3, 36, 103.0, 10)
+    recs.sort(key=lambda r: r["ts"])
+    out = analyse(recs, kill_ts=[102.02], rows=ROWS, steps_per_epoch=8)
+    assert (out["rows_once"], out["rows_twice"], out["rows_never"]) == (ROWS, 0, 0)
+    assert out["last_step_at_old_size"] == 3 and out["steps_trained_again"] == 0

@@ -14,9 +14,11 @@ own steps, has counted it: ``steps_not_applied``).
   the kill) minus the step the smaller group resumed from (its first step less one): 0 when
   no completed step is trained again;
 - rows trained once, twice, never (and more than twice) over the first epoch, counted on
-  the run's lineage: for each step number, the latest group that completed it (the world
-  size of that step's latest line), each of its ranks with its latest line of that step. A
-  step trained again replaces the earlier one, as it does in the model;
+  the run's lineage: for each step number, the latest group that applied it (the world
+  size of that step's latest ``step`` line), each of its ranks with the rows of its latest
+  ``batch`` line for that step before then (a rank killed inside the step whose gradients
+  the survivors applied trained its rows). A step trained again replaces the earlier one,
+  as it does in the model;
 - with more than one kill, each kill's figures (``recoveries``), and the resident memory of
   the processes that trained after every kill (survivors kept in place: none on Ray Train,
   which starts new workers), at their last step before the next kill: its growth from after
@@ -68,19 +70,29 @@ def applied_steps(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def lineage(recs: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
-    """Step number -> the lines of the latest group to complete (apply) it, one per rank."""
-    by_step: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
+    """Step number -> the ``batch`` lines (one per rank) of the latest group to apply it.
+
+    That group is the world size of the step's latest applied ``step`` line; each of its
+    ranks gives its latest ``batch`` line for the step at that size written before then. A
+    rank killed after its gradients went into the all-reduce counts too: the survivors'
+    step could only complete with them."""
+    applied: dict[int, dict[str, Any]] = {}
     for r in applied_steps(recs):
-        by_step[r["step"]].append(r)
+        if r["step"] not in applied or r["ts"] >= applied[r["step"]]["ts"]:
+            applied[r["step"]] = r
+    batches: dict[tuple[int, int, int], list[dict[str, Any]]] = collections.defaultdict(list)
+    for r in recs:
+        if r["kind"] == "batch":
+            batches[(r["step"], r["world_size"], r["rank"])].append(r)
     out = {}
-    for step, lines in by_step.items():
-        world = max(lines, key=lambda r: r["ts"])["world_size"]
-        latest: dict[int, dict[str, Any]] = {}
-        for r in lines:
-            if r["world_size"] == world and r["rank"] < world:
-                if r["rank"] not in latest or r["ts"] >= latest[r["rank"]]["ts"]:
-                    latest[r["rank"]] = r
-        out[step] = [latest[k] for k in sorted(latest)]
+    for step, last in applied.items():
+        world = last["world_size"]
+        lines = []
+        for rank in range(world):
+            before = [b for b in batches.get((step, world, rank), []) if b["ts"] <= last["ts"]]
+            if before:
+                lines.append(max(before, key=lambda b: b["ts"]))
+        out[step] = lines
     return out
 
 

@@ -19,12 +19,13 @@ What the loop does, top to bottom:
   into a temporary directory, ``Checkpoint.from_directory``, saved by rank 0);
 - on entry it resumes from ``get_checkpoint()`` (state, epoch, step). It does not restore a
   data position: a Ray Train user has no way to (the sampler starts its epoch again);
-- after every step each rank appends one line to its ledger, ``<ledger>/rank<r>-<pid>.jsonl``
-  (append mode, flushed): the loop's own step count, the epoch, the rank and world size as
-  ``get_context()`` says then, the row ids, whether ``optimizer.step()`` changed the weights
-  (``applied``: ours holds back a step whose all-reduce failed), the wall time, the process,
-  its node and its resident memory. On entry it appends an ``enter`` line (resume step).
-  The benchmark reads the ledgers (``train_api_ledger``).
+- each rank appends lines to its ledger, ``<ledger>/rank<r>-<pid>.jsonl`` (append mode,
+  flushed): on entry an ``enter`` line (the resume step); before each step a ``batch`` line
+  (the step it will be, the row ids, the rank and world size as ``get_context()`` says
+  then); after it a ``step`` line (the loop's own step count, the group then, and whether
+  ``optimizer.step()`` changed the weights: ``applied``, as ours holds back a step whose
+  all-reduce failed). Every line has the wall time, the process, its node and its resident
+  memory. The benchmark reads the ledgers (``train_api_ledger``).
 
 Runs in the training workers of either side.
 """
@@ -160,6 +161,14 @@ def make_train_loop(train: ModuleType, train_torch: ModuleType) -> Callable[[dic
                 epoch = step // steps_per_epoch
                 trained = False
                 for x, y, ids in epoch_batches(epoch):
+                    # The group as it is now: a platform may resize it without entering the loop again.
+                    now = train.get_context()
+                    rank, world = now.get_world_rank(), now.get_world_size()
+                    # The rows first: a rank killed after its gradients went into the all-reduce
+                    # trained them, though it never gets to say so after the step.
+                    ledger.write(
+                        kind="batch", step=step + 1, epoch=epoch, rank=rank, world_size=world, rows=ids.tolist()
+                    )
                     optimizer.zero_grad()
                     loss = loss_fn(model(x.float()), y.float().reshape(-1, 1))
                     loss.backward()
@@ -171,18 +180,9 @@ def make_train_loop(train: ModuleType, train_torch: ModuleType) -> Callable[[dic
                         time.sleep(config["step_sleep_s"])  # a real step's compute, so the kill lands where asked
                     step += 1
                     trained = True
-                    # The group as it is now: a platform may resize it without entering the loop again.
                     now = train.get_context()
                     rank, world = now.get_world_rank(), now.get_world_size()
-                    ledger.write(
-                        kind="step",
-                        step=step,
-                        epoch=epoch,
-                        rank=rank,
-                        world_size=world,
-                        applied=applied,
-                        rows=ids.tolist(),
-                    )
+                    ledger.write(kind="step", step=step, epoch=epoch, rank=rank, world_size=world, applied=applied)
                     metrics = {"step": step, "epoch": epoch, "world_size": world, "loss": float(loss)}
                     if step % config["checkpoint_every"] == 0:
                         _report_checkpoint(train, rank, model, optimizer, epoch, step, metrics)
