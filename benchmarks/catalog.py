@@ -210,6 +210,18 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         optional=(TORCHFT,),
     ),
     Benchmark(
+        "train_api_recovery",
+        "a Ray Train user's own loop through a node loss: Ray Train V2 (tuned) vs elastic.train, the same script: "
+        "recovery, steps trained again, rows trained once/twice/never (DataLoader and Ray Dataset)",
+        None,
+        "--results",
+        ("--repeats", "1", "--rows", "960", "--kill-step", "7"),
+        smoke=(
+            *("--sides", "raytrain,ours", "--repeats", "1", "--rows", "960", "--kill-step", "7"),
+            *("--step-sleep-s", "0.05", "--timeout", "240", "--json"),
+        ),
+    ),
+    Benchmark(
         "data_ingest",
         "S3 GET bursts at start and after a node loss (waves), data wait, prepare, duplicate reads under TP",
         "data_ingest.json",

@@ -99,3 +99,54 @@ def test_control_plane_runs_through_its_stall_node_loss_and_grow_back():
     assert out["dp_after_loss"] == nodes - 1
     assert out["dp_after_grow"] == nodes
     assert out["recovery_decision_s"] is not None and out["recovery_decision_s"] < 5.0
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_train_api_recovery_takes_ray_train_through_a_node_loss_and_ours_or_says_why():
+    """The same user script on Ray Train V2 and on ``elastic.train``, a node killed at step 7
+    (a checkpoint every 5 steps, 20 steps of 48 rows): Ray Train restarts its workers at 3
+    from the checkpoint and its loader begins the epoch again, so the rows of the steps before
+    it are trained twice and as many never (``DistributedSampler`` shuffles by the same seed
+    at every size); ours trains each row once, or is skipped saying why when
+    ``elastic.train.torch`` does not import."""
+    b = catalog.by_name(["train_api_recovery"])[0]
+    assert b.smoke is not None
+    done = subprocess.run([sys.executable, "-m", b.module, *b.smoke], capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = _last_json(done.stdout)
+    ray = out["runs"]["raytrain"][0]
+    assert ray["status"] == "succeeded", ray
+    assert (ray["old_size"], ray["new_size"]) == (4, 3), ray
+    # From the checkpoint of step 5 (10 when the kill lands late on a loaded machine); the
+    # loader's new epoch at 3 ranks trains again the rows of the steps before it, and as many
+    # rows at the end of the epoch are never reached.
+    resume = ray["resume_step"]
+    assert resume in (5, 10) and ray["steps_trained_again"] == ray["last_step_at_old_size"] - resume >= 2, ray
+    twice = resume * 48
+    assert (ray["rows_twice"], ray["rows_never"], ray["rows_once"], ray["rows_more"]) == (
+        twice,
+        twice,
+        960 - 2 * twice,
+        0,
+    )
+    assert ray["recovery_s"] > 0 and ray["epoch_steps_done"] == 20 and ray["survivor_processes_kept"] == 0
+    ours = out["runs"]["ours"][0]
+    if not _importable("elastic.train.torch"):
+        assert ours["status"] == "skipped" and "elastic.train.torch" in ours["error"], ours
+        return
+    assert ours["status"] == "succeeded", ours
+    assert (ours["old_size"], ours["new_size"]) == (4, 3), ours
+    assert (ours["rows_once"], ours["rows_twice"], ours["rows_never"]) == (960, 0, 0), ours
+    assert ours["steps_trained_again"] <= ray["steps_trained_again"]
+    assert ours["survivor_processes_kept"] == 3  # a node loss never restarts a survivor's process
