@@ -21,7 +21,8 @@ pytestmark = pytest.mark.timeout(60)
 SEQ, VOCAB = 8, 50
 
 
-def write(path, n=16, width=SEQ + 1, mask_width=None, docs_type=pa.int32(), mask=None, fixed=True) -> str:
+def write(path, n=16, width=SEQ + 1, mask_width=None, docs_type=None, mask=None, fixed=True) -> str:
+    docs_type = docs_type or pa.int32()
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, VOCAB, (n, width))
     loss_mask = mask if mask is not None else (rng.random((n, mask_width or width)) < 0.6).astype(np.int8)
@@ -34,7 +35,11 @@ def write(path, n=16, width=SEQ + 1, mask_width=None, docs_type=pa.int32(), mask
         return pa.array([list(r) for r in a], type=pa.list_(t))
 
     table = pa.table(
-        {"tokens": col(tokens, pa.int32()), "loss_mask": col(loss_mask, pa.int8()), "document_ids": col(docs, docs_type)}
+        {
+            "tokens": col(tokens, pa.int32()),
+            "loss_mask": col(loss_mask, pa.int8()),
+            "document_ids": col(docs, docs_type),
+        }
     )
     path.mkdir(exist_ok=True)
     pq.write_table(table, path / "part-0.parquet", row_group_size=4)
