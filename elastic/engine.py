@@ -14,6 +14,14 @@ degree: the accumulated gradient is that of the global mean. With EP and CP the 
 shards are ``dp x ep`` and each CP rank sees an equal chunk of its shard's sequences, so
 losses and dense gradients are averaged over ``dp x ep x cp`` (``ParallelDims.dense_mesh``;
 experts: see elastic/parallel/ep.py).
+
+SFT rows (micro-batches of three: inputs, targets, document ids) count only some targets
+(the others are ``IGNORE``), so micro-batches differ in their counts. The step's loss is
+then the mean over the counted targets of the whole global batch: the ranks first sum their
+counts over the DP group (``N``, one small all-reduce), and micro-batch ``i`` with ``c_i``
+counted targets and mean loss ``l_i`` contributes ``l_i * c_i * dense_dp * grad_accum / N``
+where it contributed ``l_i`` before. The division by ``grad_accum`` and DP's average then
+leave ``sum_i l_i * c_i / N``: exact at any DP degree and gradient accumulation.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
+from elastic.ingest.sft_rows import IGNORE
 from elastic.models.spec import ModelSpec, model_spec
 from elastic.optim import TrainConfig, build_optimizer
 from elastic.parallel import ddp, fsdp, memtrack, pp
@@ -40,7 +49,9 @@ from elastic.parallel.live import LiveState, keeps_module, rewrap
 from elastic.parallel.parallelize import parallelize, required_plan
 from elastic.parallel.tp import to_local_value
 
-MicroBatch = tuple[torch.Tensor, torch.Tensor]
+# (inputs, targets), or SFT rows' (inputs, targets, document_ids or None): targets that do not
+# count are IGNORE (elastic/ingest/sft_rows.py), and the loss is the mean over the counted ones.
+MicroBatch = tuple[torch.Tensor, ...]
 
 
 class TrainEngine:
@@ -99,7 +110,7 @@ class TrainEngine:
         if dims.pp_enabled:
             self.pipeline_stage = pp.build_stage(self.model, dims.pp_mesh, self.device)
             self.schedule = pp.build_schedule(
-                self.pipeline_stage, self.grad_accum, self.spec.loss_fn, parallel_cfg.pp_schedule
+                self.pipeline_stage, self.grad_accum, self._pipeline_loss, parallel_cfg.pp_schedule
             )
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -110,6 +121,7 @@ class TrainEngine:
         self._probe: memtrack.LiveTensorBytes | None = None
         self.probed_peak_bytes: int | None = None
         self.sync_wait_s = 0.0  # the last step's time blocked on peers (gradient sync, loss all-reduce)
+        self._factor: float | None = None  # this step's dense_dp * grad_accum / N on SFT rows (see above)
 
     def _build(self, seed: int, bf16: bool, restoring: bool, kept: dict[str, torch.Tensor] | None) -> None:
         """The model on the meta device, cut to this rank's stage, then sharded, materialised
@@ -195,6 +207,7 @@ class TrainEngine:
         self.sync_wait_s = 0.0
         if self._steps_begun == self._probe_step:
             self._start_probe(micro_batches)
+        self._factor = self._counted_factor(micro_batches) if len(micro_batches[0]) > 2 else None
         with self.spec.loss_context(self.dims.tp), self._precision():
             if self.schedule is not None:
                 local = self._pipeline_forward_backward(self.schedule, micro_batches)
@@ -216,12 +229,12 @@ class TrainEngine:
 
     def _local_forward_backward(self, micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
-        for i, (inputs, targets) in enumerate(micro_batches):
+        for i, mb in enumerate(micro_batches):
             is_last = i == len(micro_batches) - 1
             fsdp.prepare_micro_batch(self.model, self.parallel_cfg.zero, is_last)
             with ddp.micro_batch_context(self.model, is_last):
-                logits = self.model(inputs.to(self.device))
-                loss = self.spec.loss_fn(logits, targets.to(self.device))
+                logits = self._forward(mb)
+                loss = self._loss(logits, mb[1].to(self.device), self._factor)
                 del logits  # the loss keeps what backward needs; the logits would hold b*s*V more
                 if is_last and self.dims.dense_dp > 1 and loss.requires_grad:
                     with _own_backward(loss) as own:
@@ -232,6 +245,60 @@ class TrainEngine:
             total += to_local_value(loss.detach())
         return total / self.grad_accum
 
+    def _forward(self, mb: MicroBatch) -> torch.Tensor:
+        """The model's outputs for a micro-batch; packed rows pass their ``document_ids``."""
+        docs = mb[2] if len(mb) > 2 else None
+        if docs is None:
+            return self.model(mb[0].to(self.device))
+        if not self.spec.documents:
+            raise RuntimeError(f"model {self.spec.name!r} takes no document_ids (the preflight refuses it)")
+        return self.model(mb[0].to(self.device), document_ids=docs.to(self.device))
+
+    def _counted_factor(self, micro_batches: Sequence[MicroBatch]) -> float:
+        """``dense_dp * grad_accum / N``, ``N`` the counted targets of the global batch (0 when none)."""
+        local = sum(int((mb[1] != IGNORE).sum()) for mb in micro_batches)
+        count = torch.tensor(float(local), dtype=torch.float64, device=self.device)
+        if self.dims.dense_dp > 1:
+            t = time.perf_counter()
+            dist.all_reduce(count, group=self.dims.dense_mesh.get_group())
+            self.sync_wait_s += time.perf_counter() - t
+        n = float(count)
+        return self.dims.dense_dp * self.grad_accum / n if n > 0 else 0.0
+
+    def _loss(self, outputs: torch.Tensor, targets: torch.Tensor, factor: float | None) -> torch.Tensor:
+        """The spec's mean loss; on SFT rows scaled by the micro-batch's counted targets times
+        ``factor`` (a micro-batch with none contributes a zero of the same graph)."""
+        if factor is None:
+            return self.spec.loss_fn(outputs, targets)
+        count = int((targets != IGNORE).sum())
+        if count == 0 or factor == 0.0:
+            return self.spec.loss_fn(outputs, targets.clamp(min=0)) * 0.0
+        return self.spec.loss_fn(outputs, targets) * (count * factor)
+
+    def _pipeline_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self._loss(outputs, targets, self._factor)
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: Sequence[MicroBatch]) -> float:
+        """The mean loss over the counted targets of every rank's ``micro_batches`` together (no
+        gradient): each data shard's share of an eval corpus, summed with the counts over the
+        DP group. Every rank runs as many micro-batches (a share's padding counts nothing)."""
+        if self.schedule is not None:
+            raise RuntimeError("eval under pipeline parallelism (the spec refuses train.eval_every with pp > 1)")
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        with self.spec.loss_context(self.dims.tp), self._precision():
+            for mb in micro_batches:
+                targets = mb[1].to(self.device)
+                count = int((targets != IGNORE).sum())
+                logits = self._forward(mb)
+                if count:
+                    mean = to_local_value(self.spec.loss_fn(logits, targets).detach())
+                    sums += torch.stack([mean.double() * count, torch.tensor(float(count), dtype=torch.float64)])
+                del logits
+        if self.dims.dense_dp > 1:
+            dist.all_reduce(sums, group=self.dims.dense_mesh.get_group())
+        return float(sums[0] / sums[1]) if float(sums[1]) > 0 else float("nan")
+
     def _precision(self) -> contextlib.AbstractContextManager:
         if not self._autocast:
             return contextlib.nullcontext()
@@ -241,8 +308,10 @@ class TrainEngine:
         self, schedule: PipelineScheduleSingle, micro_batches: Sequence[MicroBatch]
     ) -> torch.Tensor:
         # The schedule re-splits the concatenation along dim 0 into the same micro-batches.
-        args = (torch.cat([x for x, _ in micro_batches]).to(self.device),) if self.is_first_stage else ()
-        target = torch.cat([y for _, y in micro_batches]).to(self.device) if self.is_last_stage else None
+        if any(len(mb) > 2 and mb[2] is not None for mb in micro_batches):
+            raise RuntimeError("document_ids under pipeline parallelism (the preflight refuses it)")
+        args = (torch.cat([mb[0] for mb in micro_batches]).to(self.device),) if self.is_first_stage else ()
+        target = torch.cat([mb[1] for mb in micro_batches]).to(self.device) if self.is_last_stage else None
         losses: list[torch.Tensor] = []
         schedule.step(*args, target=target, losses=losses if self.is_last_stage else None, return_outputs=False)
         if not self.is_last_stage:
@@ -286,7 +355,7 @@ class TrainEngine:
         probe.__enter__()
         probe.register(list(self.model.parameters()) + list(self.model.buffers()))
         probe.register(memtrack.tensors_in(self.optimizer.state))
-        probe.register([t for pair in micro_batches for t in pair])
+        probe.register([t for mb in micro_batches for t in mb if t is not None])
         if self.pipeline_stage is not None:  # allocated by the first step, written in place by receives
             probe.register(pp.received_buffers(self.pipeline_stage))
         self._probe = probe

@@ -222,13 +222,45 @@ class RankStream:
             rows = np.concatenate(
                 [self.corpus.rows(idx) for idx in self.layout.micro_batches(batch_index, self.dp_rank)]
             )
-        if self._row_check is not None:
-            self._row_check(rows, batch_index)
         from elastic.parallel.cp import sequence_slice
 
+        columns = self.corpus.columns if self.corpus is not None else (TOKENS,)
+        if len(columns) > 1:  # SFT rows: tokens, loss_mask and/or document_ids side by side
+            return self._sft_micro_batches(rows, columns, batch_index)
+        if self._row_check is not None:
+            self._row_check(rows, batch_index)
         rows = sequence_slice(rows, *self.seq_chunk)
         tokens = self._torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
         return [(mb[:, :-1].contiguous(), mb[:, 1:].contiguous()) for mb in tokens.split(self.layout.micro_batch)]
+
+    def _sft_micro_batches(self, rows: np.ndarray, columns: tuple[str, ...], batch_index: int) -> list[tuple]:
+        """``(inputs, targets, document_ids)`` per micro-batch: targets that do not count are
+        ``IGNORE``, ``document_ids`` those of the inputs (``None`` without the column)."""
+        from elastic.ingest.sft_rows import SftRows, check_columns, split_columns
+        from elastic.parallel.cp import sequence_slice
+
+        sft = split_columns(rows, columns)
+        if self._row_check is not None:
+            self._row_check(sft.tokens, batch_index)
+        check_columns(sft, f"batch {batch_index}")
+        cut = [
+            None if x is None else sequence_slice(x, *self.seq_chunk)
+            for x in (sft.tokens, sft.loss_mask, sft.document_ids)
+        ]
+        sft = SftRows(*cut)
+        torch = self._torch
+        tokens = torch.from_numpy(np.ascontiguousarray(sft.tokens))
+        targets = torch.from_numpy(np.ascontiguousarray(sft.targets()))
+        docs = None if sft.document_ids is None else torch.from_numpy(np.ascontiguousarray(sft.document_ids[:, :-1]))
+        mb = self.layout.micro_batch
+        return [
+            (
+                tokens[i : i + mb, :-1].contiguous(),
+                targets[i : i + mb].contiguous(),
+                None if docs is None else docs[i : i + mb],
+            )
+            for i in range(0, len(tokens), mb)
+        ]
 
     def _run(self, batch_index: int, delay: float) -> None:
         if delay > 0 and self._stop.wait(delay):

@@ -2,6 +2,10 @@
 (``data.loader: native``), the reference every other reader is tested against, and the
 preflight's and the per-rank Ray Data pipeline's reader. Runs in the rank that reads
 (``elastic.ingest.corpus.RankStream``) or in a Ray Data actor.
+
+A corpus may hold ``loss_mask`` and ``document_ids`` beside ``tokens`` (SFT data, docs/data.md):
+its rows are then the columns side by side, ``[rows, width * len(columns)]`` in the order of
+``ParquetCorpus.columns`` (``elastic.ingest.sft_rows.split_columns`` takes them apart).
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ import pyarrow.parquet as pq
 from storage import url_to_fs
 
 TOKENS = "tokens"
+LOSS_MASK = "loss_mask"  # optional, 0/1: position i says whether predicting token i counts
+DOCUMENT_IDS = "document_ids"  # optional: rows packed from several documents (elastic/ingest/sft_rows.py)
+SFT_COLUMNS = (LOSS_MASK, DOCUMENT_IDS)  # beside ``tokens``, each seq_len + 1 long, in this order
 
 READ_ROWS = 1024  # rows a ParquetCorpus reads at once (consecutive row groups of one file)
 
@@ -24,7 +31,7 @@ def _as_rows(col: Any, where: str) -> np.ndarray:
     """A ``tokens`` column (fixed-size or variable lists) as int64 ``[rows, width]``."""
     width = col.type.list_size if pa.types.is_fixed_size_list(col.type) else None
     if width is not None:
-        return col.flatten().to_numpy().astype(np.int64).reshape(-1, width)
+        return col.flatten().to_numpy(zero_copy_only=False).astype(np.int64).reshape(-1, width)
     lists = [np.asarray(x, dtype=np.int64) for x in col.to_pylist()]
     if len({len(x) for x in lists}) > 1:
         from elastic.errors import CorpusError
@@ -49,18 +56,24 @@ class ParquetCorpus:
         self._meta: dict[str, Any] = {}  # each file's footer, read once here
         starts = []
         total = 0
+        columns: tuple[str, ...] | None = None
         for path in files:
             with self.fs.open(path, "rb") as f:
                 pf = pq.ParquetFile(f)
                 meta, names = pf.metadata, pf.schema_arrow.names
             if TOKENS not in names:
                 raise ValueError(f"{path} has no '{TOKENS}' column")
+            have = (TOKENS, *(c for c in SFT_COLUMNS if c in names))
+            if columns is not None and have != columns:
+                raise ValueError(f"{path} has the columns {have}; the corpus's first file has {columns}")
+            columns = have
             self._meta[path] = meta
             for g in range(meta.num_row_groups):
                 self._groups.append((path, g, total))
                 starts.append(total)
                 total += meta.row_group(g).num_rows
         self.num_rows = total
+        self.columns: tuple[str, ...] = columns or (TOKENS,)  # tokens first, then the SFT columns it has
         self._starts = np.asarray(starts, dtype=np.int64)
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
         self._cache_size = cache_row_groups
@@ -81,9 +94,16 @@ class ParquetCorpus:
         meta = self._meta[path]
         with self.fs.open(path, "rb") as f:
             pf = pq.ParquetFile(f, metadata=meta)
-            col = pf.read_row_groups(list(range(g, g + last - gi + 1)), columns=[TOKENS]).column(TOKENS)
+            table = pf.read_row_groups(list(range(g, g + last - gi + 1)), columns=list(self.columns))
         self.bytes_read += sum(meta.row_group(h).total_byte_size for h in range(g, g + last - gi + 1))
-        arr = _as_rows(col.combine_chunks(), f"{path} row groups {g}..{g + last - gi}")
+        where = f"{path} row groups {g}..{g + last - gi}"
+        parts = [_as_rows(table.column(c).combine_chunks(), f"{where} column {c!r}") for c in self.columns]
+        if len({p.shape[1] for p in parts}) > 1:
+            from elastic.errors import CorpusError
+
+            widths = ", ".join(f"{c} {p.shape[1]}" for c, p in zip(self.columns, parts))
+            raise CorpusError(f"{where}: columns of different widths ({widths})")
+        arr = parts[0] if len(parts) == 1 else np.hstack(parts)
         at = 0
         for h in range(gi, last + 1):
             n = meta.row_group(self._groups[h][1]).num_rows

@@ -15,6 +15,11 @@ is checked instead) and its value count), and ``SAMPLE_ROWS`` rows of the first 
 for real.
 What the sample cannot see is caught as it is read (``RankStream``: a ``CorpusError``,
 which ends the job at once rather than being retried).
+
+The optional SFT columns (``loss_mask``, ``document_ids``: ``elastic/ingest/sft_rows.py``) are
+checked the same way: lists of integers ``model.seq_len + 1`` long, in every file or none,
+``loss_mask`` 0 or 1 in the sample; the error names the column. ``check_sft_layout`` refuses
+a layout or model that cannot train on them.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import pyarrow.parquet as pq
 from elastic.errors import CorpusError, SpecError
 from elastic.ingest.corpus import TOKENS
 from elastic.ingest.index import CorpusIndex, read_index
+from elastic.ingest.parquet_corpus import DOCUMENT_IDS, LOSS_MASK, SFT_COLUMNS
 from storage import redact_uri, url_to_fs
 
 log = logging.getLogger(__name__)
@@ -38,12 +44,59 @@ T = TypeVar("T")
 SAMPLE_ROWS = 256
 
 
-def check_corpus(data: Any, seq_len: int, vocab_size: int) -> None:
-    """``SpecError`` on ``data.source`` when the corpus cannot train this model (see the module
-    docstring). A remote corpus the driver cannot reach (credentials only on the cluster) is
-    left to the readers, with a warning."""
-    if data.source == "synthetic":
+def check_corpus(
+    data: Any, seq_len: int, vocab_size: int, source: str | None = None, field: str = "data.source"
+) -> tuple[str, ...]:
+    """``SpecError`` on ``field`` when the corpus cannot train this model (see the module
+    docstring); returns its columns (``tokens`` first). A remote corpus the driver cannot
+    reach (credentials only on the cluster) is left to the readers, with a warning.
+    ``source``: another corpus than ``data.source`` (``data.eval_source``), named ``field``."""
+    if source is None and data.source == "synthetic":
+        return (TOKENS,)
+    try:
+        return _check_corpus(data, seq_len, vocab_size, source or data.source)
+    except SpecError as exc:
+        if field == "data.source":
+            raise
+        raise SpecError(field, exc.message if hasattr(exc, "message") else str(exc)) from None
+
+
+def check_sft_layout(columns: tuple[str, ...], spec: Any) -> None:
+    """A corpus with ``document_ids`` needs a model whose forward takes them, and no pipeline
+    or context parallelism (their stages and chunks carry no document ids); a corpus with
+    SFT columns is read by the rank's own reader (``data.loader: native``) when it has an
+    index (the host readers read ``tokens`` alone)."""
+    if len(columns) == 1:
         return
+    if DOCUMENT_IDS in columns:
+        from elastic.models.spec import model_spec
+
+        if spec.parallel.pp > 1:
+            raise SpecError("parallel.pp", f"the corpus has a '{DOCUMENT_IDS}' column: packed rows need parallel.pp=1")
+        if spec.parallel.cp > 1:
+            raise SpecError("parallel.cp", f"the corpus has a '{DOCUMENT_IDS}' column: packed rows need parallel.cp=1")
+        if not model_spec(spec.model).documents:
+            raise SpecError(
+                "model.kind",
+                f"the corpus has a '{DOCUMENT_IDS}' column; model {spec.model.kind!r} takes no document ids",
+            )
+    if spec.data.loader in ("feeder", "ray_data") or (spec.data.loader == "auto" and _has_index(spec.data)):
+        raise SpecError(
+            "data.loader",
+            f"the corpus has {', '.join(c for c in columns if c != TOKENS)} beside tokens, which only the rank's own "
+            "reader reads: set data.loader=native",
+        )
+
+
+def _has_index(data: Any) -> bool:
+    try:
+        return read_index(data.source, data.storage_options) is not None
+    except Exception:  # noqa: BLE001 - unreadable: check_corpus said so already
+        return False
+
+
+def _check_corpus(data: Any, seq_len: int, vocab_size: int, source: str) -> tuple[str, ...]:
+    data = data.model_copy(update={"source": source})
     try:
         fs, files, is_dir = _parquet_files(data.source, data.storage_options)
     except SpecError:
@@ -51,14 +104,19 @@ def check_corpus(data: Any, seq_len: int, vocab_size: int) -> None:
     except Exception as exc:  # noqa: BLE001 - remote and unreachable from here: checked when read
         if "://" in data.source and not data.source.startswith("file://"):
             log.warning("data.source not checked from the driver (%s): the readers will check it", type(exc).__name__)
-            return
+            return (TOKENS,)
         raise SpecError("data.source", f"{data.source} cannot be read: {_reason(exc)}") from None
     index = _check_index(data, seq_len, vocab_size) if is_dir else None  # a prepared corpus has an index.json
+    columns: tuple[str, ...] | None = None
     for path in _spread(files, MAX_FOOTERS):
-        _check_footer(fs, path, seq_len, vocab_size)
+        have = _check_footer(fs, path, seq_len, vocab_size)
+        if columns is not None and have != columns:
+            raise SpecError("data.source", f"{redact_uri(path)} has the columns {have}; the first file has {columns}")
+        columns = have
     if index is not None:
         _check_sidecars(fs, index, data.source)
-    _check_sample(fs, files[0], seq_len, vocab_size)
+    _check_sample(fs, files[0], seq_len, vocab_size, columns or (TOKENS,))
+    return columns or (TOKENS,)
 
 
 def check_rows(rows: Any, row_width: int, vocab_size: int, where: str) -> None:
@@ -125,7 +183,7 @@ def _check_sidecars(fs: Any, index: CorpusIndex, source: str) -> None:
             raise SpecError("data.source", f"{name}: {size} bytes; its index.json says {shard.groups_bytes}")
 
 
-def _check_footer(fs: Any, path: str, seq_len: int, vocab_size: int) -> None:
+def _check_footer(fs: Any, path: str, seq_len: int, vocab_size: int) -> tuple[str, ...]:
     name = redact_uri(path)
     try:
         with fs.open(path, "rb") as f:
@@ -145,6 +203,9 @@ def _check_footer(fs: Any, path: str, seq_len: int, vocab_size: int) -> None:
         raise SpecError("data.source", f"{name}: rows of {kind.list_size} ids; model.seq_len + 1 = {width} expected")
     if meta.num_rows == 0:
         raise SpecError("data.source", f"{name} holds no rows")
+    columns = (TOKENS, *(c for c in SFT_COLUMNS if c in schema.names))
+    for c in columns[1:]:
+        _check_sft_column(meta, schema, c, name, width)
     column = _leaf_column(meta)
     for g in range(meta.num_row_groups):
         chunk = meta.row_group(g).column(column)
@@ -162,19 +223,54 @@ def _check_footer(fs: Any, path: str, seq_len: int, vocab_size: int) -> None:
                 f"{name}: token ids from {stats.min} to {stats.max} in row group {g}; model.vocab_size "
                 f"{vocab_size} allows 0..{vocab_size - 1}",
             )
+    return columns
 
 
-def _check_sample(fs: Any, path: str, seq_len: int, vocab_size: int) -> None:
+def _check_sft_column(meta: Any, schema: Any, column: str, name: str, width: int) -> None:
+    """A ``loss_mask`` or ``document_ids`` column: lists of integers (``loss_mask`` may be
+    booleans), ``width`` long in every row."""
+    kind = schema.field(column).type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)):
+        raise SpecError("data.source", f"{name}: column '{column}' is {kind}, not a list per row")
+    ok = pa.types.is_integer(kind.value_type) or (column == LOSS_MASK and pa.types.is_boolean(kind.value_type))
+    if not ok:
+        raise SpecError("data.source", f"{name}: column '{column}' holds {kind.value_type}, not integers")
+    if pa.types.is_fixed_size_list(kind):
+        if kind.list_size != width:
+            raise SpecError(
+                "data.source", f"{name}: column '{column}' has rows of {kind.list_size}; model.seq_len + 1 = {width}"
+            )
+        return
+    leaf = _leaf_column(meta, column)
+    for g in range(meta.num_row_groups):
+        rows, values = meta.row_group(g).num_rows, meta.row_group(g).column(leaf).num_values
+        if values != rows * width:
+            raise SpecError(
+                "data.source",
+                f"{name}: column '{column}' holds {values} values in {rows} rows of row group {g}; every row needs "
+                f"model.seq_len + 1 = {width}",
+            )
+
+
+def _check_sample(fs: Any, path: str, seq_len: int, vocab_size: int, columns: tuple[str, ...] = (TOKENS,)) -> None:
     import numpy as np
 
     name = redact_uri(path)
     try:
         with fs.open(path, "rb") as f:
-            batch = next(pq.ParquetFile(f).iter_batches(batch_size=SAMPLE_ROWS, columns=[TOKENS]))
+            batch = next(pq.ParquetFile(f).iter_batches(batch_size=SAMPLE_ROWS, columns=list(columns)))
             col = batch.column(0)
             rows = [np.asarray(r if r is not None else [], dtype=np.int64) for r in col.to_pylist()]
+            extra = {c: batch.column(i + 1).to_pylist() for i, c in enumerate(columns[1:])}
     except Exception as exc:  # noqa: BLE001
         raise SpecError("data.source", f"{name}: its first rows cannot be read: {_reason(exc)}") from None
+    for c, values in extra.items():
+        lengths = {len(v) if v is not None else 0 for v in values}
+        if lengths != {seq_len + 1}:
+            bad = sorted(lengths - {seq_len + 1})[0]
+            raise SpecError("data.source", f"{name}: column '{c}' has rows of {bad}; model.seq_len + 1 = {seq_len + 1}")
+        if c == LOSS_MASK and not {int(x) for v in values for x in v} <= {0, 1}:
+            raise SpecError("data.source", f"{name}: column '{LOSS_MASK}' holds values other than 0 and 1")
     widths = {len(r) for r in rows}
     if widths != {seq_len + 1}:
         bad = sorted(widths - {seq_len + 1})[0]
@@ -185,11 +281,11 @@ def _check_sample(fs: Any, path: str, seq_len: int, vocab_size: int) -> None:
         raise SpecError("data.source", str(exc)) from None
 
 
-def _leaf_column(meta: Any) -> int:
+def _leaf_column(meta: Any, column: str = TOKENS) -> int:
     for i in range(meta.num_columns):
-        if meta.schema.column(i).path.split(".")[0] == TOKENS:
+        if meta.schema.column(i).path.split(".")[0] == column:
             return i
-    raise AssertionError("no leaf column of tokens")  # the arrow schema named it
+    raise AssertionError(f"no leaf column of {column}")  # the arrow schema named it
 
 
 def _spread(files: list[T], most: int) -> list[T]:

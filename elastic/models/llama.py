@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from elastic.models.config import LlamaConfig, RopeScaling
+from elastic.models.documents import Documents, documents
 from elastic.models.hf_families import hf_adapter
 from elastic.models.spec import ModelSpec, lm_loss, normal_or_ones, register_model, seeded_init
 
@@ -65,14 +66,20 @@ def rope_tables(
     device: torch.device,
     scaling: RopeScaling | None = None,
     start: int = 0,
+    positions: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of ``pos * theta^(-2i/head_dim)`` for positions ``start .. start + seq - 1``,
-    shape ``[seq, head_dim / 2]`` (fp32). ``start`` > 0: a context-parallel chunk."""
+    shape ``[seq, head_dim / 2]`` (fp32). ``start`` > 0: a context-parallel chunk. ``positions``
+    (``[b, seq]``, packed documents: ``elastic.models.documents``): those instead, shape
+    ``[b, 1, seq, head_dim / 2]``."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     if scaling is not None:
         inv_freq = llama3_scaled(inv_freq, scaling)
-    positions = torch.arange(start, start + seq, device=device, dtype=torch.float32)
-    angles = torch.outer(positions, inv_freq)
+    if positions is not None:
+        angles = (positions.to(torch.float32)[..., None] * inv_freq)[:, None]
+        return angles.cos(), angles.sin()
+    pos = torch.arange(start, start + seq, device=device, dtype=torch.float32)
+    angles = torch.outer(pos, inv_freq)
     return angles.cos(), angles.sin()
 
 
@@ -111,7 +118,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_size, cfg.norm_eps) if cfg.qk_norm else None
         self.cp: ContextParallel | None = None  # set when the sequence is split over ranks
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
+        """``docs``: the row's packed documents (block-diagonal causal attention, positions
+        restarting at each document); ``None``: one causal sequence."""
         bsz, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds n_heads / tp (n_kv_heads / tp) of them.
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
@@ -121,15 +130,21 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         start = self.cp.rope_offset(seq) if self.cp is not None else 0
-        cos, sin = rope_tables(seq, self.head_dim, self.theta, x.device, self.rope_scaling, start)
+        positions = docs.positions if docs is not None else None
+        cos, sin = rope_tables(seq, self.head_dim, self.theta, x.device, self.rope_scaling, start, positions)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.cp is not None:  # this rank's chunk of the sequence attends to all earlier chunks
+            if docs is not None:
+                raise RuntimeError("document_ids under context parallelism (the preflight refuses it)")
             y = self.cp.attention(q, k, v, self.n_rep)
             return self.wo(y.transpose(1, 2).reshape(bsz, seq, -1))
         if self.n_rep > 1:  # each key/value head serves n_rep consecutive query heads
             k = k.repeat_interleave(self.n_rep, dim=1)
             v = v.repeat_interleave(self.n_rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if docs is not None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(y.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -152,8 +167,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), docs)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -172,12 +187,15 @@ class Llama(nn.Module):
         """Every block's attention (a ``Block`` or a ``MoEBlock``, each holds one as ``attn``)."""
         return [cast(Attention, block.attn) for block in self.blocks.values()]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids -> logits on a full model; hidden states in or out on a pipeline stage."""
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids -> logits on a full model; hidden states in or out on a pipeline stage.
+        ``document_ids`` (``[b, s]``): the row is packed from documents that never attend to
+        each other, each with positions from 0 (``elastic.models.documents``)."""
+        docs = documents(document_ids) if document_ids is not None else None
         if self.tok_emb is not None:
             x = self.tok_emb(x)
         for block in self.blocks.values():
-            x = block(x)
+            x = block(x) if docs is None else block(x, docs)
         if self.norm is not None:
             x = self.norm(x)
         if self.head is not None:
@@ -266,6 +284,7 @@ def llama_spec(cfg: LlamaConfig) -> ModelSpec:
         memory=cfg.memory_inputs(),
         hf=hf_adapter(cfg),
         cp_plan=apply_cp,
+        documents=True,
     )
 
 

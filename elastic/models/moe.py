@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from elastic.models.config import LlamaConfig
+from elastic.models.documents import Documents
 from elastic.models.hf_families import hf_adapter
 from elastic.models.llama import NORMS, Attention, Llama, RMSNorm, attention_plan, build_stage
 from elastic.models.spec import ModelSpec, lm_loss, register_variant, seeded_init
@@ -178,8 +179,8 @@ class MoEBlock(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MoE(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, docs: Documents | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), docs)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -264,6 +265,7 @@ def moe_spec(cfg: LlamaConfig) -> ModelSpec:
         memory=cfg.memory_inputs(),
         ep_plan=apply_ep,
         cp_plan=apply_moe_cp,
+        documents=True,
         set_loss_scale=set_loss_scale,
         hf=hf_adapter(cfg),
     )

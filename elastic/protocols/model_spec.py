@@ -25,8 +25,11 @@ The contract the engine relies on:
   (the MoE balance loss) the factor the engine applies to each micro-batch's loss.
 * ``split_stage(model, pp, pp_rank)`` keeps only stage ``pp_rank``, without renaming any
   parameter (``None``: no pipeline parallelism). Checkpoints are keyed by FQN.
-* ``loss_fn(outputs, targets)`` is the mean loss of a micro-batch; it runs inside
-  ``loss_context(tp)`` (e.g. torch's ``loss_parallel``).
+* ``loss_fn(outputs, targets)`` is the mean loss of a micro-batch over its targets other
+  than -100 (SFT rows mark the targets that do not count so; ``lm_loss`` skips them); it
+  runs inside ``loss_context(tp)`` (e.g. torch's ``loss_parallel``).
+* ``documents``: the model's forward takes ``document_ids=`` (``[b, s]``, rows packed from
+  several documents: ``elastic/models/documents.py``); a corpus with that column needs it.
 * ``flops_per_token`` (training, forward + backward) feeds MFU; ``memory`` the memory model.
 * ``check_layout(tp, pp)`` refuses what the model cannot do, naming the spec field.
 * ``hf`` maps the model to and from a Hugging Face model (``model.init_from``, ``elastic
@@ -55,7 +58,7 @@ if TYPE_CHECKING:
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy over every token of the micro-batch."""
+    """Mean next-token cross entropy over the micro-batch's targets (those of -100 skipped)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
@@ -96,6 +99,7 @@ class ModelSpec(Generic[M]):
     ep_plan: Callable[[M, Any], list[nn.Module]] | None = None
     cp_plan: Callable[[M, DeviceMesh], Any] | None = None
     set_loss_scale: Callable[[M, float], None] | None = None
+    documents: bool = False  # its forward takes ``document_ids=`` (packed rows: elastic/models/documents.py)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def check_layout(self, tp: int, pp: int, ep: int = 1, cp: int = 1) -> None:
