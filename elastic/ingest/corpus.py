@@ -247,7 +247,7 @@ class RankStream:
             None if x is None else sequence_slice(x, *self.seq_chunk)
             for x in (sft.tokens, sft.loss_mask, sft.document_ids)
         ]
-        sft = SftRows(*cut)
+        sft = SftRows(*cut)  # type: ignore[arg-type]  # tokens is never None
         torch = self._torch
         tokens = torch.from_numpy(np.ascontiguousarray(sft.tokens))
         targets = torch.from_numpy(np.ascontiguousarray(sft.targets()))
