@@ -148,5 +148,5 @@ def test_train_api_recovery_takes_ray_train_through_a_node_loss_and_ours_or_says
     assert ours["status"] == "succeeded", ours
     assert (ours["old_size"], ours["new_size"]) == (4, 3), ours
     assert (ours["rows_once"], ours["rows_twice"], ours["rows_never"]) == (960, 0, 0), ours
-    assert ours["steps_trained_again"] <= ray["steps_trained_again"]
+    assert ours["steps_trained_again"] <= 5  # since its checkpoint; against Ray Train: the benchmark's figure
     assert ours["survivor_processes_kept"] == 3  # a node loss never restarts a survivor's process
