@@ -105,7 +105,6 @@ class _Positioned:
         self.seed = seed
         self._group = group  # () -> (rank, world), read at every batch
         self.position = Position()
-        self._generation = 0  # bumped when the group changed under a running pass
         self.sampler = _Sampler(self)
         self.served: list[int] = []  # this rank's row ids of the batch last served (for ledgers)
 
@@ -116,7 +115,6 @@ class _Positioned:
     def restore(self, position: Position) -> None:
         """Continue from ``position`` (a checkpoint's or a snapshot's); the next batch is re-cut."""
         self.position = Position(position.epoch, position.rows, position.done)
-        self._generation += 1
 
     def _pass(self) -> Iterator[tuple[list[int], int]]:
         """This rank's row ids batch by batch, with the global rows each consumes."""
@@ -161,12 +159,8 @@ class ExactLoader(_Positioned):
         self._move = move
 
     def __iter__(self) -> Iterator[Any]:
-        generation = self._generation
         for ids, consumed in self._pass():
             batch = self.loader.collate_fn([self.dataset[i] for i in ids])
-            if generation != self._generation:  # restored while this batch was being made: re-cut it
-                generation = self._generation
-                continue
             self.served = ids
             self.position.rows += consumed
             yield self._move(batch)
@@ -219,12 +213,8 @@ class ExactShard(_Positioned):
     ) -> Iterator[Any]:
         self.batch_size = int(batch_size or self.n_rows or 1)
         self.drop_last = drop_last
-        generation = self._generation
         for ids, consumed in self._pass():
             table = self._take(ids)
-            if generation != self._generation:
-                generation = self._generation
-                continue
             self.served = ids
             self.position.rows += consumed
             yield _format(table, batch_format)

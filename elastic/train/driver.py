@@ -187,6 +187,7 @@ class LoopDriver:
                 "index": int(r["index"]),
                 "path": ckpts.checkpoint_dir(self.job.storage_dir, int(r["index"])),
                 "metrics": r.get("metrics", {}),
+                "positions": r.get("positions", []),
             }
             for r in records
         ]
@@ -329,8 +330,7 @@ class LoopDriver:
         if index == 0:
             if self.committed:
                 c = self.committed[-1]
-                rec = [r for r in ckpts.committed(self.job.storage_dir) if int(r["index"]) == c["index"]]
-                return Restore(c["index"], [], c["path"], rec[0].get("positions", []) if rec else [])
+                return Restore(c["index"], [], c["path"], c["positions"])
             return None
         parts = [(r, self.holders.get((index, r), [])) for r in sorted(self.parts.get(index, ()))]
         storage = next((c["path"] for c in self.committed if c["index"] == index), None)
@@ -359,8 +359,8 @@ class LoopDriver:
             self._maybe_ask_growth()
             time.sleep(TICK_S)
 
-    def _poll(self) -> None:
-        for w in self.members:
+    def _poll(self, workers: list[Worker] | None = None) -> None:
+        for w in self.members if workers is None else workers:
             if w.run_ref is not None and w.outcome is None:
                 done, _ = ray.wait([w.run_ref], timeout=0)
                 if done:
@@ -482,7 +482,7 @@ class LoopDriver:
         path = ckpts.commit(
             self.job.storage_dir, index, manifest, {"metrics": metrics, "positions": self.positions[index]}
         )
-        self.committed.append({"index": index, "path": path, "metrics": metrics})
+        self.committed.append({"index": index, "path": path, "metrics": metrics, "positions": self.positions[index]})
         self.settled.add(index)
         self.events.emit("checkpoint", step=index, committed=True, uri=path)
         self._prune()
@@ -562,10 +562,7 @@ class LoopDriver:
                 _exception_of(errors),
             )
         for w in lost:
-            try:
-                ray.kill(w.actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
+            _kill(w)
         spares = self._ready_spares(check=True)
         need = self.job.min_workers - len(survivors)
         if need > 0:
@@ -635,7 +632,7 @@ class LoopDriver:
                 lost.append(w)
         settle = time.monotonic() + SETTLE_TIMEOUT_S
         while time.monotonic() < settle:
-            self._poll_some(alive)
+            self._poll(alive)
             if all(w.outcome is not None or w.waiting for w in alive):
                 break
             time.sleep(TICK_S)
@@ -643,14 +640,6 @@ class LoopDriver:
         for w in stuck:
             logger.warning("worker pid %d neither left its step nor returned: treated as lost", w.pid)
         return lost + stuck, [w for w in alive if w not in stuck and not (w.outcome and w.outcome["kind"] == "lost")]
-
-    def _poll_some(self, workers: list[Worker]) -> None:
-        saved = self.members
-        self.members = workers
-        try:
-            self._poll()
-        finally:
-            self.members = saved
 
     def _wait_runs(self, workers: list[Worker]) -> None:
         deadline = time.monotonic() + SETTLE_TIMEOUT_S
@@ -686,10 +675,7 @@ class LoopDriver:
     # ------------------------------------------------------------------ end
     def _shutdown(self) -> None:
         for w in self.members + self.spares:
-            try:
-                ray.kill(w.actor, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
+            _kill(w)
         if self.store is not None:
             self.store.close()
 

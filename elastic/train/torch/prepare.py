@@ -14,6 +14,7 @@ what a loop calls to hand the platform its model, data and optimizer (Ray Train'
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -89,9 +90,8 @@ def prepare_data_loader(
     s = _session.current()
     rank = s.state["rank"]
     device = get_device() if move_to_device else None
-    loader = ExactLoader(data_loader, rank.current_group, lambda b: _to(b, device))
-    if not add_dist_sampler:
-        loader._group = lambda: (0, 1)
+    whole: Callable[[], tuple[int, int]] = lambda: (0, 1)  # noqa: E731 - every rank reads it all
+    loader = ExactLoader(data_loader, rank.current_group if add_dist_sampler else whole, lambda b: _to(b, device))
     loaders = s.state["loaders"]
     positions = s.state["positions"]
     if len(loaders) < len(positions):
