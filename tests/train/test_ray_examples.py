@@ -154,7 +154,7 @@ def test_torch_quick_start(ray_local, tmp_path, monkeypatch):
         assert all(np.isfinite(losses)) and losses[-1] < losses[0], by_process
 
 
-def _regression_csv(path: str, rows: int = 200) -> None:
+def _regression_csv(path: str, rows: int = 800) -> None:
     """The columns of Ray's ``regression.csv`` (``x000``..``x099``, ``y``): y a fixed linear
     function of x plus a little noise."""
     import pandas as pd
