@@ -3,13 +3,22 @@ this epoch, recomputed from one global position whenever the group changes.
 
 An epoch is one global order of the dataset's rows (a permutation seeded by the epoch when
 the loader shuffles, the identity otherwise). The group consumes it from the front, one
-global batch at a time: at position ``p`` with ``world`` ranks of ``batch_size`` rows each,
-rank ``r`` takes ``order[p + r*batch_size : p + (r+1)*batch_size]`` and the position
-advances by ``world * batch_size``. Every rank computes the same position from the same
-history, so nothing is exchanged per batch. When the group is re-formed at another size
-the position is where the last trained batch left it (the loop's checkpoint carries it on
-re-entry, the step guard's snapshot in place: ``elastic/train/step_guard.py``), and the
-rest of the epoch is split at the new size: a row is trained exactly once per epoch.
+global batch at a time. The global batch is fixed when the loader is made (or a shard's
+``iter_batches`` is first called with a batch size): the DataLoader's ``batch_size`` times the
+group's size then, as Ray Train's would be. At position ``p`` with ``world`` ranks, the next
+``global_batch`` rows of the order are split among the ranks in rank order, as evenly as they
+divide (the first ``global_batch % world`` ranks take one row more), and the position advances
+by ``global_batch``. Every rank computes the same position from the same history, so nothing
+is exchanged per batch.
+
+When the group is re-formed in place (the step guard: ``elastic/train/step_guard.py``) the
+loop is not entered again, and its loader keeps its global batch: each rank's share grows
+(48 rows are 12 a rank at 4 ranks, 16 at 3), so the loop's steps per epoch, learning-rate
+schedule and optimizer see the batch they were tuned for. When the loop is entered again
+(a re-entry from a checkpoint, or growth) it makes its loader again, at the new size. Either
+way the position is where the last trained batch left it (the checkpoint carries it on
+re-entry, the step guard's snapshot in place), and the rest of the epoch is split at the new
+size: a row is trained exactly once per epoch.
 
 The final global batch of an epoch may be short. Its rows are split as evenly as the ranks
 allow; when fewer rows than ranks remain, each rank without a row of its own repeats one
@@ -55,25 +64,21 @@ def global_order(n: int, epoch: int, shuffle: bool, seed: int) -> list[int]:
     return torch.randperm(n, generator=g).tolist()
 
 
-def rank_slice(order: list[int], start: int, rank: int, world: int, batch_size: int, drop_last: bool) -> list[int]:
+def rank_slice(order: list[int], start: int, rank: int, world: int, global_batch: int, drop_last: bool) -> list[int]:
     """Rank ``rank``'s rows of the global batch that begins at ``start`` (empty: the epoch is over)."""
-    left = len(order) - start
-    if left <= 0:
+    take = batch_rows(len(order) - start, global_batch)
+    if take <= 0 or (drop_last and take < global_batch):
         return []
-    if left >= world * batch_size:
-        return order[start + rank * batch_size : start + (rank + 1) * batch_size]
-    if drop_last:
-        return []
-    if left < world:  # pad: a rank without a row of its own repeats one, so every rank steps
-        return [order[start + (rank % left)]]
-    share, extra = divmod(left, world)
+    if take < world:  # pad: a rank without a row of its own repeats one, so every rank steps
+        return [order[start + (rank % take)]]
+    share, extra = divmod(take, world)
     lo = start + rank * share + min(rank, extra)
     return order[lo : lo + share + (1 if rank < extra else 0)]
 
 
-def batch_rows(left: int, world: int, batch_size: int) -> int:
+def batch_rows(left: int, global_batch: int) -> int:
     """Global rows a batch consumes when ``left`` remain."""
-    return min(left, world * batch_size)
+    return max(0, min(left, global_batch))
 
 
 class _Sampler:
@@ -99,11 +104,12 @@ class _Positioned:
         seed: int,
     ):
         self.n_rows = n_rows
-        self.batch_size = int(batch_size)
+        self.batch_size = int(batch_size)  # as asked: rows per rank at the size it was asked at
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.seed = seed
         self._group = group  # () -> (rank, world), read at every batch
+        self.global_batch = self.batch_size * group()[1]
         self.position = Position()
         self.sampler = _Sampler(self)
         self.served: list[int] = []  # this rank's row ids of the batch last served (for ledgers)
@@ -124,16 +130,22 @@ class _Positioned:
         while True:
             rank, world = self._group()
             start = self.position.rows
-            ids = rank_slice(order, start, rank, world, self.batch_size, self.drop_last)
+            ids = rank_slice(order, start, rank, world, self.global_batch, self.drop_last)
             if not ids:
                 self.position.done = True
                 return
-            yield ids, batch_rows(self.n_rows - start, world, self.batch_size)
+            yield ids, batch_rows(self.n_rows - start, self.global_batch)
+
+    def _ask(self, batch_size: int) -> None:
+        """A batch size asked again (a shard's ``iter_batches``): the same one keeps the global
+        batch fixed when it was first asked; another fixes a new one at the group's size now."""
+        if batch_size != self.batch_size:
+            self.batch_size = batch_size
+            self.global_batch = batch_size * self._group()[1]
 
     def __len__(self) -> int:
-        _, world = self._group()
         left = max(0, self.n_rows - (0 if self.position.done else self.position.rows))
-        full, rest = divmod(left, world * self.batch_size)
+        full, rest = divmod(left, self.global_batch)
         return full + (1 if rest and not self.drop_last else 0)
 
 
@@ -211,7 +223,7 @@ class ExactShard(_Positioned):
     def iter_batches(
         self, *, batch_size: int | None = 256, batch_format: str = "default", drop_last: bool = False, **_: Any
     ) -> Iterator[Any]:
-        self.batch_size = int(batch_size or self.n_rows or 1)
+        self._ask(int(batch_size or self.n_rows or 1))
         self.drop_last = drop_last
         for ids, consumed in self._pass():
             table = self._take(ids)

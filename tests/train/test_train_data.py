@@ -24,7 +24,8 @@ class Rows(Dataset):
 
 
 def _epoch(n: int, worlds: list[int], batch: int, drop_last: bool = False) -> list[list[list[int]]]:
-    """Every rank's batches of one epoch, the world size changing batch by batch."""
+    """Every rank's batches of one epoch, the world size changing batch by batch, the global
+    batch ``batch`` throughout."""
     order = global_order(n, 0, True, 7)
     pos, out = 0, []
     for world in worlds:
@@ -32,14 +33,17 @@ def _epoch(n: int, worlds: list[int], batch: int, drop_last: bool = False) -> li
         if not any(step):
             break
         out.append(step)
-        pos += min(n - pos, world * batch)
+        pos += min(n - pos, batch)
     return out
 
 
-@pytest.mark.parametrize("n,batch", [(97, 4), (64, 8), (10, 4), (3, 2)])
+@pytest.mark.parametrize("n,batch", [(97, 16), (64, 24), (10, 8), (3, 4)])
 def test_every_row_once_whatever_the_sizes(n, batch):
     worlds = [4, 4, 3, 3, 1, 2, 4, 3] * 20
     steps = _epoch(n, worlds, batch)
+    full = [step for step in steps if sum(map(len, step)) >= batch]
+    assert all(sum(map(len, step)) == batch for step in full), "every full batch is the global batch"
+    assert all(max(map(len, s)) - min(map(len, s)) <= 1 for s in steps), "split as evenly as the ranks divide"
     seen = collections.Counter(i for step in steps for ids in step for i in ids)
     assert set(seen) == set(range(n))
     padded = [
@@ -50,7 +54,7 @@ def test_every_row_once_whatever_the_sizes(n, batch):
 
 
 def test_drop_last_drops_only_the_short_batch():
-    steps = _epoch(10, [2] * 10, 4, drop_last=True)
+    steps = _epoch(10, [2] * 10, 8, drop_last=True)
     assert len(steps) == 1 and sorted(sum(steps[0], [])) == sorted(global_order(10, 0, True, 7)[:8])
 
 
@@ -61,12 +65,12 @@ def test_loader_follows_the_group_and_a_restore():
     it = iter(loader)
     assert next(it).tolist() == [0, 1, 2]  # rank 0 of 2: rows 0-2, rank 1 takes 3-5
     assert loader.position.rows == 6
-    group["world"] = 3  # shrunk (or grown) between batches: the rest is cut at the new size
-    assert next(it).tolist() == [6, 7, 8]
+    group["world"] = 3  # shrunk in place between batches: the global batch (6) is cut at the new size
+    assert next(it).tolist() == [6, 7]
     loader.restore(Position(epoch=0, rows=6))  # a rolled-back step: its rows are served again
-    assert next(it).tolist() == [6, 7, 8]
-    assert loader.position.rows == 15
-    assert len(loader) == 1
+    assert next(it).tolist() == [6, 7]
+    assert loader.position.rows == 12
+    assert len(loader) == 2  # 8 rows left: one global batch of 6 and a short one
 
 
 def test_set_epoch_starts_the_epoch_over():

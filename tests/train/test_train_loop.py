@@ -43,18 +43,24 @@ def _summary(result):
         return json.load(f)
 
 
-def _assert_matches_replay(trainer, result, rows=loops.ROWS, batch=4):
+def _assert_matches_replay(trainer, result, rows=loops.ROWS, batch=4, in_place=False):
     """The run's steps (the newest generation's report of each) hold the rows the split rule
     gives at each step's size (a lost rank's report may be missing: its rows are the rule's),
-    every row once in the epoch; rank 0's weights equal one process trained on them."""
+    every row once in the epoch; rank 0's weights equal one process trained on them.
+    The global batch is ``batch`` times the size the loop was entered at: each step's size,
+    but when the group shrinks ``in_place`` the loop's loader keeps its global batch (growth
+    enters the loop again)."""
     reported = loops.lineage(trainer.last_run["ledger"], full=True)
     assert sorted(reported) == list(range(1, len(reported) + 1)), "no step missing"
     order = global_order(rows, 0, True, 0)
     pos, steps = 0, {}
+    entered_at = 0
     for index in sorted(reported):
         world = next(iter(reported[index].values()))["world"]
-        steps[index] = [rank_slice(order, pos, r, world, batch, False) for r in range(world)]
-        pos += min(rows - pos, world * batch)
+        entered_at = world if not in_place or world > entered_at else entered_at
+        global_batch = batch * entered_at
+        steps[index] = [rank_slice(order, pos, r, world, global_batch, False) for r in range(world)]
+        pos += min(rows - pos, global_batch)
         for rank, entry in reported[index].items():
             if entry["rows"][0] != steps[index][rank]:
                 json.dump(trainer.last_run["ledger"], open("/tmp/ledger.json", "w"))
@@ -125,7 +131,9 @@ def test_a_node_loss_with_the_step_held_loses_nothing(ray_cluster, tmp_path):
     result = trainer.fit()
     killer.join(timeout=10)
     assert "killed" in out
-    _assert_matches_replay(trainer, result)
+    steps = _assert_matches_replay(trainer, result, in_place=True)
+    shrunk = [ranks for ranks in steps.values() if len(ranks) == 3]
+    assert shrunk and all(sum(map(len, r)) == 16 for r in shrunk[:-1]), "in place, the global batch (16) is kept"
     summary = _summary(result)
     assert summary["failures"] == 1 and [r["lost_steps"] for r in summary["recoveries"]] == [0]
     resizes = [e for e in read_events(result.path) if e["kind"] == "resize"]
