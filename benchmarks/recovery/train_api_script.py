@@ -19,6 +19,9 @@ What the loop does, top to bottom:
   into a temporary directory, ``Checkpoint.from_directory``, saved by rank 0);
 - on entry it resumes from ``get_checkpoint()`` (state, epoch, step). It does not restore a
   data position: a Ray Train user has no way to (the sampler starts its epoch again);
+- the rank ``hold_rank`` holds (sleeps ``hold_s``) once it has reported a step listed in
+  ``hold_after`` at that group size: the benchmark kills its node there, so the kill lands
+  after the same step on every side;
 - each rank appends lines to its ledger, ``<ledger>/rank<r>-<pid>.jsonl`` (append mode,
   flushed): on entry an ``enter`` line (the resume step); before each step a ``batch`` line
   (the step it will be, the row ids, the rank and world size as ``get_context()`` says
@@ -188,6 +191,8 @@ def make_train_loop(train: ModuleType, train_torch: ModuleType) -> Callable[[dic
                         _report_checkpoint(train, rank, model, optimizer, epoch, step, metrics)
                     else:
                         train.report(metrics)
+                    if rank == config.get("hold_rank") and [world, step] in config.get("hold_after", []):
+                        time.sleep(config["hold_s"])  # killed here: the peers wait in the next all-reduce
                     if step % steps_per_epoch == 0 or step >= total_steps:
                         break
                 if not trained:  # a pass that yields nothing would spin: the data ran out

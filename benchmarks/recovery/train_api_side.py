@@ -3,6 +3,10 @@ fresh 4-node local cluster, the user's script (``train_api_script``) under a
 ``TorchTrainer`` of Ray Train V2 or of ``elastic.train``, and a driver thread that kills the
 node hosting rank ``kill_rank`` once step ``kill_step`` is in the ledgers (and, with
 ``kills`` > 1, the node of that rank in the smaller group every ``kill_gap`` steps after).
+So that the kill lands at the same point on every side, whatever either side's per-step cost
+and the machine's load, that rank holds (sleeps) when it has reported its kill step
+(``hold_after``): the others go on into the next step and wait in its all-reduce, as peers of
+a node that has just died do, and no step after the kill step is completed before the kill.
 
 Sides (``SIDES``): the API, the data path, and whether the loop hands its optimizer over:
 
@@ -70,6 +74,10 @@ def loop_config(cfg: dict[str, Any], side: Side) -> dict[str, Any]:
         "data": side.data,
         "prepare_optimizer": side.prepare_optimizer,
         "ledger": os.path.join(cfg["work"], "ledger"),
+        # where each kill lands, the same on every side: the victim rank holds after these steps
+        "hold_rank": cfg["kill_rank"],
+        "hold_after": [[NODES - k, cfg["kill_step"] + k * cfg["kill_gap"]] for k in range(cfg["kills"])],
+        "hold_s": 30.0,
     }
 
 
