@@ -39,12 +39,6 @@ MAX_LINES = 800  # one class or one algorithm may reach this (torchtitan's train
 # limit must leave it (the test says so), and no file joins.
 OVER_THE_LIMIT: set[str] = set()
 
-# Classes cut across files today ("Sub <- Base": Base lives in another module of Sub's
-# package and is the base of Sub alone; issue 45). The list only shrinks, as OVER_THE_LIMIT.
-SPLIT_TODAY: set[str] = {
-    "elastic.ingest.feeder._HostFeeder <- elastic.ingest.feeder_ray_data.RayDataEngine",
-    "elastic.ingest.feeder_ray_data.RayDataEngine <- elastic.ingest.feeder_window.FeederWindow",
-}
 
 
 def _modules(package: str) -> list[pathlib.Path]:
@@ -246,11 +240,9 @@ def _split_classes(root: pathlib.Path, packages: tuple[str, ...]) -> list[str]:
 
 
 def test_no_class_is_cut_across_files():
+    """None today (issue 45 re-cut the last ones by concept), and none may come back."""
     split = _split_classes(ROOT, RUNTIME)
-    new = [s for s in split if s not in SPLIT_TODAY]
-    assert not new, f"one class cut across files (merge the base into its only subclass's file): {new}"
-    done = sorted(SPLIT_TODAY - set(split))
-    assert not done, f"no longer cut across files: remove from SPLIT_TODAY: {done}"
+    assert not split, f"one class cut across files (merge the base into its only subclass's file): {split}"
 
 
 def test_the_checks_see_what_they_forbid(tmp_path):

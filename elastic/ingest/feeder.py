@@ -26,9 +26,10 @@ is kept, or a restore from storage of an older step), or after ``SEGMENT_READS``
 Engine ``threads`` reads with the feeder's own threads. Staggering (``waves``) and the
 per-host read cap are applied here. See docs/data.md.
 
-Runs in the ``HostFeeder`` actor, one per reading host. The window of units it keeps (what to
-read next, eviction) is its base class in ``feeder_window.py``; the reads and engine
-``ray_data``'s executor are in ``feeder_reads.py``.
+Runs in the ``HostFeeder`` actor, one per reading host. The actor owns its window of units
+(what to read next, eviction: a ``FeederWindow``, ``feeder_window.py``, no I/O) and drives
+both engines' reads itself; how one read is done is ``feeder_reads.py``'s, and engine
+``ray_data``'s executor and read tasks are ``feeder_ray_data.py``'s.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
@@ -43,8 +45,9 @@ import numpy as np
 import ray
 from ray.actor import ActorClass
 
-from elastic.ingest.feeder_ray_data import RayDataEngine
+from elastic.ingest.feeder_ray_data import build_executor, close_executor
 from elastic.ingest.feeder_reads import Fetched, Read, fetch
+from elastic.ingest.feeder_window import FeederWindow
 from elastic.ingest.index import parse_index, read_index_bytes
 from elastic.ingest.rounds import wave_of
 from elastic.ingest.shard_format import parse_footer
@@ -56,7 +59,7 @@ log = logging.getLogger(__name__)
 __all__ = ["HostFeeder"]
 
 
-class _HostFeeder(RayDataEngine):
+class _HostFeeder:
     """The ``HostFeeder`` actor's body (the module docstring); Ray's handle is ``HostFeeder``."""
 
     def __init__(
@@ -71,7 +74,9 @@ class _HostFeeder(RayDataEngine):
     ):
         self.root, self.storage_options, self.engine = root, storage_options, engine
         self.fs = open_storage(root, storage_options).fs
-        super().__init__(rows_ahead, rows_behind)
+        # What to read next and what to drop: every window method is called with ``_lock`` held.
+        self.window = FeederWindow(rows_ahead, rows_behind)
+        self._lock = threading.Condition()
         self.max_reads, self.timeout_s = max_reads, timeout_s
         self._epoch: str | None = None  # the stream begun last (a layout, or a rollback in it)
         self._continued = False
@@ -110,10 +115,10 @@ class _HostFeeder(RayDataEngine):
 
     def _read_now(self) -> Read | None:
         """The next read of the stream if it may start now (lock held)."""
-        if not self._turn or self._paused or self._error is not None or self.table is None:
+        if not self._turn or self._paused or self._error is not None or self.window.table is None:
             return None
-        cap = self.request.global_batch if self.request is not None else self.rows_ahead
-        return self._next_read(max(1, cap))
+        cap = self.window.request.global_batch if self.window.request is not None else self.window.rows_ahead
+        return self.window.next_read(max(1, cap))
 
     # ------------------------------------------------------------------ a new layout
     def begin(self, req: StreamRequest, gate: Any = None) -> bool:
@@ -127,30 +132,20 @@ class _HostFeeder(RayDataEngine):
         with self._lock:
             if req.epoch == self._epoch:
                 return self._continued
-            self._epoch, self.host_index, self.request = req.epoch, req.host_index, req
-            self.wave = self.stats["wave"] = wave_of(req.host_index, req.hosts, req.waves)
+            self._epoch, self.host_index = req.epoch, req.host_index
+            wave = self.stats["wave"] = wave_of(req.host_index, req.hosts, req.waves)
             self._gate = gate if req.waves > 1 and req.hosts > 1 else None
-            self._low.clear()
-            self._low_default = req.start_row
             self.stats["streams"] += 1
-            self._continued = self._error is None and self._can_go_on(req.start_row)
+            # Until every wave has read its first window, this host reads nothing past its own:
+            # its ranks' prefetch moves the window on before the job's first step.
+            self._continued = self.window.begin(req, wave, capped=self._gate is not None, go_on=self._error is None)
             if self._continued:
                 self.stats["continued"] += 1
             else:
-                self._seq += 1
-                self._units.clear()
-                self._inflight.clear()
-                self._footers.clear()
-                self._footers_inflight.clear()
                 self._error = None
-                self._kept_from = 0 if self.table is None else self.table.unit_of(req.start_row)
-            self._scan = None if self.table is None else self.table.unit_of(req.start_row)
-            # Until every wave has read its first window, this host reads nothing past its own:
-            # its ranks' prefetch moves the window on before the job's first step.
-            self._capped = self._gate is not None
             self._turn, self._reported, self._paused = False, False, False
             self._lock.notify_all()
-            continued, gate, wave = self._continued, self._gate, self.wave
+            continued, gate = self._continued, self._gate
         threading.Thread(target=self._take_turn, args=(req.epoch, gate, wave, req.waves), daemon=True).start()
         return continued
 
@@ -158,7 +153,7 @@ class _HostFeeder(RayDataEngine):
         """Wait for this host's wave (unless its first window is already here), read the
         index on first use, then let the stream read."""
         with self._lock:
-            held = self._first_window_held()
+            held = self.window.first_window_held()
         if gate is not None and not held:
             t0 = time.perf_counter()
             try:
@@ -183,7 +178,7 @@ class _HostFeeder(RayDataEngine):
         one's turn reads it waits for that read). False if it cannot be read (the error is
         every caller's of rows())."""
         with self._index_lock:
-            if self.index is not None:
+            if self.window.index is not None:
                 return True
             with self._lock:
                 self._index_reading = True
@@ -198,7 +193,7 @@ class _HostFeeder(RayDataEngine):
                     self._lock.notify_all()
                 return False
             with self._lock:
-                self._set_index(index)
+                self.window.set_index(index)
                 self._count(len(raw), "index_bytes")
                 self._index_reading = False
                 self._lock.notify_all()
@@ -232,12 +227,12 @@ class _HostFeeder(RayDataEngine):
             log.warning("wave gate (all waves): %s; reading on anyway", type(exc).__name__)
         with self._lock:
             if self._epoch == epoch:
-                self._capped = False
+                self.window.capped = False
                 self._lock.notify_all()
 
     def _check_first_window(self) -> None:
         """Tell the gate, once, that this host's first window is read (lock held)."""
-        if not self._reported and self._first_window_held():
+        if not self._reported and self.window.first_window_held():
             self._reported = True
             if self._gate is not None:
                 self._gate.done.remote(self.host_index)
@@ -260,20 +255,20 @@ class _HostFeeder(RayDataEngine):
         """A read's result (lock held): a verified footer (``meta`` parsed), or rows."""
         self._count_read(read.gets, done)
         if read.kind == "footer":
-            self._footers_inflight.discard(read.unit)
-            self._footers[read.unit] = (meta, done.got)
+            self.window.footers_inflight.discard(read.unit)
+            self.window.footers[read.unit] = (meta, done.got)
         else:
             rows = cast(np.ndarray, done.got)
             self.stats["units_read"] += read.count
             self.stats["rows_read"] += len(rows)
-            self._put_units(read.unit, rows)
+            self.window.put_units(read.unit, rows)
             self._check_first_window()
         self._lock.notify_all()
 
     def _failed(self, read: Read, exc: BaseException) -> None:
         """A read that failed (lock held): every caller of rows() is told."""
         self._error = exc
-        self._footers_inflight.discard(read.unit) if read.kind == "footer" else None
+        self.window.footers_inflight.discard(read.unit) if read.kind == "footer" else None
         self._lock.notify_all()
 
     # ------------------------------------------------------------------ engine "threads"
@@ -281,15 +276,15 @@ class _HostFeeder(RayDataEngine):
         """Start reads in order, at most ``max_reads`` GETs in flight, up to the window's frontier."""
         with self._lock:
             while not self._stop:
-                if self.table is not None:
-                    self._evict()
+                if self.window.table is not None:
+                    self.window.evict()
                 read = self._read_now() if self._gets_in_flight() < self.max_reads else None
                 if read is not None:
                     meta = None
-                    if read.kind == "groups" and self.table is not None:
-                        meta = self._footers[self.table.stream_shard(read.unit)][0]
+                    if read.kind == "groups" and self.window.table is not None:
+                        meta = self.window.footers[self.window.table.stream_shard(read.unit)][0]
                     self._gets_inflight += 1
-                    self._pool.submit(self._read, read, meta, self._seq)
+                    self._pool.submit(self._read, read, meta, self.window.seq)
                     continue
                 self._lock.wait(timeout=1.0)
 
@@ -299,18 +294,133 @@ class _HostFeeder(RayDataEngine):
             if read.kind == "footer":
                 meta = parse_footer(done.got, read.digest, read.name)  # type: ignore[arg-type]
             with self._lock:
-                if seq == self._seq:
+                if seq == self.window.seq:
                     self._store(read, done, meta)
                 else:  # a stream that jumped: the bytes were fetched all the same
                     self._count_read(read.gets, done)
         except BaseException as exc:  # surfaced to every caller of rows()
             with self._lock:
-                if seq == self._seq:
+                if seq == self.window.seq:
                     self._failed(read, exc)
         finally:
             with self._lock:
                 self._gets_inflight -= 1
                 self._lock.notify_all()
+
+    # ------------------------------------------------------------------ engine "ray_data"
+    def _start_ray_data(self) -> None:
+        self._x = 0  # the current executor; permits of older ones are refused
+        self._x_seq = -1  # the stream position (``_seq``) the current executor reads
+        self._x_reads: dict[int, Read] = {}  # its reads permitted and not yet delivered, by position
+        self._x_next = 0  # its next position to plan
+        threading.Thread(target=self._ray_data_reader, daemon=True, name="feeder-ray-data").start()
+
+    def _ray_data_reader(self) -> None:
+        """Take reads, in order, from one Ray Data streaming executor that lives as long as the
+        stream goes on.
+
+        The executor's items are read positions ``0, 1, ...``; its read tasks (at most
+        ``max_reads``) ask this feeder for a *permit* before each GET (``permit``), which
+        names the read (planned by the window, in order) and is given only in this host's
+        turn and while the window has room. So reads follow consumption and the waves
+        exactly as with engine ``threads``; the executor never runs ahead on its own (an
+        object-store cap would make it spin a core), and its tasks hold their worker
+        processes between reads. A jump (``_seq``) ends the executor: its waiting tasks get
+        no permit and return at once; the next one starts from the new position, before
+        this host's turn if it comes later, so its processes are up when reading may begin."""
+        it: Iterator[dict[str, np.ndarray]] | None = None
+        x, spent = 0, False
+        while True:
+            with self._lock:
+                while not self._stop and self._epoch is None:
+                    self._lock.wait(timeout=1.0)
+                if self._stop:
+                    break
+                rebuild = it is None or spent or self._x_seq != self.window.seq
+                # A jump: the old executor's permitted reads may still be doing their GETs;
+                # they are taken (and dropped) before a new executor may read, so this host
+                # never has more than ``max_reads`` GETs in flight. Its unpermitted tasks get
+                # no permit and return at once.
+                if rebuild and not (it is not None and not spent and self._x_reads):
+                    self._x = x = self._x + 1
+                    self._x_seq, self._x_reads, self._x_next = self.window.seq, {}, 0
+                    self._lock.notify_all()  # permits of the old executor end
+                else:
+                    rebuild = False
+            try:
+                if rebuild or it is None:
+                    close_executor(it)
+                    it, spent = build_executor(x, self.max_reads, self.storage_options, self.timeout_s), False
+                    with self._lock:
+                        self.stats["executors"] += 1
+                batch = next(it)
+            except StopIteration:
+                spent = True
+                continue
+            except BaseException as exc:  # surfaced to every caller of rows()
+                close_executor(it)
+                it = None
+                with self._lock:
+                    if self._x_seq == self.window.seq:
+                        self._error = exc
+                        self._lock.notify_all()
+                continue
+            self._take(x, batch)
+        close_executor(it)
+
+    def _take(self, x: int, batch: dict[str, np.ndarray]) -> None:
+        """One read delivered by executor ``x``: stored if its stream is still the current one."""
+        pos, gets = int(batch["pos"][0]), int(batch["gets"][0])
+        if gets < 0:
+            return  # a task of an ended executor
+        with self._lock:
+            read = self._x_reads.pop(pos, None) if x == self._x else None
+            current = read is not None and self._x_seq == self.window.seq
+            self._lock.notify_all()  # a GET less in flight (``quiesce`` waits for none)
+        nbytes = (int(batch["data_bytes"][0]), int(batch["meta_bytes"][0]))
+        if read is None or not current:
+            with self._lock:  # a stream that jumped: the bytes were fetched all the same
+                self._count_read(gets, Fetched(b"", *nbytes))
+            return
+        try:
+            if read.kind == "footer":
+                got: Any = batch["footer"][0].tobytes()
+                meta = parse_footer(got, read.digest, read.name)
+            else:
+                got, meta = np.asarray(batch["tokens"][0], dtype=np.int32), None
+        except BaseException as exc:  # surfaced to every caller of rows()
+            with self._lock:
+                self._failed(read, exc)
+            return
+        with self._lock:
+            if self._x_seq == self.window.seq:
+                self._store(read, Fetched(got, *nbytes), meta)
+
+    def permit(self, x: int, pos: int, timeout_s: float) -> Read | None | bool:
+        """Asked by a read task of executor ``x`` before its read number ``pos``: the ``Read``
+        once it may do it; None if that executor ended (the task returns without reading);
+        False after ``timeout_s`` (ask again)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                if self._stop or x != self._x or self._x_seq != self.window.seq:
+                    return None
+                if pos in self._x_reads:  # asked again after a timeout
+                    return self._x_reads[pos]
+                if pos == self._x_next and self._gets_in_flight() < self.max_reads:
+                    read = self._read_now()
+                    if read is not None:
+                        self._x_reads[pos], self._x_next = read, pos + 1
+                        return read
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(timeout=min(left, 1.0))
+
+    def _gets_inflight_ray(self) -> int:
+        """GETs permitted and not yet delivered (lock held), an old executor's still being
+        drained after a jump included."""
+        return len(self._x_reads)
 
     # ------------------------------------------------------------------ serving
     def rows(self, start: int, count: int, key: Any = None, epoch: str | None = None) -> np.ndarray:
@@ -322,19 +432,19 @@ class _HostFeeder(RayDataEngine):
         with self._lock:
             if epoch is not None and epoch != self._epoch:  # a rank of an old layout, still prefetching
                 raise RuntimeError(f"data feeder: stream {epoch} was replaced by {self._epoch}")
-            self._low[key] = start
-            if self.table is not None:
-                self._evict()
+            self.window.low[key] = start
+            if self.window.table is not None:
+                self.window.evict()
             self._lock.notify_all()
-            while self.table is None or self._scan is None:
+            while self.window.table is None or self.window.scan is None:
                 if self._error is not None:
                     raise RuntimeError(f"data feeder read failed: {self._error}") from self._error
                 if not self._lock.wait(timeout=max(0.0, deadline - time.monotonic())):
                     raise TimeoutError(f"data feeder: the index was not read within {self.timeout_s:g}s")
-            table, row, end = self.table, start, start + count
+            table, row, end = self.window.table, start, start + count
             while row < end:
                 k = table.unit_of(row)
-                while k not in self._units:
+                while k not in self.window.units:
                     if self._error is not None:
                         raise RuntimeError(f"data feeder read failed: {self._error}") from self._error
                     self._check_servable(k, row)
@@ -342,7 +452,7 @@ class _HostFeeder(RayDataEngine):
                     if left <= 0:
                         raise TimeoutError(f"data feeder: rows {row}.. not read within {self.timeout_s:g}s")
                     self._lock.wait(timeout=left)
-                unit = self._units[k]
+                unit = self.window.units[k]
                 lo = row - table.span(k)[0]
                 take = min(end - row, len(unit) - lo)
                 parts.append(unit[lo : lo + take])
@@ -356,17 +466,17 @@ class _HostFeeder(RayDataEngine):
         finish). A stream replaced since is not touched."""
         with self._lock:
             if epoch is None or epoch == self._epoch:
-                self._low.pop(key, None)
+                self.window.low.pop(key, None)
                 self._lock.notify_all()
 
     def _check_servable(self, k: int, row: int) -> None:
         """Unit ``k`` (holding ``row``) is asked for and not here (lock held): an error if it
         never will be."""
-        if k < self._kept_from:
+        if k < self.window.kept_from:
             raise RuntimeError(f"rows {row}.. were evicted from the feeder (a rank fell behind)")
-        if self._scan is not None and k < self._scan and k not in self._inflight:
-            if not self._needed(k):
-                raise RuntimeError(f"rows {row}.. are not in the slices this feeder serves ({self.request})")
+        if self.window.scan is not None and k < self.window.scan and k not in self.window.inflight:
+            if not self.window.needed(k):
+                raise RuntimeError(f"rows {row}.. are not in the slices this feeder serves ({self.window.request})")
             raise RuntimeError(f"rows {row}.. were evicted from the feeder (a rank fell behind)")
 
     def ready(self, epoch: str, timeout_s: float) -> bool:
@@ -378,7 +488,7 @@ class _HostFeeder(RayDataEngine):
                     raise RuntimeError(f"data feeder: stream {epoch} was replaced by {self._epoch}")
                 if self._error is not None:
                     raise RuntimeError(f"data feeder read failed: {self._error}") from self._error
-                if self._first_window_held():
+                if self.window.first_window_held():
                     return True
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -390,7 +500,7 @@ class _HostFeeder(RayDataEngine):
 
     def get_stats(self) -> dict[str, Any]:
         with self._lock:
-            return dict(self.stats, cached_units=len(self._units), cached_footers=len(self._footers))
+            return dict(self.stats, cached_units=len(self.window.units), cached_footers=len(self.window.footers))
 
     def close(self) -> None:
         with self._lock:

@@ -1,16 +1,14 @@
 """Engine ``ray_data`` of a host feeder: its reads done by one Ray Data streaming executor whose
 read tasks wait for the feeder's permit before each GET.
 
-``RayDataEngine`` is a base of the ``HostFeeder`` actor (``feeder.py``) and runs in it, as do
-``build_executor`` and ``close_executor``; ``read_units`` runs in the Ray Data read tasks on
-the feeder's node. See docs/data.md.
+The loop that takes the executor's reads and hands out the permits is the ``HostFeeder``
+actor's (``feeder.py``); ``build_executor`` and ``close_executor`` run in that actor, and
+``read_units`` in the Ray Data read tasks on the feeder's node. See docs/data.md.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -18,155 +16,12 @@ from typing import Any
 import numpy as np
 import ray
 
-from elastic.ingest.feeder_reads import Fetched, Read, fetch
-from elastic.ingest.feeder_window import FeederWindow
-from elastic.ingest.shard_format import parse_footer
+from elastic.ingest.feeder_reads import fetch
 from storage import open_storage
 
 log = logging.getLogger(__name__)
 
 SEGMENT_READS = 256  # reads per Ray Data executor: building one costs about 1 ms per read
-
-
-class RayDataEngine(FeederWindow):
-    """The executor loop and the permits (the feeder's own state is ``HostFeeder``'s)."""
-
-    max_reads: int
-    storage_options: dict[str, Any]
-    timeout_s: float
-    stats: dict[str, Any]
-    _stop: bool
-    _epoch: str | None
-    _error: BaseException | None
-
-    def _read_now(self) -> Read | None:
-        raise NotImplementedError
-
-    def _gets_in_flight(self) -> int:
-        raise NotImplementedError
-
-    def _count_read(self, gets: int, done: Fetched) -> None:
-        raise NotImplementedError
-
-    def _store(self, read: Read, done: Fetched, meta: Any) -> None:
-        raise NotImplementedError
-
-    def _failed(self, read: Read, exc: BaseException) -> None:
-        raise NotImplementedError
-
-    def _start_ray_data(self) -> None:
-        self._x = 0  # the current executor; permits of older ones are refused
-        self._x_seq = -1  # the stream position (``_seq``) the current executor reads
-        self._x_reads: dict[int, Read] = {}  # its reads permitted and not yet delivered, by position
-        self._x_next = 0  # its next position to plan
-        threading.Thread(target=self._ray_data_reader, daemon=True, name="feeder-ray-data").start()
-
-    def _ray_data_reader(self) -> None:
-        """Take reads, in order, from one Ray Data streaming executor that lives as long as the
-        stream goes on.
-
-        The executor's items are read positions ``0, 1, ...``; its read tasks (at most
-        ``max_reads``) ask this feeder for a *permit* before each GET (``permit``), which
-        names the read (planned by the window, in order) and is given only in this host's
-        turn and while the window has room. So reads follow consumption and the waves
-        exactly as with engine ``threads``; the executor never runs ahead on its own (an
-        object-store cap would make it spin a core), and its tasks hold their worker
-        processes between reads. A jump (``_seq``) ends the executor: its waiting tasks get
-        no permit and return at once; the next one starts from the new position, before
-        this host's turn if it comes later, so its processes are up when reading may begin."""
-        it: Iterator[dict[str, np.ndarray]] | None = None
-        x, spent = 0, False
-        while True:
-            with self._lock:
-                while not self._stop and self._epoch is None:
-                    self._lock.wait(timeout=1.0)
-                if self._stop:
-                    break
-                rebuild = it is None or spent or self._x_seq != self._seq
-                # A jump: the old executor's permitted reads may still be doing their GETs;
-                # they are taken (and dropped) before a new executor may read, so this host
-                # never has more than ``max_reads`` GETs in flight. Its unpermitted tasks get
-                # no permit and return at once.
-                if rebuild and not (it is not None and not spent and self._x_reads):
-                    self._x = x = self._x + 1
-                    self._x_seq, self._x_reads, self._x_next = self._seq, {}, 0
-                    self._lock.notify_all()  # permits of the old executor end
-                else:
-                    rebuild = False
-            try:
-                if rebuild or it is None:
-                    close_executor(it)
-                    it, spent = build_executor(x, self.max_reads, self.storage_options, self.timeout_s), False
-                    with self._lock:
-                        self.stats["executors"] += 1
-                batch = next(it)
-            except StopIteration:
-                spent = True
-                continue
-            except BaseException as exc:  # surfaced to every caller of rows()
-                close_executor(it)
-                it = None
-                with self._lock:
-                    if self._x_seq == self._seq:
-                        self._error = exc
-                        self._lock.notify_all()
-                continue
-            self._take(x, batch)
-        close_executor(it)
-
-    def _take(self, x: int, batch: dict[str, np.ndarray]) -> None:
-        """One read delivered by executor ``x``: stored if its stream is still the current one."""
-        pos, gets = int(batch["pos"][0]), int(batch["gets"][0])
-        if gets < 0:
-            return  # a task of an ended executor
-        with self._lock:
-            read = self._x_reads.pop(pos, None) if x == self._x else None
-            current = read is not None and self._x_seq == self._seq
-            self._lock.notify_all()  # a GET less in flight (``quiesce`` waits for none)
-        nbytes = (int(batch["data_bytes"][0]), int(batch["meta_bytes"][0]))
-        if read is None or not current:
-            with self._lock:  # a stream that jumped: the bytes were fetched all the same
-                self._count_read(gets, Fetched(b"", *nbytes))
-            return
-        try:
-            if read.kind == "footer":
-                got: Any = batch["footer"][0].tobytes()
-                meta = parse_footer(got, read.digest, read.name)
-            else:
-                got, meta = np.asarray(batch["tokens"][0], dtype=np.int32), None
-        except BaseException as exc:  # surfaced to every caller of rows()
-            with self._lock:
-                self._failed(read, exc)
-            return
-        with self._lock:
-            if self._x_seq == self._seq:
-                self._store(read, Fetched(got, *nbytes), meta)
-
-    def permit(self, x: int, pos: int, timeout_s: float) -> Read | None | bool:
-        """Asked by a read task of executor ``x`` before its read number ``pos``: the ``Read``
-        once it may do it; None if that executor ended (the task returns without reading);
-        False after ``timeout_s`` (ask again)."""
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            while True:
-                if self._stop or x != self._x or self._x_seq != self._seq:
-                    return None
-                if pos in self._x_reads:  # asked again after a timeout
-                    return self._x_reads[pos]
-                if pos == self._x_next and self._gets_in_flight() < self.max_reads:
-                    read = self._read_now()
-                    if read is not None:
-                        self._x_reads[pos], self._x_next = read, pos + 1
-                        return read
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._lock.wait(timeout=min(left, 1.0))
-
-    def _gets_inflight_ray(self) -> int:
-        """GETs permitted and not yet delivered (lock held), an old executor's still being
-        drained after a jump included."""
-        return len(self._x_reads)
 
 
 def task_options(max_reads: int) -> dict[str, Any]:

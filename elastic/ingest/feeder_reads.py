@@ -23,7 +23,7 @@ from elastic.ingest.sidecar import chunks_span, decode_run, parse_records
 
 @dataclass(frozen=True)
 class Read:
-    """One read of a host feeder (planned by ``FeederWindow._next_read``): one GET, or two
+    """One read of a host feeder (planned by ``FeederWindow.next_read``): one GET, or two
     one after the other for a "run"."""
 
     kind: str  # "shard" (a whole shard: one unit), "footer" (a shard's footer), "groups" or "run" (row groups)

@@ -2,10 +2,13 @@
 whole life, that enters the user's training loop (``train_loop_per_worker``) again after
 every re-formation instead of being restarted.
 
-What lives for the process, across entries: the actor, its imports and CUDA context, the
-process group (``ReconfigurableProcessGroup``: the job's sealed store, its generations,
-cutting a blocked collective), the checkpoints this rank reported or keeps for a peer, and
-the reports not yet read by the driver. What lives for one entry: the ``Session`` the loop
+It is the loop's payload on the rank runtime (``RankRuntime``, ``elastic/worker/runtime.py``,
+shared with the built-in trainer's ``Rank``): the runtime holds what lives for the process,
+across entries: the process group (``ReconfigurableProcessGroup``: the job's sealed store,
+its generations, cutting a blocked collective), the device choice, the training thread, the
+leave at exit. The payload's own, also across entries: the actor, its imports and CUDA
+context, the checkpoints this rank reported or keeps for a peer, and the reports not yet
+read by the driver. What lives for one entry: the ``Session`` the loop
 sees (``elastic/train/session.py``), its loaders and shards, and what ``prepare_*``
 registered. After an entry everything it made is dropped and collected (its models,
 optimizers and groups): ``tests/train`` measures a survivor's resident memory over
@@ -47,7 +50,8 @@ import torch.distributed as dist
 from elastic.train.checkpoint import Checkpoint, read_files, write_files
 from elastic.train.data import Position
 from elastic.train.session import LoopExit, Session, TrainContext, set_session
-from elastic.worker.process_group import ReconfigurableProcessGroup, is_collective_error
+from elastic.worker.process_group import is_collective_error
+from elastic.worker.runtime import RankRuntime, rss_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +106,7 @@ class LoopRank:
         self.fn = fn
         self.config = config
         self.device_type = device_type
-        self.group = ReconfigurableProcessGroup(device_type, timeout_s)
-        self.group.lazy_world = False  # a user's loop may use any pair: connect the world at once
+        self.runtime = RankRuntime(device_type, timeout_s, connect_world_at_once=True)  # a loop may use any pair
         self.place: Place | None = None
         self.index = 0
         self.session: Session | None = None
@@ -120,9 +123,8 @@ class LoopRank:
     # ------------------------------------------------------------------ control group
     @ray.method(concurrency_group="control")
     def info(self) -> dict[str, Any]:
-        ctx = ray.get_runtime_context()
-        gpus = ctx.get_accelerator_ids().get("GPU", [])
-        return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(), "gpus": gpus}
+        w = self.runtime.where()
+        return {"node_id": w.node_id, "ip": w.ip, "pid": w.pid, "gpus": self.runtime.gpus()}
 
     @ray.method(concurrency_group="control")
     def poll(self) -> dict[str, Any]:
@@ -135,7 +137,7 @@ class LoopRank:
             "uploads": uploads,
             "waiting": self.waiting,
             "generation": generation,
-            "rss": _rss_bytes(),
+            "rss": rss_bytes(),
         }
 
     @ray.method(concurrency_group="control")
@@ -145,9 +147,9 @@ class LoopRank:
         session = self.session
         if session is not None:
             session.exit.set()
-        if self.waiting or not self.group.connections():
+        if self.waiting or not self.runtime.connected():
             return 0  # already out of the group
-        return self.group.cut_all()
+        return self.runtime.cut()
 
     @ray.method(concurrency_group="control")
     def request_exit(self) -> None:
@@ -183,6 +185,7 @@ class LoopRank:
     # ------------------------------------------------------------------ train group
     def run(self, entry: Entry) -> dict[str, Any]:
         """Join ``entry``'s generation and run the loop once; what became of it."""
+        self.runtime.enter("train")
         self.entries += 1
         self._exit_requested = False
         self._drain_reform()
@@ -190,7 +193,7 @@ class LoopRank:
         try:
             self._join(entry.place)
         except Exception as exc:  # noqa: BLE001 - a peer lost while joining: the driver re-forms
-            self.group.leave()
+            self.runtime.leave()
             return {"kind": "collective", "error": f"{type(exc).__name__}: {exc}", "index": self.index}
         join_s = time.perf_counter() - t0
         self.index = entry.index
@@ -202,7 +205,8 @@ class LoopRank:
                 checkpoint, positions = self._materialize(entry.restore, ckpt_dir), entry.restore.positions
             self.session = self._session(entry, checkpoint, positions)
             set_session(self.session)
-            result = _call(self.fn, self.config)
+            with self.runtime.running():
+                result = _call(self.fn, self.config)
             return {"kind": "finished", "index": self.index, "join_s": join_s, "value": _plain(result)}
         except LoopExit:
             return {"kind": "exited", "index": self.index, "join_s": join_s}
@@ -221,7 +225,7 @@ class LoopRank:
             set_session(None)
             self.session = None
             self.waiting = False
-            self.group.leave()
+            self.runtime.leave()
             if ckpt_dir:
                 shutil.rmtree(ckpt_dir, ignore_errors=True)
             gc.collect()
@@ -231,18 +235,18 @@ class LoopRank:
     def shutdown(self) -> None:
         for t in self._threads:
             t.join(timeout=60)
-        self.group.leave()
+        self.runtime.close()
 
     # ------------------------------------------------------------------ inside the loop
     def _join(self, place: Place) -> None:
         self.place = place
         try:
-            self.group.join(place.generation, place.rank, place.world, place.store, place.secret)
+            self.runtime.join(place.generation, place.rank, place.world, place.store, place.secret)
         finally:
-            self.group.settled()
+            self.runtime.settled()
         if place.world > 1:
             dist.barrier()  # every pair connected (gloo eagerly): the sockets to cut on a loss
-        self.group.built()
+        self.runtime.built()
 
     def _session(self, entry: Entry, checkpoint: Checkpoint | None, positions: list[dict[str, Any]]) -> Session:
         p = entry.place
@@ -257,7 +261,7 @@ class LoopRank:
             storage_path=entry.storage_dir,
         )
         session = Session(context=context, checkpoint=checkpoint, on_report=self._on_report)
-        session.device = self._device(p)
+        session.device = self.runtime.device(p.local_rank)
         session.state["positions"] = [Position.from_dict(d) for d in positions]
         session.state["loaders"] = []
         session.state["rank"] = self
@@ -273,16 +277,6 @@ class LoopRank:
             session.shards[name] = shard
         return session
 
-    def _device(self, place: Place) -> torch.device:
-        if self.device_type != "cuda":
-            return torch.device("cpu")
-        import ray
-
-        gpus = ray.get_gpu_ids()
-        index = 0 if gpus else place.local_rank
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-
     def current_group(self) -> tuple[int, int]:
         p = self.place
         return (p.rank, p.world) if p is not None else (0, 1)
@@ -290,7 +284,7 @@ class LoopRank:
     def await_reform(self) -> Place | None:
         """In a step whose collective failed: wait for the driver's new group, join it."""
         self.waiting = True
-        self.group.leave()
+        self.runtime.leave()
         try:
             place = self._reform.get(timeout=REFORM_WAIT_S)
         except queue.Empty:
@@ -370,7 +364,7 @@ class LoopRank:
     def _agree(self, has_checkpoint: bool, leave: bool) -> tuple[bool, bool]:
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return has_checkpoint, leave
-        device = torch.device("cuda", torch.cuda.current_device()) if self.group.backend == "nccl" else None
+        device = torch.device("cuda", torch.cuda.current_device()) if self.runtime.group.backend == "nccl" else None
         flags = torch.tensor([int(has_checkpoint), int(leave)], dtype=torch.int32, device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return bool(flags[0]), bool(flags[1])
@@ -472,14 +466,6 @@ def _picklable(exc: BaseException) -> BaseException | None:
         return exc.with_traceback(None)
     except Exception:  # noqa: BLE001 - the driver rebuilds it from type and message
         return None
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
 
 
 __all__ = ["Entry", "LoopRank", "Place", "Restore"]

@@ -1,9 +1,17 @@
-"""``Rank``: one rank, hosted by the Ray actor ``TrainWorker`` (``remote.py``, a shell that
-only forwards). It exposes typed RPCs and nothing else.
+"""``Rank``: one rank of the built-in language-model trainer, hosted by the Ray actor
+``TrainWorker`` (``remote.py``, a shell that only forwards). It exposes typed RPCs and
+nothing else.
 
-The rank outlives process groups. ``reconfigure`` re-forms it in place (leaves the old
-group, joins the new generation, builds a new ``Trainer``, restores from memory or
-storage); process, imports and CPU buffers survive.
+It is the trainer's payload on the rank runtime (``RankRuntime``, ``runtime.py``: the
+process group, the abort of a blocked collective, liveness, the device and the training
+thread, shared with a user's loop, ``elastic/train/rank.py``); what is its own is the
+``Trainer`` of each generation, the memory tier of snapshots, and the restore.
+
+The rank outlives process groups. ``reconfigure`` re-forms it in place, top-down: leave
+the old generation (the trainer's live state kept, if the plan lets it hold it), join the
+new one through the runtime, build its mesh and a new ``Trainer``, restore from its own
+live state, memory (its own or peers' snapshots) or storage, and start; process, imports
+and CPU buffers survive.
 
 The actor's two concurrency groups keep the rank observable while it trains:
 
@@ -21,7 +29,6 @@ from __future__ import annotations
 
 import faulthandler
 import logging
-import os
 import signal
 import threading
 import time
@@ -45,14 +52,14 @@ from elastic.messages import (
 )
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.live import LiveState, held_in_cycles
-from elastic.priority import control_priority, training_thread
-from elastic.worker.abort import classify, leave_process, report_if_stuck
+from elastic.priority import control_priority
+from elastic.worker.abort import classify
 from elastic.worker.allocator import keep_freed_memory
 from elastic.worker.device_peak import peak_flops
 from elastic.worker.heap import settle_heap
 from elastic.worker.hooks import StepHook
 from elastic.worker.outbox import ReportQueue, peer_sender
-from elastic.worker.process_group import ReconfigurableProcessGroup
+from elastic.worker.runtime import RankRuntime
 from elastic.worker.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -72,21 +79,17 @@ class Rank:
         self._kept: LiveState | None = None  # the last generation's live state (elastic/parallel/live.py)
         self._peer_bytes = 0  # snapshot bytes the last restore fetched from peers
         self.corpus: ParquetCorpus | None = None
-        self.device = self._pick_device()
+        device_type = "cuda" if spec.resources.device == "cuda" else "cpu"
+        self.runtime = RankRuntime(device_type, spec.elastic.collective_timeout_s)
+        self.device = self.runtime.device()
         self.tier = MemoryTier(self.device.type)
-        self.group = ReconfigurableProcessGroup(self.device.type, spec.elastic.collective_timeout_s)
         self._reports = ReportQueue()
-        self._beat = time.monotonic()
-        self._phase = "idle"
         self._runs = 0  # run() calls started: the node agent matches an outcome to its run
         self._outcome: RunOutcome | None = None  # how the last run() ended
         self._stop = threading.Event()
-        self._abort = threading.Event()  # the driver abandoned the step in flight (abort_step)
-        self._idle = threading.Event()  # no run() in progress
-        self._idle.set()
         self.hook = step_hook
         if step_hook is not None:
-            step_hook.attach(self._stop, self._touch_beat)
+            step_hook.attach(self._stop, self.runtime.touch)
         # `kill -USR1 <pid>` dumps every thread's stack to the worker's log (where a hung rank is
         # stuck); a fatal signal (a crash in gloo or NCCL) prints every Python thread's stack too.
         faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -104,7 +107,7 @@ class Rank:
 
     # ------------------------------------------------------------------ control group
     def info(self) -> WorkerInfo:
-        return WorkerInfo(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid())
+        return self.runtime.where()
 
     def poll(self, wait_s: float = 0.0, ack: int | None = None, have: int | None = None) -> PollReply:
         """Heartbeat: progress counters plus the reports produced since the last poll.
@@ -129,44 +132,41 @@ class Rank:
         trainer = self.trainer
         if trainer is not None:
             self._step = trainer.step
-        beat = max(self._beat, trainer.last_progress if trainer is not None else 0.0)
+        beat = max(self.runtime.beat, trainer.last_progress if trainer is not None else 0.0)
         idle = time.monotonic() - beat
-        return PollReply(self.rank, self._step, self._phase, idle, reports, outcome, runs, first)
-
-    def _touch_beat(self) -> None:
-        self._beat = time.monotonic()
+        return PollReply(self.rank, self._step, self.runtime.phase, idle, reports, outcome, runs, first)
 
     def request_stop(self) -> None:
         self._stop.set()
 
     def abandon_rendezvous(self, generation: int) -> None:
         """Give up joining ``generation``: a peer was lost while it formed."""
-        self.group.abandon(generation)
+        self.runtime.abandon(generation)
 
     def abort_step(self, generation: int = 0, links: frozenset = frozenset()) -> None:
         """A peer was lost: leave the step in flight at the next layer, and cut ``links`` (this
         rank's connections to the lost ranks: a collective blocked on one fails now). A snapshot copy
         gives way; a run not over in 5 s logs its stacks and cuts all its links, and one still blocked
         in a collective 1 s later leaves the job (``report_if_stuck``). A late notice: nothing."""
-        if generation and generation != self.group.generation:
+        if generation and generation != self.runtime.generation:
             return
-        self._abort.set()
-        self.group.cut_links(links)
+        self.runtime.aborted.set()
+        self.runtime.cut(links)
         self.tier.yield_copy()
-        report_if_stuck(self._idle, then=self.group.cut_all, leave=leave_process)
+        self.runtime.leave_if_stuck()
 
     def shrink_group(self, excluded: tuple[int, ...]) -> bool:
         """A replica was lost (NCCL): shrink the group without ``excluded`` now, which aborts
         the collective the train thread may be blocked in (``ReconfigurableProcessGroup.shrink``).
         A snapshot copy in flight gives way."""
         self.tier.yield_copy()
-        return self.group.shrink(excluded)
+        return self.runtime.group.shrink(excluded)
 
     def snapshot_holdings(self, after_run_s: float = 0.0) -> dict[int, list[int]]:
         """Owner rank -> steps this worker can serve from memory; with ``after_run_s``, as of the
         end of the run in progress, waited for that long at most (asked with ``abort_step``)."""
         if after_run_s > 0:
-            self._idle.wait(after_run_s)
+            self.runtime.idle.wait(after_run_s)
         return self.tier.holdings()
 
     def offer_snapshot(self, owner: int, step: int, timeout_s: float) -> dict[str, Any]:
@@ -190,18 +190,20 @@ class Rank:
         On any error it leaves the half-formed group before raising, so that peers blocked
         on this rank fail at once.
         """
-        training_thread()
+        self.runtime.enter("configure")
+        self.runtime.touch()
         try:
             return self._reconfigure(req)
         except BaseException:
             self._leave()
             raise
         finally:
-            self.group.settled()
+            self.runtime.settled()
 
     def _reconfigure(self, req: ConfigureRequest) -> ConfigureReply:
-        self._phase = "configure"
-        self._beat = time.monotonic()
+        """The steps in order: (1) leave the old generation, (2) join the new one and build
+        its mesh (the runtime), (3) build the trainer on it, (4) restore, (5) start."""
+        # (1) Leave: the trainer's live state is kept for the plan to adopt (``_keepable``).
         cpu0, t_leave = time.process_time(), time.perf_counter()
         self._leave()
         t_tier = time.perf_counter()
@@ -216,20 +218,22 @@ class Rank:
         ep, cp = self.spec.parallel.ep, self.spec.parallel.cp  # fixed for the job: only dp changes
         world = dp * tp * pp * ep * cp
         self.rank = req.rank
+        # (2) Join generation ``req.generation`` through the runtime, then the mesh's sub-groups.
         if self.hook is not None:  # a test's late arrival (elastic/faults/worker.py)
             self.hook.before_join(req.generation, req.rank)
-        join_s = self.group.join(req.generation, req.rank, world, req.store, req.store_secret, req.shrink_excluded)
+        join_s = self.runtime.join(req.generation, req.rank, world, req.store, req.store_secret, req.shrink_excluded)
         # The mesh's sub-groups connect within the rendezvous timeout, then get the collective one.
         t_mesh = time.perf_counter()
         dims = ParallelDims(
             dp=dp, tp=tp, pp=pp, world_size=world, ep=ep, cp=cp, shard_group=self.spec.parallel.shard_group,
-            timeout=self.group.rendezvous_timeout,
+            timeout=self.runtime.group.rendezvous_timeout,
         )  # fmt: skip
         dims.build_mesh(self.device.type)
-        self.group.mesh_built(dims.mesh_groups())
+        self.runtime.group.mesh_built(dims.mesh_groups())
         mesh_s = time.perf_counter() - t_mesh
-        store_ops = self.group.store_ops()
+        store_ops = self.runtime.group.store_ops()
         init_s = join_s + mesh_s  # the rendezvous: the group and its mesh sub-groups
+        # (3) Build the trainer (over its data source) on the new mesh.
         kept, self._kept = self._keepable(req), None  # a state not kept is freed before the build
         source = None
         if req.read_plan is not None:  # a prepared corpus: read through the replica's host feeder
@@ -242,11 +246,12 @@ class Rank:
         t0 = time.perf_counter()
         trainer = Trainer(
             self.spec, dims, req.rank, self.device, self.tier, self.corpus, self._reports, self._stop,
-            hook=self.hook, peak_flops=peak, source=source, adopt=kept, abort=self._abort,
+            hook=self.hook, peak_flops=peak, source=source, adopt=kept, abort=self.runtime.aborted,
             restoring=req.restore is not None or kept is not None or self._init_from() is not None,
         )  # fmt: skip
         build_s = time.perf_counter() - t0
-        self.group.built()  # the group's and its mesh's connections, cut on a failure
+        self.runtime.built()  # the group's, its mesh's and the trainer's connections, cut on a failure
+        # (4) Restore: the live state kept, else memory (own or peers' snapshots) or storage.
         trainer.step = req.step
         t1 = time.perf_counter()
         self._peer_bytes = 0
@@ -257,6 +262,7 @@ class Rank:
             bytes_read = self._restore(trainer, req.restore)
         restore_s = time.perf_counter() - t1
         adopted, kept = kept is not None, None
+        # (5) Start: snapshots go to this layout's peer; the trainer's streams open.
         self.tier.layout = trainer.layout  # replicas of the old layout arriving late are refused
         timeout = self.spec.elastic.collective_timeout_s
         peer = req.replica_peer
@@ -268,16 +274,14 @@ class Rank:
         trainer.start(req.host_index if stagger else 0, req.storage_uri)
         self.trainer = trainer
         self._stop.clear()
-        self._abort.clear()
-        self._phase = "ready"
-        self._beat = time.monotonic()
+        self.runtime.ready()
         logger.info(
             "configure gen %d rank %d: join %.3fs mesh %.3fs build %.3fs restore %.3fs%s",
             req.generation, req.rank, join_s, mesh_s, build_s, restore_s, " (kept its live state)" if adopted else "",
         )  # fmt: skip
         cpu_s = time.process_time() - cpu0  # this process's own work: no other rank's shares it on a real cluster
         return ConfigureReply(req.rank, trainer.step, init_s, build_s, restore_s, bytes_read, store_ops, adopted,
-                              self._peer_bytes, cpu_s, self.group.connections())  # fmt: skip
+                              self._peer_bytes, cpu_s, self.runtime.group.connections())  # fmt: skip
 
     def _keepable(self, req: ConfigureRequest) -> LiveState | None:
         """This rank's live state, if the plan gives it the same state to hold
@@ -324,20 +328,14 @@ class Rank:
 
     def run(self, last_step: int) -> RunOutcome:
         """Train until ``last_step`` or an agreed stop; errors are returned, not raised."""
-        training_thread()
-        self._phase = "train"
+        self.runtime.enter("train")
         self._runs, self._outcome = self._runs + 1, None
         trainer = self.trainer
         if trainer is None:
             raise RuntimeError("run() before reconfigure(): no trainer")
         trainer.begin_layout()  # every peer has restored by now
-        self._idle.clear()
-        try:
+        with self.runtime.running():
             outcome = self._train(trainer, last_step)
-        finally:
-            self._phase = "idle"
-            self._beat = time.monotonic()
-            self._idle.set()
         if outcome.status == "error":
             # Outside the except block, so the traceback no longer pins the frames that hold
             # the process group: dropping every reference closes its connections, and peers
@@ -345,7 +343,7 @@ class Rank:
             # trained state itself is kept, for the next generation (``_keepable``).
             self._kept = trainer.release_live()
             del trainer
-            self.group.leave(collect=held_in_cycles(self._kept))
+            self.runtime.leave(collect=held_in_cycles(self._kept))
         self._outcome = outcome  # the node agent reads it with the next poll (elastic/agent/)
         self._reports.ready.set()
         return outcome
@@ -363,12 +361,6 @@ class Rank:
             return classify(exc, step, time.monotonic() - trainer.last_progress, self.spec.elastic.collective_timeout_s)
 
     # ------------------------------------------------------------------ helpers
-    def _pick_device(self) -> torch.device:
-        if self.spec.resources.device == "cuda":
-            torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
     def _leave(self) -> None:
         """Drop this generation's trainer and leave its process group."""
         t0 = time.perf_counter()
@@ -378,7 +370,7 @@ class Rank:
             self.trainer.close()
             self.trainer = None
         t1 = time.perf_counter()
-        self.group.leave(collect=held_in_cycles(self._kept))
+        self.runtime.leave(collect=held_in_cycles(self._kept))
         if time.perf_counter() - t0 > SLOW_PREPARE_S:
             logger.warning(
                 "leaving took %.2fs: closing the trainer %.2fs, the process group %.2fs",

@@ -342,27 +342,27 @@ def test_a_window_goes_on_within_its_reach_from_the_first_unit_it_needs(tmp_path
     rows = np.random.default_rng(8).integers(0, 300, size=(480, 9), dtype=np.int32)
     g, index = 24, _write(tmp_path, rows, 48, 3)
     w = FeederWindow(2 * g, 3 * g)
-    w.request, w._low_default = StreamRequest("e1", 6 * g, g, 3, (2,)), 6 * g
-    w._set_index(index)
+    w.request, w.low_default = StreamRequest("e1", 6 * g, g, 3, (2,)), 6 * g
+    w.set_index(index)
     t = w.table
     for b in range(6, 12):  # slice 2 of batches 6..11 read, the next read not planned yet
         for k in range(t.unit_of(b * g + 16), t.unit_of(b * g + 23) + 1):
-            w._units[k] = rows[:3]
-    w._scan = t.unit_of(11 * g + 16)
+            w.units[k] = rows[:3]
+    w.scan = t.unit_of(11 * g + 16)
     w.request = StreamRequest("e2", 12 * g, g, 4, (2, 3))  # the host gets slice 3 back
-    assert w._can_go_on(12 * g)
-    w._kept_from = t.unit_of(12 * g + 12)  # dropped up to the first row slices 2 and 3 need
-    assert w._can_go_on(12 * g)
-    w._kept_from += 1
-    assert not w._can_go_on(12 * g)  # a needed unit is gone: a jump
-    w._kept_from = 0
-    assert not w._can_go_on(60 * g)  # far past the stream's reach: a jump
+    assert w.can_go_on(12 * g)
+    w.kept_from = t.unit_of(12 * g + 12)  # dropped up to the first row slices 2 and 3 need
+    assert w.can_go_on(12 * g)
+    w.kept_from += 1
+    assert not w.can_go_on(12 * g)  # a needed unit is gone: a jump
+    w.kept_from = 0
+    assert not w.can_go_on(60 * g)  # far past the stream's reach: a jump
     # Slices 0 and 1 of 3 read up to batch 11's last row they need (its tail, slice 2's rows,
     # not read, the scan not past them yet): the next batch at dp 4 goes on.
-    w.request, w._units = StreamRequest("e1", 6 * g, g, 3, (0, 1)), {}
+    w.request, w.units = StreamRequest("e1", 6 * g, g, 3, (0, 1)), {}
     for b in range(6, 12):
         for k in range(t.unit_of(b * g), t.unit_of(b * g + 15) + 1):
-            w._units[k] = rows[:3]
-    w._scan = t.unit_of(11 * g + 15)
+            w.units[k] = rows[:3]
+    w.scan = t.unit_of(11 * g + 15)
     w.request = StreamRequest("e2", 12 * g, g, 4, (0, 1))
-    assert w._can_go_on(12 * g)
+    assert w.can_go_on(12 * g)

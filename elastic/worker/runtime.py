@@ -1,0 +1,182 @@
+"""``RankRuntime``: what a rank actor is for its process's whole life, whatever it trains.
+
+Two payloads run on it, each an actor that owns one runtime:
+
+* the built-in language-model trainer: ``Rank`` (``elastic/worker/actor.py``, hosted by
+  ``TrainWorker``), which builds a ``Trainer`` per generation and keeps memory snapshots;
+* a user's Ray Train loop: ``LoopRank`` (``elastic/train/rank.py``), which enters the loop
+  again per generation and keeps the checkpoints it reports.
+
+What the runtime holds, the same under both:
+
+* the process group: this process's membership in the job's group generation after
+  generation (``ReconfigurableProcessGroup``: join a generation, capture its connections
+  once built, settle, leave; the process, its imports and its CUDA context survive);
+* the abort of a blocked collective: cut this rank's links (to lost peers, or all of them,
+  which fails a collective blocked on one at once) and, for a payload that asks, the watch
+  that logs a run still stuck after the abort and then leaves the process
+  (``report_if_stuck``);
+* liveness: the phase (``idle``, ``configure``, ``train``), the last beat, and whether a run
+  is in progress (``idle``, an event the abort watch waits on);
+* the training thread: each call of the actor's ``train`` concurrency group enters it
+  (``training``), at the training thread's priority (``elastic/priority.py``);
+* the device a rank trains on (``device``), where it runs (``where``, ``gpus``) and its
+  resident memory (``rss_bytes``);
+* the exit path (``close``).
+
+What each payload keeps for itself: what it trains and how, the state it snapshots (the
+memory tier, or a loop's reported files), its restore, its stop at a boundary, and the
+messages it answers with.
+
+Runs in the rank's process; imports nothing of the control package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Collection, Iterator
+from typing import Any
+
+import ray
+import torch
+
+from elastic.messages import Connection, WorkerInfo
+from elastic.priority import training_thread
+from elastic.worker.abort import leave_process, report_if_stuck
+from elastic.worker.process_group import ReconfigurableProcessGroup
+
+
+class RankRuntime:
+    """One rank's process group, abort, liveness, device and training thread (the module docstring)."""
+
+    def __init__(self, device_type: str, collective_timeout_s: float, connect_world_at_once: bool = False):
+        """``connect_world_at_once``: a gloo world group connects every pair when it forms
+        (a user's loop may use any pair), instead of on first use (the built-in trainer)."""
+        self.device_type = device_type
+        self.group = ReconfigurableProcessGroup(device_type, collective_timeout_s)
+        if connect_world_at_once:
+            self.group.lazy_world = False
+        self.phase = "idle"
+        self.beat = time.monotonic()
+        self.idle = threading.Event()  # no run in progress
+        self.idle.set()
+        self.aborted = threading.Event()  # the driver abandoned the step in flight
+
+    # ------------------------------------------------------------------ where it runs
+    def where(self) -> WorkerInfo:
+        return WorkerInfo(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid())
+
+    def gpus(self) -> list[Any]:
+        """The GPUs Ray gave this actor (none on CPU)."""
+        return ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        """The device this rank trains on, made current: its GPU (Ray sets
+        ``CUDA_VISIBLE_DEVICES`` to the actor's, so it is device 0; outside Ray's GPU
+        accounting, device ``local_rank``), or the CPU."""
+        if self.device_type != "cuda":
+            return torch.device("cpu")
+        gpus = ray.get_gpu_ids() if ray.is_initialized() else []
+        index = 0 if gpus else local_rank
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+
+    # ------------------------------------------------------------------ the process group
+    @property
+    def generation(self) -> int:
+        return self.group.generation
+
+    def join(
+        self,
+        generation: int,
+        rank: int,
+        world: int,
+        store: tuple[str, int],
+        secret: str = "",
+        shrink_excluded: tuple[int, ...] | None = None,
+    ) -> float:
+        """Leave the current generation (if any) and join ``generation`` as ``rank`` of
+        ``world``; returns the join time in s (``ReconfigurableProcessGroup.join``). Until
+        ``settled``, the driver may abandon it (``abandon``)."""
+        return self.group.join(generation, rank, world, store, secret, shrink_excluded)
+
+    def built(self) -> None:
+        """The group and everything built over it (a mesh, wrappers) exist: their
+        connections are captured, to be cut on a failure."""
+        self.group.built()
+
+    def settled(self) -> None:
+        """This rank's part in forming its generation is over (it joined, or it failed)."""
+        self.group.settled()
+
+    def abandon(self, generation: int) -> None:
+        """Give up joining ``generation``: a peer was lost while it formed."""
+        self.group.abandon(generation)
+
+    def leave(self, collect: bool = True) -> None:
+        """Leave the group so that peers blocked on this rank fail at once (call after
+        dropping the payload's references to what it built over the group)."""
+        self.group.leave(collect=collect)
+
+    def connected(self) -> bool:
+        """Whether this rank holds connections of a group (captured at ``built``; none on NCCL)."""
+        return bool(self.group.connections())
+
+    # ------------------------------------------------------------------ the abort
+    def cut(self, links: Collection[Connection] | None = None) -> int:
+        """Shut down this rank's ``links`` (to lost peers), or every connection of its group
+        (None): a collective blocked on one fails now. Returns how many were cut."""
+        return self.group.cut_all() if links is None else self.group.cut_links(links)
+
+    def leave_if_stuck(self) -> None:
+        """After an abort: a run not over in 5 s logs its stacks and cuts all its links, and
+        one still blocked in a collective 1 s later leaves the job (``report_if_stuck``). No
+        run in progress: nothing to watch."""
+        report_if_stuck(self.idle, then=self.group.cut_all, leave=leave_process)
+
+    # ------------------------------------------------------------------ liveness, the training thread
+    def touch(self) -> None:
+        """A beat: the rank is alive and making progress."""
+        self.beat = time.monotonic()
+
+    def enter(self, phase: str) -> None:
+        """A call of the ``train`` concurrency group begins ``phase`` (``configure``,
+        ``train``): the calling thread is the training thread, at its priority."""
+        training_thread()
+        self.phase = phase
+
+    def ready(self) -> None:
+        """The payload is built on its new generation and may run: the last one's abort is over."""
+        self.aborted.clear()
+        self.phase = "ready"
+        self.touch()
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """A run in progress (the abort watch waits for its end); idle again afterwards."""
+        self.idle.clear()
+        try:
+            yield
+        finally:
+            self.phase = "idle"
+            self.touch()
+            self.idle.set()
+
+    def close(self) -> None:
+        """The rank leaves the job: out of its group."""
+        self.group.leave()
+
+
+def rss_bytes() -> int:
+    """This process's resident memory in bytes (0 where ``/proc`` is not there)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+__all__ = ["RankRuntime", "rss_bytes"]
