@@ -40,7 +40,6 @@ MAX_LINES = 800  # one class or one algorithm may reach this (torchtitan's train
 OVER_THE_LIMIT: set[str] = set()
 
 
-
 def _modules(package: str) -> list[pathlib.Path]:
     return sorted((ROOT / package).rglob("*.py"))
 
