@@ -176,9 +176,20 @@ def make_train_loop(train: ModuleType, train_torch: ModuleType) -> Callable[[dic
                     loss = loss_fn(model(x.float()), y.float().reshape(-1, 1))
                     loss.backward()
                     before = _probe(model).detach().clone()
-                    optimizer.step()
+                    held = optimizer.step() is False  # ours (prepare_optimizer): a failed step held back
                     # Whether this step changed the weights: a platform may hold a failed step back.
                     applied = not torch.equal(before, _probe(model).detach())
+                    if held:  # its rows come again in the next batch: the loop does not count it
+                        now = train.get_context()
+                        ledger.write(
+                            kind="step",
+                            step=step + 1,
+                            epoch=epoch,
+                            rank=now.get_world_rank(),
+                            world_size=now.get_world_size(),
+                            applied=False,
+                        )
+                        continue
                     if config["step_sleep_s"]:
                         time.sleep(config["step_sleep_s"])  # a real step's compute, so the kill lands where asked
                     step += 1

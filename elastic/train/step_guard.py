@@ -11,7 +11,10 @@ joins it in place (``LoopRank.await_reform``), the survivors agree on the newest
 of them applied (a rank that had applied one more rolls back to its snapshot), the loaders
 go back to that step's data position, and the loop goes on, without leaving its function:
 its next batch is the failed step's rows re-cut at the new size. The report that follows a
-failed step is dropped (``take_discarded``), so the job's steps stay the applied ones.
+failed step is dropped (``take_discarded``), so the job's steps stay the applied ones, and
+that ``optimizer.step()`` returns ``False`` (an applied one returns what torch's does: None
+without a closure), so a loop that counts its own steps (to end its epoch, say) can leave
+the held one out: ``if optimizer.step() is False: continue`` (on Ray Train, never False).
 
 The snapshots are the model's and optimizer's state in CPU memory after each applied step,
 two deep (a survivor is at most one step ahead of another).
@@ -65,7 +68,8 @@ class StepGuard:
         def step(*args: Any, **kwargs: Any) -> Any:
             if self.failed:
                 self._failed_step()
-                return None
+                return False  # held back: a loop that counts its own steps does not count this one
+            self._discard = False  # a held step's report, if the loop made none, is not the next one
             out = original(*args, **kwargs)
             self.applied += 1
             self._snapshot()
