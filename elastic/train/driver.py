@@ -584,9 +584,9 @@ class LoopDriver:
         if in_place:
             # a step every survivor reported was applied everywhere (its all-reduce had every
             # rank): it is a step of the old size, written before the resize
-            ranks = {old.index(w) for w in survivors}
+            kept = {old.index(w) for w in survivors}
             for index in sorted(self.reports):
-                if index in self.reports and ranks <= set(self.reports[index]):
+                if index in self.reports and kept <= set(self.reports[index]):
                     self._step_done(index, next(iter(self.reports[index].values()))["world"])
             places = self._places(survivors)
             self.members = survivors
