@@ -125,7 +125,6 @@ class LoopDriver:
         self.settled: set[int] = set()  # indices committed (kept or pruned since) or failed
         self.newest_ckpt = 0  # the newest index with a complete checkpoint in memory
         self._newest_before: int | None = None  # the open outage's newest reported index
-        self._restored_from: int | None = None  # a rerun's storage checkpoint
         self._growth_asked = False
         self.ledger: list[dict[str, Any]] = []  # every report: index, rank, world, rows
 
@@ -610,7 +609,8 @@ class LoopDriver:
             self.reports.clear()
             group = survivors + spares[: max(0, self.job.max_workers - len(survivors))]
             self._enter(group, restore)
-            self.files.resize(len(old), len(group), kind, how="entered again", step=resumed)
+            if len(group) != len(old):  # a replacement at the same size: no resize, as elastic run writes none
+                self.files.resize(len(old), len(group), kind, how="entered again", step=resumed)
         self.job.callbacks.flush()  # a report waiting for a commit the lost worker's part would have made
         timer.mark("configure_other_s")
         self.files.reformed(timer.rounded(), len(self.members))
