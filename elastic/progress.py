@@ -8,15 +8,21 @@ from typing import Any, TextIO
 
 
 class ProgressDisplay:
-    """An ``EventLog`` listener. On a TTY the step line redraws in place."""
+    """An ``EventLog`` listener. On a TTY the step line redraws in place; elsewhere it is
+    written every ``every`` steps, and at most once every ``every_s`` seconds.
 
-    def __init__(self, total_steps: int, stream: TextIO | None = None, every: int = 1):
+    ``total_steps`` None: a run whose length is not known (a ``TorchTrainer`` loop): no ETA.
+    A step without ``tokens_per_s`` (a user's loop) shows steps/s instead."""
+
+    def __init__(self, total_steps: int | None, stream: TextIO | None = None, every: int = 1, every_s: float = 0.0):
         self.total = total_steps
         self.stream = stream or sys.stdout
         self.every = max(1, every)
+        self.every_s = every_s
         self.tty = self.stream.isatty()
         self._t0 = time.monotonic()
         self._first_step: tuple[int, float] | None = None
+        self._last_line = float("-inf")
 
     def __call__(self, event: dict[str, Any]) -> None:
         kind = event["kind"]
@@ -50,16 +56,19 @@ class ProgressDisplay:
             self._first_step = (e["step"], now)
         s0, t0 = self._first_step
         rate = (e["step"] - s0) / (now - t0) if now > t0 and e["step"] > s0 else 0.0
-        eta = (self.total - e["step"]) / rate if rate > 0 else float("nan")
-        loss = "nan" if e["loss"] is None else f"{e['loss']:.4f}"
+        eta = (self.total - e["step"]) / rate if rate > 0 and self.total is not None else float("nan")
+        loss = "nan" if e.get("loss") is None else f"{e['loss']:.4f}"
+        total = "" if self.total is None else f"/{self.total}"
+        speed = f"{e['tokens_per_s']:>9.0f} tok/s" if e.get("tokens_per_s") is not None else f"{rate:>7.2f} steps/s"
         text = (
-            f"step {e['step']:>5}/{self.total}  loss {loss}  {e['tokens_per_s']:>9.0f} tok/s  "
+            f"step {e['step']:>5}{total}  loss {loss}  {speed}  "
             f"dp {e['dp']} (accum {e['grad_accum']})  ETA {_fmt_eta(eta)}"
         )
         if self.tty:
             self.stream.write("\r" + text + "   ")
             self.stream.flush()
-        elif e["step"] % self.every == 0 or e["step"] == self.total:
+        elif (e["step"] % self.every == 0 and now - self._last_line >= self.every_s) or e["step"] == self.total:
+            self._last_line = now
             self.stream.write(text + "\n")
             self.stream.flush()
 

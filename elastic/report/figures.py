@@ -124,13 +124,17 @@ def throughput_figure(data: RunData, out_dir: str) -> str:
     fig, ax = plt.subplots(figsize=SIZE)
     end_ts = data.events[-1]["ts"] if data.events else data.t0
     _shade_pauses(ax, data, end_ts)
+    # A TorchTrainer loop's steps carry no token count (docs/train_api.md): steps/s instead.
+    tokens = any(s.get("tokens_per_s") is not None for s in data.steps)
+    unit = "tokens/s" if tokens else "steps/s"
     if data.steps:
-        x, y = _broken_at_pauses(data, [(s["ts"], s["tokens_per_s"]) for s in data.steps])
-        ax.plot(x, y, _style(len(x)), ms=3, lw=1, color="tab:blue", label="tokens/s")
+        pts = [(s["ts"], _rate(s, tokens)) for s in data.steps]
+        x, y = _broken_at_pauses(data, pts)
+        ax.plot(x, y, _style(len(x)), ms=3, lw=1, color="tab:blue", label=unit)
     else:
         _nothing(ax, "no completed step yet")
     ax.set_xlabel("wall time since job start (s)")
-    ax.set_ylabel("throughput (tokens/s)")
+    ax.set_ylabel(f"throughput ({unit})")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
@@ -147,6 +151,13 @@ def throughput_figure(data: RunData, out_dir: str) -> str:
         ax.set_title("Throughput over wall time; grey: recovery gaps (no MFU: no known peak for this device)")
     ax.legend(handles, labels, loc="lower right", fontsize=8)
     return _save(fig, out_dir, "throughput.png")
+
+
+def _rate(step: dict[str, Any], tokens: bool) -> float:
+    if tokens:
+        return float(step.get("tokens_per_s") or 0.0)
+    t = float(step.get("step_time_s") or 0.0)
+    return 1.0 / t if t > 0 else float("nan")
 
 
 def timeline_figure(data: RunData, out_dir: str) -> str:

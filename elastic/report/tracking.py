@@ -71,6 +71,9 @@ class EventScalars:
     def _step(self, e: dict[str, Any]) -> tuple[int, dict[str, float]]:
         self.step = int(e["step"])
         values = {name: float(e[key]) for key, name in STEP_SCALARS.items() if e.get(key) is not None}
+        for key, value in (e.get("metrics") or {}).items():  # a TorchTrainer loop's own report
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                values[f"report/{key}"] = float(value)
         if self._gap_from is not None:
             self.recoveries += 1
             values["elastic/recoveries"] = float(self.recoveries)

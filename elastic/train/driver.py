@@ -35,9 +35,13 @@ from typing import Any
 
 import ray
 
-from elastic.events import EventLog, Recovery, RunResult, write_summary
+from elastic.control.diagnosis import NODE_PROBE_S, RayletProbe
+from elastic.control.timing import PhaseTimer
+from elastic.events import Recovery
 from elastic.train import checkpoints as ckpts
+from elastic.train.callbacks import LoopCallbacks
 from elastic.train.rank import Entry, LoopRank, Place, Restore
+from elastic.train.run_files import LoopRunFiles
 from elastic.worker.process_group import RendezvousStore
 
 logger = logging.getLogger(__name__)
@@ -72,6 +76,7 @@ class Worker:
     rss: list[int] = field(default_factory=list)  # resident bytes at each poll
     generation: int = 0  # the generation it was last placed in
     entries: int = 0
+    heard: float = 0.0  # the driver's clock at its last poll answer
 
 
 @dataclass
@@ -93,12 +98,18 @@ class Job:
     run_dir: str
     datasets: dict[str, tuple[list[tuple[Any, int]], bool]]
     collective_timeout_s: float = 60.0
+    callbacks: LoopCallbacks = field(default_factory=LoopCallbacks)
 
 
 class LoopDriver:
+    """The run files (``events.jsonl``, ``summary.json``) are written by ``LoopRunFiles``
+    (``elastic/train/run_files.py``); ``job.callbacks`` hear every event and every step."""
+
     def __init__(self, job: Job):
         self.job = job
-        self.events = EventLog(job.run_dir)
+        self.files = LoopRunFiles(job.run_dir)
+        job.callbacks.attach(self.files)
+        self.raylets = RayletProbe()
         self.generation = 0
         self.members: list[Worker] = []
         self.spares: list[Worker] = []
@@ -112,57 +123,36 @@ class LoopDriver:
         self.positions: dict[int, list[dict[str, Any]]] = {}
         self.committed: list[dict[str, Any]] = []  # {index, path, metrics}: the kept ones
         self.settled: set[int] = set()  # indices committed (kept or pruned since) or failed
-        self.checkpoint_failures: list[dict[str, Any]] = []
         self.newest_ckpt = 0  # the newest index with a complete checkpoint in memory
-        self.failures = 0
-        self.recoveries: list[Recovery] = []
-        self.dp_history: list[list[int]] = []
-        self._pending_recovery: dict[str, Any] | None = None
+        self._newest_before: int | None = None  # the open outage's newest reported index
         self._growth_asked = False
         self.ledger: list[dict[str, Any]] = []  # every report: index, rank, world, rows
+
+    @property
+    def recoveries(self) -> list[Recovery]:
+        return self.files.recoveries
 
     # ------------------------------------------------------------------ public
     def run(self) -> dict[str, Any]:
         t0 = time.monotonic()
-        self.events.emit(
-            "job_start",
-            name=self.job.name,
-            min_workers=self.job.min_workers,
-            max_workers=self.job.max_workers,
-            storage_dir=self.job.storage_dir,
-        )
         status, error, values = "failed", None, []
         try:
-            restore = self._resumed()
-            self.store = RendezvousStore(ray.util.get_node_ip_address(), self.job.collective_timeout_s)
-            self._start_workers()
-            values = self._train(restore)
-            status = "finished"
-        except LoopFailed as exc:
-            error = exc
+            try:
+                restore = self._resumed()
+                self.store = RendezvousStore(ray.util.get_node_ip_address(), self.job.collective_timeout_s)
+                self._start_workers()
+                values = self._train(restore)
+                status = "succeeded"
+            except LoopFailed as exc:
+                error = exc
+            finally:
+                self._wait_uploads()
+                self._shutdown()
+                self.job.callbacks.flush()
+                self.files.end(status, self.steps, time.monotonic() - t0, str(error) if error is not None else None)
         finally:
-            self._wait_uploads()
-            self._shutdown()
-            wall = time.monotonic() - t0
-            final = self.metrics[-1] if self.metrics else {}
-            loss = final.get("loss")
-            result = RunResult(
-                status=status,
-                steps=self.steps,
-                final_loss=float(loss) if isinstance(loss, (int, float)) else None,
-                wall_s=wall,
-                mean_tokens_per_s=0.0,
-                failures=self.failures,
-                dp_history=self.dp_history,
-                recoveries=self.recoveries,
-                checkpoint_failures=self.checkpoint_failures,
-            )
-            end: dict[str, Any] = {"status": status}
-            if error is not None:
-                end["reason"] = str(error)
-            self.events.emit("job_end", **end)
-            write_summary(self.job.run_dir, result)
-            self.events.close()
+            self.files.close()
+            self.job.callbacks.close()
         return {
             "status": status,
             "error": error,
@@ -192,7 +182,6 @@ class LoopDriver:
             for r in records
         ]
         self.steps = index
-        self.events.emit("restore", step=index, source="storage")
         return Restore(index, [], ckpts.checkpoint_dir(self.job.storage_dir, index), rec.get("positions", []))
 
     def _spawn(self, n: int) -> list[Worker]:
@@ -214,7 +203,17 @@ class LoopDriver:
         for _ in range(n):
             actor = cls.remote(self.job.fn, self.job.config, device, self.job.collective_timeout_s)
             out.append(Worker(actor, actor.info.remote()))
+        self._know_raylets()
         return out
+
+    def _know_raylets(self) -> None:
+        """The raylets' addresses, to tell a lost node from a lost actor (``RayletProbe``)."""
+        try:
+            nodes = ray.nodes()
+        except Exception:  # noqa: BLE001 - the GCS is busy: the addresses known stay
+            return
+        alive = [n for n in nodes if n.get("Alive")]
+        self.raylets.update({n["NodeID"]: (n["NodeManagerAddress"], n["NodeManagerPort"]) for n in alive})
 
     def _start_workers(self) -> None:
         pending = self._spawn(self.job.max_workers)
@@ -246,6 +245,7 @@ class LoopDriver:
                     w.info_ref = None
                     continue
                 w.node_id, w.ip, w.pid = info["node_id"], info["ip"], info["pid"]
+                w.heard = time.monotonic()
                 if w not in self.spares:
                     self.spares.append(w)
 
@@ -322,7 +322,7 @@ class LoopDriver:
             w.outcome, w.waiting, w.generation = None, False, place.generation
             w.run_ref = w.actor.run.remote(entry)
             w.entries += 1
-        self.dp_history.append([index, len(workers)])
+        self.files.entered(self.generation, index, len(workers), restore.index if restore is not None else None)
         self._growth_asked = False
 
     def _restore_point(self) -> Restore | None:
@@ -340,6 +340,14 @@ class LoopDriver:
     def _train(self, restore: Restore | None) -> list[Any]:
         first = self._ready_spares()[: self.job.max_workers]
         self._enter(first, restore)
+        self.files.started(
+            len(first),
+            len({w.node_id for w in first}),
+            name=self.job.name,
+            min_workers=self.job.min_workers,
+            max_workers=self.job.max_workers,
+            storage_dir=self.job.storage_dir,
+        )
         while True:
             self._poll()
             lost = self._lost()
@@ -378,6 +386,7 @@ class LoopDriver:
                 except Exception:  # noqa: BLE001 - the actor is gone: its run says so
                     continue
                 w.waiting = reply["waiting"] and reply["generation"] == w.generation  # not a stale answer
+                w.heard = time.monotonic()
                 w.rss.append(reply["rss"])
                 self._absorb(w, reply)
 
@@ -427,43 +436,29 @@ class LoopDriver:
             # (it was applied everywhere): it is a step too
             self._step_done(older, next(iter(self.reports[older].values()))["world"])
         reps = self.reports.pop(index)
-        if index <= self.steps and self._pending_recovery is None:
+        if index <= self.steps and not self.files.recovering():
             return
         self.steps = max(self.steps, index)
         metrics = reps[0]["metrics"] if 0 in reps else {}
         self.metrics.append({**metrics, "_step": index, "_world": world})
-        ts = max(r["ts"] for r in reps.values())
-        fields: dict[str, Any] = {"step": index, "world": world}
-        loss = metrics.get("loss")
-        if isinstance(loss, (int, float)):
-            fields["loss"] = float(loss)
-        self.events.emit("step", ts=ts, **fields)
+        self.files.step(index, world, reps, peer=len({w.node_id for w in self.members}) > 1)
+        newest = self._newest_before
+        if newest is not None and self.files.first_step(world, newest - (index - 1)) is not None:
+            self._newest_before = None  # it resumed after step index - 1
+        self.job.callbacks.reported(index, [reps[r]["metrics"] for r in sorted(reps)], index in self.parts)
         if index in self.parts:
             self.positions[index] = reps[min(self.parts[index])]["positions"]
             if self.parts[index] and all(r in self.parts[index] for r in self.parts[index]):
                 self.newest_ckpt = max(self.newest_ckpt, index)
             self._try_commit(index)
-        rec = self._pending_recovery
-        if rec is not None and world == rec["world"]:
-            now = time.monotonic()
-            self.recoveries.append(
-                Recovery(
-                    cause=rec["cause"],
-                    detect_s=rec["detected"] - rec["failed"],
-                    recover_s=now - rec["detected"],
-                    downtime_s=now - rec["failed"],
-                    lost_steps=max(0, rec["newest"] - (index - 1)),  # it resumed after step index - 1
-                    breakdown=rec["breakdown"],
-                )
-            )
-            self._pending_recovery = None
 
     def _uploaded(self, up: dict[str, Any]) -> None:
         index = up["index"]
         if "error" in up:
-            self.checkpoint_failures.append({"step": index, "cause": up["error"]})
-            self.settled.add(index)
-            self.events.emit("checkpoint", step=index, committed=False, cause=up["error"])
+            if index not in self.settled:
+                self.settled.add(index)
+                self.files.not_committed(index, up["error"])
+                self.job.callbacks.checkpoint_settled(index, None)
             return
         self.manifests[index][up["rank"]] = up["manifest"]
         self._try_commit(index)
@@ -484,7 +479,8 @@ class LoopDriver:
         )
         self.committed.append({"index": index, "path": path, "metrics": metrics, "positions": self.positions[index]})
         self.settled.add(index)
-        self.events.emit("checkpoint", step=index, committed=True, uri=path)
+        self.files.committed(index, path, manifest)
+        self.job.callbacks.checkpoint_settled(index, path)
         self._prune()
 
     def _prune(self) -> None:
@@ -535,18 +531,17 @@ class LoopDriver:
 
     def _recover(self, cause: str) -> None:
         detected = time.monotonic()
-        failed_at = detected
         newest = max([self.steps] + [i for i in self.reports])
+        old = list(self.members)
         for w in self.members:
             if w.outcome is None or w.outcome["kind"] not in ("lost",):
                 try:
                     w.actor.abort.remote()
                 except Exception:  # noqa: BLE001 - gone
                     pass
-        t_abort = time.monotonic()
         lost, survivors = self._census()
-        t_census = time.monotonic()
         errors = [w.outcome for w in survivors if w.outcome and w.outcome["kind"] in ("error", "collective")]
+        self.job.callbacks.exception(_worker_exceptions(old, lost, cause))
         if not lost and errors and len(errors) == len(self.members):
             first = errors[0]
             if all((e["type"], e["error"]) == (first["type"], first["error"]) for e in errors):
@@ -554,17 +549,24 @@ class LoopDriver:
                     f"the training loop raised {first['error']} on every rank\n{first.get('traceback', '')}",
                     first.get("exception"),
                 )
-        self.failures += 1
-        self.events.emit("failure", cause=cause, lost=len(lost), survivors=len(survivors), step=self.steps)
-        if self.job.max_failures != -1 and self.failures > self.job.max_failures:
+        heard = [w.heard for w in lost if w.heard]
+        failed_at = min(detected, max(heard)) if heard else detected
+        timer = PhaseTimer(time.monotonic, detected, detected - failed_at)
+        timer.mark("free_s")  # the survivors pulled out of their collectives, the lost ones found
+        kind, ranks, nodes = self._diagnose(old, lost, survivors)
+        detail = f"{cause}; {len(lost)} worker(s) lost, {len(survivors)} left, after step {self.steps}"
+        self.files.failure(kind, ranks, nodes, detail, failed_at, detected)
+        self._newest_before = max(newest, self._newest_before or 0)
+        if self.job.max_failures != -1 and self.files.failures > self.job.max_failures:
             raise LoopFailed(
-                f"{cause} (FailureConfig.max_failures={self.job.max_failures}: {self.failures} failures)",
+                f"{cause} (FailureConfig.max_failures={self.job.max_failures}: {self.files.failures} failures)",
                 _exception_of(errors),
             )
         for w in lost:
             _kill(w)
         spares = self._ready_spares(check=True)
         need = self.job.min_workers - len(survivors)
+        timer.mark("decide_s")
         if need > 0:
             deadline = time.monotonic() + START_TIMEOUT_S
             if len(spares) < need:
@@ -576,17 +578,22 @@ class LoopDriver:
                 raise LoopFailed(
                     f"{cause}: fewer than ScalingConfig.num_workers' minimum ({self.job.min_workers}) left"
                 )
+        timer.mark("spawn_s")
         in_place = survivors and all(w.waiting and w.outcome is None for w in survivors)
-        breakdown = {"abort_s": t_abort - detected, "census_s": t_census - t_abort}
         if in_place:
+            # a step every survivor reported was applied everywhere (its all-reduce had every
+            # rank): it is a step of the old size, written before the resize
+            kept = {old.index(w) for w in survivors}
+            for index in sorted(self.reports):
+                if index in self.reports and kept <= set(self.reports[index]):
+                    self._step_done(index, next(iter(self.reports[index].values()))["world"])
             places = self._places(survivors)
             self.members = survivors
             for w, place in zip(survivors, places, strict=True):
                 w.actor.reform.remote(place)
                 w.waiting, w.generation = False, place.generation
-            self.dp_history.append([self.steps, len(survivors)])
-            resumed = self.steps
-            self.events.emit("resize", step=self.steps, world=len(survivors), how="in place")
+            self.files.entered(self.generation, self.steps, len(survivors), None)
+            self.files.resize(len(old), len(survivors), kind, how="in place", step=self.steps)
         else:
             for w in survivors:
                 if w.outcome is None:
@@ -602,17 +609,27 @@ class LoopDriver:
             self.reports.clear()
             group = survivors + spares[: max(0, self.job.max_workers - len(survivors))]
             self._enter(group, restore)
-            self.events.emit("resize", step=resumed, world=len(group), how="entered again")
-        breakdown["reform_s"] = time.monotonic() - t_census
-        self._pending_recovery = {
-            "cause": cause,
-            "failed": failed_at,
-            "detected": detected,
-            "newest": newest,
-            "resumed": resumed,
-            "world": len(self.members),
-            "breakdown": breakdown,
-        }
+            if len(group) != len(old):  # a replacement at the same size: no resize, as elastic run writes none
+                self.files.resize(len(old), len(group), kind, how="entered again", step=resumed)
+        self.job.callbacks.flush()  # a report waiting for a commit the lost worker's part would have made
+        timer.mark("configure_other_s")
+        self.files.reformed(timer.rounded(), len(self.members))
+
+    def _diagnose(
+        self, old: list[Worker], lost: list[Worker], survivors: list[Worker]
+    ) -> tuple[str, list[int], list[str]]:
+        """The failure's ``cause`` (docs/outputs.md), its ranks and their nodes."""
+        if lost:
+            nodes = {w.node_id for w in lost if w.node_id}
+            candidates = nodes - {w.node_id for w in survivors}  # a node with a live worker is not lost
+            gone = self.raylets.dead(candidates, wait_s=NODE_PROBE_S) if candidates else set()
+            kind = "node_lost" if gone else "actor_died"
+            return kind, sorted(old.index(w) for w in lost), sorted(nodes)
+        raised = [w for w in survivors if w.outcome and w.outcome["kind"] == "error"]
+        if raised:
+            return "worker_error", sorted(old.index(w) for w in raised), sorted({w.node_id for w in raised})
+        failed = [w for w in survivors if w.waiting or (w.outcome and w.outcome["kind"] == "collective")]
+        return "collective_timeout", sorted(old.index(w) for w in failed), sorted({w.node_id for w in failed})
 
     def _census(self) -> tuple[list[Worker], list[Worker]]:
         """Who is lost: a run gone with its actor, or no answer to a ping; the survivors are
@@ -670,7 +687,7 @@ class LoopDriver:
         old = len(self.members)
         self.steps = restore.index if restore is not None else 0
         self._enter(group, restore)
-        self.events.emit("resize", step=self.steps, world=len(group), previous=old, how="grown at a checkpoint")
+        self.files.resize(old, len(group), "capacity returned", how="grown at a checkpoint", step=self.steps)
 
     # ------------------------------------------------------------------ end
     def _shutdown(self) -> None:
@@ -705,3 +722,16 @@ def _kill(w: Worker) -> None:
 
 def _exception_of(errors: list[dict[str, Any]]) -> BaseException | None:
     return errors[0].get("exception") if errors else None
+
+
+def _worker_exceptions(members: list[Worker], lost: list[Worker], cause: str) -> dict[int, BaseException]:
+    """World rank -> what that worker raised (its loop's exception, or why it is lost), as
+    Ray Train's ``UserCallback.after_exception`` receives it."""
+    out: dict[int, BaseException] = {}
+    for rank, w in enumerate(members):
+        o = w.outcome or {}
+        if w in lost:
+            out[rank] = RuntimeError(f"worker lost: {o.get('error') or cause}")
+        elif o.get("kind") in ("error", "collective"):
+            out[rank] = o.get("exception") or RuntimeError(o.get("error", o["kind"]))
+    return out

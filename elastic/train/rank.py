@@ -119,6 +119,8 @@ class LoopRank:
         self.waiting = False  # in a step, waiting for the driver's new group
         self.entries = 0
         self._threads: list[threading.Thread] = []
+        self._restored: dict[str, Any] | None = None  # this entry's restore: {source, duration_s}
+        self._restored_from = "memory"
 
     # ------------------------------------------------------------------ control group
     @ray.method(concurrency_group="control")
@@ -200,9 +202,12 @@ class LoopRank:
         ckpt_dir = None
         try:
             checkpoint, positions = None, []
+            self._restored = None
             if entry.restore is not None:
                 ckpt_dir = tempfile.mkdtemp(prefix=f"elastic-{entry.run_id}-restore-")
+                t_restore = time.perf_counter()
                 checkpoint, positions = self._materialize(entry.restore, ckpt_dir), entry.restore.positions
+                self._restored = {"source": self._restored_from, "duration_s": time.perf_counter() - t_restore}
             self.session = self._session(entry, checkpoint, positions)
             set_session(self.session)
             with self.runtime.running():
@@ -306,6 +311,7 @@ class LoopRank:
             self._reform.get_nowait()
 
     def _on_report(self, metrics: dict[str, Any], checkpoint: Checkpoint | None) -> None:
+        t_report = time.perf_counter()
         session = self.session
         assert session is not None
         guard = session.state.get("guard")
@@ -346,6 +352,10 @@ class LoopRank:
                     "positions": positions,
                     "rows": ledger,
                     "ts": time.time(),
+                    # run files (elastic/train/run_events.py): the report's hold, its files' size, the entry's restore
+                    "blocking_s": time.perf_counter() - t_report,
+                    "bytes": sum(len(v) for v in files.values()) if files is not None else 0,
+                    "restored": self._restored,
                 }
             )
         self.index = index
@@ -403,6 +413,7 @@ class LoopRank:
 
         from elastic.train.checkpoints import read_committed
 
+        self._restored_from = "memory"  # its own or a peer's
         for rank, holders in restore.parts if restore.parts else [(-1, [])]:  # no part in memory: storage
             files = self.held.get((restore.index, rank))
             for holder in holders:
@@ -421,6 +432,7 @@ class LoopRank:
             raise RuntimeError(f"checkpoint {restore.index}: no copy in memory and none committed")
         shutil.rmtree(directory, ignore_errors=True)
         os.makedirs(directory)
+        self._restored_from = "storage"
         write_files(read_committed(restore.storage_dir), directory)
         return Checkpoint.from_directory(directory)
 

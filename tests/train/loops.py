@@ -89,6 +89,25 @@ def loop(config: dict[str, Any]) -> dict[str, Any]:
     return {k: v.detach().clone() for k, v in getattr(net, "module", net).state_dict().items()}
 
 
+REPORTS = 6
+
+
+def reporting_loop(config: dict[str, Any]) -> None:
+    """``REPORTS`` reports of metrics that differ by rank, a checkpoint (one file per rank)
+    with every third; ``config["fail"]``: raise on every rank instead."""
+    rank = train.get_context().get_world_rank()
+    if config.get("fail"):
+        raise ValueError(f"boom on rank {rank}")
+    for i in range(1, REPORTS + 1):
+        metrics = {"loss": 1.0 / i + rank, "i": i, "rank": rank}
+        if i % 3 == 0:
+            with tempfile.TemporaryDirectory() as d:
+                torch.save({"i": i}, os.path.join(d, f"part{rank}.pt"))
+                train.report(metrics, checkpoint=train.Checkpoint.from_directory(d))
+        else:
+            train.report(metrics)
+
+
 def lineage(ledger: list[dict[str, Any]], full: bool = False) -> dict[int, Any]:
     """Each step's reports from the newest generation that reported it: rank -> rows of its
     first loader (``full``: rank -> the whole ledger entry)."""

@@ -77,7 +77,7 @@ def test_torch_linear_example(ray_local, tmp_path):
     assert set(metrics) == {"loss"} and np.isfinite(metrics["loss"])
     run_dir = _run_dir(str(tmp_path))
     summary = _summary(run_dir)
-    assert summary["status"] == "finished" and summary["steps"] == 3 and summary["failures"] == 0
+    assert summary["status"] == "succeeded" and summary["steps"] == 3 and summary["failures"] == 0
     losses = [e["loss"] for e in read_events(run_dir) if e["kind"] == "step"]
     assert len(losses) == 3 and losses[-1] < losses[0] and losses[-1] == pytest.approx(metrics["loss"])
     assert _committed(run_dir) == ["checkpoint_000001", "checkpoint_000002", "checkpoint_000003"]
@@ -143,7 +143,7 @@ def test_torch_quick_start(ray_local, tmp_path, monkeypatch):
     )
     run_dir = _run_dir(str(tmp_path / "home" / "ray_results"))
     summary = _summary(run_dir)
-    assert summary["status"] == "finished" and summary["failures"] == 0 and summary["steps"] == 0
+    assert summary["status"] == "succeeded" and summary["failures"] == 0 and summary["steps"] == 0
     by_process = {}
     for name in os.listdir(prints):
         lines = (prints / name).read_text().splitlines()

@@ -106,7 +106,7 @@ def test_a_fault_free_run_is_one_process_and_a_rerun_resumes(ray_cluster, tmp_pa
     steps = _assert_matches_replay(trainer, result)
     assert len(steps) == loops.ROWS // 8 and result.metrics["step"] == len(steps)
     summary = _summary(result)
-    assert summary["status"] == "finished" and summary["steps"] == len(steps) and summary["failures"] == 0
+    assert summary["status"] == "succeeded" and summary["steps"] == len(steps) and summary["failures"] == 0
     kinds = {e["kind"] for e in read_events(result.path)}
     assert {"job_start", "step", "checkpoint", "job_end"} <= kinds
     # CheckpointConfig(num_to_keep=2): the newest two committed checkpoints are kept
@@ -136,10 +136,59 @@ def test_a_node_loss_with_the_step_held_loses_nothing(ray_cluster, tmp_path):
     assert shrunk and all(sum(map(len, r)) == 16 for r in shrunk[:-1]), "in place, the global batch (16) is kept"
     summary = _summary(result)
     assert summary["failures"] == 1 and [r["lost_steps"] for r in summary["recoveries"]] == [0]
-    resizes = [e for e in read_events(result.path) if e["kind"] == "resize"]
-    assert resizes and resizes[0]["how"] == "in place" and resizes[0]["world"] == 3
-    first_at_3 = min(e["ts"] for e in read_events(result.path) if e["kind"] == "step" and e["world"] == 3)
+    events = read_events(result.path)
+    resizes = [e for e in events if e["kind"] == "resize"]
+    assert resizes and resizes[0]["how"] == "in place"
+    assert (resizes[0]["old_dp"], resizes[0]["new_dp"], resizes[0]["reason"]) == (4, 3, "node_lost")
+    first_at_3 = min(e["ts"] for e in events if e["kind"] == "step" and e["dp"] == 3)
     assert first_at_3 - out["kill_ts"] < 10.0  # the figure is the benchmark's; this catches a hang
+    _assert_run_files(result, summary, events, out["killed"])
+
+
+def _assert_run_files(result, summary, events, killed):
+    """The run files of a run with one node lost (4 -> 3) have the built-in trainer's kinds
+    and fields (docs/outputs.md), and ``elastic report`` draws them: the real CLI entry."""
+    from elastic.control.timing import PHASES
+    from elastic.events import RunResult
+    from elastic.report.run_data import load_run
+    from jobs.cli import main
+
+    assert set(summary) == set(RunResult.model_fields) - {"stop"}  # a stopped job's field only
+    assert summary["status"] == "succeeded" and summary["dp_history"][0] == [0, 4]
+    assert [dp for _, dp in summary["dp_history"]][:2] == [4, 3]
+    steps = [e for e in events if e["kind"] == "step"]
+    assert summary["steps"] == steps[-1]["step"] == len(steps)  # each report index once: a held step's is dropped
+    assert summary["final_loss"] == result.metrics["loss"]
+    for e in steps:
+        assert (e["dp"], e["world_size"], e["tp"], e["pp"], e["grad_accum"]) == (e["dp"], e["dp"], 1, 1, 1)
+        assert e["loss"] == e["metrics"]["loss"] and e["step_time_s"] >= 0
+    start = next(e for e in events if e["kind"] == "job_start")
+    assert (start["dp"], start["tp"], start["pp"], start["nodes"]) == (4, 1, 1, 4)
+    (failure,) = [e for e in events if e["kind"] == "failure"]
+    assert failure["cause"] == "node_lost" and failure["nodes"] == [killed] and failure["ranks"] == [1]
+    (rec,) = summary["recoveries"]
+    assert rec["cause"] == "node_lost" and set(rec["breakdown"]) <= set(PHASES)
+    assert {"detect_s", "free_s", "configure_other_s", "first_step_s"} <= set(rec["breakdown"])
+    assert sum(rec["breakdown"].values()) == pytest.approx(rec["downtime_s"], abs=0.01)  # each phase rounded to 1 ms
+    assert rec["downtime_s"] == pytest.approx(rec["detect_s"] + rec["recover_s"], abs=0.002)
+    stored = [e for e in events if e["kind"] == "checkpoint" and e["tier"] == "storage"]
+    assert stored and all(e["committed"] and e["bytes"] > 0 for e in stored)
+    assert {e["step"] for e in events if e["kind"] == "checkpoint" and e["tier"] == "memory"} >= {
+        e["step"] for e in stored
+    }
+    assert events[-1]["kind"] == "job_end" and events[-1]["status"] == "succeeded"
+    assert events[-1]["steps"] == summary["steps"]
+    out = os.path.join(result.path, "report")
+    assert main(["report", result.path]) == 0
+    for name in ("report.md", "loss.png", "throughput.png", "timeline.png", "step_breakdown.png"):
+        assert os.path.getsize(os.path.join(out, name)) > 0, name
+    text = open(os.path.join(out, "report.md")).read()
+    assert f"- steps completed: {summary['steps']}," in text and "- failures: 1" in text
+    assert "- DP over the run: 4 -> 3" in text and "| node_lost |" in text
+    data = load_run(result.path)  # what the figures draw
+    assert [s["step"] for s in data.steps] == [s["step"] for s in steps]
+    assert [f.cause for f in data.failures] == ["node_lost"] and data.failures[0].downtime_s == rec["downtime_s"]
+    assert [dp for _, dp in data.dp_timeline()] == [4, 3]
 
 
 def test_a_node_loss_enters_the_loop_again_then_it_grows_back(ray_cluster, tmp_path):
@@ -159,12 +208,14 @@ def test_a_node_loss_enters_the_loop_again_then_it_grows_back(ray_cluster, tmp_p
     events = read_events(result.path)
     resizes = [e for e in events if e["kind"] == "resize"]
     assert resizes[0]["how"] == "entered again" and resizes[0]["step"] in (5, 10)
+    assert (resizes[0]["old_dp"], resizes[0]["new_dp"]) == (4, 3)
     summary = _summary(result)
     assert summary["failures"] == 1
     lost = summary["recoveries"][0]["lost_steps"]
     assert 0 < lost <= 5  # the steps since the checkpoint, trained again
     if len(resizes) > 1:  # the node came back before the epoch ended
-        assert resizes[1]["how"] == "grown at a checkpoint" and resizes[1]["world"] == 4
+        assert resizes[1]["how"] == "grown at a checkpoint" and resizes[1]["new_dp"] == 4
+        assert resizes[1]["reason"] == "capacity returned"
 
 
 def test_an_error_the_loop_raises_on_every_rank_ends_the_run_at_once(ray_cluster, tmp_path):

@@ -77,7 +77,7 @@ def test_a_tuner_runs_each_trial_as_an_elastic_fit(ray_local, tmp_path):
     for name in trial_runs:
         with open(runs / name / "summary.json") as f:
             summary = json.load(f)
-        assert summary["status"] == "finished" and summary["steps"] == STEPS
+        assert summary["status"] == "succeeded" and summary["steps"] == STEPS
 
 
 def test_a_trial_reserves_its_driver_and_max_workers_and_refuses_unknown_keys():

@@ -82,9 +82,11 @@ class TorchTrainer:
 
     # ------------------------------------------------------------------ fit
     def fit(self) -> Result:
+        from elastic.train.callbacks import LoopCallbacks, RunContext, check_callbacks
         from elastic.train.driver import Job, LoopDriver
 
         run = self.run_config
+        check_callbacks(run.callbacks or [])
         name = run.name or f"TorchTrainer_{datetime.datetime.now().strftime('%Y-%m-%d_%H-%M-%S')}"
         storage = run.resolved_storage_path()
         check_writable(storage)
@@ -116,6 +118,12 @@ class TorchTrainer:
             storage_dir=storage_dir,
             run_dir=run_dir,
             datasets=datasets,
+            callbacks=LoopCallbacks(
+                run.callbacks,
+                RunContext(run, self.train_loop_config, sc, self.dataset_config),
+                progress=run.verbose != 0,
+                tensorboard_dir=os.path.join(run_dir, "tensorboard"),
+            ),
         )
         out = LoopDriver(job).run()
         committed = out["committed"]
