@@ -61,6 +61,25 @@ def check_corpus(
         raise SpecError(field, exc.message if hasattr(exc, "message") else str(exc)) from None
 
 
+def check_eval_corpus(spec: Any, seq_len: int, vocab_size: int) -> None:
+    """``data.eval_source``, when set, checked as ``data.source`` is (rows of ``seq_len + 1``
+    ids below ``vocab_size``: an eval corpus with another row width is refused), and its
+    ``document_ids`` only for a model that takes them; errors name ``data.eval_source``.
+    Each rank reads it with its own reader, whatever ``data.loader`` says."""
+    source = spec.data.eval_source
+    if source is None:
+        return
+    columns = check_corpus(spec.data, seq_len, vocab_size, source=source, field="data.eval_source")
+    if DOCUMENT_IDS in columns:
+        from elastic.models.spec import model_spec
+
+        if not model_spec(spec.model).documents:
+            raise SpecError(
+                "data.eval_source",
+                f"the corpus has a '{DOCUMENT_IDS}' column; model {spec.model.kind!r} takes no document ids",
+            )
+
+
 def check_sft_layout(columns: tuple[str, ...], spec: Any) -> None:
     """A corpus with ``document_ids`` needs a model whose forward takes them, and no pipeline
     or context parallelism (their stages and chunks carry no document ids); a corpus with
