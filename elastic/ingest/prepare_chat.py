@@ -11,6 +11,9 @@ settings (page checksums, zstd, no dictionary) and three fixed-size list columns
 ``tokenizer.json`` and, last, ``index.json`` (``columns`` names the three; the index's shard
 entries are version 2: the host readers read ``tokens`` alone, so the rank's own reader
 reads this corpus, which ``data.loader: auto`` picks). Every row is kept: the last is padded.
+``PrepareConfig.pack = False`` writes one conversation a row instead, without ``document_ids``
+(a row's padding follows its one document, which causal attention never lets it see): the
+baseline of ``benchmarks/sft_packing.py``.
 
 It runs in this process, without Ray: rendering a template is Python (Jinja), several hundred
 conversations a second. Bad input is a ``SpecError`` naming ``INPUT``, ``messages``,
@@ -54,16 +57,18 @@ class ChatPrepareResult:
         return self.index.seq_len + 1
 
 
-def encode_chat_shard(tokens: np.ndarray, mask: np.ndarray, docs: np.ndarray, rows_per_group: int) -> bytes:
-    """Three ``[n, width]`` columns as one parquet shard, with ``elastic prepare``'s writer settings."""
+def encode_chat_shard(tokens: np.ndarray, mask: np.ndarray, docs: np.ndarray | None, rows_per_group: int) -> bytes:
+    """The ``[n, width]`` columns as one parquet shard, with ``elastic prepare``'s writer settings
+    (``docs`` None: no ``document_ids`` column, one document a row)."""
     width = tokens.shape[1]
 
     def col(a: np.ndarray, t: pa.DataType) -> pa.FixedSizeListArray:
         return pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(a).reshape(-1), type=t), width)
 
-    table = pa.table(
-        {TOKENS: col(tokens, pa.int32()), LOSS_MASK: col(mask, pa.int8()), DOCUMENT_IDS: col(docs, pa.int32())}
-    )
+    cols = {TOKENS: col(tokens, pa.int32()), LOSS_MASK: col(mask, pa.int8())}
+    if docs is not None:
+        cols[DOCUMENT_IDS] = col(docs, pa.int32())
+    table = pa.table(cols)
     buf = io.BytesIO()
     pq.write_table(
         table,
@@ -151,6 +156,7 @@ def _prepare_chat(cfg: Any, out: Any, written: list[str]) -> ChatPrepareResult:
     t0 = time.perf_counter()
     fs, files, template = check_chat_input(cfg)
     width = cfg.seq_len + 1
+    pack = cfg.pack
     shards: list[Shard] = []
     pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
 
@@ -161,7 +167,7 @@ def _prepare_chat(cfg: Any, out: Any, written: list[str]) -> ChatPrepareResult:
 
     def flush() -> None:
         tokens, mask, docs = (np.stack(c) for c in zip(*pending))
-        data = encode_chat_shard(tokens, mask, docs, cfg.rows_per_group)
+        data = encode_chat_shard(tokens, mask, docs if pack else None, cfg.rows_per_group)
         offset, length = footer_span(data)
         name = f"part-{len(shards):05d}.parquet"
         put(name, data)
@@ -184,7 +190,7 @@ def _prepare_chat(cfg: Any, out: Any, written: list[str]) -> ChatPrepareResult:
         if len(pending) == cfg.rows_per_shard:
             flush()
 
-    packer = RowPacker(width, pad_id(template), emit, overlong=cfg.overlong)
+    packer = RowPacker(width, pad_id(template), emit, overlong=cfg.overlong, pack=pack)
     for messages, where in conversations(cfg, fs, files):
         chat = template.render(messages, where)
         packer.add(chat.ids, chat.assistant, where)
@@ -204,7 +210,11 @@ def _prepare_chat(cfg: Any, out: Any, written: list[str]) -> ChatPrepareResult:
         "chat_template_sha256": hashlib.sha256(template.template.encode()).hexdigest(),
     }
     index = CorpusIndex(
-        root=cfg.output, seq_len=cfg.seq_len, tokenizer=described, shards=tuple(shards), columns=CHAT_COLUMNS
+        root=cfg.output,
+        seq_len=cfg.seq_len,
+        tokenizer=described,
+        shards=tuple(shards),
+        columns=CHAT_COLUMNS if pack else CHAT_COLUMNS[:2],
     )
     write_index(cfg.output, index, cfg.storage_options)  # last: the corpus is complete from here on
     return ChatPrepareResult(packer.stats, len(shards), time.perf_counter() - t0, index)

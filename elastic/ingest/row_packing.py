@@ -13,7 +13,9 @@ document is never cut across rows, except one longer than a row, which ``overlon
 
 ``document_ids`` hold each document's number in the input (from 0), the same for every piece
 of a split one; padding is ``PAD_DOCUMENT`` with ``loss_mask`` 0 and the tokenizer's pad id.
-A row's documents are in the order they were packed.
+A row's documents are in the order they were packed. ``pack=False`` puts each document in a
+row of its own (padding each conversation to the row: what packing is measured against,
+``benchmarks/sft_packing.py``).
 """
 
 from __future__ import annotations
@@ -67,11 +69,13 @@ class RowPacker:
         emit: Callable[[np.ndarray, np.ndarray, np.ndarray], None],
         overlong: str = "refuse",
         open_rows: int = 64,
+        pack: bool = True,
     ):
         if overlong not in OVERLONG:
             raise SpecError("--overlong", f"{overlong!r} is not one of {', '.join(OVERLONG)}")
         self.width, self.pad_id, self.emit, self.overlong = width, pad_id, emit, overlong
         self.open_rows = max(1, open_rows)
+        self.pack = pack  # False: one document a row, the rest padding (the baseline packing is measured against)
         self._open: list[_Row] = []
         self.stats = PackStats()
 
@@ -101,7 +105,7 @@ class RowPacker:
 
     def _place(self, ids: np.ndarray, mask: np.ndarray, doc: int) -> None:
         n = len(ids)
-        row = next((r for r in self._open if self.width - r.used >= n), None)
+        row = next((r for r in self._open if self.width - r.used >= n), None) if self.pack else None
         if row is None:
             if len(self._open) == self.open_rows:
                 self._close(self._open.pop(0))
@@ -113,7 +117,7 @@ class RowPacker:
         row.used += n
         self.stats.tokens += n
         self.stats.counted += int(mask[1:].sum())  # a document's first token is never predicted
-        if row.used == self.width:
+        if row.used == self.width or not self.pack:
             self._open.remove(row)
             self._close(row)
 

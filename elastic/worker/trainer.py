@@ -268,9 +268,12 @@ class Trainer:
             )  # fmt: skip
             self._eval_rows = corpus.num_rows
         self.last_progress = time.monotonic()
-        loss = self.engine.eval_loss(self._eval_batches)
+        loss = self.engine.eval_loss(self._eval_batches, progress=self._beat)
         self.last_progress = time.monotonic()
         self.reports.append(EvalReport(step, loss, time.perf_counter() - t, self._eval_rows))
+
+    def _beat(self) -> None:
+        self.last_progress = time.monotonic()
 
     def _own_compute(self, t1: float, c1: float, wait_s: float) -> float:
         """This rank's own forward, backward and optimizer step, without waiting for peers

@@ -134,6 +134,12 @@ def test_packing_keeps_documents_whole_unless_one_is_longer_than_a_row():
         for d in set(docs.tolist()) - {PAD_DOCUMENT}:
             assert (tokens[docs == d] == d + 1).all() and (docs == d).sum() == lengths[d]
     assert len(rows) == 5  # first fit: 38 tokens in 5 rows of 10 (one conversation a row would take 8)
+    alone: list[tuple] = []
+    padded = RowPacker(width, pad_id=0, emit=lambda *c: alone.append(c), pack=False)
+    for i, n in enumerate(lengths):
+        padded.add(np.full(n, i + 1, dtype=np.int32), np.ones(n, dtype=np.int8), f"doc {i}")
+    padded.finish()
+    assert [int((d == i).sum()) for i, (_, _, d) in enumerate(alone)] == lengths  # one a row, in order
     with pytest.raises(SpecError, match=r"--seq-len: doc x: a conversation of 12 tokens is longer than a row"):
         RowPacker(width, 0, lambda *c: None).add(np.ones(12, np.int32), np.ones(12, np.int8), "doc x")
     for mode, pieces in (("truncate", [10]), ("split", [10, 2])):
@@ -203,6 +209,18 @@ def test_bad_input_exits_2_with_one_line(tmp_path, tok_dir, capsys, case, field,
     assert r.returncode == 2, r
     assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"error: {field}: ") and words in r.stderr, r.stderr
     assert not out.exists() or not any(out.iterdir())  # nothing left behind
+
+
+def test_one_conversation_a_row_has_no_document_ids(tmp_path, tok_dir):
+    recs = records(12)
+    res, out = prep(tmp_path, recs, tok_dir, pack=False)
+    assert read_index(out).columns == ("tokens", "loss_mask") and res.stats.rows == len(recs)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    table = pq.read_table(read_index(out).uri(read_index(out).shards[0]))
+    for rec, row in zip(recs, table.column("tokens").to_pylist()):
+        text = tok.apply_chat_template(rec["messages"], tokenize=False)
+        n = len(tok(text, add_special_tokens=False)["input_ids"])
+        assert tok.decode(row[:n]) == text and set(row[n:]) <= {tok.pad_token_id}
 
 
 def test_the_cli_prints_how_full_the_rows_are(tmp_path, tok_dir, capsys):
