@@ -119,6 +119,17 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         ("--generations", "1", "--steps", "2", "--models", "50mb"),
     ),
     Benchmark(
+        "sft_packing",
+        "SFT counted (non-padding) tokens/s: chat rows packed with document masks vs one conversation padded a row",
+        "sft_packing.json",
+        "--json",
+        ("--conversations", "400", "--reps", "1", "--steps", "3"),
+        smoke=(
+            *("--conversations", "40", "--seq-len", "128", "--d-model", "32", "--layers", "1"),
+            *("--steps", "1", "--warmup", "1", "--reps", "1", "--json", "{out}"),
+        ),
+    ),
+    Benchmark(
         "restore_waves",
         "checkpoint restore from S3 in waves vs unstaggered: peak GETs in flight, restore time",
         "restore_waves.json",

@@ -17,7 +17,7 @@ from elastic.control.stop import StopSignals
 from elastic.errors import JobFailed
 from elastic.events import EventLog, RunResult, write_summary
 from elastic.ingest.corpus import synthetic_corpus
-from elastic.ingest.preflight import check_corpus, check_sft_layout
+from elastic.ingest.preflight import check_corpus, check_eval_corpus, check_sft_layout
 from elastic.models.config import token_shape
 from elastic.priority import control_process
 from elastic.progress import ProgressDisplay, format_summary
@@ -138,6 +138,7 @@ class ElasticTrainer:
         to join (None: already connected)."""
         seq_len, vocab_size = token_shape(self.spec.model)
         check_sft_layout(check_corpus(self.spec.data, seq_len, vocab_size), self.spec)
+        check_eval_corpus(self.spec, seq_len, vocab_size)
         target = None if ray.is_initialized() else ray_join.resolve(self.address)
         if target is not None and target.address is None:
             check_fits_embedded(self.spec)

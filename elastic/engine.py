@@ -279,10 +279,11 @@ class TrainEngine:
         return self._loss(outputs, targets, self._factor)
 
     @torch.no_grad()
-    def eval_loss(self, micro_batches: Sequence[MicroBatch]) -> float:
+    def eval_loss(self, micro_batches: Sequence[MicroBatch], progress: Callable[[], None] | None = None) -> float:
         """The mean loss over the counted targets of every rank's ``micro_batches`` together (no
         gradient): each data shard's share of an eval corpus, summed with the counts over the
-        DP group. Every rank runs as many micro-batches (a share's padding counts nothing)."""
+        DP group. Every rank runs as many micro-batches (a share's padding counts nothing).
+        ``progress()`` is called after each (the worker's heartbeat during a long eval)."""
         if self.schedule is not None:
             raise RuntimeError("eval under pipeline parallelism (the spec refuses train.eval_every with pp > 1)")
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
@@ -295,6 +296,8 @@ class TrainEngine:
                     mean = to_local_value(self.spec.loss_fn(logits, targets).detach())
                     sums += torch.stack([mean.double() * count, torch.tensor(float(count), dtype=torch.float64)])
                 del logits
+                if progress is not None:
+                    progress()
         if self.dims.dense_dp > 1:
             dist.all_reduce(sums, group=self.dims.dense_mesh.get_group())
         return float(sums[0] / sums[1]) if float(sums[1]) > 0 else float("nan")

@@ -29,6 +29,7 @@ EVENT_KINDS = (
     "straggler",
     "sdc",
     "node_excluded",
+    "eval",
 )
 
 

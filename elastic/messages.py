@@ -92,7 +92,18 @@ class UploadReport:
     already_committed: bool = False
 
 
-WorkerReport = StepReport | AnomalyReport | UploadReport | SdcReport
+@dataclass(frozen=True)
+class EvalReport:
+    """The mean loss over the whole eval corpus (``data.eval_source``) after ``step``: every
+    rank's is the same all-reduced value (``TrainEngine.eval_loss``)."""
+
+    step: int
+    eval_loss: float
+    duration_s: float
+    rows: int  # of the eval corpus
+
+
+WorkerReport = StepReport | AnomalyReport | UploadReport | SdcReport | EvalReport
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,9 @@ class TrainConfig(BaseModel):
         None, description="compute precision; default bf16 on CUDA, fp32 on CPU (state stays fp32)"
     )
     compile: bool = Field(False, description="torch.compile each transformer block")
+    eval_every: int = Field(
+        0, ge=0, description="steps between evals of data.eval_source (the eval event's eval_loss); 0: none"
+    )
     tensorboard: bool | str = Field(
         False,
         description="write TensorBoard scalars: true for RUN_DIR/tensorboard, or a directory (docs/observability.md)",

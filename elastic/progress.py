@@ -46,6 +46,8 @@ class ProgressDisplay:
                 f"checkpoint step {event['step']} -> storage ({event['bytes'] / 1e6:.1f} MB, "
                 f"blocked {event['blocking_s'] * 1e3:.1f} ms)"
             )
+        elif kind == "eval":
+            self._line(f"eval  step {event['step']:>5}/{self.total}  eval_loss {event['eval_loss']:.4f}")
         elif kind == "job_end":
             reason = f": {event['reason']}" if event.get("reason") and event["status"] == "failed" else ""
             self._line(f"job {event['status']} after {event['steps']} steps{reason}")

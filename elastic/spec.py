@@ -88,6 +88,7 @@ class JobSpec(BaseModel):
             )
         if p.shard_group is not None:
             self._check_shard_group(p.shard_group)
+        self._check_eval()
         if self.resources.device == "cuda" and self.resources.gpus_per_worker <= 0:
             raise SpecError("resources.gpus_per_worker", "must be > 0 when resources.device is cuda")
         if not self.allowed_dps():
@@ -97,6 +98,21 @@ class JobSpec(BaseModel):
                 f"global_batch / parallel.micro_batch ({t.global_batch} / {p.micro_batch})"
                 + (f" in dp x parallel.ep ({p.ep}) data shards" if p.ep > 1 else ""),
             )
+
+    def _check_eval(self) -> None:
+        """``data.eval_source`` and ``train.eval_every`` come together, on a layout whose
+        eval is built (no pipeline or context parallelism)."""
+        source, every = self.data.eval_source, self.train.eval_every
+        if source is not None and source == "synthetic":
+            raise SpecError("data.eval_source", "must be a corpus (a path or parquet URI), not synthetic")
+        if every and source is None:
+            raise SpecError("train.eval_every", f"is {every}: set data.eval_source, the corpus to evaluate")
+        if source is not None and not every:
+            raise SpecError("train.eval_every", "data.eval_source is set: give the steps between evals (> 0)")
+        if every and self.parallel.pp > 1:
+            raise SpecError("train.eval_every", f"eval under parallel.pp={self.parallel.pp} is not built (pp: 1)")
+        if every and self.parallel.cp > 1:
+            raise SpecError("train.eval_every", f"eval under parallel.cp={self.parallel.cp} is not built (cp: 1)")
 
     def _check_shard_group(self, group: int) -> None:
         p, e = self.parallel, self.elastic

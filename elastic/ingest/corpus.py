@@ -69,11 +69,17 @@ class DataConfig(BaseModel):
         2, ge=1, description="storage reads in flight per host (host readers, and checkpoint restore)"
     )
     storage_options: dict[str, Any] = Field(default_factory=dict)
+    eval_source: str | None = Field(
+        None,
+        description="a corpus (local path or parquet URI) whose whole mean loss is the eval event's eval_loss, "
+        "every train.eval_every steps; read by each rank's own reader, sharded over the data shards "
+        "(docs/data.md)",
+    )
 
-    @field_validator("source")
+    @field_validator("source", "eval_source")
     @classmethod
-    def _source(cls, v: str) -> str:
-        if v == "synthetic":
+    def _source(cls, v: str | None) -> str | None:
+        if v is None or v == "synthetic":
             return v
         protocol, sep, _ = v.partition("://")
         if not sep:
@@ -87,18 +93,18 @@ class DataConfig(BaseModel):
     def check_source_exists(self) -> None:
         """A local corpus (``file://`` or a path) must exist before anything starts. Remote
         sources are checked when read: their credentials may live only on the cluster."""
-        from elastic.errors import SpecError
-
-        if self.source == "synthetic":
-            return
-        protocol, sep, rest = self.source.partition("://")
-        if sep and protocol != "file":
-            return
         import os
 
-        path = rest if sep else self.source
-        if not os.path.exists(path):
-            raise SpecError("data.source", f"{self.source} does not exist")
+        from elastic.errors import SpecError
+
+        for field, source in (("data.source", self.source), ("data.eval_source", self.eval_source)):
+            if source is None or source == "synthetic":
+                continue
+            protocol, sep, rest = source.partition("://")
+            if sep and protocol != "file":
+                continue
+            if not os.path.exists(rest if sep else source):
+                raise SpecError(field, f"{source} does not exist")
 
 
 # --------------------------------------------------------------------------- order (pure)

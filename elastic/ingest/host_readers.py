@@ -50,13 +50,14 @@ def resolve_loader(data_cfg: Any, uri: str) -> str:
     reads run by one Ray Data executor or by its own threads) for a prepared corpus (with
     an ``index.json``); ``native``, or ``ray_data_per_rank`` (the per-rank pipeline,
     ``elastic.ingest.corpus``) for any other parquet corpus. ``auto`` is ``ray_data`` for a prepared
-    corpus and ``native`` otherwise (docs/data.md). The index is looked up once per driver."""
+    corpus of ``tokens`` alone and ``native`` otherwise (docs/data.md). The index is looked up once per driver."""
     if data_cfg.loader == "native":
         return "native"
     key = (uri, repr(sorted(data_cfg.storage_options)))
     if key not in _INDEXED:
         try:
-            _INDEXED[key] = read_index(uri, data_cfg.storage_options) is not None
+            index = read_index(uri, data_cfg.storage_options)
+            _INDEXED[key] = index is not None and index.host_readable  # SFT columns: the rank's reader
         except Exception as exc:  # noqa: BLE001 - unreadable here: let the native reader report it
             log.warning("data.source index lookup failed (%s)", type(exc).__name__)
             _INDEXED[key] = False

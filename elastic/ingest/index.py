@@ -18,7 +18,11 @@ Version 3 adds, per shard, its row-group sidecar (``elastic.ingest.sidecar``): `
 reader fetches each run of row groups with its groups' own metadata, and never a whole
 footer: what it reads of metadata grows with what it consumes, not with the corpus. Its
 records are verified against the shard's ``sha256``. The version 2 fields stay (a version 3
-entry is a version 2 entry plus the sidecar). See docs/data.md.
+entry is a version 2 entry plus the sidecar).
+
+``columns`` (any version; absent means ``tokens`` alone) names the shards' columns when they
+hold more than ``tokens``: the SFT columns ``loss_mask`` and ``document_ids`` of
+``elastic prepare --format chat``, which only the rank's own reader reads. See docs/data.md.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from elastic.ingest.parquet_corpus import TOKENS
 from storage import open_storage
 
 INDEX = "index.json"
@@ -85,6 +90,12 @@ class CorpusIndex:
     seq_len: int
     tokenizer: dict[str, Any]
     shards: tuple[Shard, ...]
+    columns: tuple[str, ...] = (TOKENS,)  # the shards' columns, ``tokens`` first
+
+    @property
+    def host_readable(self) -> bool:
+        """Whether the host readers can read it: they read ``tokens`` alone."""
+        return self.columns == (TOKENS,)
 
     @property
     def num_rows(self) -> int:
@@ -116,7 +127,9 @@ class CorpusIndex:
         return f"{self.root.rstrip('/')}/{shard.groups_path}"
 
     def to_json(self) -> dict[str, Any]:
+        columns = {} if self.host_readable else {"columns": list(self.columns)}
         return {
+            **columns,
             "version": self.version,
             "seq_len": self.seq_len,
             "row_width": self.seq_len + 1,
@@ -147,7 +160,10 @@ def parse_index(root: str, data: bytes) -> CorpusIndex:
         v2 = {k: s[k] for k in _V2_FIELDS} if all(k in s for k in _V2_FIELDS) else {}
         v3 = {k: s[k] for k in _V3_FIELDS} if v2 and all(k in s for k in _V3_FIELDS) else {}
         shards.append(Shard(path=s["path"], rows=int(s["rows"]), bytes=int(s["bytes"]), sha256=s["sha256"], **v2, **v3))
-    return CorpusIndex(root=root, seq_len=int(raw["seq_len"]), tokenizer=raw["tokenizer"], shards=tuple(shards))
+    columns = tuple(raw.get("columns", (TOKENS,)))
+    return CorpusIndex(
+        root=root, seq_len=int(raw["seq_len"]), tokenizer=raw["tokenizer"], shards=tuple(shards), columns=columns
+    )
 
 
 def read_index(root: str, storage_options: dict[str, Any] | None = None) -> CorpusIndex | None:

@@ -61,11 +61,31 @@ def check_corpus(
         raise SpecError(field, exc.message if hasattr(exc, "message") else str(exc)) from None
 
 
+def check_eval_corpus(spec: Any, seq_len: int, vocab_size: int) -> None:
+    """``data.eval_source``, when set, checked as ``data.source`` is (rows of ``seq_len + 1``
+    ids below ``vocab_size``: an eval corpus with another row width is refused), and its
+    ``document_ids`` only for a model that takes them; errors name ``data.eval_source``.
+    Each rank reads it with its own reader, whatever ``data.loader`` says."""
+    source = spec.data.eval_source
+    if source is None:
+        return
+    columns = check_corpus(spec.data, seq_len, vocab_size, source=source, field="data.eval_source")
+    if DOCUMENT_IDS in columns:
+        from elastic.models.spec import model_spec
+
+        if not model_spec(spec.model).documents:
+            raise SpecError(
+                "data.eval_source",
+                f"the corpus has a '{DOCUMENT_IDS}' column; model {spec.model.kind!r} takes no document ids",
+            )
+
+
 def check_sft_layout(columns: tuple[str, ...], spec: Any) -> None:
     """A corpus with ``document_ids`` needs a model whose forward takes them, and no pipeline
     or context parallelism (their stages and chunks carry no document ids); a corpus with
-    SFT columns is read by the rank's own reader (``data.loader: native``) when it has an
-    index (the host readers read ``tokens`` alone)."""
+    SFT columns is read by the rank's own reader (``data.loader: native``, which ``auto`` is
+    when its index names the columns) when it has an index (the host readers read ``tokens``
+    alone)."""
     if len(columns) == 1:
         return
     if DOCUMENT_IDS in columns:
@@ -80,7 +100,7 @@ def check_sft_layout(columns: tuple[str, ...], spec: Any) -> None:
                 "model.kind",
                 f"the corpus has a '{DOCUMENT_IDS}' column; model {spec.model.kind!r} takes no document ids",
             )
-    if spec.data.loader in ("feeder", "ray_data") or (spec.data.loader == "auto" and _has_index(spec.data)):
+    if spec.data.loader in ("feeder", "ray_data") or (spec.data.loader == "auto" and _host_read(spec.data)):
         raise SpecError(
             "data.loader",
             f"the corpus has {', '.join(c for c in columns if c != TOKENS)} beside tokens, which only the rank's own "
@@ -88,9 +108,12 @@ def check_sft_layout(columns: tuple[str, ...], spec: Any) -> None:
         )
 
 
-def _has_index(data: Any) -> bool:
+def _host_read(data: Any) -> bool:
+    """Whether ``data.loader: auto`` picks the host readers: an index that does not name the
+    SFT columns (one ``elastic prepare --format chat`` wrote does: ``auto`` is then native)."""
     try:
-        return read_index(data.source, data.storage_options) is not None
+        index = read_index(data.source, data.storage_options)
+        return index is not None and index.host_readable
     except Exception:  # noqa: BLE001 - unreadable: check_corpus said so already
         return False
 

@@ -53,6 +53,8 @@ class PrepareConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)
     progress: bool = True
     blocks: int | None = None  # Ray Data read blocks (default: Ray's choice); the output does not depend on it
+    overlong: str = "refuse"  # --format chat: a conversation longer than a row (elastic/ingest/row_packing.py)
+    pack: bool = True  # --format chat: False puts one conversation in each row (the padding baseline)
 
 
 @dataclass

@@ -64,6 +64,8 @@ class EventScalars:
             return int(event["step"]), {"elastic/restore_s": float(event["duration_s"])}
         if kind == "checkpoint":
             return int(event["step"]), {f"checkpoint/{event['tier']}_blocking_s": float(event["blocking_s"])}
+        if kind == "eval":
+            return int(event["step"]), {"eval/loss": float(event["eval_loss"])}
         if kind == "job_start":
             return 0, {"elastic/dp": float(event["dp"])}
         return None

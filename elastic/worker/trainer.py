@@ -29,8 +29,17 @@ from elastic.checkpoint.restore import flat_target, load_from_storage, load_live
 from elastic.checkpoint.storage_tier import StorageUploader
 from elastic.engine import TrainEngine
 from elastic.ingest.corpus import BatchLayout, ParquetCorpus, RankStream, ray_data_batches
+from elastic.ingest.eval_rows import eval_micro_batches
 from elastic.ingest.preflight import check_rows
-from elastic.messages import AnomalyReport, ReportSink, SdcReport, SnapshotReport, StepReport, StorageRestore
+from elastic.messages import (
+    AnomalyReport,
+    EvalReport,
+    ReportSink,
+    SdcReport,
+    SnapshotReport,
+    StepReport,
+    StorageRestore,
+)
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.live import LiveState, release
 from elastic.worker.abort import AbortHooks
@@ -78,6 +87,8 @@ class Trainer:
         self.sdc = SdcGuard(spec, dims, rank, tier)  # silent data corruption checks (docs/health.md)
         # A peer was lost (``TrainWorker.abort_step``): leave the step at the next block.
         self.abort = abort or threading.Event()
+        self._eval_batches: list[tuple] | None = None  # this data shard's share of data.eval_source
+        self._eval_rows = 0
         blocks = [] if spec.train.compile else self.engine.spec.blocks(self.engine.module)  # (no graph breaks)
         self._abort_hooks = AbortHooks(self.abort, blocks)  # elastic/worker/abort.py
 
@@ -236,7 +247,33 @@ class Trainer:
             )
         )
         self.last_progress = time.monotonic()
+        every = self.spec.train.eval_every
+        if every and step % every == 0:
+            self._evaluate(step)
         return stop
+
+    def _evaluate(self, step: int) -> None:
+        """The mean loss over the whole ``data.eval_source`` after ``step``: this data shard's
+        share (``elastic.ingest.eval_rows``, read once per generation), no gradient, summed
+        over the shards by ``TrainEngine.eval_loss``; reported as an ``EvalReport``."""
+        t = time.perf_counter()
+        if self._eval_batches is None:
+            d = self.spec.data
+            corpus = ParquetCorpus(d.eval_source, d.storage_options)
+            shard = self.dims.data_shard(self.dims.coords(self.rank))
+            m = self.spec.model
+            self._eval_batches = eval_micro_batches(
+                corpus, self.dims.data_shards, shard, self.spec.parallel.micro_batch,
+                lambda rows, where: check_rows(rows, m.seq_len + 1, m.vocab_size, where),
+            )  # fmt: skip
+            self._eval_rows = corpus.num_rows
+        self.last_progress = time.monotonic()
+        loss = self.engine.eval_loss(self._eval_batches, progress=self._beat)
+        self.last_progress = time.monotonic()
+        self.reports.append(EvalReport(step, loss, time.perf_counter() - t, self._eval_rows))
+
+    def _beat(self) -> None:
+        self.last_progress = time.monotonic()
 
     def _own_compute(self, t1: float, c1: float, wait_s: float) -> float:
         """This rank's own forward, backward and optimizer step, without waiting for peers

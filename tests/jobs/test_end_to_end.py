@@ -45,9 +45,24 @@ def test_dp2_matches_dp1_per_step(ray_local, tiny_spec_dict, tmp_path):
     assert runs[1][8] < runs[1][1]
 
 
+def _eval_corpus(path, rows: int, width: int, vocab: int) -> str:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tokens = np.random.default_rng(2).integers(0, vocab, rows * width).astype(np.int32)
+    path.mkdir()
+    pq.write_table(pa.table({"tokens": pa.FixedSizeListArray.from_arrays(pa.array(tokens), width)}), path / "e.parquet")
+    return str(path)
+
+
 def test_elastic_run_cli_writes_contract_artefacts(ray_local, tiny_spec_dict, tmp_path):
+    """The run files of the contract, the progress display, and an eval every 3 steps
+    (``data.eval_source``) in events.jsonl, the progress lines and TensorBoard."""
     config = _write_spec(tmp_path, tiny_spec_dict)
     run_dir = tmp_path / "run"
+    m = tiny_spec_dict["model"]
+    eval_source = _eval_corpus(tmp_path / "eval", 11, m["seq_len"] + 1, m["vocab_size"])
     proc = subprocess.run(
         [
             sys.executable,
@@ -59,6 +74,12 @@ def test_elastic_run_cli_writes_contract_artefacts(ray_local, tiny_spec_dict, tm
             str(run_dir),
             "--set",
             "train.steps=6",
+            "--set",
+            f"data.eval_source={eval_source}",
+            "--set",
+            "train.eval_every=3",
+            "--set",
+            "train.tensorboard=true",
             "--address",
             ray_local.get_runtime_context().gcs_address,
         ],
@@ -87,6 +108,17 @@ def test_elastic_run_cli_writes_contract_artefacts(ray_local, tiny_spec_dict, tm
     assert summary["status"] == "succeeded" and summary["steps"] == 6
     assert summary["final_loss"] == pytest.approx(steps[-1]["loss"])
     assert "step" in proc.stdout and "loss" in proc.stdout  # progress display
+    evals = [e for e in events if e["kind"] == "eval"]
+    assert [e["step"] for e in evals] == [3, 6] and all(e["rows"] == 11 for e in evals)
+    assert all(0 < e["eval_loss"] < 10 for e in evals)
+    for e in evals:
+        assert f"eval  step {e['step']:>5}/6  eval_loss {e['eval_loss']:.4f}" in proc.stdout
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    got = [(s.step, s.value) for s in acc.Scalars("eval/loss")]
+    assert got == [(e["step"], pytest.approx(e["eval_loss"], rel=1e-6)) for e in evals]
 
 
 def test_jobs_train_entry_point(ray_local, tiny_spec_dict, tmp_path):

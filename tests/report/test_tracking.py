@@ -18,7 +18,7 @@ T0 = 1_700_000_000.0
 
 
 def stream() -> list[dict]:
-    """A run of 3 steps at dp 4, a node lost after step 2, step 2 redone at dp 3."""
+    """A run of 3 steps at dp 4, a node lost after step 2, step 2 redone at dp 3, an eval after step 3."""
 
     def step(n, ts, loss, dp, **extra):
         fields = dict(loss=loss, dp=dp, grad_accum=12 // dp, step_time_s=0.5, tokens_per_s=384.0 / 0.5)
@@ -35,6 +35,7 @@ def stream() -> list[dict]:
         {"ts": T0 + 3.2, "kind": "restore", "step": 1, "source": "memory", "duration_s": 0.3},
         step(2, T0 + 4.5, 3.4, 3),
         step(3, T0 + 5, 3.0, 3),
+        {"ts": T0 + 5.05, "kind": "eval", "step": 3, "eval_loss": 3.2, "duration_s": 0.04, "rows": 11},
         {"ts": T0 + 5.1, "kind": "job_end", "status": "succeeded", "steps": 3},
     ]
 
@@ -57,6 +58,7 @@ EXPECTED = [  # (step, scalars) per event of ``stream``, None where nothing is l
     (3, {"train/loss": 3.0, "train/grad_norm": 1 / 3, "perf/tokens_per_s": 768.0, "perf/step_time_s": 0.5,
          "perf/data_wait_s": 0.03, "perf/compute_s": 0.4, "perf/peak_mem_bytes": 3000.0, "elastic/dp": 3.0,
          "elastic/grad_accum": 4.0}),
+    (3, {"eval/loss": 3.2}),
     None,
 ]  # fmt: skip
 
@@ -124,6 +126,7 @@ def test_mlflow_local_file_store(tmp_path, monkeypatch):
                       (2, 3.4, int((T0 + 4.5) * 1000)), (3, 3.0, int((T0 + 5) * 1000))]  # fmt: skip
     assert [m.value for m in client.get_metric_history(run_id, "elastic/dp")] == [4.0, 4.0, 4.0, 3.0, 3.0, 3.0]
     assert client.get_metric_history(run_id, "elastic/step_gap_s")[0].value == 2.5
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "eval/loss")] == [(3, 3.2)]
     # A failed job ends its run FAILED.
     failed = MlflowCallback(tracking_uri=uri, experiment="tests")
     for e in [*stream()[:-1], {"ts": T0 + 6, "kind": "job_end", "status": "failed", "steps": 3}]:

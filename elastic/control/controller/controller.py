@@ -66,7 +66,7 @@ from elastic.control.worker_group import WorkerGroup
 from elastic.control.worker_group.api import Member, WorkerGroupFactory
 from elastic.errors import JobFailed, WorkerFailure, failure_fields
 from elastic.events import EventLog, Recovery, RunResult
-from elastic.messages import AnomalyReport, SdcReport, StepReport, StepRows, UploadReport, WorkerReport
+from elastic.messages import AnomalyReport, EvalReport, SdcReport, StepReport, StepRows, UploadReport, WorkerReport
 from elastic.models.config import token_shape
 from elastic.worker.hooks import StepHook
 
@@ -113,6 +113,7 @@ class Controller:
         self.outages = Outages()
         self._pending: dict[int, StepTally] = {}  # step -> its reports so far
         self._recovered_at_step = 0
+        self._evaluated = 0  # the newest step whose eval event was written
         self._last_grow_check = 0.0
         self._growing: Growing | None = None  # a grow-back's new workers, starting while the job trains
         self._base_step = 0  # the step the current generation started from
@@ -608,6 +609,9 @@ class Controller:
         if isinstance(result, AnomalyReport):
             self._on_anomaly(rank, result)
             return None
+        if isinstance(result, EvalReport):
+            self._on_eval(result)
+            return None
         if isinstance(result, SdcReport):
             rollback, evict = self.health.on_sdc(rank, result)
             if rollback is not None:
@@ -680,6 +684,15 @@ class Controller:
         for cb in self.callbacks:
             cb.after_step(step, self.group)
         return evict
+
+    def _on_eval(self, result: EvalReport) -> None:
+        """The eval loss after a step: every rank reports the same value; the first to
+        arrive is recorded, once per step (a step trained again after a recovery is not)."""
+        if result.step <= self._evaluated:
+            return
+        self._evaluated = result.step
+        self.events.emit("eval", step=result.step, eval_loss=result.eval_loss, duration_s=result.duration_s,
+                         rows=result.rows)  # fmt: skip
 
     def _on_anomaly(self, rank: int, result: AnomalyReport) -> None:
         """NaN/spike: every rank rolled back in place; record it once (from rank 0)."""
