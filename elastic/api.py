@@ -114,7 +114,7 @@ class ElasticTrainer:
                 raise
             finally:
                 if self.result is not None:
-                    write_summary(self.run_dir, self.result)
+                    self._write_summary(self.result, events)
                     if self.progress:
                         out = sys.stderr if self.result.status != "succeeded" else sys.stdout
                         print(format_summary(self.result, self.run_dir), file=out)
@@ -127,9 +127,21 @@ class ElasticTrainer:
                 cb.close()
             if started_ray:
                 ray.shutdown()
-            if self.report:
+            if self.report and events.fault() is None:  # nothing more written where writes fail
                 print_report(self.run_dir)
         return self.result
+
+    def _write_summary(self, result: RunResult, events: EventLog) -> None:
+        """``summary.json``, when the run directory still takes it: a run whose directory
+        cannot be written has failed already (the controller ends it on the event log's
+        fault, naming the cause); the summary is then best effort, and its own error one
+        warning line."""
+        try:
+            write_summary(self.run_dir, result)
+        except OSError as exc:
+            if events.fault() is None:  # the event log still writes: a summary the job cannot do without
+                raise JobFailed(f"{self.run_dir}/summary.json could not be written: {exc.strerror or exc}") from None
+            print(f"warning: summary.json not written: {exc.strerror or exc}", file=sys.stderr)
 
     def _check_before_start(self) -> ray_join.Target | None:
         """Everything a run needs that can be checked before anything starts, as a ``SpecError``
