@@ -24,7 +24,7 @@ from elastic.progress import ProgressDisplay, format_summary
 from elastic.report.metrics import start_metrics
 from elastic.report.print_report import print_report
 from elastic.report.tracking import start_tensorboard
-from elastic.run_dirs import claim_locations, release_run_dir
+from elastic.run_dirs import check_local_dir, claim_locations, release_run_dir
 from elastic.worker.hooks import StepHook
 
 if TYPE_CHECKING:
@@ -54,7 +54,11 @@ class ElasticTrainer:
     ):
         self.spec = spec
         # Named in errors about the run directory: the flag or the spec key it came from.
-        self.run_dir_field = "--run-dir" if run_dir else "run_dir"
+        self.run_dir_field = "--run-dir" if run_dir is not None else "run_dir"
+        if run_dir is not None and not run_dir.strip():  # '' was the default directory under ./runs
+            from elastic.errors import SpecError
+
+            raise SpecError("--run-dir", "must name a directory, got an empty string")
         self.run_dir = os.path.abspath(run_dir or spec.run_dir or _default_run_dir(spec.name))
         self.address = address
         self.resume = resume
@@ -150,6 +154,16 @@ class ElasticTrainer:
         to join (None: already connected)."""
         seq_len, vocab_size = token_shape(self.spec.model)
         check_sft_layout(check_corpus(self.spec.data, seq_len, vocab_size), self.spec)
+        d, t = self.spec.data, self.spec.train
+        if d.source == "synthetic" and d.cache_dir and "://" not in d.cache_dir:
+            check_local_dir(d.cache_dir, "data.cache_dir")  # a file there failed after Ray started
+        if isinstance(t.tensorboard, str):
+            check_local_dir(t.tensorboard, "train.tensorboard")
+        if t.warmup > t.steps:  # allowed: a first leg of a run that --resume extends past its warmup
+            logger.warning(
+                "train.warmup_steps (%d) is more than train.steps (%d): the learning rate stays below "
+                "train.lr for the whole run, unless --resume extends it", t.warmup, t.steps,
+            )  # fmt: skip
         target = None if ray.is_initialized() else ray_join.resolve(self.address)
         if target is not None and target.address is None:
             check_fits_embedded(self.spec)
