@@ -368,6 +368,17 @@ def test_prepare_checks_its_input_before_ray(capsys, tmp_path):
     (tmp_path / "docs.jsonl").write_text('{"body": "hello"}\n')
     refused(capsys, ["prepare", str(tmp_path / "docs.jsonl"), str(out)], "--text-field")
     refused(capsys, ["prepare", str(tmp_path / "docs.jsonl"), str(out), "--tokenizer", "bpe:x"], "--tokenizer")
+    # Bad lines failed inside a Ray Data task (a page of traceback); a binary file was tokenized.
+    for name, content, says in [
+        ("utf8.jsonl", b'{"text": "ok"}\n{"text": "caf\xff"}\n', "line 2 is not UTF-8 (byte 14)"),
+        ("list.jsonl", b'{"text": "ok"}\n[1, 2]\n', "line 2 is not a JSON object (a list)"),
+        ("cut.jsonl", b'{"text": "ok"}\n{"text": \n', "line 2 is not JSON"),
+        ("binary.txt", b"\x7fELF\x02\x01\x01\x00\x00", "line 1 holds a NUL byte: not text (a binary file?)"),
+        ("latin1.txt", b"hello\ncaf\xe9\n", "line 2 is not UTF-8 (byte 4)"),
+    ]:
+        (tmp_path / name).write_bytes(content)
+        line = refused(capsys, ["prepare", str(tmp_path / name), str(out)], "INPUT")
+        assert line == f"error: INPUT: {tmp_path / name} {says}", line
     assert not out.exists()
 
 
