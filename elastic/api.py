@@ -216,13 +216,25 @@ def ensure_ray(address: str | None, spec: Any) -> bool:
 WORKERS_PER_CORE = 8  # torch workers an embedded cluster may start per core of this machine
 
 
-def check_fits_embedded(spec: Any, cores: int | None = None) -> None:
+def check_fits_embedded(spec: Any, cores: int | None = None, gpus: int | None = None) -> None:
     """An embedded cluster starts ``max_dp`` replicas of ``replica_size`` workers on this one
     machine (it is sized to the job: :func:`_embedded`): more than ``WORKERS_PER_CORE`` a core
     would thrash it for minutes before the first step, so the spec is refused with the
     number that fits (exit 2). A real cluster (``--address``) grows to what it has instead."""
     from elastic.errors import SpecError
 
+    per_worker = spec.resources.gpus_per_worker
+    if per_worker > 0:  # the embedded cluster has this machine's GPUs: none waited min_dp_wait_s, then failed
+        import torch
+
+        gpus = torch.cuda.device_count() if gpus is None else gpus
+        need = spec.elastic.min_dp * spec.parallel.replica_size * per_worker
+        if gpus < need:
+            raise SpecError(
+                "resources.gpus_per_worker" if gpus == 0 else "elastic.min_dp",
+                f"{need:g} GPUs are needed for min_dp={spec.elastic.min_dp} replicas, and this machine has {gpus} "
+                "that torch can see (an embedded cluster has only those); join a GPU cluster with --address",
+            )
     cores = cores or os.cpu_count() or 1
     limit = WORKERS_PER_CORE * cores
     replica = spec.parallel.replica_size

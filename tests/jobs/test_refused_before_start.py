@@ -77,6 +77,7 @@ def test_non_finite_numbers_arerefused(capsys, tmp_path, field, value):
         (["resources.custom={a: 1, a: 2}"], "resources.custom.a"),
         (["train.lr=1e300"], "train.lr"),  # overflowed float32 on the workers: 11 worker_errors
         (["elastic.collective_timeout_s=0.001"], "elastic.collective_timeout_s"),  # every start timed out
+        (["checkpoint.uri=memory://ck"], "checkpoint.uri"),  # trained, then failed to commit at the end
     ],
     ids=lambda v: v if isinstance(v, str) else v[0][:40],
 )
@@ -479,3 +480,23 @@ def test_a_warmup_longer_than_the_run_is_said_before_it_starts(caplog, tmp_path)
         "train.warmup_steps (9) is more than train.steps (4): the learning rate stays below train.lr "
         "for the whole run, unless --resume extends it"
     ]
+
+
+def test_gpus_an_embedded_cluster_lacks_are_refused(capsys, tmp_path):
+    """``resources.gpus_per_worker: 1`` on a machine without a GPU waited ``min_dp_wait_s`` for
+    capacity that could never come (an embedded cluster has this machine's GPUs)."""
+    from elastic.api import check_fits_embedded
+
+    if torch_gpus() == 0:
+        line = refused(capsys, run_args(tmp_path, "resources.gpus_per_worker=1"), "resources.gpus_per_worker")
+        assert "this machine has 0 that torch can see" in line, line
+    spec = JobSpec.from_yaml(QUICKSTART, overrides=["resources.gpus_per_worker=1", "elastic.min_dp=2"])
+    with pytest.raises(SpecError, match="2 GPUs are needed for min_dp=2 replicas, and this machine has 1"):
+        check_fits_embedded(spec, gpus=1)
+    check_fits_embedded(spec, gpus=2)
+
+
+def torch_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
