@@ -17,7 +17,7 @@ from elastic.control.stop import StopSignals
 from elastic.errors import JobFailed
 from elastic.events import EventLog, RunResult, write_summary
 from elastic.ingest.corpus import synthetic_corpus
-from elastic.ingest.preflight import check_corpus, check_sft_layout
+from elastic.ingest.preflight import check_batch_fits, check_corpus, check_sft_layout
 from elastic.models.config import token_shape
 from elastic.priority import control_process
 from elastic.progress import ProgressDisplay, format_summary
@@ -155,6 +155,7 @@ class ElasticTrainer:
         seq_len, vocab_size = token_shape(self.spec.model)
         check_sft_layout(check_corpus(self.spec.data, seq_len, vocab_size), self.spec)
         d, t = self.spec.data, self.spec.train
+        check_batch_fits(d, t.global_batch)
         if d.source == "synthetic" and d.cache_dir and "://" not in d.cache_dir:
             check_local_dir(d.cache_dir, "data.cache_dir")  # a file there failed after Ray started
         if isinstance(t.tensorboard, str):

@@ -78,6 +78,7 @@ def test_non_finite_numbers_arerefused(capsys, tmp_path, field, value):
         (["train.lr=1e300"], "train.lr"),  # overflowed float32 on the workers: 11 worker_errors
         (["elastic.collective_timeout_s=0.001"], "elastic.collective_timeout_s"),  # every start timed out
         (["checkpoint.uri=memory://ck"], "checkpoint.uri"),  # trained, then failed to commit at the end
+        (["data.num_samples=47"], "data.num_samples"),  # fewer rows than one batch of 48: rows twice per batch
     ],
     ids=lambda v: v if isinstance(v, str) else v[0][:40],
 )
