@@ -501,3 +501,15 @@ def torch_gpus() -> int:
     import torch
 
     return torch.cuda.device_count()
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "0"])
+def test_a_sweep_memory_budget_that_is_not_a_finite_positive_number_is_refused(capsys, tmp_path, value):
+    """``--memory-per-worker-gb nan`` compared false with every estimate: no trial was pruned."""
+    line = refused(
+        capsys,
+        ["sweep", QUICKSTART, "--memory-per-worker-gb", value, "--out", str(tmp_path / "sweep")],
+        "--memory-per-worker-gb",
+    )
+    assert "must be a finite number > 0" in line, line
+    assert not (tmp_path / "sweep").exists()
