@@ -94,6 +94,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         None,
         "--json",
         ("--warmup", "1", "--rounds", "1", "--steps-per-round", "1"),
+        not_in_suite=(
+            "its smallest run through every layout (--layers 2 --d-model 32 --global-batch 8, one round of one "
+            "step) took 28.4 s at load 1.4 (41 s at load 17): 8 layouts on 4 spawned ranks"
+        ),
     ),
     Benchmark(
         "reconfigure_profile",
@@ -117,6 +121,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "survivor_first_step.json",
         "--json",
         ("--generations", "1", "--steps", "2", "--models", "50mb"),
+        smoke=("--generations", "1", "--steps", "2", "--models", "50mb", "--json", "{out}"),
     ),
     Benchmark(
         "sft_packing",
@@ -135,6 +140,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "restore_waves.json",
         "--out",
         ("--repeats", "1"),
+        not_in_suite=(
+            "its smallest run (--repeats 1) took 57.3 s at load 2.1 (54 s at load 10): checkpoints restored from "
+            "a local S3 stand-in in waves and unstaggered, with a GET latency each"
+        ),
     ),
     Benchmark(
         "prepare_throughput",
@@ -142,6 +151,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "prepare_throughput.json",
         "--out",
         ("--sizes-mb", "1", "--repeats", "1"),
+        smoke=("--sizes-mb", "1", "--repeats", "1", "--out", "{out}"),
     ),
     Benchmark(
         "overhead",
@@ -149,6 +159,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "overhead.json",
         "--json",
         ("--size", "tiny", "--steps", "12", "--warmup", "4", "--reps", "1"),
+        not_in_suite=(
+            "its smallest run (--size tiny --steps 6 --warmup 2 --reps 1) took 21.8 s at load 0.1, 88 s at load "
+            "13-21: two embedded-Ray jobs and a torchrun baseline, over the 20 s a suite entry may take"
+        ),
     ),
     Benchmark(
         "sdc_overhead",
@@ -156,6 +170,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "sdc_overhead.json",
         "--json",
         ("--steps", "24", "--warmup", "4", "--reps", "1"),
+        smoke=("--steps", "8", "--warmup", "2", "--reps", "1", "--json", "{out}"),
     ),
     Benchmark(
         "rank_start",
@@ -163,6 +178,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "rank_start.json",
         "--json",
         ("--reps", "1"),
+        smoke=("--reps", "1", "--busy", "1", "--json", "{out}"),
     ),
     Benchmark(
         "job_start",
@@ -170,6 +186,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "job_start.json",
         "--json",
         ("--reps", "1"),
+        not_in_suite=(
+            "its smallest run (--reps 1) took 38.2 s at load 2.0 (50 s at load 12): a job started on each side, "
+            "with the agents holding its ranks"
+        ),
     ),
     Benchmark(
         "peer_fetch",
@@ -177,6 +197,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "peer_fetch.json",
         "--json",
         ("--sizes-mb", "64", "--reps", "1"),
+        smoke=("--sizes-mb", "4", "--reps", "1", "--json", "{out}"),
     ),
     Benchmark(
         "control_plane",
@@ -197,6 +218,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         None,
         None,
         ("--steps", "16", "--reps", "1"),
+        not_in_suite=(
+            "its smallest run that has a steady window (--steps 12 --reps 1; --steps 6 has none) took 66.6 s at "
+            "load 0.7: two ZeRO-3 jobs on Ray, each with a rank killed"
+        ),
     ),
     Benchmark(
         "drain_vs_kill",
@@ -204,6 +229,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "drain_vs_kill.json",
         "--out",
         ("--repeats", "1", "--steps", "14", "--at", "6"),
+        not_in_suite=(
+            "its smallest run (--repeats 1 --steps 10 --at 4) took 117 s at load 13-18: two embedded multi-node "
+            "clusters, a node drained in one and killed in the other"
+        ),
     ),
     Benchmark(
         "recovery_scaling",
@@ -211,6 +240,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "recovery_scaling.json",
         "--out",
         ("--reps", "1", "--scenarios", "dp_4,hsdp_50mb", "--store-ops-worlds", "4"),
+        not_in_suite=(
+            "its smallest run (--reps 1 --scenarios dp_4 --store-ops-worlds 4) took 99.8 s at load 10-11: a "
+            "4-rank job through a kill, then the store operations re-formed for real"
+        ),
     ),
     Benchmark(
         "recovery_vs_raytrain",
@@ -219,6 +252,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "--results",
         ("--reps", "1", "--steps", "24", "--rejoin-steps", "40", "--kill-step", "8"),
         optional=(TORCHFT,),
+        not_in_suite=(
+            "its smallest side-by-side run (ours and raytrain_tuned, --steps 14 --kill-step 6) took 134 s at load"
+            " 11-26: a 4-node cluster per side, a node killed in each"
+        ),
     ),
     Benchmark(
         "train_api_recovery",
@@ -238,6 +275,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "data_ingest.json",
         "--out",
         ("--only", "1"),
+        not_in_suite=(
+            "its smallest scenario (--only 1) ran past a 240 s limit at load 18-84: 4 hosts reading S3 through a "
+            "counting proxy; the bound it reports is checked by tests/ingest/test_ingest_s3_cluster.py"
+        ),
     ),
     Benchmark(
         "data_bytes_per_host",
@@ -246,6 +287,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "data_bytes_per_host.json",
         "--out",
         ("--hosts", "4", "--batches", "24", "--engine", "threads"),
+        not_in_suite=(
+            "its smallest run (--hosts 4 --batches 6 --engine threads) took 138 s at load 11-16: the corpus "
+            "written three ways (index v1, v2, v3) and read by 4 hosts each"
+        ),
     ),
     Benchmark(
         "sweep_vs_grid",
@@ -253,6 +298,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "sweep_vs_grid.json",
         "--json",
         ("--trial-steps", "3", "--sweeps", "1"),
+        not_in_suite=(
+            "its smallest run (--trial-steps 3 --sweeps 1) ran past a 240 s limit at load 10-84: every trial of "
+            "the exhaustive grid is an embedded run"
+        ),
     ),
     Benchmark(
         "engine_vs_torchtitan",
@@ -269,6 +318,10 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "gpu_check.json",
         None,
         ("--dry-run",),
+        not_in_suite=(
+            "written for a GPU; its --dry-run took 21.9 s at load 0.6 (75.7 s at load 11), over the 20 s a suite "
+            "entry may take"
+        ),
     ),
 )
 

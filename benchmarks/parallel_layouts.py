@@ -44,6 +44,7 @@ from dataclasses import asdict
 import torch
 
 from benchmarks.harness.results import write_stamped
+from elastic.errors import SpecError
 from elastic.models.gpt import ModelConfig
 from elastic.testing.layout_memory import (
     DEFAULT_GLOBAL_BATCH,
@@ -207,6 +208,14 @@ def main(argv: list[str] | None = None) -> None:
     model_cfg = ModelConfig(
         n_layers=args.layers, d_model=args.d_model, n_heads=args.heads, vocab_size=args.vocab, seq_len=args.seq
     )
+    for lay in layouts:  # in the ranks, a layout the model cannot take was a traceback per rank, exit 1
+        try:
+            model_cfg.validate_layout(lay.tp, lay.pp)
+        except SpecError as exc:
+            ap.error(f"layout {lay.name} does not fit the model (--layers, --heads, --d-model): {exc}")
+        if args.global_batch % (lay.dp * args.micro_batch):
+            ap.error(f"layout {lay.name}: --global-batch {args.global_batch} is not a multiple of dp {lay.dp} "
+                     f"x --micro-batch {args.micro_batch}")  # fmt: skip
     t0 = time.perf_counter()
     per_rank = run_layouts(
         layouts,

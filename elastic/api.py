@@ -17,14 +17,14 @@ from elastic.control.stop import StopSignals
 from elastic.errors import JobFailed
 from elastic.events import EventLog, RunResult, write_summary
 from elastic.ingest.corpus import synthetic_corpus
-from elastic.ingest.preflight import check_corpus, check_eval_corpus, check_sft_layout
+from elastic.ingest.preflight import check_batch_fits, check_corpus, check_eval_corpus, check_sft_layout
 from elastic.models.config import token_shape
 from elastic.priority import control_process
 from elastic.progress import ProgressDisplay, format_summary
 from elastic.report.metrics import start_metrics
 from elastic.report.print_report import print_report
 from elastic.report.tracking import start_tensorboard
-from elastic.run_dirs import claim_locations, release_run_dir
+from elastic.run_dirs import check_local_dir, claim_locations, release_run_dir
 from elastic.worker.hooks import StepHook
 
 if TYPE_CHECKING:
@@ -54,7 +54,11 @@ class ElasticTrainer:
     ):
         self.spec = spec
         # Named in errors about the run directory: the flag or the spec key it came from.
-        self.run_dir_field = "--run-dir" if run_dir else "run_dir"
+        self.run_dir_field = "--run-dir" if run_dir is not None else "run_dir"
+        if run_dir is not None and not run_dir.strip():  # '' was the default directory under ./runs
+            from elastic.errors import SpecError
+
+            raise SpecError("--run-dir", "must name a directory, got an empty string")
         self.run_dir = os.path.abspath(run_dir or spec.run_dir or _default_run_dir(spec.name))
         self.address = address
         self.resume = resume
@@ -114,7 +118,7 @@ class ElasticTrainer:
                 raise
             finally:
                 if self.result is not None:
-                    write_summary(self.run_dir, self.result)
+                    self._write_summary(self.result, events)
                     if self.progress:
                         out = sys.stderr if self.result.status != "succeeded" else sys.stdout
                         print(format_summary(self.result, self.run_dir), file=out)
@@ -127,9 +131,21 @@ class ElasticTrainer:
                 cb.close()
             if started_ray:
                 ray.shutdown()
-            if self.report:
+            if self.report and events.fault() is None:  # nothing more written where writes fail
                 print_report(self.run_dir)
         return self.result
+
+    def _write_summary(self, result: RunResult, events: EventLog) -> None:
+        """``summary.json``, when the run directory still takes it: a run whose directory
+        cannot be written has failed already (the controller ends it on the event log's
+        fault, naming the cause); the summary is then best effort, and its own error one
+        warning line."""
+        try:
+            write_summary(self.run_dir, result)
+        except OSError as exc:
+            if events.fault() is None:  # the event log still writes: a summary the job cannot do without
+                raise JobFailed(f"{self.run_dir}/summary.json could not be written: {exc.strerror or exc}") from None
+            print(f"warning: summary.json not written: {exc.strerror or exc}", file=sys.stderr)
 
     def _check_before_start(self) -> ray_join.Target | None:
         """Everything a run needs that can be checked before anything starts, as a ``SpecError``
@@ -139,6 +155,17 @@ class ElasticTrainer:
         seq_len, vocab_size = token_shape(self.spec.model)
         check_sft_layout(check_corpus(self.spec.data, seq_len, vocab_size), self.spec)
         check_eval_corpus(self.spec, seq_len, vocab_size)
+        d, t = self.spec.data, self.spec.train
+        check_batch_fits(d, t.global_batch)
+        if d.source == "synthetic" and d.cache_dir and "://" not in d.cache_dir:
+            check_local_dir(d.cache_dir, "data.cache_dir")  # a file there failed after Ray started
+        if isinstance(t.tensorboard, str):
+            check_local_dir(t.tensorboard, "train.tensorboard")
+        if t.warmup > t.steps:  # allowed: a first leg of a run that --resume extends past its warmup
+            logger.warning(
+                "train.warmup_steps (%d) is more than train.steps (%d): the learning rate stays below "
+                "train.lr for the whole run, unless --resume extends it", t.warmup, t.steps,
+            )  # fmt: skip
         target = None if ray.is_initialized() else ray_join.resolve(self.address)
         if target is not None and target.address is None:
             check_fits_embedded(self.spec)
@@ -191,13 +218,25 @@ def ensure_ray(address: str | None, spec: Any) -> bool:
 WORKERS_PER_CORE = 8  # torch workers an embedded cluster may start per core of this machine
 
 
-def check_fits_embedded(spec: Any, cores: int | None = None) -> None:
+def check_fits_embedded(spec: Any, cores: int | None = None, gpus: int | None = None) -> None:
     """An embedded cluster starts ``max_dp`` replicas of ``replica_size`` workers on this one
     machine (it is sized to the job: :func:`_embedded`): more than ``WORKERS_PER_CORE`` a core
     would thrash it for minutes before the first step, so the spec is refused with the
     number that fits (exit 2). A real cluster (``--address``) grows to what it has instead."""
     from elastic.errors import SpecError
 
+    per_worker = spec.resources.gpus_per_worker
+    if per_worker > 0:  # the embedded cluster has this machine's GPUs: none waited min_dp_wait_s, then failed
+        import torch
+
+        gpus = torch.cuda.device_count() if gpus is None else gpus
+        need = spec.elastic.min_dp * spec.parallel.replica_size * per_worker
+        if gpus < need:
+            raise SpecError(
+                "resources.gpus_per_worker" if gpus == 0 else "elastic.min_dp",
+                f"{need:g} GPUs are needed for min_dp={spec.elastic.min_dp} replicas, and this machine has {gpus} "
+                "that torch can see (an embedded cluster has only those); join a GPU cluster with --address",
+            )
     cores = cores or os.cpu_count() or 1
     limit = WORKERS_PER_CORE * cores
     replica = spec.parallel.replica_size

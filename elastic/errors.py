@@ -16,7 +16,15 @@ class SpecError(ElasticError):
     def __init__(self, field: str, message: str):
         self.field = field
         self.message = message
-        super().__init__(f"{field}: {message}" if field else message)
+        hidden = sorted({f"U+{ord(c):04X}" for c in field if not c.isprintable()})
+        if hidden:  # a zero-width space in a key printed as an invisible difference
+            message = f"{message} (the key holds invisible characters: {', '.join(hidden)})"
+        super().__init__(f"{_visible(field)}: {message}" if field else message)
+
+
+def _visible(text: str) -> str:
+    """``text`` with every character that prints as nothing (or as a control) escaped: ``\\u200b``."""
+    return "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in text)
 
 
 class InfeasibleError(SpecError):

@@ -7,11 +7,13 @@ seconds) and ``kind``; a few events carry extra fields (``step`` may add
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -86,12 +88,22 @@ class RunResult(BaseModel):
 
 
 class EventLog:
-    """Append-only, thread-safe writer of ``events.jsonl`` with in-process listeners."""
+    """Append-only, thread-safe writer of ``events.jsonl`` with in-process listeners.
+
+    A write the OS refuses (a full disk, a file-size limit, a removed run directory) never
+    raises into the caller: the file is cut back to its last whole line, nothing more is
+    written, and :meth:`fault` names the cause, which the controller turns into a failed job
+    (listeners still see every event). The file is created 0640, as the run directory's
+    other files (docs/outputs.md).
+    """
 
     def __init__(self, run_dir: str):
         os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "events.jsonl")
-        self._file = open(self.path, "a", buffering=1)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+        self._closed = weakref.finalize(self, os.close, self._fd)  # closed also when never close()d
+        self._size = os.fstat(self._fd).st_size  # the end of the last whole line
+        self._fault: str | None = None
         self._lock = threading.Lock()
         self._listeners: list[Callable[[dict[str, Any]], None]] = []
 
@@ -103,27 +115,61 @@ class EventLog:
         if kind not in EVENT_KINDS:
             raise ValueError(f"unknown event kind {kind!r}")
         event = {"ts": time.time() if ts is None else ts, "kind": kind, **{k: _plain(v) for k, v in fields.items()}}
+        line = (json.dumps(event, allow_nan=False) + "\n").encode()
         with self._lock:
-            self._file.write(json.dumps(event, allow_nan=False) + "\n")
+            if self._fault is None:
+                self._append(line)
         for listener in self._listeners:
             listener(event)
         return event
 
+    def _append(self, line: bytes) -> None:
+        done = 0
+        try:
+            while done < len(line):  # a short write is followed by the error that explains it
+                done += os.write(self._fd, line[done:])
+        except OSError as exc:
+            self._fault = f"{self.path}: {exc.strerror or exc}"
+            try:
+                os.ftruncate(self._fd, self._size)  # no cut line: truncating needs no space
+            except OSError:
+                pass
+            return
+        self._size += done
+
+    def fault(self) -> str | None:
+        """Why events can no longer be written (None: they can). Also notices the file gone
+        (its run directory removed while the job runs)."""
+        with self._lock:
+            if self._fault is None and self._closed.alive:
+                try:
+                    gone = os.fstat(self._fd).st_nlink == 0
+                except OSError as exc:
+                    gone, self._fault = False, f"{self.path}: {exc.strerror or exc}"
+                if gone:
+                    self._fault = f"{self.path} was removed while the job ran"
+            return self._fault
+
     def close(self) -> None:
         with self._lock:
-            self._file.close()
+            self._closed()
 
 
 def write_summary(run_dir: str, result: RunResult) -> str:
     path = os.path.join(run_dir, "summary.json")
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        summary = result.model_dump()
-        if summary.get("stop") is None:  # docs/outputs.md: `stop` is written for a stopped job only
-            summary.pop("stop", None)
-        json.dump(summary, f, indent=2, allow_nan=False)
-        f.write("\n")
-    os.replace(tmp, path)
+    summary = result.model_dump()
+    if summary.get("stop") is None:  # docs/outputs.md: `stop` is written for a stopped job only
+        summary.pop("stop", None)
+    try:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640), "w") as f:
+            json.dump(summary, f, indent=2, allow_nan=False)
+            f.write("\n")
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)  # never a half-written summary beside the run's files
+        raise
     return path
 
 

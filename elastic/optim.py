@@ -44,12 +44,18 @@ class SGDConfig(BaseModel):
 OptimizerConfig = Annotated[AdamWConfig | SGDConfig, Field(discriminator="name")]
 
 
+# A rate above this has no use (steps a thousand times the gradient) and, past float32's
+# range, fails every step on the workers ("cannot be converted to type float without
+# overflow"), each retried as a worker error.
+MAX_LR = 1e3
+
+
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     steps: int = Field(100, ge=1)
     global_batch: int = Field(48, ge=1)
-    lr: float = Field(3.0e-4, gt=0)
+    lr: float = Field(3.0e-4, gt=0, le=MAX_LR, description=f"at most {MAX_LR:g}")
     warmup_steps: int | None = Field(None, ge=0, description="default: 10% of steps")
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     weight_decay: float = Field(0.1, ge=0, description="AdamW's, unless train.optimizer gives one")

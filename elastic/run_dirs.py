@@ -135,15 +135,21 @@ def release_run_dir(run_dir: str) -> None:
         os.close(fd)
 
 
-def check_run_dir(run_dir: str, field: str, resume: bool, identity: JobIdentity) -> None:
-    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
-        raise SpecError(field, f"{run_dir} is a file, not a directory")
-    existing = _nearest_existing(run_dir)
+def check_local_dir(path: str, field: str) -> None:
+    """``path`` is a directory this process can write in, or can be created as one; else a
+    ``SpecError`` naming ``field`` (a file where the directory belongs, a read-only disk)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise SpecError(field, f"{path} is a file, not a directory")
+    existing = _nearest_existing(path)
     if not os.path.isdir(existing):
-        raise SpecError(field, f"cannot create {run_dir}: {existing} is a file")
+        raise SpecError(field, f"cannot create {path}: {existing} is a file")
     why = _not_writable(existing)
     if why is not None:
         raise SpecError(field, f"cannot write in {existing}: {why}")
+
+
+def check_run_dir(run_dir: str, field: str, resume: bool, identity: JobIdentity) -> None:
+    check_local_dir(run_dir, field)
     if not os.path.isdir(run_dir):
         return
     held = [f for f in RUN_FILES if os.path.exists(os.path.join(run_dir, f))]

@@ -36,7 +36,7 @@ class JobSpec(BaseModel):
 
     name: str = Field("job", min_length=1, max_length=MAX_NAME_LEN, pattern=r"^[A-Za-z0-9._-]+$")
     seed: int = Field(0, ge=0, le=2**63 - 1)
-    run_dir: str | None = None
+    run_dir: str | None = Field(None, min_length=1, description="null: ./runs/<name>-<UTC timestamp>")
     model: AnyModelConfig = Field(default_factory=GPTConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)

@@ -11,6 +11,8 @@ anchors that expand to 10^9 values), an alias that contains itself, or nesting d
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -132,8 +134,11 @@ def load_yaml(text: str) -> Any:
 
 def read_yaml(path: str | Path, field: str) -> Any:
     """Parse a YAML file; a missing, binary or malformed file, or a key given twice, is a
-    ``SpecError`` on ``field`` (a duplicated key names its own dotted path)."""
+    ``SpecError`` on ``field`` (a duplicated key names its own dotted path); so is anything
+    but a regular file."""
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO blocks the read for ever, a device never ends
+            raise SpecError(field, f"{path} is not a regular file")
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise SpecError(field, f"{path} is not a text file (not UTF-8)") from None

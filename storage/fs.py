@@ -15,14 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import io
 import logging
 import os
 import re
+import stat
 from collections.abc import Iterator
 from typing import IO, Any, Protocol, runtime_checkable
 
 import fsspec
+
+from storage.errors import UnsafePath
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +46,7 @@ class Storage(Protocol):
     def sizes(self, uri: str) -> dict[str, int]: ...
     def size(self, uri: str) -> int: ...
     def rm(self, uri: str) -> None: ...
+    def is_link(self, uri: str) -> bool: ...
 
 
 class FsspecStorage:
@@ -52,6 +57,9 @@ class FsspecStorage:
     - Local writes are fsynced on close so "data, then manifest, then marker" also holds after
       a power loss.
     - Listings bypass fsspec's directory cache: other processes (other ranks) write here too.
+    - On a local disk nothing is followed out of a directory: a listing leaves out symbolic
+      links (and FIFOs, sockets, devices), a read of one is :class:`UnsafePath` (a FIFO would
+      block the reader forever), and removing one removes the link, never its target.
     """
 
     def __init__(self, fs: fsspec.AbstractFileSystem):
@@ -64,6 +72,10 @@ class FsspecStorage:
     @contextlib.contextmanager
     def open(self, uri: str, mode: str = "rb") -> Iterator[IO[bytes]]:
         if mode == "rb":
+            if self._local:
+                with os.fdopen(self._open_plain(uri), "rb") as f:
+                    yield f
+                return
             with self.fs.open(uri, "rb") as f:
                 yield f
             return
@@ -98,7 +110,28 @@ class FsspecStorage:
             f.write(data)
 
     def get_bytes(self, uri: str, start: int | None = None, end: int | None = None) -> bytes:
-        return self.fs.cat_file(uri, start=start, end=end)
+        if not self._local:
+            return self.fs.cat_file(uri, start=start, end=end)
+        with os.fdopen(self._open_plain(uri), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            first = 0 if start is None else (start if start >= 0 else max(0, size + start))
+            last = size if end is None else (min(end, size) if end >= 0 else size + end)
+            f.seek(first)
+            return f.read(max(0, last - first))
+
+    def _open_plain(self, uri: str) -> int:
+        """A local file opened for reading, if it is a regular file and not a symbolic link."""
+        path = self.fs._strip_protocol(uri)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO opens without a writer
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UnsafePath(path, "is a symbolic link: never followed") from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise UnsafePath(path, "is not a regular file")
+        return fd
 
     def exists(self, uri: str) -> bool:
         self._fresh(uri)
@@ -116,9 +149,16 @@ class FsspecStorage:
         self._fresh(uri)
         return int(self.fs.size(uri))
 
+    def is_link(self, uri: str) -> bool:
+        """A local symbolic link (an object store has none)."""
+        return self._local and os.path.islink(self.fs._strip_protocol(uri))
+
     def rm(self, uri: str) -> None:
         """Remove a file or a whole directory tree; a missing path is not an error."""
         self._fresh(uri)
+        if self.is_link(uri):
+            os.unlink(self.fs._strip_protocol(uri))  # the link, never what it points to
+            return
         try:
             self.fs.rm(uri, recursive=True)
         except FileNotFoundError:
@@ -127,9 +167,12 @@ class FsspecStorage:
     def _entries(self, uri: str) -> list[dict[str, Any]]:
         self._fresh(uri)
         try:
-            return self.fs.ls(uri, detail=True)
+            entries = self.fs.ls(uri, detail=True)
         except FileNotFoundError:
             return []
+        if self._local:  # nothing followed out of the directory (the class docstring)
+            entries = [e for e in entries if not e.get("islink") and e.get("type") in ("file", "directory")]
+        return entries
 
     def _fresh(self, uri: str) -> None:
         if not self._local:

@@ -94,7 +94,10 @@ class CheckpointStore:
         (the names come from files a reader does not trust) is :class:`UnsafePath`."""
         if not safe_relpath(relpath):
             raise UnsafePath(relpath)
-        return self.storage.join(self.step_uri(step), relpath)
+        step_uri = self.step_uri(step)
+        if self.storage.is_link(step_uri):  # never followed out of the checkpoint directory
+            raise UnsafePath(f"step_{step:08d}", "is a symbolic link: not a checkpoint of this directory")
+        return self.storage.join(step_uri, relpath)
 
     # ----- reading the catalogue -----
     def list(self, include_uncommitted: bool = False) -> builtins.list[CheckpointInfo]:
@@ -139,12 +142,16 @@ class CheckpointStore:
 
     def read_marker(self, step: int) -> Marker | None:
         """The commit marker, or None if the step is not (or not properly) committed."""
-        uri = self.file_uri(step, MARKER)
+        try:
+            uri = self.file_uri(step, MARKER)
+        except UnsafePath as exc:
+            log.warning("ignoring %s under %s: %s", exc.relpath, redact_uri(self.root), exc.detail)
+            return None
         try:
             marker = Marker.from_bytes(self._retry(lambda: self.storage.get_bytes(uri), f"read {MARKER}"))
         except FileNotFoundError:
             return None
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, UnsafePath) as exc:  # UnsafePath: a link, a FIFO
             log.warning("ignoring unreadable commit marker %s: %s", redact_uri(uri), exc)
             return None
         return marker if marker.step == step else None
@@ -170,7 +177,7 @@ class CheckpointStore:
             manifest = Manifest.from_bytes(raw)
         except FileNotFoundError:
             return damage + [Damage(MANIFEST, "missing")]
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, UnsafePath) as exc:
             return damage + [Damage(MANIFEST, f"unreadable: {exc}")]
         if marker is not None and crc32(raw) != marker.manifest_crc32:
             damage.append(Damage(MANIFEST, "crc32 does not match the commit marker"))

@@ -24,7 +24,7 @@ class _BadInput(Exception):
 
 def _open(uri: str, step: int | None) -> tuple[Any, int | None]:
     """The store for ``uri`` (root or step directory) and the step it names, if any."""
-    from storage import CheckpointStore
+    from storage import CheckpointStore, FsspecStorage
 
     match = _STEP_DIR.match(uri)
     if match:
@@ -35,6 +35,8 @@ def _open(uri: str, step: int | None) -> tuple[Any, int | None]:
         store = CheckpointStore(uri)
         if not store.storage.exists(store.root):
             raise _BadInput(f"no checkpoint directory at {_redact(uri)}")
+        if isinstance(store.storage, FsspecStorage) and store.storage.fs.isfile(store.root):
+            raise _BadInput(f"{_redact(uri)} is a file, not a checkpoint directory")
     except _BadInput:
         raise
     except Exception as exc:  # noqa: BLE001 - unknown scheme, unreachable endpoint, bad credentials

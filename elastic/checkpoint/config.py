@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class CheckpointConfig(BaseModel):
@@ -23,3 +23,13 @@ class CheckpointConfig(BaseModel):
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="fsspec options (e.g. S3 endpoint_url, key, secret)"
     )
+
+    @field_validator("uri")
+    @classmethod
+    def _shared_storage(cls, value: str | None) -> str | None:
+        if value is not None and value.lower().startswith("memory://"):  # it trained, then failed at the end
+            raise ValueError(
+                "memory:// lives in one process: the ranks write there and the driver commits elsewhere; "
+                "use a path, file:// or s3://"
+            )
+        return value

@@ -22,6 +22,7 @@ holds a model. A damaged file exits 1 naming it, as ``elastic ckpt verify`` does
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
@@ -104,7 +105,26 @@ def export_hf(
     fs, root = open_fs(out)
     if fs.exists(root) and (fs.glob(join(root, "*.safetensors")) or fs.exists(join(root, INDEX))):
         raise _BadInput(f"--out {_redact(out)} already holds a model; export into an empty directory")
+    made = not fs.exists(root)
     fs.makedirs(root, exist_ok=True)
+    written: list[str] = []  # each file this export creates under --out, before it is opened
+    try:
+        return _write_hf(reader, adapter, cfg, fs, root, dtype, max_shard_bytes, written)
+    except BaseException:
+        # A half-written export (a header-only model.safetensors) made the next one refuse
+        # --out as "already holds a model": what this one wrote goes, and --out if it made it.
+        for path in written:
+            with contextlib.suppress(OSError):
+                fs.rm(path)
+        if made:
+            with contextlib.suppress(OSError):
+                fs.rmdir(root)
+        raise
+
+
+def _write_hf(
+    reader: Any, adapter: Any, cfg: Any, fs: Any, root: str, dtype: torch.dtype, max_shard_bytes: int, written: list
+) -> Exported:
     sources = _sources(reader, adapter)
     shapes = {name: _shape(reader, fqn, expert) for name, (fqn, expert) in sources.items()}
     shards = _shard(list(sources), shapes, dtype, max_shard_bytes)
@@ -123,14 +143,17 @@ def export_hf(
     for i, names in enumerate(shards, start=1):
         file = SINGLE if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         entries = [(name, dtype, shapes[name]) for name in names]
+        written.append(join(root, file))
         total += write_file(fs, join(root, file), entries, produce, {"format": "pt"})
         files.append(file)
     if len(shards) > 1:
         weight_map = {name: file for file, names in zip(files, shards) for name in names}
         tensor_bytes = sum(_nbytes(shapes[n], dtype) for n in sources)
+        written.append(join(root, INDEX))
         _write_json(fs, join(root, INDEX), {"metadata": {"total_size": tensor_bytes}, "weight_map": weight_map})
     dtype_name = str(dtype).removeprefix("torch.")
     config = {**adapter.config, "dtype": dtype_name, "torch_dtype": dtype_name}  # transformers 5 and 4
+    written.append(join(root, CONFIG))
     _write_json(fs, join(root, CONFIG), config)
     copied = ship_beside(fs, root, getattr(cfg, "init_from", None), config)
     return Exported(reader.step, files, total, len(sources), copied)

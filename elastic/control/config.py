@@ -11,7 +11,9 @@ class ElasticConfig(BaseModel):
     min_dp: int = Field(1, ge=1)
     max_dp: int = Field(4, ge=1)
     heartbeat_timeout_s: float = Field(10.0, gt=0)
-    collective_timeout_s: float = Field(30.0, gt=0)
+    collective_timeout_s: float = Field(
+        30.0, ge=1, description="at least 1 s: a group's ranks cannot even connect in less (0.001 failed every start)"
+    )
     max_failures: int = Field(10, ge=0)
     min_dp_wait_s: float = Field(60.0, gt=0, description="how long to wait for capacity to reach min_dp")
     loss_spike_factor: float = Field(6.0, gt=0, description="spike = loss > mean + factor * std of recent steps")

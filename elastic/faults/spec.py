@@ -99,6 +99,12 @@ def check_fault_specs(faults: list[FaultSpec], spec: Any) -> None:
             raise _bad(
                 f.text, f"step {f.step} is after the last step (train.steps={spec.train.steps}): it would never fire"
             )
+        if f.kind in DRIVER_FAULT_KINDS and f.step == spec.train.steps:  # fires once its step has completed
+            raise _bad(
+                f.text,
+                f"{f.kind} fires once step {f.step} has completed, and the job ends there "
+                f"(train.steps={spec.train.steps}): it would never fire; choose a step before the last",
+            )
         for key in ("rank", "node"):
             if key in f.options and f.options[key] >= world:
                 raise _bad(

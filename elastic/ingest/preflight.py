@@ -80,6 +80,27 @@ def check_eval_corpus(spec: Any, seq_len: int, vocab_size: int) -> None:
             )
 
 
+def check_batch_fits(data: Any, global_batch: int) -> None:
+    """A corpus of fewer rows than one global batch (synthetic, or prepared with an index) is
+    a ``SpecError``: every batch would hold some rows twice, and nothing said so."""
+    if data.source == "synthetic":
+        rows, field = data.num_samples, "data.num_samples"
+    else:
+        try:
+            index = read_index(data.source, data.storage_options)
+        except Exception:  # noqa: BLE001 - check_corpus has reported an index it cannot read
+            return
+        if index is None:
+            return
+        rows, field = index.num_rows, "data.source"
+    if rows < global_batch:
+        raise SpecError(
+            field,
+            f"{rows} rows are fewer than one batch (train.global_batch={global_batch}): "
+            "each batch would hold rows twice; a larger corpus or a smaller train.global_batch",
+        )
+
+
 def check_sft_layout(columns: tuple[str, ...], spec: Any) -> None:
     """A corpus with ``document_ids`` needs a model whose forward takes them, and no pipeline
     or context parallelism (their stages and chunks carry no document ids); a corpus with

@@ -275,7 +275,49 @@ def check_input(cfg: PrepareConfig) -> tuple[Any, list[str], str]:
         raise SpecError(
             "--text-field", f"no field {cfg.text_field!r} in the input (fields: {', '.join(names) or 'none'})"
         )
+    if fmt != "parquet":
+        _check_text_heads(fs, files, fmt)
     return fs, files, fmt
+
+
+CHECKED_BYTES = 8 << 20  # of each jsonl/text file read before Ray starts (64 MiB in all at most)
+CHECKED_TOTAL = 64 << 20
+
+
+def _check_text_heads(fs: Any, files: list[str], fmt: str) -> None:
+    """The first ``CHECKED_BYTES`` of each file (``CHECKED_TOTAL`` in all) are UTF-8 text with
+    no NUL byte (a binary file was tokenized byte by byte), and, in JSON lines, every line an
+    object: a ``SpecError`` on ``INPUT`` naming the file and line. Before, the first bad line
+    failed inside a Ray Data task, a page of traceback."""
+    import json
+
+    budget = CHECKED_TOTAL
+    for f in files:
+        if budget <= 0:
+            return
+        with fs.open(f, "rb") as fh:
+            head = fh.read(min(CHECKED_BYTES, budget))
+            cut = len(head) == min(CHECKED_BYTES, budget)  # the last line may be cut short
+        budget -= len(head)
+        lines = head.split(b"\n")
+        if cut:
+            lines = lines[:-1]
+        for n, line in enumerate(lines, 1):
+            where = f"{redact_uri(f)} line {n}"
+            if b"\0" in line:
+                raise SpecError("INPUT", f"{where} holds a NUL byte: not text (a binary file?)")
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise SpecError("INPUT", f"{where} is not UTF-8 (byte {exc.start + 1})") from None
+            if fmt != "jsonl" or not text.strip():
+                continue
+            try:
+                record = json.loads(text)
+            except ValueError:
+                raise SpecError("INPUT", f"{where} is not JSON") from None
+            if not isinstance(record, dict):
+                raise SpecError("INPUT", f"{where} is not a JSON object (a {type(record).__name__})")
 
 
 def prepare(cfg: PrepareConfig) -> PrepareResult:

@@ -16,7 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.run_dir):
-        print(f"error: RUN_DIR: no such directory: {args.run_dir}", file=sys.stderr)
+        what = "a file, not a directory" if os.path.exists(args.run_dir) else "no such directory"
+        print(f"error: RUN_DIR: {what}: {args.run_dir}", file=sys.stderr)
         return 2
     if not os.path.isfile(os.path.join(args.run_dir, "events.jsonl")):
         print(f"error: RUN_DIR: no events.jsonl in {args.run_dir}", file=sys.stderr)

@@ -74,8 +74,8 @@ def run_sweep(
         raise SpecError("--trial-steps", f"must be larger than the {warmup_steps} warm-up steps, got {trial_steps}")
     if max_trials is not None and max_trials < 1:
         raise SpecError("--max-trials", f"must be >= 1, got {max_trials}")
-    if memory_per_worker_gb is not None and memory_per_worker_gb <= 0:
-        raise SpecError("--memory-per-worker-gb", f"must be > 0, got {memory_per_worker_gb}")
+    if memory_per_worker_gb is not None and not (0 < memory_per_worker_gb < math.inf):  # NaN: pruning disabled
+        raise SpecError("--memory-per-worker-gb", f"must be a finite number > 0, got {memory_per_worker_gb}")
     raw_spec = spec.model_dump(by_alias=True)
     parsed = parse_space(space, spec) if space is not None else None
     out = os.path.abspath(out or _default_out(spec.name))

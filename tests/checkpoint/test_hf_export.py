@@ -155,3 +155,27 @@ def test_custom_model_with_an_adapter_loads_and_exports(hf_dirs, tmp_path):
     assert ckpt_export(str(tmp_path / "ckpt"), 2, "hf", str(tmp_path / "hf")) == 2  # a custom model: --spec
     assert ckpt_export(str(tmp_path / "ckpt"), 2, "hf", str(tmp_path / "hf"), model=cfg) == 0
     assert float((hf_probe_logits(str(tmp_path / "hf")) - our_logits(model)).abs().max()) < EXACT
+
+
+def test_a_failed_export_leaves_nothing_that_blocks_the_next(tmp_path, capsys):
+    """A checkpoint whose weights fail their checksum mid-export: the export fails (exit 1,
+    naming the file) and leaves no header-only ``model.safetensors`` behind (it made the next
+    export, from a good checkpoint, refuse ``--out`` as "already holds a model")."""
+    from elastic.models.config import LlamaConfig
+
+    llama = LlamaConfig(n_layers=1, d_model=16, n_heads=2, vocab_size=32, seq_len=8, multiple_of=8)
+    doc = llama.model_dump()
+    state = model_spec(llama).build_full(0).state_dict()
+    _checkpoint(str(tmp_path / "good"), doc, state)
+    _checkpoint(str(tmp_path / "bad"), doc, state)
+    step_dir = tmp_path / "bad" / "step_00000002"
+    data = max((p for p in step_dir.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[-5] ^= 0xFF  # the last tensor: its header is written first
+    data.write_bytes(bytes(raw))
+    out = tmp_path / "out"
+    assert ckpt_export(str(tmp_path / "bad"), None, "hf", str(out)) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "crc32" in err, err
+    assert not out.exists() or not any(out.iterdir()), sorted(os.listdir(out))
+    assert ckpt_export(str(tmp_path / "good"), None, "hf", str(out)) == 0

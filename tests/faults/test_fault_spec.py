@@ -68,9 +68,13 @@ def test_bad_spec_names_the_flag(text, why):
 
 def test_checked_against_the_job():
     spec = JobSpec.from_yaml(QUICKSTART, overrides=["train.steps=40", "elastic.max_dp=2", "train.global_batch=8"])
-    check_fault_specs([parse_fault_spec(t) for t in ("kill_worker@40:rank=1", "kill_node@3:node=1")], spec)
+    ok = ("kill_worker@39:rank=1", "kill_node@3:node=1", "raise@40:rank=1")  # raise: inside step 40
+    check_fault_specs([parse_fault_spec(t) for t in ok], spec)
     for text, why in [
         ("kill_worker@41:rank=0", "after the last step"),
+        # a kill fires once its step has completed: at the last one the job has ended (it never fired)
+        ("kill_worker@40:rank=1", "kill_worker fires once step 40 has completed, and the job ends there"),
+        ("stop_worker@40", "stop_worker fires once step 40 has completed"),
         ("raise@3:rank=2", "rank 2 out of range"),
         ("kill_node@3:node=2", "node 2 out of range"),
     ]:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -157,3 +160,53 @@ def test_ray_data_loader_streams_the_same_samples(ray_local, tiny_spec_dict, tmp
     assert sorted(losses["ray_data"]) == [1, 2, 3, 4, 5]
     for step, loss in losses["native"].items():
         assert losses["ray_data"][step] == pytest.approx(loss, rel=1e-6), step
+
+
+def _run_until_steps(config, run_dir, gcs_address, steps_seen: int) -> subprocess.Popen:
+    """``elastic run`` of 400 steps as a subprocess, returned once ``steps_seen`` steps are in its events."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jobs.cli", "run", config, "--run-dir", str(run_dir)]
+        + ["--set", "train.steps=400", "--set", "elastic.max_dp=1", "--address", gcs_address],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    events = run_dir / "events.jsonl"
+    deadline = time.monotonic() + 120
+    while not (events.exists() and events.read_text().count('"kind": "step"') >= steps_seen):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=60)
+        time.sleep(0.05)
+    return proc
+
+
+@pytest.mark.parametrize("fault", ["file_size_limit", "run_dir_removed"])
+def test_a_run_dir_that_can_no_longer_be_written_ends_the_job_failed_naming_why(
+    ray_local, tiny_spec_dict, tmp_path, fault
+):
+    """The OS refusing the event log's writes mid-run (a file-size limit set on the running
+    driver: the write fails as on a full disk, ``EFBIG`` for ``ENOSPC``), or the run directory
+    removed under it: the job stops, exit 1, one line naming the cause, no traceback; a full
+    disk keeps every whole line and a summary that could still be written."""
+    config = _write_spec(tmp_path, tiny_spec_dict)
+    run_dir = tmp_path / "run"
+    proc = _run_until_steps(config, run_dir, ray_local.get_runtime_context().gcs_address, 3)
+    if fault == "file_size_limit":
+        size = (run_dir / "events.jsonl").stat().st_size
+        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (size + 600, resource.RLIM_INFINITY))
+    else:
+        shutil.rmtree(run_dir)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-2000:]
+    assert "Traceback" not in err, err[-3000:]
+    failed = [line for line in err.splitlines() if line.startswith("job failed: ")]
+    assert len(failed) == 1 and "the run directory can no longer be written" in failed[0], err[-2000:]
+    if fault == "run_dir_removed":
+        assert "events.jsonl was removed" in failed[0] and not run_dir.exists()
+        return
+    assert "File too large" in failed[0]
+    assert (run_dir / "events.jsonl").read_text().endswith("\n")  # cut back to its last whole line
+    events = read_events(str(run_dir))
+    steps = [e["step"] for e in events if e["kind"] == "step"]
+    assert len(steps) >= 3 and steps[-1] < 400
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps"] >= steps[-1]

@@ -59,7 +59,7 @@ NON_FINITE = [
 @pytest.mark.parametrize("field", NON_FINITE)
 def test_non_finite_numbers_arerefused(capsys, tmp_path, field, value):
     line = refused(capsys, run_args(tmp_path, f"{field}={value}"), field)
-    assert "finite" in line or "greater than" in line, line
+    assert "finite" in line or "greater than" in line or "less than" in line, line
     assert not (tmp_path / "run").exists()
 
 
@@ -75,6 +75,10 @@ def test_non_finite_numbers_arerefused(capsys, tmp_path, field, value):
         (["data.num_samples=4000000000"], "data.num_samples"),
         ([f"name={'n' * 300}"], "name"),
         (["resources.custom={a: 1, a: 2}"], "resources.custom.a"),
+        (["train.lr=1e300"], "train.lr"),  # overflowed float32 on the workers: 11 worker_errors
+        (["elastic.collective_timeout_s=0.001"], "elastic.collective_timeout_s"),  # every start timed out
+        (["checkpoint.uri=memory://ck"], "checkpoint.uri"),  # trained, then failed to commit at the end
+        (["data.num_samples=47"], "data.num_samples"),  # fewer rows than one batch of 48: rows twice per batch
     ],
     ids=lambda v: v if isinstance(v, str) else v[0][:40],
 )
@@ -154,6 +158,49 @@ def test_run_dir_that_is_a_file_or_under_one_isrefused(capsys, tmp_path):
     spec = tmp_path / "spec.yaml"  # the same, from the spec's own key
     spec.write_text(yaml.safe_dump({"name": "x", "run_dir": str(afile)}))
     refused(capsys, ["run", str(spec)], "run_dir")
+
+
+def test_a_file_where_a_directory_belongs_is_refused_by_every_command(capsys, tmp_path):
+    """``data.cache_dir`` and ``train.tensorboard`` (a traceback once Ray had started), ``ckpt
+    list``/``verify`` ("no checkpoints", exit 0) and ``report`` ("no such directory") on a file."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for key in ("data.cache_dir", "train.tensorboard"):
+        for where in (afile, afile / "sub"):
+            line = refused(capsys, run_args(tmp_path, f"{key}={where}"), key)
+            assert "is a file" in line, line
+    assert not (tmp_path / "run").exists()
+    for args in (["ckpt", "list", str(afile)], ["ckpt", "verify", str(afile)]):
+        assert main(args) == 2
+        assert capsys.readouterr().err == f"error: {afile} is a file, not a checkpoint directory\n"
+    assert main(["report", str(afile)]) == 2
+    assert capsys.readouterr().err == f"error: RUN_DIR: a file, not a directory: {afile}\n"
+
+
+def test_an_empty_run_dir_is_refused(capsys, tmp_path, monkeypatch):
+    """``--run-dir ''`` ran in ./runs/ (the default), as did ``run_dir: ''``."""
+    monkeypatch.chdir(tmp_path)
+    refused(capsys, ["run", QUICKSTART, "--run-dir", ""], "--run-dir")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump({"name": "x", "run_dir": ""}))
+    refused(capsys, ["run", str(spec)], "run_dir")
+    assert os.listdir(tmp_path) == ["spec.yaml"]
+
+
+def test_a_spec_that_is_not_a_regular_file_is_refused_at_once(capsys, tmp_path):
+    """A FIFO as the spec blocked the CLI for ever (no writer ever came)."""
+    fifo = tmp_path / "spec.yaml"
+    os.mkfifo(fifo)
+    line = refused(capsys, ["run", str(fifo), "--run-dir", str(tmp_path / "run")], "config")
+    assert line.endswith("is not a regular file"), line
+
+
+def test_an_invisible_character_in_a_key_is_shown(capsys, tmp_path):
+    """A zero-width space in ``global_batch`` printed ``train.global_batch: unknown key``."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("name: z\ntrain: {steps: 2, glob\u200bal_batch: 4}\n", encoding="utf-8")
+    line = refused(capsys, ["run", str(spec), "--run-dir", str(tmp_path / "run")], "train.glob\\u200bal_batch")
+    assert line == "error: train.glob\\u200bal_batch: unknown key (the key holds invisible characters: U+200B)"
 
 
 def test_run_dir_on_a_read_only_filesystem_isrefused(capsys, tmp_path):
@@ -323,6 +370,17 @@ def test_prepare_checks_its_input_before_ray(capsys, tmp_path):
     (tmp_path / "docs.jsonl").write_text('{"body": "hello"}\n')
     refused(capsys, ["prepare", str(tmp_path / "docs.jsonl"), str(out)], "--text-field")
     refused(capsys, ["prepare", str(tmp_path / "docs.jsonl"), str(out), "--tokenizer", "bpe:x"], "--tokenizer")
+    # Bad lines failed inside a Ray Data task (a page of traceback); a binary file was tokenized.
+    for name, content, says in [
+        ("utf8.jsonl", b'{"text": "ok"}\n{"text": "caf\xff"}\n', "line 2 is not UTF-8 (byte 14)"),
+        ("list.jsonl", b'{"text": "ok"}\n[1, 2]\n', "line 2 is not a JSON object (a list)"),
+        ("cut.jsonl", b'{"text": "ok"}\n{"text": \n', "line 2 is not JSON"),
+        ("binary.txt", b"\x7fELF\x02\x01\x01\x00\x00", "line 1 holds a NUL byte: not text (a binary file?)"),
+        ("latin1.txt", b"hello\ncaf\xe9\n", "line 2 is not UTF-8 (byte 4)"),
+    ]:
+        (tmp_path / name).write_bytes(content)
+        line = refused(capsys, ["prepare", str(tmp_path / name), str(out)], "INPUT")
+        assert line == f"error: INPUT: {tmp_path / name} {says}", line
     assert not out.exists()
 
 
@@ -406,3 +464,52 @@ def test_a_boolean_where_a_number_belongs_is_refused(capsys, tmp_path, key):
     """`train.steps: true` was read as 1 by pydantic's lax mode and ran one step."""
     line = refused(capsys, run_args(tmp_path, f"{key}=true"), key)
     assert "must be a number, got true" in line
+
+
+def test_a_warmup_longer_than_the_run_is_said_before_it_starts(caplog, tmp_path):
+    """``train.warmup_steps`` over ``train.steps`` is allowed (the first leg of a run that
+    ``--resume`` extends past its warmup) but said, before anything starts."""
+    from elastic.api import ElasticTrainer
+
+    spec = JobSpec.from_yaml(_tiny_spec(tmp_path), overrides=["train.steps=4", "train.warmup_steps=9"])
+    trainer = ElasticTrainer(spec, run_dir=str(tmp_path / "run"))
+    with caplog.at_level("WARNING", logger="elastic.api"):
+        trainer._check_before_start()
+    release_run_dir(trainer.run_dir)
+    said = [r.getMessage() for r in caplog.records if "warmup_steps" in r.getMessage()]
+    assert said == [
+        "train.warmup_steps (9) is more than train.steps (4): the learning rate stays below train.lr "
+        "for the whole run, unless --resume extends it"
+    ]
+
+
+def test_gpus_an_embedded_cluster_lacks_are_refused(capsys, tmp_path):
+    """``resources.gpus_per_worker: 1`` on a machine without a GPU waited ``min_dp_wait_s`` for
+    capacity that could never come (an embedded cluster has this machine's GPUs)."""
+    from elastic.api import check_fits_embedded
+
+    if torch_gpus() == 0:
+        line = refused(capsys, run_args(tmp_path, "resources.gpus_per_worker=1"), "resources.gpus_per_worker")
+        assert "this machine has 0 that torch can see" in line, line
+    spec = JobSpec.from_yaml(QUICKSTART, overrides=["resources.gpus_per_worker=1", "elastic.min_dp=2"])
+    with pytest.raises(SpecError, match="2 GPUs are needed for min_dp=2 replicas, and this machine has 1"):
+        check_fits_embedded(spec, gpus=1)
+    check_fits_embedded(spec, gpus=2)
+
+
+def torch_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "0"])
+def test_a_sweep_memory_budget_that_is_not_a_finite_positive_number_is_refused(capsys, tmp_path, value):
+    """``--memory-per-worker-gb nan`` compared false with every estimate: no trial was pruned."""
+    line = refused(
+        capsys,
+        ["sweep", QUICKSTART, "--memory-per-worker-gb", value, "--out", str(tmp_path / "sweep")],
+        "--memory-per-worker-gb",
+    )
+    assert "must be a finite number > 0" in line, line
+    assert not (tmp_path / "sweep").exists()

@@ -39,6 +39,7 @@ def _corpora(root) -> dict[str, tuple[str, str]]:
     with open(f"{root}/indexed/index.json", "w") as f:
         json.dump({"seq_len": 32, "tokenizer": {"vocab_size": 64}, "shards": []}, f)
     write_corpus(f"{root}/nosidecar", good, 32, 8, vocab_size=64)  # version 3, one sidecar lost
+    write_corpus(f"{root}/small", good[:40], 32, 8, vocab_size=64)  # fewer rows than quickstart's batch of 48
     os.remove(f"{root}/nosidecar/part-00001.groups")
     return {
         "wide": (f"{root}/wide", "part-0.parquet: rows of 34 ids; model.seq_len + 1 = 17"),
@@ -51,6 +52,7 @@ def _corpora(root) -> dict[str, tuple[str, str]]:
         "strings": (f"{root}/strings.parquet", "not a list of token ids"),
         "indexed": (f"{root}/indexed", "was prepared with --seq-len 32"),
         "nosidecar": (f"{root}/nosidecar", "nosidecar/part-00001.groups (the row-group sidecar of part-00001.parquet)"),
+        "small": (f"{root}/small", "40 rows are fewer than one batch (train.global_batch=48)"),
     }
 
 

@@ -18,6 +18,7 @@ from storage import (
     open_storage,
     write_rank_shard,
 )
+from storage.errors import UnsafePath
 from storage.manifest import MANIFEST, MARKER, Manifest
 
 
@@ -205,3 +206,37 @@ def test_abort_removes_uncommitted_only(store):
     with pytest.raises(ValueError):
         store.abort(1)
     assert store.latest().step == 1
+
+
+def test_nothing_is_followed_out_of_a_checkpoint_directory(store, tmp_path):
+    """A step directory that is a symbolic link to another run's committed checkpoint is no
+    checkpoint here: never listed, so retention never deletes its marker through the link; a
+    link or a FIFO inside a checkpoint is refused (a file missing: damage), and a FIFO as the
+    commit marker reads as no marker at once instead of blocking the reader."""
+    other = CheckpointStore(str(tmp_path / "other"))
+    save(other, 1)
+    os.makedirs(store.root)
+    os.symlink(other.step_uri(1), store.step_uri(1))
+    for step in (2, 3):
+        save(store, step)
+    assert [i.step for i in store.list(include_uncommitted=True)] == [2, 3]
+    report = store.prune(1)
+    assert report.deleted == [2] and report.kept == [3]
+    assert other.read_marker(1) is not None and not other.verify(1)  # the link's target untouched
+    store.abort(1)  # removes the link alone
+    assert not os.path.lexists(store.step_uri(1)) and other.read_marker(1) is not None
+
+    name = sorted(store.storage.sizes(store.step_uri(3)))[0]
+    target = store.file_uri(3, name)
+    os.replace(target, str(tmp_path / "moved"))
+    os.symlink(str(tmp_path / "moved"), target)
+    assert [d.relpath for d in store.verify(3)] == [name]
+    with pytest.raises(UnsafePath):
+        store.get_file(3, name)
+
+    os.makedirs(store.step_uri(4))
+    os.mkfifo(store.file_uri(4, MARKER))
+    os.mkfifo(store.file_uri(3, "x.fifo"))
+    assert store.read_marker(4) is None
+    assert {"x.fifo", name} <= set(os.listdir(store.step_uri(3)))
+    assert store.storage.ls(store.step_uri(3)) == sorted(set(os.listdir(store.step_uri(3))) - {"x.fifo", name})

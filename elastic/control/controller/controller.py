@@ -131,6 +131,8 @@ class Controller:
         try:
             while not self.state.is_terminal:
                 self.state = self._step(self.state)
+                if (unwritable := self.events.fault()) is not None and not self.state.is_terminal:
+                    self.state = Failed(f"the run directory can no longer be written: {unwritable}")
                 if isinstance(self.state, Running):
                     self.state = self._notices(self.state)
                 if self._growing is not None and not isinstance(self.state, Running):
