@@ -367,8 +367,8 @@ def test_run_from_a_family_through_ray_and_export(ray_local, family_dirs, tmp_pa
 def test_a_family_run_survives_a_lost_worker(ray_local, family_dirs, tmp_path):
     """A Qwen2 run at ZeRO-1 dp 2 through Ray loses rank 1's worker after step 2 and finishes
     on the fault-free run's losses and grad norms (1e-5), restored from a memory snapshot. At
-    these 0.05 s steps the kill lands before step 2's snapshot is taken, so the run restores
-    step 1 and replays one step (measured: lost_steps 1, losses bitwise equal)."""
+    these 0.05 s steps the kill may land before or after step 2's snapshot is in, so the run
+    restores step 2 or step 1 (measured both: lost_steps 0 and 1, losses bitwise equal)."""
     from elastic_testlib import assert_matches_reference, events_of, step_metrics
 
     from elastic import ElasticTrainer
