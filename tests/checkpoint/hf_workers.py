@@ -24,15 +24,16 @@ from jobs import JobSpec
 
 
 def hf_layouts(rank: int, world: int, out: str, hf_dirs: dict[str, str], layouts: list[tuple]) -> dict:
-    """For each ``(name, kind, parallel, waves)``: load ``hf_dirs[kind]``, gather, train, save
-    to ``out/<name>``."""
+    """For each ``(name, kind, parallel, waves)`` (any TP, PP, EP or HSDP that fits ``world``):
+    load ``hf_dirs[kind]``, gather, train on this rank's data shard, save to ``out/<name>``."""
     init_group(rank, world, os.path.join(out, "store"))
     results = {}
     try:
         for name, kind, parallel, waves in layouts:
             spec = JobSpec.from_dict(spec_raw(hf_dirs[kind], os.path.join(out, name), parallel, waves))
-            tp, pp = spec.parallel.tp, spec.parallel.pp
-            dims = ParallelDims(dp=world // (tp * pp), tp=tp, pp=pp, world_size=world)
+            p = spec.parallel
+            dp = world // (p.tp * p.pp * p.ep)
+            dims = ParallelDims(dp=dp, tp=p.tp, pp=p.pp, world_size=world, ep=p.ep, shard_group=p.shard_group)
             engine = TrainEngine(spec.model, spec.parallel, spec.train, dims, spec.seed, restoring=True)
             host = f"host{rank % 2}"  # two pretend hosts, so that waves make rounds
             stats = load_init_from(engine, spec.model.init_from, waves, 0, host)
@@ -40,7 +41,8 @@ def hf_layouts(rank: int, world: int, out: str, hf_dirs: dict[str, str], layouts
             weights = {k: v.detach().clone() for k, v in full.items()}
             losses = []
             for step in range(STEPS):
-                mbs = micro_batches(step, dims.dp, engine.coords.dp_rank, spec.parallel.micro_batch)
+                shard = dims.data_shard(engine.coords)  # a (dp, ep) pair's slice of the batch
+                mbs = micro_batches(step, dims.data_shards, shard, p.micro_batch)
                 losses.append(engine.forward_backward(mbs))
                 engine.optimizer_step()
             _save(spec, engine, rank, world, out, STEPS)
