@@ -261,7 +261,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "train_api_recovery",
         "a Ray Train user's own loop through a node loss: Ray Train V2 (tuned) vs elastic.train, the same script: "
         "recovery, steps trained again, rows trained once/twice/never (DataLoader and Ray Dataset)",
-        None,
+        "train_api_recovery.json",
         "--results",
         ("--repeats", "1", "--rows", "960", "--kill-step", "7"),
         smoke=(
