@@ -144,6 +144,7 @@ def test_s3_text_prepared_then_trained_with_a_node_loss(ray_cluster, moto_s3, s3
     # The host readers outlive the recovery: the survivors' readers go on with the stream they
     # hold, so the run reads the index once per host (4), not again for the new layout. The
     # driver looks it up once more, to pick the loader (once per driver process and corpus:
-    # ``elastic.ingest.host_readers.resolve_loader``; the bucket is new to this test).
+    # ``elastic.ingest.host_readers.resolve_loader``; the bucket is new to this test), and once
+    # to check that the corpus holds one global batch (``preflight.check_batch_fits``).
     index_reads = [p for t, p in proxy.paths if t > checked[0][1] and p.endswith("/index.json")]
-    assert len(index_reads) == 1 + 4, index_reads
+    assert len(index_reads) == 2 + 4, index_reads
