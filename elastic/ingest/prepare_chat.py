@@ -24,7 +24,6 @@ See docs/data.md, "Chat data".
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import time
 from dataclasses import dataclass
@@ -32,14 +31,13 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from elastic.errors import SpecError
 from elastic.ingest.chat_template import ChatTemplate
 from elastic.ingest.index import CorpusIndex, Shard, sha256, write_index
 from elastic.ingest.parquet_corpus import DOCUMENT_IDS, LOSS_MASK, TOKENS
 from elastic.ingest.row_packing import PackStats, RowPacker
-from elastic.ingest.shard_format import footer_span
+from elastic.ingest.shard_format import encode_table, footer_span
 from storage import open_storage, redact_uri
 
 CHAT_COLUMNS = (TOKENS, LOSS_MASK, DOCUMENT_IDS)
@@ -68,18 +66,7 @@ def encode_chat_shard(tokens: np.ndarray, mask: np.ndarray, docs: np.ndarray | N
     cols = {TOKENS: col(tokens, pa.int32()), LOSS_MASK: col(mask, pa.int8())}
     if docs is not None:
         cols[DOCUMENT_IDS] = col(docs, pa.int32())
-    table = pa.table(cols)
-    buf = io.BytesIO()
-    pq.write_table(
-        table,
-        buf,
-        row_group_size=rows_per_group,
-        write_statistics=False,
-        write_page_checksum=True,
-        use_dictionary=False,
-        compression="zstd",
-    )
-    return buf.getvalue()
+    return encode_table(pa.table(cols), rows_per_group)
 
 
 def conversations(cfg: Any, fs: Any, files: list[str]):

@@ -38,6 +38,12 @@ def encode_shard(rows: np.ndarray, rows_per_group: int, store_schema: bool = Tru
     width = rows.shape[1]
     flat = pa.array(np.ascontiguousarray(rows, dtype=np.int32).reshape(-1))
     table = pa.table({TOKENS: pa.FixedSizeListArray.from_arrays(flat, width)})
+    return encode_table(table, rows_per_group, store_schema)
+
+
+def encode_table(table: pa.Table, rows_per_group: int, store_schema: bool = True) -> bytes:
+    """``table`` as a parquet shard with the corpus writer's settings (zstd, page checksums,
+    no statistics or dictionary)."""
     buf = io.BytesIO()
     pq.write_table(
         table,
