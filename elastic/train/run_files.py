@@ -162,28 +162,22 @@ class LoopRunFiles:
 
     # ------------------------------------------------------------------ checkpoints in storage
     def committed(self, index: int, uri: str, manifest: dict[str, dict[str, Any]]) -> None:
-        self.events.emit(
-            "checkpoint",
-            step=index,
-            tier="storage",
-            blocking_s=0.0,
-            duration_s=max(0.0, time.time() - self._step_ts.get(index, time.time())),
-            bytes=sum(int(f.get("size", 0)) for f in manifest.values()),
-            committed=True,
-            uri=uri,
-        )
+        self._storage_event(index, sum(int(f.get("size", 0)) for f in manifest.values()), committed=True, uri=uri)
 
     def not_committed(self, index: int, cause: str) -> None:
         self.checkpoint_failures.append({"step": index, "cause": cause})
+        self._storage_event(index, 0, committed=False, error=cause)
+
+    def _storage_event(self, index: int, size: int, **fields: Any) -> None:
+        """The ``checkpoint`` event of a storage commit (the upload runs beside the loop: 0 s blocking)."""
         self.events.emit(
             "checkpoint",
             step=index,
             tier="storage",
             blocking_s=0.0,
             duration_s=max(0.0, time.time() - self._step_ts.get(index, time.time())),
-            bytes=0,
-            committed=False,
-            error=cause,
+            bytes=size,
+            **fields,
         )
 
     # ------------------------------------------------------------------ failures
