@@ -61,8 +61,38 @@ CLUSTER_NODES = 4  # ray_cluster's one-CPU worker nodes
 def pytest_collection_modifyitems(config, items):
     """The tests on the 4-node cluster run last, one after another, so that the cluster is made
     once and repaired between them (``ray_cluster``), not made again each time a test on a
-    single-node Ray ran in between. Otherwise the files' order (the sort is stable)."""
+    single-node Ray ran in between. Otherwise the files' order (the sort is stable).
+
+    Under ``pytest -n 2 --dist loadgroup`` (``make test``) they are one ``xdist_group``: one
+    worker runs all of them, in that order, on its one cluster, while the other worker takes
+    the rest. The suite waits on Ray far more than it computes (one core busy on average on
+    2 cores), so the second worker uses the idle core."""
     items.sort(key=lambda item: "ray_cluster" in getattr(item, "fixturenames", ()))
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("ray_cluster"))
+
+
+def _private_tmpdir_per_worker() -> None:
+    """Each xdist worker keeps Ray's session files and its ``ray_current_cluster`` record in
+    its own ``TMPDIR`` (Ray reads ``TMPDIR`` on Linux), so that neither worker's ``auto`` or
+    ``/tmp/ray`` ever names the other's cluster. Short, under ``/tmp``: Ray's socket paths
+    live below it and must stay under 108 characters."""
+    import tempfile
+
+    global _WORKER_TMPDIR
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker or os.environ.get("ELASTIC_TEST_TMPDIR_WORKER") == worker:
+        return
+    path = tempfile.mkdtemp(prefix=f"et-{worker}-", dir="/tmp")
+    os.environ["TMPDIR"] = path
+    os.environ["ELASTIC_TEST_TMPDIR_WORKER"] = worker
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    _WORKER_TMPDIR = path  # removed in pytest_unconfigure, once Ray is down
+
+
+_WORKER_TMPDIR: str | None = None
+_private_tmpdir_per_worker()
 
 
 class _RayState:
@@ -247,6 +277,10 @@ def pytest_unconfigure(config):
     alive = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
     if alive:
         sys.stderr.write(f"threads alive at exit ({len(alive)}): {', '.join(alive)}\n")
+    if _WORKER_TMPDIR is not None:
+        import shutil
+
+        shutil.rmtree(_WORKER_TMPDIR, ignore_errors=True)
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()

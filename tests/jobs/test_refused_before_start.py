@@ -125,14 +125,16 @@ _BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
 )
 def test_spec_files_too_large_or_deep_to_be_a_spec_are_refused_fast(capsys, tmp_path, content, says):
     """Before: the bomb hung the CLI in the finite-number walk; a cycle or deep nesting was a
-    RecursionError traceback. Now one line naming the file's field, within a second."""
+    RecursionError traceback. Now one line naming the file's field, within a second on an idle
+    machine (3,000 levels: about 1 s in the parser). The bound below only tells a refusal from
+    the old hang (the bomb's 10^9 values took hours), so that a loaded machine cannot fail it."""
     import time
 
     spec = tmp_path / "spec.yaml"
     spec.write_text(content)
     start = time.monotonic()
     line = refused(capsys, ["run", str(spec), "--run-dir", str(tmp_path / "run")], "config")
-    assert says in line and time.monotonic() - start < 5.0
+    assert says in line and time.monotonic() - start < 60.0
     assert not (tmp_path / "run").exists()
 
 
