@@ -39,10 +39,10 @@ class Benchmark:
     optional: tuple[Need, ...] = ()  # without one of these a side is reported skipped
     full: tuple[str, ...] = ()  # the published run's settings, where they are not the defaults
     # the settings the test suite runs it with (tests/test_benchmarks_run.py), its smallest
-    # that still goes through every phase ("{out}": a results file the test names); None: not
-    # run there, and ``not_in_suite`` says why (how long its smallest run took)
+    # that still goes through every phase ("{out}": a results file the test names, "{out_dir}":
+    # a directory); None only where ``needs`` names what a machine may lack
     smoke: tuple[str, ...] | None = None
-    not_in_suite: str = ""
+    smoke_timeout_s: int = 100  # the smoke run's wall-clock limit (about 3x its time at load 10)
 
     @property
     def module(self) -> str:
@@ -94,10 +94,11 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         None,
         "--json",
         ("--warmup", "1", "--rounds", "1", "--steps-per-round", "1"),
-        not_in_suite=(
-            "its smallest run through every layout (--layers 2 --d-model 32 --global-batch 8, one round of one "
-            "step) took 28.4 s at load 1.4 (41 s at load 17): 8 layouts on 4 spawned ranks"
+        smoke=(
+            *("--layers", "2", "--d-model", "32", "--global-batch", "8"),
+            *("--warmup", "0", "--rounds", "1", "--steps-per-round", "1", "--json", "{out}"),
         ),
+        smoke_timeout_s=240,
     ),
     Benchmark(
         "reconfigure_profile",
@@ -140,10 +141,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "restore_waves.json",
         "--out",
         ("--repeats", "1"),
-        not_in_suite=(
-            "its smallest run (--repeats 1) took 57.3 s at load 2.1 (54 s at load 10): checkpoints restored from "
-            "a local S3 stand-in in waves and unstaggered, with a GET latency each"
-        ),
+        smoke=("--repeats", "1", "--out", "{out}"),
+        smoke_timeout_s=240,
     ),
     Benchmark(
         "prepare_throughput",
@@ -159,10 +158,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "overhead.json",
         "--json",
         ("--size", "tiny", "--steps", "12", "--warmup", "4", "--reps", "1"),
-        not_in_suite=(
-            "its smallest run (--size tiny --steps 6 --warmup 2 --reps 1) took 21.8 s at load 0.1, 88 s at load "
-            "13-21: two embedded-Ray jobs and a torchrun baseline, over the 20 s a suite entry may take"
-        ),
+        smoke=("--size", "tiny", "--steps", "6", "--warmup", "2", "--reps", "1", "--json", "{out}"),
+        smoke_timeout_s=240,
     ),
     Benchmark(
         "sdc_overhead",
@@ -186,10 +183,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "job_start.json",
         "--json",
         ("--reps", "1"),
-        not_in_suite=(
-            "its smallest run (--reps 1) took 38.2 s at load 2.0 (50 s at load 12): a job started on each side, "
-            "with the agents holding its ranks"
-        ),
+        smoke=("--reps", "1", "--json", "{out}"),
+        smoke_timeout_s=240,
     ),
     Benchmark(
         "peer_fetch",
@@ -218,10 +213,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         None,
         None,
         ("--steps", "16", "--reps", "1"),
-        not_in_suite=(
-            "its smallest run that has a steady window (--steps 12 --reps 1; --steps 6 has none) took 66.6 s at "
-            "load 0.7: two ZeRO-3 jobs on Ray, each with a rank killed"
-        ),
+        smoke=("--steps", "12", "--reps", "1"),
+        smoke_timeout_s=300,
     ),
     Benchmark(
         "drain_vs_kill",
@@ -229,10 +222,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "drain_vs_kill.json",
         "--out",
         ("--repeats", "1", "--steps", "14", "--at", "6"),
-        not_in_suite=(
-            "its smallest run (--repeats 1 --steps 10 --at 4) took 117 s at load 13-18: two embedded multi-node "
-            "clusters, a node drained in one and killed in the other"
-        ),
+        smoke=("--repeats", "1", "--steps", "10", "--at", "4", "--out", "{out}"),
+        smoke_timeout_s=400,
     ),
     Benchmark(
         "recovery_scaling",
@@ -240,10 +231,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "recovery_scaling.json",
         "--out",
         ("--reps", "1", "--scenarios", "dp_4,hsdp_50mb", "--store-ops-worlds", "4"),
-        not_in_suite=(
-            "its smallest run (--reps 1 --scenarios dp_4 --store-ops-worlds 4) took 99.8 s at load 10-11: a "
-            "4-rank job through a kill, then the store operations re-formed for real"
-        ),
+        smoke=("--reps", "1", "--scenarios", "dp_4", "--store-ops-worlds", "4", "--out", "{out}"),
+        smoke_timeout_s=400,
     ),
     Benchmark(
         "recovery_vs_raytrain",
@@ -252,10 +241,11 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "--results",
         ("--reps", "1", "--steps", "24", "--rejoin-steps", "40", "--kill-step", "8"),
         optional=(TORCHFT,),
-        not_in_suite=(
-            "its smallest side-by-side run (ours and raytrain_tuned, --steps 14 --kill-step 6) took 134 s at load"
-            " 11-26: a 4-node cluster per side, a node killed in each"
+        smoke=(
+            *("--reps", "1", "--sides", "ours,raytrain_tuned", "--nodes", "2", "--steps", "10"),
+            *("--rejoin-steps", "10", "--kill-step", "4", "--return-delay", "-1", "--results", "{out}"),
         ),
+        smoke_timeout_s=400,
     ),
     Benchmark(
         "train_api_recovery",
@@ -275,10 +265,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "data_ingest.json",
         "--out",
         ("--only", "1"),
-        not_in_suite=(
-            "its smallest scenario (--only 1) ran past a 240 s limit at load 18-84: 4 hosts reading S3 through a "
-            "counting proxy; the bound it reports is checked by tests/ingest/test_ingest_s3_cluster.py"
-        ),
+        smoke=("--smoke", "--out", "{out}"),
+        smoke_timeout_s=600,
     ),
     Benchmark(
         "data_bytes_per_host",
@@ -287,10 +275,11 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "data_bytes_per_host.json",
         "--out",
         ("--hosts", "4", "--batches", "24", "--engine", "threads"),
-        not_in_suite=(
-            "its smallest run (--hosts 4 --batches 6 --engine threads) took 138 s at load 11-16: the corpus "
-            "written three ways (index v1, v2, v3) and read by 4 hosts each"
+        smoke=(
+            *("--hosts", "4", "--batches", "6", "--engine", "threads", "--seq-len", "127"),
+            *("--global-batch", "16", "--out", "{out}"),
         ),
+        smoke_timeout_s=400,
     ),
     Benchmark(
         "sweep_vs_grid",
@@ -298,10 +287,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "sweep_vs_grid.json",
         "--json",
         ("--trial-steps", "3", "--sweeps", "1"),
-        not_in_suite=(
-            "its smallest run (--trial-steps 3 --sweeps 1) ran past a 240 s limit at load 10-84: every trial of "
-            "the exhaustive grid is an embedded run"
-        ),
+        smoke=("--smoke", "--trial-steps", "2", "--sweeps", "1", "--json", "{out}"),
+        smoke_timeout_s=600,
     ),
     Benchmark(
         "engine_vs_torchtitan",
@@ -318,10 +305,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "gpu_check.json",
         None,
         ("--dry-run",),
-        not_in_suite=(
-            "written for a GPU; its --dry-run took 21.9 s at load 0.6 (75.7 s at load 11), over the 20 s a suite "
-            "entry may take"
-        ),
+        smoke=("--dry-run", "--out", "{out_dir}"),
+        smoke_timeout_s=300,
     ),
 )
 

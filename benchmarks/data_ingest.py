@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 
 from benchmarks.harness.cluster import local_cluster
 from benchmarks.harness.plain_prepare import plain_loop
@@ -38,6 +39,26 @@ from benchmarks.harness.s3 import MotoS3
 from benchmarks.harness.stats import summary_with_runs
 
 GET_LATENCY_S = 0.05  # the proxy holds each data GET this long: an object store's time to first byte
+
+
+@dataclass(frozen=True)
+class Scale:
+    """How much each part runs: the published run's, or ``--smoke``'s (the test suite's: every
+    part through every phase, at sizes whose figures mean nothing)."""
+
+    packages: tuple[str, ...] = ("json", "email", "http", "logging", "asyncio", "xml/dom", "unittest")
+    burst_waves: tuple[int, ...] = (4, 1)
+    burst_steps: int = 20
+    burst_kill_step: int = 8
+    wait_warm_job: bool = True
+    wait_steps: int = 60
+    wait_model: tuple[int, int, int] = (4, 128, 512)  # n_layers, d_model, vocab_size
+    prepare_repeats: int = 3
+    dup_steps: int = 40
+
+
+FULL = Scale()
+SMOKE = Scale(("json",), (4,), 8, 3, False, 8, (2, 32, 257), 1, 4)
 
 
 def make_text(tmp: str, packages) -> str:
@@ -89,19 +110,19 @@ def peak_until_step(proxy, evs, t0):
 
 
 # --------------------------------------------------------------------------- 1. burst
-def storage_burst(moto, corpus, tmp):
+def storage_burst(moto, corpus, tmp, scale: Scale = FULL):
     from elastic import ElasticTrainer
     from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault
     from elastic.testing.s3proxy import CountingProxy
 
     out = {}
-    for waves in (4, 1):
+    for waves in scale.burst_waves:
         proxy = CountingProxy(moto.endpoint, prefix="/bench/corpus", get_latency_s=GET_LATENCY_S)
         try:
             with cluster(4) as c:
                 t_start = time.time()
-                s = spec(corpus, moto.options(proxy.endpoint), data__waves=waves)
-                inj = FaultInjector([Fault("kill_node", at_step=8, node_index=2)], cluster=c)
+                s = spec(corpus, moto.options(proxy.endpoint), data__waves=waves, train__steps=scale.burst_steps)
+                inj = FaultInjector([Fault("kill_node", at_step=scale.burst_kill_step, node_index=2)], cluster=c)
                 slow = [worker_fault("slow", step=1, rank=r, seconds=0.1) for r in range(4)]
                 run_dir = os.path.join(tmp, f"burst-w{waves}")
                 ElasticTrainer(s, run_dir=run_dir, callbacks=[inj], step_hook=WorkerFaults(slow)).fit()
@@ -125,26 +146,28 @@ def storage_burst(moto, corpus, tmp):
 
 
 # --------------------------------------------------------------------------- 2. data wait
-def data_wait(moto, corpus, tmp):
+def data_wait(moto, corpus, tmp, scale: Scale = FULL):
     from elastic import ElasticTrainer
 
     out = {}
     with cluster(4):
         # An untimed job first: the cluster's first job starts worker processes and Ray's
         # own actors for all that follow, and must not be charged to the first loader.
-        ElasticTrainer(
-            spec(corpus, moto.options(), data__loader="native", train__steps=3), run_dir=os.path.join(tmp, "warm")
-        ).fit()
+        if scale.wait_warm_job:
+            ElasticTrainer(
+                spec(corpus, moto.options(), data__loader="native", train__steps=3), run_dir=os.path.join(tmp, "warm")
+            ).fit()
+        layers, width, vocab = scale.wait_model
         for loader in ("ray_data", "feeder", "native"):
             s = spec(
                 corpus,
                 moto.options(),
-                model__n_layers=4,
-                model__d_model=128,
-                model__vocab_size=512,
+                model__n_layers=layers,
+                model__d_model=width,
+                model__vocab_size=vocab,
                 parallel__micro_batch=4,
                 train__global_batch=48,
-                train__steps=60,
+                train__steps=scale.wait_steps,
                 data__loader=loader,
             )
             run_dir = os.path.join(tmp, f"wait-{loader}")
@@ -198,7 +221,7 @@ def prepare_throughput(text_dir, tmp, repeats=3):
 
 
 # --------------------------------------------------------------------------- 4. duplicate reads
-def duplicate_reads(moto, corpus, tmp):
+def duplicate_reads(moto, corpus, tmp, scale: Scale = FULL):
     from elastic import ElasticTrainer
     from elastic.testing.s3proxy import CountingProxy
 
@@ -219,7 +242,7 @@ def duplicate_reads(moto, corpus, tmp):
                 elastic__min_dp=2,
                 elastic__max_dp=2,
                 data__loader=loader,
-                train__steps=40,
+                train__steps=scale.dup_steps,
             )
             run_dir = os.path.join(tmp, f"dup-{name}")
             ElasticTrainer(s, run_dir=run_dir).fit()
@@ -236,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=results_path("data_ingest.json"))
     ap.add_argument("--only", default="1,2,3,4")
+    ap.add_argument("--smoke", action="store_true", help="every part at its smallest (the test suite's run)")
     args = ap.parse_args(argv)
+    scale = SMOKE if args.smoke else FULL
     parts = set(args.only.split(","))
     logging.getLogger("ray").setLevel(logging.ERROR)
     from elastic.ingest.prepare import PrepareConfig, prepare
@@ -245,10 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         **measured_now(),
         "load_before": os.getloadavg(),
+        "scale": {"smoke": args.smoke, **asdict(scale)},
     }
     moto = MotoS3("bench")
     try:
-        text = make_text(tmp, ("json", "email", "http", "logging", "asyncio", "xml/dom", "unittest"))
+        text = make_text(tmp, scale.packages)
         for name in sorted(os.listdir(text)):
             moto.client.upload_file(os.path.join(text, name), "bench", f"text/{name}")
         corpus = "s3://bench/corpus"
@@ -256,12 +282,13 @@ def main(argv: list[str] | None = None) -> int:
         with cluster(4):
             r = prepare(PrepareConfig("s3://bench/text", corpus, tokenizer="byte", seq_len=64, rows_per_shard=256))
             results["corpus"] = {"rows": r.rows, "shards": r.shards, "tokens": r.tokens}
-        run_parts(parts, results, moto, corpus, text, tmp)
+        run_parts(parts, results, moto, corpus, text, tmp, scale)
     finally:
         moto.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     results["load_after"] = os.getloadavg()
-    if parts != {"1", "2", "3", "4"} and os.path.exists(args.out):  # a partial run updates its parts only
+    # a partial run updates its parts only
+    if parts != {"1", "2", "3", "4"} and not args.smoke and os.path.exists(args.out):
         with open(args.out) as f:
             previous = json.load(f)
         for key in PARTS.values():
@@ -275,15 +302,15 @@ def main(argv: list[str] | None = None) -> int:
 PARTS = {"1": "storage_burst", "2": "data_wait", "3": "prepare_throughput", "4": "duplicate_reads"}
 
 
-def run_parts(parts: set[str], results: dict, moto: MotoS3, corpus: str, text: str, tmp: str) -> None:
+def run_parts(parts: set[str], results: dict, moto: MotoS3, corpus: str, text: str, tmp: str, scale: Scale) -> None:
     if "1" in parts:
-        results["storage_burst"] = storage_burst(moto, corpus, tmp)
+        results["storage_burst"] = storage_burst(moto, corpus, tmp, scale)
     if "2" in parts:
-        results["data_wait"] = data_wait(moto, corpus, tmp)
+        results["data_wait"] = data_wait(moto, corpus, tmp, scale)
     if "3" in parts:
-        results["prepare_throughput"] = prepare_throughput(text, tmp)
+        results["prepare_throughput"] = prepare_throughput(text, tmp, scale.prepare_repeats)
     if "4" in parts:
-        results["duplicate_reads"] = duplicate_reads(moto, corpus, tmp)
+        results["duplicate_reads"] = duplicate_reads(moto, corpus, tmp, scale)
 
 
 if __name__ == "__main__":

@@ -55,14 +55,19 @@ SPACE = {
     "micro_batch": [2, 4, 8],
     "activation_checkpointing": [False, True],
 }
+# --smoke (the test suite's run, tests/test_benchmarks_run.py): every phase of both sides on a
+# 4-configuration space of a 1-layer model; it checks the plumbing, its figures mean nothing.
+SMOKE_MODEL = {"n_layers": 1, "d_model": 32, "n_heads": 2, "vocab_size": 128, "seq_len": 16}
+SMOKE_SPACE = {"tp": [1], "pp": [1], "zero": [0, 1], "micro_batch": [4, 8], "activation_checkpointing": [False]}
 
 
-def run_side(exhaustive: bool, trial_steps: int, out: str) -> dict:
+def run_side(exhaustive: bool, trial_steps: int, out: str, smoke: bool = False) -> dict:
     from elastic.tune.api import run_sweep
     from jobs.spec import JobSpec
 
-    run_sweep(JobSpec.from_dict(SPEC), SPACE, trial_steps=trial_steps, exhaustive=exhaustive, out=out, progress=True,
-              address="local")  # fmt: skip
+    spec = {**SPEC, "model": {**SPEC["model"], **SMOKE_MODEL}} if smoke else SPEC
+    run_sweep(JobSpec.from_dict(spec), SMOKE_SPACE if smoke else SPACE, trial_steps=trial_steps,
+              exhaustive=exhaustive, out=out, progress=True, address="local")  # fmt: skip
     return read_side(out, exhaustive)
 
 
@@ -101,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweeps", type=int, default=2, help="sweep runs (the grid runs once, after the first)")
     ap.add_argument("--json", default=results_path("sweep_vs_grid.json"))
     ap.add_argument("--summarize", default=None, metavar="ROOT", help="only report the finished runs under ROOT")
+    ap.add_argument("--smoke", action="store_true", help="a 1-layer model over a 4-configuration space (the suite's)")
     args = ap.parse_args(argv)
     from elastic.tune.space import config_key
 
@@ -116,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, exhaustive in enumerate(order):
             side = "grid" if exhaustive else "sweep"
             print(f"=== run {i + 1}/{len(order)}: {side}", flush=True)
-            runs.append(run_side(exhaustive, args.trial_steps, os.path.join(root, f"{i}-{side}")))
+            runs.append(run_side(exhaustive, args.trial_steps, os.path.join(root, f"{i}-{side}"), args.smoke))
     grid = next(r for r in runs if r["exhaustive"])
     sweeps = [r for r in runs if not r["exhaustive"]]
     grid_tps = {config_key(e["config"]): e["tokens_per_s"] for e in grid["entries"] if e["status"] == "ok"}
@@ -161,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         "note": "shared machine: other jobs ran at the same time",
         "load_average_at_end": list(os.getloadavg()),
         "trial_steps": args.trial_steps,
-        "spec": SPEC,
-        "space": SPACE,
+        "smoke": args.smoke,
+        "spec": {**SPEC, "model": {**SPEC["model"], **SMOKE_MODEL}} if args.smoke else SPEC,
+        "space": SMOKE_SPACE if args.smoke else SPACE,
         "feasible": grid["feasible"],
         "grid": {k: v for k, v in grid.items() if k != "entries"},
         "sweeps": [{k: v for k, v in s.items() if k != "entries"} for s in sweeps],

@@ -4,13 +4,16 @@ published run. Each runs as ``python -m benchmarks.X`` in its own process; a ben
 ``needs`` this machine lacks (a GPU, torchtitan) is skipped, saying which.
 
 ``test_every_benchmark_is_covered`` keeps a new benchmark from escaping: it must carry smoke
-settings, or needs this machine lacks, or say in ``not_in_suite`` why it is not run here.
+settings, or needs a machine may lack (a GPU, torchtitan). Each smoke run has its own time
+limit (``Benchmark.smoke_timeout_s``); the multi-node ones take minutes, and ``make test``
+runs them beside the 4-node cluster tests (two xdist workers, tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -18,17 +21,25 @@ import pytest
 
 from benchmarks import catalog
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Run once each, by a test that checks more than the generic smoke test below does.
+CHECKED_ELSEWHERE = {
+    "control_plane": "tests/test_benchmarks_run.py",
+    "train_api_recovery": "tests/test_benchmarks_run.py",
+    "gpu_check": "tests/gpu/test_gpu_check.py",  # its --dry-run, with a hung part injected
+}
+
 
 def test_every_benchmark_is_covered():
-    """Every catalog entry runs here (smoke settings), needs what a machine may lack, or says in
-    ``not_in_suite`` why not (its smallest run's measured time); the control plane is never
-    excused."""
+    """Every catalog entry runs in the suite at its smoke settings, or needs what a machine may
+    lack; one checked elsewhere is run there (its test names the module)."""
     for b in catalog.BENCHMARKS:
-        assert b.smoke is not None or b.needs or b.not_in_suite, b.name
-        assert not (b.smoke is not None and b.not_in_suite), b.name
-        if b.not_in_suite:
-            assert " s" in b.not_in_suite, (b.name, "state the measured time")
-    assert catalog.by_name(["control_plane"])[0].smoke is not None
+        assert b.smoke is not None or b.needs, f"{b.name}: give it smoke settings (its smallest run)"
+        assert b.smoke_timeout_s > 0, b.name
+    for name, where in CHECKED_ELSEWHERE.items():
+        with open(os.path.join(ROOT, where)) as f:
+            text = f.read()
+        assert catalog.by_name([name])[0].module in text or f'"{name}"' in text, (name, where)
 
 
 @pytest.mark.parametrize("bench", [b for b in catalog.BENCHMARKS if b.needs], ids=lambda b: b.name)
@@ -44,20 +55,24 @@ def _last_json(out: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-CHECKED_BELOW = ("control_plane", "train_api_recovery")  # each run once, by its own test below
-SMOKE = [b for b in catalog.BENCHMARKS if b.smoke is not None and not b.needs and b.name not in CHECKED_BELOW]
+SMOKE = [
+    pytest.param(b, marks=pytest.mark.timeout(b.smoke_timeout_s + 30), id=b.name)
+    for b in catalog.BENCHMARKS
+    if b.smoke is not None and not b.needs and b.name not in CHECKED_ELSEWHERE
+]
 
 
 @pytest.mark.cluster
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("bench", SMOKE, ids=lambda b: b.name)
+@pytest.mark.parametrize("bench", SMOKE)
 def test_a_benchmark_runs_at_its_smoke_settings(bench, tmp_path):
-    """Each benchmark with smoke settings (but ``CHECKED_BELOW``, each checked more closely below)
-    runs to the end at them, in its own process, and writes its results where it is told
-    (``{out}`` in its settings: a file under ``tmp_path``, never ``benchmarks/results/``)."""
+    """Each benchmark with smoke settings (but ``CHECKED_ELSEWHERE``) runs to the end at them,
+    in its own process, and writes its results where it is told (``{out}`` in its settings: a
+    file under ``tmp_path``, never ``benchmarks/results/``)."""
     out = tmp_path / "out.json"
-    args = [a.replace("{out}", str(out)) for a in bench.smoke or ()]
-    done = subprocess.run([sys.executable, "-m", bench.module, *args], capture_output=True, text=True, timeout=100)
+    args = [a.replace("{out}", str(out)).replace("{out_dir}", str(tmp_path)) for a in bench.smoke or ()]
+    done = subprocess.run(
+        [sys.executable, "-m", bench.module, *args], capture_output=True, text=True, timeout=bench.smoke_timeout_s
+    )
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
     if any("{out}" in a for a in bench.smoke or ()):
         doc = json.loads(out.read_text())
@@ -99,6 +114,24 @@ def _rank_start_ratio(doc: dict) -> None:
     assert _finite_positive(doc["ratio_baseline_over_product"]["start_s"]), doc
 
 
+def _layouts_measured(doc: dict) -> None:
+    assert len(doc["layouts"]) >= 4, doc["layouts"]
+    for row in doc["layouts"]:
+        assert _finite_positive(row["tokens_per_s"]) and _finite_positive(row["measured"]["peak_bytes_max_rank"]), row
+
+
+def _restore_waves_bounded(doc: dict) -> None:
+    for name, row in doc["configs"].items():
+        assert row["gets"]["median"] > 0 and _finite_positive(row["restore_s"]["median"]), (name, row)
+        if row["bound"] is not None:  # the staggered restores keep their bound at the server
+            assert row["peak_gets_in_flight"]["max"] <= row["bound"], (name, row)
+
+
+def _job_start_ratio(doc: dict) -> None:
+    for part in ("handle", "fit"):
+        assert all(map(_finite_positive, doc[part]["ratio_baseline_over_product"].values())), doc[part]
+
+
 # What a smoke run's results must hold, beyond being JSON (a benchmark that ran but measured
 # nothing fails here).
 RESULT_CHECKS = {
@@ -107,6 +140,9 @@ RESULT_CHECKS = {
     "survivor_first_step": (_survivor_first_step_ratio,),
     "prepare_throughput": (_prepare_ratio,),
     "rank_start": (_rank_start_ratio,),
+    "parallel_layouts": (_layouts_measured,),
+    "restore_waves": (_restore_waves_bounded,),
+    "job_start": (_job_start_ratio,),
 }
 
 
