@@ -132,6 +132,19 @@ def _job_start_ratio(doc: dict) -> None:
         assert all(map(_finite_positive, doc[part]["ratio_baseline_over_product"].values())), doc[part]
 
 
+def _drain_and_kill_both_recover(doc: dict) -> None:
+    modes = {r["mode"]: r for r in doc["runs"]}
+    assert set(modes) == {"drain", "kill"} and all(r["status"] == "succeeded" for r in modes.values()), modes
+    assert modes["drain"]["failures"] == 0 and modes["kill"]["failures"] == 1, modes  # a drain is no failure
+    assert all(_finite_positive(r["gap_s"]) for r in modes.values()), modes
+
+
+def _recovery_costed(doc: dict) -> None:
+    for name, row in doc["scenarios"].items():
+        assert row["succeeded"] == row["runs"] >= 1 and row["lost_steps"] == [0] * row["runs"], (name, row)
+        assert _finite_positive(row["cost_s"]["median"]) and row["store_ops_per_rank"]["median"] > 0, (name, row)
+
+
 # What a smoke run's results must hold, beyond being JSON (a benchmark that ran but measured
 # nothing fails here).
 RESULT_CHECKS = {
@@ -143,6 +156,8 @@ RESULT_CHECKS = {
     "parallel_layouts": (_layouts_measured,),
     "restore_waves": (_restore_waves_bounded,),
     "job_start": (_job_start_ratio,),
+    "drain_vs_kill": (_drain_and_kill_both_recover,),
+    "recovery_scaling": (_recovery_costed,),
 }
 
 
