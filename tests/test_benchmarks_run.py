@@ -145,6 +145,15 @@ def _recovery_costed(doc: dict) -> None:
         assert _finite_positive(row["cost_s"]["median"]) and row["store_ops_per_rank"]["median"] > 0, (name, row)
 
 
+def _recovery_side_by_side(doc: dict) -> None:
+    summary = doc["summary"]
+    assert {"ours", "raytrain_tuned"} <= set(summary), sorted(summary)
+    for side in ("ours", "raytrain_tuned"):
+        assert summary[side]["statuses"] == ["succeeded"] and _finite_positive(summary[side]["recovery_s"]["median"])
+    assert summary["ours"]["lost_steps"]["max"] == 0, summary["ours"]
+    assert _finite_positive(doc["ratios"]["ours/raytrain_tuned"]), doc["ratios"]
+
+
 # What a smoke run's results must hold, beyond being JSON (a benchmark that ran but measured
 # nothing fails here).
 RESULT_CHECKS = {
@@ -158,6 +167,7 @@ RESULT_CHECKS = {
     "job_start": (_job_start_ratio,),
     "drain_vs_kill": (_drain_and_kill_both_recover,),
     "recovery_scaling": (_recovery_costed,),
+    "recovery_vs_raytrain": (_recovery_side_by_side,),
 }
 
 
