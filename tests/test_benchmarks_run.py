@@ -154,6 +154,11 @@ def _recovery_side_by_side(doc: dict) -> None:
     assert _finite_positive(doc["ratios"]["ours/raytrain_tuned"]), doc["ratios"]
 
 
+def _overhead_same_losses(doc: dict) -> None:
+    assert _finite_positive(doc["ratio"]) and all(map(_finite_positive, doc["mean_tokens_per_s"].values())), doc
+    assert doc["max_loss_rel_diff"] < 1e-5, doc["max_loss_rel_diff"]  # both sides train the same model
+
+
 # What a smoke run's results must hold, beyond being JSON (a benchmark that ran but measured
 # nothing fails here).
 RESULT_CHECKS = {
@@ -168,6 +173,7 @@ RESULT_CHECKS = {
     "drain_vs_kill": (_drain_and_kill_both_recover,),
     "recovery_scaling": (_recovery_costed,),
     "recovery_vs_raytrain": (_recovery_side_by_side,),
+    "overhead": (_overhead_same_losses,),
 }
 
 
