@@ -287,7 +287,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "sweep_vs_grid.json",
         "--json",
         ("--trial-steps", "3", "--sweeps", "1"),
-        smoke=("--smoke", "--trial-steps", "2", "--sweeps", "1", "--json", "{out}"),
+        smoke=("--smoke", "--trial-steps", "3", "--sweeps", "1", "--json", "{out}"),
         smoke_timeout_s=600,
     ),
     Benchmark(

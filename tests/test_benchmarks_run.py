@@ -159,6 +159,13 @@ def _overhead_same_losses(doc: dict) -> None:
     assert doc["max_loss_rel_diff"] < 1e-5, doc["max_loss_rel_diff"]  # both sides train the same model
 
 
+def _bytes_accounted(doc: dict) -> None:
+    for run in doc["runs"]:
+        for version in ("v1", "v2", "v3"):
+            row = run[version]
+            assert row["bytes_read_total"] > 0 and row["unattributed_bytes"] == 0, (run["hosts"], version, row)
+
+
 # What a smoke run's results must hold, beyond being JSON (a benchmark that ran but measured
 # nothing fails here).
 RESULT_CHECKS = {
@@ -174,6 +181,7 @@ RESULT_CHECKS = {
     "recovery_scaling": (_recovery_costed,),
     "recovery_vs_raytrain": (_recovery_side_by_side,),
     "overhead": (_overhead_same_losses,),
+    "data_bytes_per_host": (_bytes_accounted,),
 }
 
 
