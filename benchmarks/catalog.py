@@ -279,7 +279,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
             *("--hosts", "4", "--batches", "6", "--engine", "threads", "--seq-len", "127"),
             *("--global-batch", "16", "--out", "{out}"),
         ),
-        smoke_timeout_s=400,
+        smoke_timeout_s=600,
     ),
     Benchmark(
         "sweep_vs_grid",
