@@ -71,7 +71,14 @@ class RunResult(BaseModel):
     steps: int
     final_loss: float | None
     wall_s: float
-    mean_tokens_per_s: float
+    mean_tokens_per_s: float | None = Field(
+        description="tokens trained per second over the run; null where not measured (a TorchTrainer run)"
+    )
+    mean_rows_per_s: float | None = Field(
+        None,
+        description="a TorchTrainer run: rows its loaders served per second, the mean over steps "
+        "(docs/train_api.md); left out of summary.json when not measured",
+    )
     failures: int
     dp_history: list[list[int]] = Field(default_factory=list)
     recoveries: list[Recovery] = Field(default_factory=list)
@@ -161,6 +168,8 @@ def write_summary(run_dir: str, result: RunResult) -> str:
     summary = result.model_dump()
     if summary.get("stop") is None:  # docs/outputs.md: `stop` is written for a stopped job only
         summary.pop("stop", None)
+    if summary.get("mean_rows_per_s") is None:  # measured for a TorchTrainer run's loaders only
+        summary.pop("mean_rows_per_s", None)
     try:
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640), "w") as f:
             json.dump(summary, f, indent=2, allow_nan=False)

@@ -93,7 +93,8 @@ def format_summary(result: Any, run_dir: str) -> str:
         "",
         f"run {result.status}: {result.steps} steps in {result.wall_s:.1f}s, final loss "
         + ("n/a" if result.final_loss is None else f"{result.final_loss:.4f}"),
-        f"  mean throughput   {result.mean_tokens_per_s:,.0f} tokens/s",
+        "  mean throughput   "
+        + ("n/a" if result.mean_tokens_per_s is None else f"{result.mean_tokens_per_s:,.0f} tokens/s"),
         f"  failures          {result.failures}",
         "  dp history        " + ", ".join(f"step {s}: dp {d}" for s, d in result.dp_history),
     ]

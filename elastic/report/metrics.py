@@ -20,6 +20,7 @@ GAUGES = {
     "elastic_step": "optimizer steps completed",
     "elastic_step_time_s": "the last step's time, slowest rank (s)",
     "elastic_tokens_per_s": "the last step's throughput (tokens/s)",
+    "elastic_rows_per_s": "a TorchTrainer run: the rows its loaders served in the last step per second",
     "elastic_loss": "the last step's loss (mean over the global batch)",
     "elastic_dp": "the data-parallel degree",
     "elastic_data_wait_s": "the last step's wait for its batch, slowest rank (s)",
@@ -84,7 +85,8 @@ class RunMetrics:
         if kind == "step":
             self._set("elastic_step", e["step"])
             self._set("elastic_step_time_s", e["step_time_s"])
-            self._set("elastic_tokens_per_s", e["tokens_per_s"])
+            self._set("elastic_tokens_per_s", e.get("tokens_per_s"))  # a TorchTrainer run has none
+            self._set("elastic_rows_per_s", e.get("rows_per_s"))
             self._set("elastic_loss", e.get("loss"))
             self._set("elastic_dp", e["dp"])
             self._set("elastic_data_wait_s", e.get("data_wait_s"))

@@ -113,6 +113,7 @@ class _Positioned:
         self.position = Position()
         self.sampler = _Sampler(self)
         self.served: list[int] = []  # this rank's row ids of the batch last served (for ledgers)
+        self.rows_served = 0  # rows this rank served since the last report read it (throughput)
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.position.epoch:
@@ -174,6 +175,7 @@ class ExactLoader(_Positioned):
         for ids, consumed in self._pass():
             batch = self.loader.collate_fn([self.dataset[i] for i in ids])
             self.served = ids
+            self.rows_served += len(ids)
             self.position.rows += consumed
             yield self._move(batch)
 
@@ -228,6 +230,7 @@ class ExactShard(_Positioned):
         for ids, consumed in self._pass():
             table = self._take(ids)
             self.served = ids
+            self.rows_served += len(ids)
             self.position.rows += consumed
             yield _format(table, batch_format)
 

@@ -4,7 +4,9 @@ side of ``TorchTrainer.fit``).
 The life of a run:
 
 1. Start ``max`` workers (each ``resources_per_worker``); go on when ``min`` are up, the
-   others join as they come (growth).
+   others join as they come (growth). A worker that cannot load the loop (``LoopRank``
+   loads it, and says why it could not) fails the run as soon as ``min`` cannot be reached,
+   with that error.
 2. Form generation 1 (the job's ``RendezvousStore``, sealed per job) and enter the loop on
    every rank, from the newest committed checkpoint when the run is resumed.
 3. Watch: each rank's reports (its steps, checkpoints, uploads) and its run. A step is the
@@ -18,6 +20,8 @@ The life of a run:
 5. Growth: a worker that came up while the group is below ``max`` joins at the next report
    that carries a checkpoint (every rank leaves its loop there, and all enter again).
 6. The end: every rank's loop returned. Uploads are waited for, the run files written.
+   A run directory that can no longer be written (``EventLog.fault``) ends the run failed
+   at once, as it ends ``elastic run``.
 
 ``FailureConfig.max_failures`` counts recoveries as Ray Train does (0: the first lost
 worker ends the run; -1: no limit). An exception the loop raises on every rank is the
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -38,9 +43,10 @@ import ray
 from elastic.control.diagnosis import NODE_PROBE_S, RayletProbe
 from elastic.control.timing import PhaseTimer
 from elastic.events import Recovery
+from elastic.report.metrics import start_metrics
 from elastic.train import checkpoints as ckpts
 from elastic.train.callbacks import LoopCallbacks
-from elastic.train.rank import Entry, LoopRank, Place, Restore
+from elastic.train.rank import Entry, LoopRank, Place, Restore, pickle_loop
 from elastic.train.run_files import LoopRunFiles
 from elastic.worker.process_group import RendezvousStore
 
@@ -77,6 +83,8 @@ class Worker:
     generation: int = 0  # the generation it was last placed in
     entries: int = 0
     heard: float = 0.0  # the driver's clock at its last poll answer
+    start_error: dict[str, Any] | None = None  # why it could not start the loop (``error_outcome``), if so
+    resolved: bool = False  # its start answered: up (``node_id``) or failed
 
 
 @dataclass
@@ -109,6 +117,10 @@ class LoopDriver:
         self.job = job
         self.files = LoopRunFiles(job.run_dir)
         job.callbacks.attach(self.files)
+        self.live_metrics = start_metrics(job.name)  # Ray's live ``elastic_*`` metrics (docs/observability.md)
+        if self.live_metrics is not None:
+            self.live_metrics.recoveries = lambda: self.files.recoveries
+            self.files.subscribe(self.live_metrics)
         self.raylets = RayletProbe()
         self.generation = 0
         self.members: list[Worker] = []
@@ -127,6 +139,8 @@ class LoopDriver:
         self._newest_before: int | None = None  # the open outage's newest reported index
         self._growth_asked = False
         self.ledger: list[dict[str, Any]] = []  # every report: index, rank, world, rows
+        self._loop: bytes | None = None  # the loop and its config, pickled once for every worker
+        self._cannot_grow: str | None = None  # a worker started for growth could not load the loop
 
     @property
     def recoveries(self) -> list[Recovery]:
@@ -199,9 +213,11 @@ class LoopDriver:
             options["scheduling_strategy"] = "SPREAD"
         cls = _REMOTE.options(**options)
         device = "cuda" if self.job.use_gpu else "cpu"
+        if self._loop is None:
+            self._loop = pickle_loop(self.job.fn, self.job.config)
         out = []
         for _ in range(n):
-            actor = cls.remote(self.job.fn, self.job.config, device, self.job.collective_timeout_s)
+            actor = cls.remote(self._loop, device, self.job.collective_timeout_s)
             out.append(Worker(actor, actor.info.remote()))
         self._know_raylets()
         return out
@@ -223,26 +239,60 @@ class LoopDriver:
             self._adopt_ready(pending)
             if len(self.spares) >= target:
                 break  # as many as the cluster holds now; the rest join as they come
+            unresolved = sum(1 for w in pending if not w.resolved)
+            if len(self.spares) + unresolved < self.job.min_workers:
+                break  # too many could not start: the minimum cannot be reached
             time.sleep(0.05)
-        self.spares.extend(w for w in pending if w not in self.spares)
+        failed = [w for w in pending if w.resolved and not w.node_id]
+        self.spares.extend(w for w in pending if w not in self.spares and w not in failed)
         ready = [w for w in self.spares if w.node_id]
+        errors = [w for w in failed if w.start_error is not None]
+        if len(ready) < self.job.min_workers and errors:
+            raise self._start_failed(pending, errors)
         if len(ready) < self.job.min_workers:
             raise LoopFailed(
                 f"ScalingConfig.num_workers: only {len(ready)} of at least {self.job.min_workers} workers started "
                 f"within {START_TIMEOUT_S:.0f} s (resources per worker: {self.job.resources})"
             )
+        if errors:
+            logger.warning(
+                "%d worker(s) could not start the training loop (the run goes on with %d): %s",
+                len(errors),
+                len(ready),
+                errors[0].start_error["error"],  # type: ignore[index]
+            )
+
+    def _start_failed(self, pending: list[Worker], errors: list[Worker]) -> LoopFailed:
+        """The workers could not start the loop (its module does not import there, or raises
+        at import; the actor's own start raised): the run fails now with that error, its type,
+        message and traceback, as the ``failure`` event's detail (``worker_error``)."""
+        first = errors[0].start_error
+        assert first is not None
+        now = time.monotonic()
+        detail = f"{first['error']} (raised starting the training loop on {len(errors)} worker(s))"
+        if first.get("type") == "ModuleNotFoundError":
+            detail += ": a worker imports the loop from its module, which every node must have (Ray's runtime_env)"
+        nodes = sorted({e.node_id or e.start_error.get("node_id", "") for e in errors} - {""})  # type: ignore[union-attr]
+        self.files.failure("worker_error", sorted(pending.index(w) for w in errors), nodes, detail, now, now)
+        trace = first.get("traceback") or ""
+        return LoopFailed(f"{detail}\n{trace}".rstrip(), first.get("exception"))
 
     def _adopt_ready(self, pending: list[Worker]) -> None:
-        refs = [w.info_ref for w in pending if not w.node_id and w.info_ref is not None]
+        refs = [w.info_ref for w in pending if not w.resolved and w.info_ref is not None]
         if not refs:
             return
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         for w in pending:
             if w.info_ref in done:
+                w.resolved = True
                 try:
                     info = ray.get(w.info_ref)
-                except Exception:  # noqa: BLE001 - it died starting: dropped
-                    w.info_ref = None
+                except Exception as exc:  # noqa: BLE001 - it died starting: dropped
+                    w.info_ref, w.start_error = None, _died_starting(exc)
+                    continue
+                if info.get("load_error") is not None:  # up, but the loop does not load there
+                    w.info_ref, w.start_error = None, {**info["load_error"], "node_id": info["node_id"]}
+                    _kill(w)
                     continue
                 w.node_id, w.ip, w.pid = info["node_id"], info["ip"], info["pid"]
                 w.heard = time.monotonic()
@@ -253,6 +303,11 @@ class LoopDriver:
         """Spares that are up; ``check``: each answers a ping now (one may have started on a
         node that was dying)."""
         self._adopt_ready(self.spares)
+        for w in [w for w in self.spares if w.resolved and not w.node_id]:
+            self.spares.remove(w)
+            if w.start_error is not None and self._cannot_grow is None:
+                self._cannot_grow = w.start_error["error"]
+                logger.warning("a new worker could not start the training loop: %s", self._cannot_grow)
         ready = [w for w in self.spares if w.node_id]
         if check and ready:
             pings = [w.actor.ping.remote() for w in ready]
@@ -349,6 +404,9 @@ class LoopDriver:
             storage_dir=self.job.storage_dir,
         )
         while True:
+            if (unwritable := self.files.fault()) is not None:
+                # as ``elastic run``'s controller: a run that cannot record itself stops, failed
+                raise LoopFailed(f"the run directory can no longer be written: {unwritable}")
             self._poll()
             lost = self._lost()
             if lost is not None:
@@ -545,8 +603,12 @@ class LoopDriver:
         if not lost and errors and len(errors) == len(self.members):
             first = errors[0]
             if all((e["type"], e["error"]) == (first["type"], first["error"]) for e in errors):
-                raise LoopFailed(  # the loop's own error: retrying would raise it again
-                    f"the training loop raised {first['error']} on every rank\n{first.get('traceback', '')}",
+                # the loop's own error: retrying would raise it again
+                detail = f"{first['error']} (raised by the training loop on every rank: not retried)"
+                ranks, nodes = list(range(len(old))), sorted({w.node_id for w in old})
+                self.files.failure("worker_error", ranks, nodes, detail, detected, detected)
+                raise LoopFailed(
+                    f"the training loop raised {first['error']} on every rank\n{first.get('traceback', '')}".rstrip(),
                     first.get("exception"),
                 )
         heard = [w.heard for w in lost if w.heard]
@@ -558,8 +620,10 @@ class LoopDriver:
         self.files.failure(kind, ranks, nodes, detail, failed_at, detected)
         self._newest_before = max(newest, self._newest_before or 0)
         if self.job.max_failures != -1 and self.files.failures > self.job.max_failures:
+            trace = errors[0].get("traceback", "") if errors else ""  # a loop's error: where it was raised
             raise LoopFailed(
-                f"{cause} (FailureConfig.max_failures={self.job.max_failures}: {self.files.failures} failures)",
+                f"{cause} (FailureConfig.max_failures={self.job.max_failures}: {self.files.failures} failures)"
+                f"\n{trace}".rstrip(),
                 _exception_of(errors),
             )
         for w in lost:
@@ -574,9 +638,13 @@ class LoopDriver:
             while len(spares) < need and time.monotonic() < deadline:
                 time.sleep(0.1)
                 spares = self._ready_spares()
+                if len(spares) + sum(1 for w in self.spares if not w.resolved) < need:
+                    break  # the replacements could not start: waiting longer brings none
             if len(spares) < need:
+                why = f" (a replacement could not start the training loop: {self._cannot_grow})"
                 raise LoopFailed(
                     f"{cause}: fewer than ScalingConfig.num_workers' minimum ({self.job.min_workers}) left"
+                    + (why if self._cannot_grow else "")
                 )
         timer.mark("spawn_s")
         in_place = survivors and all(w.waiting and w.outcome is None for w in survivors)
@@ -670,8 +738,8 @@ class LoopDriver:
 
     # ------------------------------------------------------------------ growth
     def _maybe_ask_growth(self) -> None:
-        if self._growth_asked or len(self.members) >= self.job.max_workers:
-            return
+        if self._growth_asked or len(self.members) >= self.job.max_workers or self._cannot_grow:
+            return  # (a worker that cannot load the loop: another one would not either)
         if len(self.spares) == 0:
             self.spares.extend(self._spawn(self.job.max_workers - len(self.members)))
         if self._ready_spares():
@@ -718,6 +786,15 @@ def _kill(w: Worker) -> None:
         ray.kill(w.actor, no_restart=True)
     except Exception:  # noqa: BLE001 - already gone
         pass
+
+
+def _died_starting(exc: BaseException) -> dict[str, Any] | None:
+    """Why a worker died starting, when its own start raised (``actor_init_failed``: the
+    same would happen again); None when it was lost (its node, its process)."""
+    if not getattr(exc, "actor_init_failed", False):
+        return None
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # Ray colours the task's name
+    return {"kind": "error", "error": f"{type(exc).__name__}: {text}", "type": type(exc).__name__, "traceback": ""}
 
 
 def _exception_of(errors: list[dict[str, Any]]) -> BaseException | None:

@@ -102,9 +102,17 @@ class Entry:
 class LoopRank:
     """One rank of a user's loop (the body of the Ray actor ``TorchTrainer`` starts)."""
 
-    def __init__(self, fn: Callable[..., Any], config: dict[str, Any] | None, device_type: str, timeout_s: float):
-        self.fn = fn
-        self.config = config
+    def __init__(self, loop: bytes, device_type: str, timeout_s: float):
+        # the loop and its config arrive pickled (``pickle_loop``) and are loaded here, so that a
+        # loop this process cannot load (its module missing here, or raising at import) is an
+        # error ``info`` reports with its own traceback, not an actor that died starting
+        self.fn: Callable[..., Any] | None = None
+        self.config: dict[str, Any] | None = None
+        self.load_error: dict[str, Any] | None = None
+        try:
+            self.fn, self.config = ray.cloudpickle.loads(loop)
+        except BaseException as exc:  # noqa: BLE001 - the driver fails the run with it
+            self.load_error = error_outcome(exc)
         self.device_type = device_type
         self.runtime = RankRuntime(device_type, timeout_s, connect_world_at_once=True)  # a loop may use any pair
         self.place: Place | None = None
@@ -126,7 +134,13 @@ class LoopRank:
     @ray.method(concurrency_group="control")
     def info(self) -> dict[str, Any]:
         w = self.runtime.where()
-        return {"node_id": w.node_id, "ip": w.ip, "pid": w.pid, "gpus": self.runtime.gpus()}
+        return {
+            "node_id": w.node_id,
+            "ip": w.ip,
+            "pid": w.pid,
+            "gpus": self.runtime.gpus(),
+            "load_error": self.load_error,
+        }
 
     @ray.method(concurrency_group="control")
     def poll(self) -> dict[str, Any]:
@@ -210,22 +224,15 @@ class LoopRank:
                 self._restored = {"source": self._restored_from, "duration_s": time.perf_counter() - t_restore}
             self.session = self._session(entry, checkpoint, positions)
             set_session(self.session)
+            if self.fn is None:
+                return {"index": self.index, "join_s": join_s, **(self.load_error or {"kind": "error"})}
             with self.runtime.running():
                 result = _call(self.fn, self.config)
             return {"kind": "finished", "index": self.index, "join_s": join_s, "value": _plain(result)}
         except LoopExit:
             return {"kind": "exited", "index": self.index, "join_s": join_s}
         except BaseException as exc:  # noqa: BLE001 - the loop's own error or a lost peer's
-            kind = "collective" if is_collective_error(exc) else "error"
-            return {
-                "kind": kind,
-                "index": self.index,
-                "join_s": join_s,
-                "error": f"{type(exc).__name__}: {exc}",
-                "type": type(exc).__name__,
-                "traceback": _loop_traceback(exc),
-                "exception": _picklable(exc),
-            }
+            return {"index": self.index, "join_s": join_s, **error_outcome(exc)}
         finally:
             set_session(None)
             self.session = None
@@ -340,6 +347,11 @@ class LoopRank:
             self._copy_to_peer(index, rank, files)
             self._upload(session.state["storage_dir"], index, rank, files)
         ledger = [list(lo.served) for lo in session.state["loaders"]]
+        rows_served = None  # no loader of the platform's: the loop's throughput is not known here
+        if session.state["loaders"]:
+            rows_served = sum(lo.rows_served for lo in session.state["loaders"])
+            for lo in session.state["loaders"]:
+                lo.rows_served = 0
         with self._lock:
             self._reports.append(
                 {
@@ -351,6 +363,7 @@ class LoopRank:
                     "checkpoint": files is not None,
                     "positions": positions,
                     "rows": ledger,
+                    "rows_served": rows_served,
                     "ts": time.time(),
                     # run files (elastic/train/run_events.py): the report's hold, its files' size, the entry's restore
                     "blocking_s": time.perf_counter() - t_report,
@@ -437,6 +450,25 @@ class LoopRank:
         return Checkpoint.from_directory(directory)
 
 
+def pickle_loop(fn: Callable[..., Any], config: dict[str, Any] | None) -> bytes:
+    """The loop and its config as ``LoopRank`` takes them (Ray's own pickler, by reference
+    where the driver imports them from a module)."""
+    return ray.cloudpickle.dumps((fn, config))
+
+
+def error_outcome(exc: BaseException) -> dict[str, Any]:
+    """What the driver hears of an exception: ``kind`` (``collective`` when it is a failed
+    collective, else ``error``), ``error`` (type and message), ``type``, the traceback from
+    the loop's own frames on, and the exception itself when it pickles."""
+    return {
+        "kind": "collective" if is_collective_error(exc) else "error",
+        "error": f"{type(exc).__name__}: {exc}",
+        "type": type(exc).__name__,
+        "traceback": _loop_traceback(exc),
+        "exception": _picklable(exc),
+    }
+
+
 def _call(fn: Callable[..., Any], config: dict[str, Any] | None) -> Any:
     params = [
         p
@@ -480,4 +512,4 @@ def _picklable(exc: BaseException) -> BaseException | None:
         return None
 
 
-__all__ = ["Entry", "LoopRank", "Place", "Restore"]
+__all__ = ["Entry", "LoopRank", "Place", "Restore", "error_outcome", "pickle_loop"]

@@ -13,7 +13,10 @@ What a loop's run says, kind by kind:
   (the platform accumulates nothing for a user's loop), ``step_time_s`` (from the previous
   step of the same group, or from the group's start for its first), ``loss`` when rank 0
   reported a number under ``loss``, and ``metrics``: rank 0's reported metrics. There is no
-  ``tokens_per_s``: a loop's tokens are not known to the platform.
+  ``tokens_per_s``: a loop's tokens are not known to the platform. ``rows_per_s``: the rows
+  the platform's loaders (``prepare_data_loader``, ``get_dataset_shard``) served on every
+  rank since the previous step, over ``step_time_s``; absent when they served none (a loop
+  with a loader of its own).
 - ``checkpoint``: ``tier: memory`` when every rank of a report holding a checkpoint has it
   in memory (``peer``: whether a copy went to a rank on another node), with ``blocking_s``
   (the slowest rank's ``report`` call, peer copy included) and ``bytes``; ``tier: storage``
@@ -32,7 +35,8 @@ What a loop's run says, kind by kind:
   completes its first step.
 - ``job_end``: ``status`` (``succeeded`` or ``failed``), ``steps``, ``reason`` when failed.
 
-``summary.json`` is ``elastic.events.RunResult``: ``mean_tokens_per_s`` is 0 (not known),
+``summary.json`` is ``elastic.events.RunResult``: ``mean_tokens_per_s`` is null (not
+measured), ``mean_rows_per_s`` the mean of the steps' ``rows_per_s`` (null: none measured),
 ``excluded_nodes`` empty; the ``recoveries`` breakdown has the phases the loop driver
 times: ``detect_s``, ``free_s`` (pulling the survivors out of their collectives and finding
 who is lost), ``decide_s``, ``spawn_s`` (waiting for a replacement when below ``min``),
@@ -42,6 +46,7 @@ the loop again) and ``first_step_s``.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -51,6 +56,8 @@ from elastic.control.outages import Outages
 from elastic.events import EventLog, Recovery, RunResult, write_summary
 
 TP = PP = GRAD_ACCUM = 1
+
+logger = logging.getLogger(__name__)
 
 
 class LoopRunFiles:
@@ -63,6 +70,7 @@ class LoopRunFiles:
         self.outages = Outages()
         self.dp_history: list[list[int]] = []
         self.losses: dict[int, float | None] = {}
+        self.rows_per_s: list[float] = []  # the steps' ``rows_per_s``, where measured
         self.failures = 0
         self.checkpoint_failures: list[dict[str, Any]] = []
         self.dp = 0
@@ -75,6 +83,11 @@ class LoopRunFiles:
     @property
     def recoveries(self) -> list[Recovery]:
         return self.outages.closed
+
+    def fault(self) -> str | None:
+        """Why the event log can no longer be written (a full disk, the run directory removed):
+        ``EventLog.fault``; None while it can."""
+        return self.events.fault()
 
     def subscribe(self, listener: Callable[[dict[str, Any]], None]) -> None:
         self.events.subscribe(listener)
@@ -130,6 +143,10 @@ class LoopRunFiles:
             "world_size": world,
             "step_time_s": max(0.0, ts - since),
         }
+        served = [int(r["rows_served"]) for r in reps.values() if r.get("rows_served") is not None]
+        if sum(served) > 0 and ts > since:
+            fields["rows_per_s"] = sum(served) / (ts - since)
+            self.rows_per_s.append(fields["rows_per_s"])
         loss = metrics.get("loss")
         if isinstance(loss, (int, float)) and not isinstance(loss, bool):
             fields["loss"] = float(loss)  # a NaN is written as null
@@ -219,13 +236,20 @@ class LoopRunFiles:
             steps=steps,
             final_loss=self.losses.get(steps),
             wall_s=wall_s,
-            mean_tokens_per_s=0.0,
+            mean_tokens_per_s=None,  # a loop's tokens are not known to the platform: not measured
+            mean_rows_per_s=sum(self.rows_per_s) / len(self.rows_per_s) if self.rows_per_s else None,
             failures=self.failures,
             dp_history=self.dp_history,
             recoveries=self.recoveries,
             checkpoint_failures=self.checkpoint_failures,
         )
-        write_summary(self.run_dir, result)
+        try:
+            write_summary(self.run_dir, result)
+        except OSError as exc:
+            if self.fault() is None:  # the event log still writes: a summary the run cannot do without
+                raise
+            # the run failed for it already (its job_end names the cause): one line, no traceback
+            logger.warning("summary.json not written: %s", exc.strerror or exc)
         return result
 
     def close(self) -> None:

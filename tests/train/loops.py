@@ -131,3 +131,16 @@ def replay(steps: dict[int, list[list[int]]], lr: float = 0.05) -> dict[str, tor
         (sum(losses) / len(losses)).backward()
         opt.step()
     return net.state_dict()
+
+
+def removing_loop(config: dict[str, Any]) -> None:
+    """``config["reports"]`` reports ``pace_s`` apart; rank 0 removes ``config["run_dir"]``
+    (the run's own files) after the ``remove_at``-th."""
+    rank = train.get_context().get_world_rank()
+    for i in range(1, config["reports"] + 1):
+        train.report({"loss": 1.0, "i": i})
+        if rank == 0 and i == config["remove_at"]:
+            import shutil
+
+            shutil.rmtree(config["run_dir"])
+        time.sleep(config["pace_s"])

@@ -227,4 +227,6 @@ def test_an_error_the_loop_raises_on_every_rank_ends_the_run_at_once(ray_cluster
     assert "elastic/train/rank.py" not in message  # the loop's own frames, not the runtime's
     with open(tmp_path / "runs" / "bug" / "summary.json") as f:
         summary = json.load(f)
-    assert summary["status"] == "failed" and summary["failures"] == 0
+    assert summary["status"] == "failed" and summary["failures"] == 1  # seen once, not retried
+    kinds = [e["kind"] for e in read_events(str(tmp_path / "runs" / "bug"))]
+    assert kinds.count("failure") == 1 and "resize" not in kinds and "restore" not in kinds
