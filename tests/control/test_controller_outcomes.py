@@ -377,3 +377,32 @@ def test_a_live_gcs_is_never_taken_for_lost(tmp_path):
     assert ctl.run().status == "succeeded" and ("shutdown",) in ctl.group.calls
     assert ctl.gcs.lost() is None
     gcs.kill()
+
+
+def test_a_loader_that_hangs_again_before_a_step_ends_the_job_naming_it(tmp_path):
+    """Issue 48, L20: a hanging loader was a plain worker error, re-formed after every 60 s
+    timeout until the failure budget was spent (11 tries, ~11 minutes). Now a loader stall
+    is re-formed once (``LOADER_RETRIES``); stalling again before any step trains ends the
+    job, one line naming the loader and the time waited. A step trained between starts the
+    count again."""
+    from elastic.errors import LoaderStalled
+
+    detail = "LoaderTimeout: the native loader on host-a gave dp rank 0 no batch 2 within 60s"
+    ctl = _controller(tmp_path)  # max_failures 3: the budget is not what ends it
+    _advance(ctl, Running)
+    ctl.group.script = [Observation(failure=LoaderStalled(detail, 60.0, [0, 1]))]
+    _advance(ctl, Recovering)
+    _advance(ctl, Running)  # the first stall: re-formed
+    ctl.group.script = [Observation(results=step_results(1, 2)), Observation(failure=LoaderStalled(detail, 60.0, [0]))]
+    _advance(ctl, Running)  # step 1 trained
+    _advance(ctl, Recovering)
+    _advance(ctl, Running)  # a stall after a trained step: the first again
+    ctl.group.script = [Observation(failure=LoaderStalled(detail, 60.0, [0, 1]))]
+    _advance(ctl, Recovering)
+    state = _advance(ctl, Failed)
+    assert state.reason == (
+        f"the data loader hung: 2 stalls in a row after step {ctl.step}, no step trained between, "
+        f"120s waited in all; the last: {detail}"
+    )
+    assert ctl.failures == 3
+    assert [(f["cause"], f["loader_wait_s"]) for f in _failures(tmp_path)] == [("worker_error", 60.0)] * 3

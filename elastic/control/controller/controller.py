@@ -65,7 +65,7 @@ from elastic.control.stop import CHECKPOINT_TIMEOUT_S, StopSignals, checked_stop
 from elastic.control.timing import PhaseTimer
 from elastic.control.worker_group import WorkerGroup
 from elastic.control.worker_group.api import Member, WorkerGroupFactory
-from elastic.errors import JobFailed, WorkerFailure, failure_fields
+from elastic.errors import LOADER_RETRIES, JobFailed, LoaderStalled, WorkerFailure, failure_fields
 from elastic.events import EventLog, Recovery, RunResult
 from elastic.messages import AnomalyReport, EvalReport, SdcReport, StepReport, StepRows, UploadReport, WorkerReport
 from elastic.models.config import token_shape
@@ -117,6 +117,7 @@ class Controller:
         self.outages = Outages()
         self._pending: dict[int, StepTally] = {}  # step -> its reports so far
         self._recovered_at_step = 0
+        self._loader_stalls: list[float] = []  # the waits of the loader stalls since a step was last trained
         self._evaluated = 0  # the newest step whose eval event was written
         self._last_grow_check = 0.0
         self._growing: Growing | None = None  # a grow-back's new workers, starting while the job trains
@@ -495,6 +496,8 @@ class Controller:
             return Failed(f"{gone}: {GCS_LOST} (last failure: {f.cause})")
         if not f.retryable:  # a re-formation would meet it again: spend no budget on retries
             return Failed(f"{f.cause} that a retry would repeat: {f.detail}")
+        if isinstance(f, LoaderStalled) and (stalled := self._loader_hung(f)) is not None:
+            return Failed(stalled)
         if self._budget_spent():
             return Failed(
                 f"failure budget exhausted: {self.failures} failures > "
@@ -694,6 +697,7 @@ class Controller:
             self.committer.join()  # the last step: its checkpoint must be committed before job_end
         if step > self._recovered_at_step:
             self.outages.first_step(self.clock())
+        self._loader_stalls = []  # a step trained: the loaders delivered
         for cb in self.callbacks:
             cb.after_step(step, self.group)
         return evict
@@ -746,6 +750,18 @@ class Controller:
         if not self.tokens_per_s or self.tokens_per_s[-1] <= 0:
             return 1.0
         return self.spec.train.global_batch * token_shape(self.spec.model)[0] / self.tokens_per_s[-1]
+
+    def _loader_hung(self, f: LoaderStalled) -> str | None:
+        """A data loader that stalled again with no step trained since its last stall: the
+        reason the job ends (one bound for it, ``LOADER_RETRIES``), or None to re-form once more."""
+        waits = self._loader_stalls
+        waits.append(f.waited_s)
+        if len(waits) <= LOADER_RETRIES:
+            return None
+        return (
+            f"the data loader hung: {len(waits)} stalls in a row after step {self.step}, no step trained between, "
+            f"{sum(waits):g}s waited in all; the last: {f.detail}"
+        )
 
     def _budget_spent(self) -> bool:
         decision = policies.failure_decision(self.failures, self.spec.elastic.max_failures)
