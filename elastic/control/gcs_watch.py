@@ -39,7 +39,10 @@ class GcsWatch:
 
         if not ray.is_initialized():
             return cls(None)
-        return cls(ray.get_runtime_context().gcs_address)
+        try:
+            return cls(ray.get_runtime_context().gcs_address)
+        except Exception:  # noqa: BLE001 - no address to watch (a Ray Client session): nothing watched
+            return cls(None)
 
     def lost(self) -> str | None:
         """Why the GCS is gone (one line), or None while it answers."""
