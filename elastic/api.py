@@ -96,6 +96,7 @@ class ElasticTrainer:
             events.subscribe(cb.after_event)
         signals = StopSignals(self.spec.elastic.stop_grace_s)  # after ray.init, which installs its own
         signals.install()
+        controller: Controller | None = None
         try:
             corpus = self._prepare_data()
             resume = self._resume_step
@@ -129,7 +130,8 @@ class ElasticTrainer:
                 tensorboard.close()
             for cb in self.callbacks:
                 cb.close()
-            if started_ray:
+            gcs_lost = controller is not None and controller.gcs.lost() is not None
+            if started_ray or gcs_lost:  # a driver whose GCS is gone is ended by Ray 60 s later: leave first
                 ray.shutdown()
             if self.report and events.fault() is None:  # nothing more written where writes fail
                 print_report(self.run_dir)

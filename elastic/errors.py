@@ -41,6 +41,19 @@ class CorpusError(ElasticError):
     since a retry would only repeat it (``NotRetryable``)."""
 
 
+class LoaderTimeout(ElasticError, TimeoutError):
+    """Raised by a rank whose data loader gave it no batch within its bound (a hanging read:
+    storage that accepts and never answers, a stuck host reader). ``loader`` names it and
+    ``host`` where it ran; ``waited_s`` is how long the rank waited."""
+
+    def __init__(self, loader: str, host: str, dp_rank: int, batch: int, waited_s: float, why: str = ""):
+        self.loader, self.host, self.dp_rank, self.batch, self.waited_s = loader, host, dp_rank, batch, waited_s
+        more = f" ({why})" if why else ""
+        super().__init__(
+            f"the {loader} loader on {host} gave dp rank {dp_rank} no batch {batch} within {waited_s:g}s{more}"
+        )
+
+
 # ----- failures seen while training: each maps to one `failure.cause` (docs/outputs.md) -----
 # A NaN or spiking loss is not an exception: the workers roll back in place and report an
 # ``AnomalyReport`` (elastic/messages.py) whose cause is ``nan_loss`` or ``loss_spike``.
@@ -104,10 +117,26 @@ class NodeResourceError(WorkerError):
     node_fault = True
 
 
+class LoaderStalled(WorkerError):
+    """Ranks' data loaders gave them no batch within the bound (``LoaderTimeout``). Still a
+    ``worker_error``, but named: the failure event says how long they waited
+    (``loader_wait_s``), and a job whose loader hangs again before it trains a step ends
+    (``LOADER_RETRIES``) instead of spending its failure budget one timeout at a time."""
+
+    def __init__(self, detail: str, waited_s: float, ranks: list[int] | None = None, nodes: list[str] | None = None):
+        super().__init__(detail, ranks, nodes)
+        self.waited_s = waited_s
+
+
+LOADER_RETRIES = 1  # re-formations after a loader stall before the job ends, if no step trained between
+
+
 def failure_fields(f: WorkerFailure) -> dict:
     """A ``failure`` event's fields; ``node_fault: true`` only where the node is to blame
-    although the cause alone would not say so."""
-    fields = {"cause": f.cause, "ranks": f.ranks, "nodes": f.nodes, "detail": f.detail}
+    although the cause alone would not say so; ``loader_wait_s`` for a loader that hung."""
+    fields: dict = {"cause": f.cause, "ranks": f.ranks, "nodes": f.nodes, "detail": f.detail}
+    if isinstance(f, LoaderStalled):
+        fields["loader_wait_s"] = round(f.waited_s, 3)
     return {**fields, "node_fault": True} if f.node_fault else fields
 
 

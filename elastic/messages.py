@@ -200,7 +200,8 @@ class RunOutcome:
     boundary), ``error``. For an error, ``kind`` says whose: ``worker_error`` (this rank's
     own), ``peer`` (a collective failed under it), ``timeout`` (a collective ran into
     ``elastic.collective_timeout_s``). ``retryable`` is False for an error that a retry would
-    repeat (a ``CorpusError``): the job then fails at once.
+    repeat (a ``CorpusError``): the job then fails at once. ``loader_wait_s`` > 0: the error
+    was this rank's data loader giving it no batch for that long (``LoaderTimeout``).
     """
 
     status: Literal["done", "stopped", "error", "dead"]
@@ -208,6 +209,7 @@ class RunOutcome:
     kind: Literal["worker_error", "peer", "timeout"] | None = None
     detail: str = ""
     retryable: bool = True
+    loader_wait_s: float = 0.0
 
 
 DEAD = RunOutcome("dead")  # the controller's own record of a run whose actor died

@@ -19,6 +19,7 @@ from elastic.errors import (
     ActorDied,
     CollectiveTimeout,
     HeartbeatTimeout,
+    LoaderStalled,
     NodeLost,
     NotRetryable,
     WorkerError,
@@ -72,6 +73,9 @@ def diagnose(members: list[Any], elastic: Any, now: float, raylets: RayletProbe)
         )
     errors = {m.rank: m.run_result for m in members if m.run_result and m.run_result.status == "error"}
     own = [r for r, res in errors.items() if res.kind == "worker_error"]
+    if own and all(errors[r].loader_wait_s > 0 for r in own):  # their data loaders hung
+        waited = max(errors[r].loader_wait_s for r in own)
+        return LoaderStalled(errors[own[0]].detail, waited, ranks=own, nodes=_nodes_of(members, own))
     if own:
         cls = WorkerError if all(errors[r].retryable for r in own) else NotRetryable
         return cls(errors[own[0]].detail, ranks=own, nodes=_nodes_of(members, own))

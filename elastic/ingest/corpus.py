@@ -25,7 +25,9 @@ import contextlib
 import hashlib
 import json
 import queue
+import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -36,6 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from elastic.errors import LoaderTimeout
 from elastic.ingest.parquet_corpus import TOKENS, ParquetCorpus
 from elastic.parallel.batch import grad_accum
 
@@ -203,6 +206,7 @@ class RankStream:
         source: Iterator[tuple[int, np.ndarray]] | None = None,
         seq_chunk: tuple[int, int] = (1, 0),
         row_check: Callable[[np.ndarray, int], None] | None = None,
+        loader: str = "native",
     ):
         import torch  # local: keeps `elastic.ingest.corpus` importable for pure planning code
 
@@ -211,6 +215,8 @@ class RankStream:
         self._source = source  # (batch_index, rank rows) from a Ray Data pipeline, or None
         self.seq_chunk = seq_chunk
         self._row_check = row_check  # (rows, batch_index): raises CorpusError on rows that cannot train
+        self.loader = loader  # its name in a LoaderTimeout
+        self._failed_read_s = 0.0  # how long the read that raised took
         self.next_batch = self._first_batch = start_batch
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, prefetch))
         self._stop = threading.Event()
@@ -272,10 +278,12 @@ class RankStream:
         if delay > 0 and self._stop.wait(delay):
             return
         while not self._stop.is_set():
+            t0 = time.monotonic()
             try:
                 item = (batch_index, self._read(batch_index))
             except Exception as exc:  # surfaced to the consumer, never swallowed
                 item = (batch_index, exc)
+                self._failed_read_s = time.monotonic() - t0  # read by next() after the item (queue order)
             while not self._stop.is_set():
                 try:
                     self._queue.put(item, timeout=PUT_POLL_S)
@@ -296,14 +304,19 @@ class RankStream:
         try:
             batch_index, payload = self._queue.get(timeout=timeout)
         except queue.Empty:
-            raise TimeoutError(
-                f"no batch {self.next_batch} from the data stream of dp rank {self.dp_rank} within {timeout:g}s"
-            ) from None
+            raise self._timed_out(timeout) from None
+        if isinstance(payload, TimeoutError) and not isinstance(payload, LoaderTimeout):  # the read's own bound
+            raise self._timed_out(self._failed_read_s, f"{type(payload).__name__}: {payload}") from payload
         if isinstance(payload, Exception):
             raise payload
         assert batch_index == self.next_batch, (batch_index, self.next_batch)
         self.next_batch += 1
         return batch_index, payload
+
+    def _timed_out(self, waited_s: float, why: str = "") -> LoaderTimeout:
+        """No batch: the loader's read hangs (or timed out itself, ``why``). Named, with where
+        and how long (``elastic.errors.LoaderTimeout``), never a bare timeout."""
+        return LoaderTimeout(self.loader, socket.gethostname(), self.dp_rank, self.next_batch, round(waited_s, 1), why)
 
     def close(self) -> None:
         self._stop.set()

@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from elastic.ingest.listing import corpus_files
 from storage import url_to_fs
 
 TOKENS = "tokens"
@@ -47,7 +48,7 @@ class ParquetCorpus:
         self.uri = uri
         self.fs, root = url_to_fs(uri, storage_options)
         if self.fs.isdir(root):
-            files = sorted(p for p in self.fs.ls(root, detail=False) if p.endswith(".parquet"))
+            files = corpus_files(self.fs, root)
         else:
             files = [root]
         if not files:

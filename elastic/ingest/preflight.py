@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 from elastic.errors import CorpusError, SpecError
 from elastic.ingest.corpus import TOKENS
 from elastic.ingest.index import CorpusIndex, read_index
+from elastic.ingest.listing import corpus_files
 from elastic.ingest.parquet_corpus import DOCUMENT_IDS, LOSS_MASK, SFT_COLUMNS
 from storage import redact_uri, url_to_fs
 
@@ -183,7 +184,7 @@ def _parquet_files(source: str, options: dict[str, Any]) -> tuple[Any, list[str]
     """The source's filesystem, its parquet files in order, and whether it is a directory."""
     fs, root = url_to_fs(source, options)
     if fs.isdir(root):
-        files = sorted(p for p in fs.ls(root, detail=False) if p.endswith(".parquet"))
+        files = corpus_files(fs, root)
         if not files:
             raise SpecError("data.source", f"{redact_uri(source)} holds no .parquet files")
         return fs, files, True

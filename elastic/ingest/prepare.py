@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 from elastic.errors import SpecError
 from elastic.ingest import tokenizer as toks
 from elastic.ingest.index import CorpusIndex, Shard, write_index
+from elastic.ingest.listing import input_files
 from elastic.ingest.sidecar import shard_entry
 from storage import open_storage, redact_uri
 
@@ -73,7 +74,8 @@ class PrepareResult:
 
 
 def list_inputs(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, list[str]]:
-    """The input's filesystem and its files, sorted (hidden and ``_``-prefixed names skipped)."""
+    """The input's filesystem and its files, sorted (hidden and ``_``-prefixed names, and
+    what is under such a directory, skipped: ``elastic.ingest.listing``)."""
     protocol, sep, rest = uri.partition("://")
     if protocol == "s3":
         # Ray Data's read tasks run in other processes, possibly started before these variables
@@ -89,9 +91,7 @@ def list_inputs(uri: str, storage_options: dict[str, Any] | None = None) -> tupl
         path = path.rstrip("/")
     try:
         if fs.isdir(path):
-            files = sorted(
-                p for p in fs.find(path) if not os.path.basename(p).startswith((".", "_")) and not fs.isdir(p)
-            )
+            files = input_files(fs, path)
         elif fs.exists(path):
             files = [path]
         else:

@@ -14,6 +14,12 @@ from elastic.simulator.scaling import load_curve
 from elastic.simulator.scaling import summary as curve_summary
 
 STRATEGIES = ("inplace", "restart")
+# Bounds past which the inputs describe no cluster and no job (docs/simulate.md): refused,
+# exit 2, before anything is simulated.
+MAX_DAYS = 3650.0  # ten years
+MAX_FAILURE_RATE = 1000.0  # per 1,000 node-days: every node failing once a day
+STEP_S = (0.001, 3600.0)  # a step of a millisecond to an hour
+MIN_STEPS = 100  # the simulated time holds at least this many steps
 
 
 def _int(lo: int):
@@ -104,8 +110,40 @@ def _check(args: argparse.Namespace, job: model.Job) -> tuple[str, str] | None:
         return "--tp", f"tp={args.tp} is larger than a node ({args.gpus_per_node} GPUs): TP stays inside NVLink"
     if job.total_nodes > 200_000:
         return "--gpus", "at most 200,000 nodes"
+    if args.days > MAX_DAYS:
+        return "--days", f"at most {MAX_DAYS:g} (ten years), got {args.days:g}"
+    if args.failure_rate > MAX_FAILURE_RATE:
+        return "--failure-rate", (
+            f"at most {MAX_FAILURE_RATE:g} failures per 1,000 node-days (every node once a day), "
+            f"got {args.failure_rate:g}"
+        )
     if args.days * args.failure_rate / 1000 * job.total_nodes > 2_000_000:
         return "--days", "more than 2 million failures to simulate: lower --days or --failure-rate"
+    if job.batch < job.max_dp:
+        split = f"{job.batch} sequence(s) cannot be split over dp={job.max_dp} replicas: at least {job.max_dp}"
+        return "--global-batch", split
+    return _check_times(args, job)
+
+
+def _check_times(args: argparse.Namespace, job: model.Job) -> tuple[str, str] | None:
+    """The step (given, or what ``--global-batch`` makes it) and the checkpoint interval
+    against the simulated time."""
+    try:
+        step = model.strategy_costs("inplace", job, args.step_s).step_s
+    except FileNotFoundError:
+        return None  # main() says which measured cost is missing
+    flag = "--step-s" if args.step_s is not None else "--global-batch"
+    made = f"{step:g} s" if args.step_s is not None else f"{job.batch} sequences make a step of {step:.3g} s"
+    lo, hi = STEP_S
+    if not lo <= step <= hi:
+        return flag, f"{made}: a step must take {lo:g} to {hi:g} s"
+    wall = args.days * model.DAY
+    if wall < MIN_STEPS * step:
+        return "--days", f"{args.days:g} days ({wall:g} s) hold fewer than {MIN_STEPS} steps of {step:.3g} s"
+    if args.ckpt_interval_s != "auto" and args.ckpt_interval_s > wall:
+        return "--ckpt-interval-s", (
+            f"at most the simulated time (--days {args.days:g} = {wall:g} s), got {args.ckpt_interval_s:g}"
+        )
     return None
 
 
@@ -224,8 +262,11 @@ def report(job: model.Job, sc: model.Scenario, out: dict) -> str:
             )
         name, secs = dominant(res)
         rest = (1 - res.ettr) * sc.days * model.DAY
-        share = secs / rest if rest else 0.0
-        lines.append(f"{s}: the largest cost in what is left is {name} ({share:.0%} of the {rest / 3600:.1f} h lost)")
+        if rest < 1.0:  # under a second: no share of it means anything
+            lines.append(f"{s}: nothing of the wall clock was lost")
+            continue
+        share = f"{secs / rest:.0%} of the {rest / 3600:.1f} h lost"
+        lines.append(f"{s}: the largest cost in what is left is {name} ({share})")
     return "\n".join(lines)
 
 

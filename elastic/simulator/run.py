@@ -166,8 +166,8 @@ class _Run:
             self.timeline.append((t, 0))
             self.phases = []
             return
-        if self.waiting_since is not None:
-            self.acc["wait_capacity"] += t - self.waiting_since
+        if self.waiting_since is not None:  # it may still have been detecting the last failure
+            self.acc["wait_capacity"] += max(0.0, t - self.waiting_since)
             self.waiting_since = None
         detect = c.detect_s[ev.cause]
         late = 0.0
@@ -194,11 +194,14 @@ class _Run:
         if self.waiting_since is not None:
             if self.r.dp(self.key) is None:
                 return
-            self.acc["wait_capacity"] += ev.t - self.waiting_since
+            # Capacity back before the failure was even detected: the recovery starts after
+            # the detection, never before it (nor is the wait negative).
+            start = max(ev.t, self.waiting_since)
+            self.acc["wait_capacity"] += start - self.waiting_since
             self.waiting_since = None
             if self.pending is None:  # the job never started
                 self.pending = {"t": ev.t, "cause": "start", "detect_s": 0.0, "lost_work_s": 0.0, "dp_before": 0}
-            self._plan_recovery(ev.t, self.pending["cause"], self.pending.get("survivors", 0))
+            self._plan_recovery(start, self.pending["cause"], self.pending.get("survivors", 0))
             return
         if self.seg_start is not None:
             self._grow(ev.t)
@@ -243,6 +246,14 @@ class _Run:
         self.timeline.append((t, self.dp))
         self._grow(t)  # capacity may have returned while the job was down
 
+    def _check_accounts(self) -> None:
+        """Every second of the wall clock is kept work or one cost, none negative: a result
+        that breaks this is the simulator's error, never printed as a figure."""
+        negative = {k: v for k, v in self.acc.items() if v < -1e-6}
+        total = self.kept + sum(self.acc.values())
+        if negative or abs(total - self.end) > 1e-6 * self.end:
+            raise RuntimeError(f"simulator: the accounts do not add up ({total:.1f} s of {self.end:.1f}; {negative})")
+
     def run(self, events: list[Event]) -> Result:
         i = 0
         while True:
@@ -260,9 +271,10 @@ class _Run:
             self._close(self.end, "graceful")
         self._spent(self.end)
         if self.waiting_since is not None:
-            self.acc["wait_capacity"] += self.end - self.waiting_since
+            self.acc["wait_capacity"] += max(0.0, self.end - self.waiting_since)
         if self.failed_at is not None:
             self.acc["job_failed"] += self.end - self.failed_at
+        self._check_accounts()
         downtime = sum(v for k, v in self.acc.items() if k not in ("lost_work", "blocking", "job_failed"))
         if self.max_dp:
             self.acc["reduced_dp"] = max(0.0, self.kept - self.work)

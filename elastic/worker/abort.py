@@ -29,7 +29,7 @@ from typing import IO, Any
 
 import torch
 
-from elastic.errors import CorpusError
+from elastic.errors import CorpusError, LoaderTimeout
 from elastic.messages import RunOutcome
 from elastic.worker.process_group import is_collective_error
 
@@ -164,6 +164,8 @@ def classify(exc: Exception, step: int, blocked_s: float, collective_timeout_s: 
     detail = f"{type(exc).__name__}: {str(exc)[:300]}"
     if isinstance(exc, StepAborted):
         return RunOutcome("error", step, "peer", detail)
+    if isinstance(exc, LoaderTimeout):
+        return RunOutcome("error", step, "worker_error", detail, loader_wait_s=exc.waited_s)
     if not is_collective_error(exc):
         return RunOutcome("error", step, "worker_error", detail, retryable=not isinstance(exc, CorpusError))
     timed_out = blocked_s >= 0.9 * collective_timeout_s

@@ -412,10 +412,11 @@ class Trainer:
         layout = BatchLayout(self.spec.train.global_batch, self.spec.parallel.micro_batch, self.dims.data_shards)
         coords = self.dims.coords(self.rank)
         dp_rank = self.dims.data_shard(coords)
-        source = None
+        source, loader = None, "native"
         if self.source is not None:  # the host feeder staggers hosts by waves itself
-            source, delay_s = self.source.open(layout, dp_rank, start_batch), 0.0
+            source, delay_s, loader = self.source.open(layout, dp_rank, start_batch), 0.0, "host reader"
         elif d.loader == "ray_data":
+            loader = "ray_data"
             remaining = self.spec.train.steps - self.step + 64  # enough to finish, with room for skipped batches
             if self.corpus is None:
                 raise RuntimeError("data.loader ray_data needs the corpus, and this rank was given none")
@@ -424,7 +425,7 @@ class Trainer:
             )
         return RankStream(
             self.corpus, layout, dp_rank, start_batch, prefetch=d.prefetch_steps, start_delay_s=delay_s, source=source,
-            seq_chunk=(self.dims.cp, coords.cp_rank), row_check=self._check_rows,
+            seq_chunk=(self.dims.cp, coords.cp_rank), row_check=self._check_rows, loader=loader,
         )  # fmt: skip
 
     def _check_rows(self, rows: Any, batch_index: int) -> None:

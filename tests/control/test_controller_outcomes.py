@@ -306,3 +306,103 @@ def test_a_storage_checkpoint_a_failure_cut_off_is_in_checkpoint_failures(tmp_pa
     assert ctl.committer.join(10)
     assert ctl.committer.failures == [{"step": 1, "cause": "its uploads were cut off by a re-formation (node_lost)"}]
     ctl.committer.close()
+
+
+class _Gcs:
+    """A real port standing for the GCS's: listening until ``kill`` closes it (refused after)."""
+
+    def __init__(self):
+        import socket
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def kill(self):
+        self.sock.close()
+
+
+def _watching(tmp_path, gcs: _Gcs):
+    from elastic.control.gcs_watch import GcsWatch
+
+    class Watch(GcsWatch):
+        @classmethod
+        def of_this_driver(cls):
+            return cls(gcs.address)
+
+    class Ctl(_Controller):
+        gcs_watch_cls = Watch
+
+    spec = _controller(tmp_path).spec
+    return Ctl(spec, EventLog(str(tmp_path / "run")), "memory://corpus")
+
+
+def test_a_gcs_lost_mid_run_ends_the_job_failed_at_once_naming_it(tmp_path):
+    """Issue 48, L21: the drain poll, the next GCS call, would wait for a killed GCS until Ray
+    ends the driver (60 s, exit 1, no ``job_end``). The GCS's port is asked first: refused,
+    the job fails within a poll, its end is written, and no Ray call is made to stop the
+    workers (each would wait for the GCS too)."""
+    gcs = _Gcs()
+    ctl = _watching(tmp_path, gcs)
+    _advance(ctl, Running)
+    gcs.kill()
+    started = time.monotonic()
+    with pytest.raises(JobFailed) as info:
+        ctl.run()
+    assert time.monotonic() - started < 5
+    reason = f"the Ray GCS at {gcs.address} is gone (its port refuses connections): "
+    assert str(info.value) == reason + "Ray can no longer place, start or stop this job's workers"
+    (end,) = [e for e in read_events(str(tmp_path / "run")) if e["kind"] == "job_end"]
+    assert end["status"] == "failed" and end["reason"] == str(info.value)
+    assert ("shutdown",) not in ctl.group.calls
+
+
+def test_a_job_that_trained_to_its_end_ends_by_its_own_outcome_when_the_gcs_is_gone(tmp_path):
+    gcs = _Gcs()
+    ctl = _watching(tmp_path, gcs)
+    _advance(ctl, Running)
+    ctl.group.script = [Observation(results=step_results(1, 2) + step_results(2, 2), finished=True)]
+    gcs.kill()
+    result = ctl.run()
+    assert result.status == "succeeded" and result.steps == 2
+    (end,) = [e for e in read_events(str(tmp_path / "run")) if e["kind"] == "job_end"]
+    assert end["status"] == "succeeded"
+    assert ("shutdown",) not in ctl.group.calls  # it would wait for the GCS
+
+
+def test_a_live_gcs_is_never_taken_for_lost(tmp_path):
+    gcs = _Gcs()
+    ctl = _watching(tmp_path, gcs)
+    _advance(ctl, Running)
+    ctl.group.script = [Observation(results=step_results(1, 2) + step_results(2, 2), finished=True)]
+    assert ctl.run().status == "succeeded" and ("shutdown",) in ctl.group.calls
+    assert ctl.gcs.lost() is None
+    gcs.kill()
+
+
+def test_a_loader_that_hangs_again_before_a_step_ends_the_job_naming_it(tmp_path):
+    """Issue 48, L20: a hanging loader was a plain worker error, re-formed after every 60 s
+    timeout until the failure budget was spent (11 tries, ~11 minutes). Now a loader stall
+    is re-formed once (``LOADER_RETRIES``); stalling again before any step trains ends the
+    job, one line naming the loader and the time waited. A step trained between starts the
+    count again."""
+    from elastic.errors import LoaderStalled
+
+    detail = "LoaderTimeout: the native loader on host-a gave dp rank 0 no batch 2 within 60s"
+    ctl = _controller(tmp_path)  # max_failures 3: the budget is not what ends it
+    _advance(ctl, Running)
+    ctl.group.script = [Observation(failure=LoaderStalled(detail, 60.0, [0, 1]))]
+    _advance(ctl, Recovering)
+    _advance(ctl, Running)  # the first stall: re-formed
+    ctl.group.script = [Observation(results=step_results(1, 2)), Observation(failure=LoaderStalled(detail, 60.0, [0]))]
+    _advance(ctl, Running)  # step 1 trained
+    _advance(ctl, Recovering)
+    _advance(ctl, Running)  # a stall after a trained step: the first again
+    ctl.group.script = [Observation(failure=LoaderStalled(detail, 60.0, [0, 1]))]
+    _advance(ctl, Recovering)
+    state = _advance(ctl, Failed)
+    assert state.reason == (
+        f"the data loader hung: 2 stalls in a row after step {ctl.step}, no step trained between, "
+        f"120s waited in all; the last: {detail}"
+    )
+    assert ctl.failures == 3
+    assert [(f["cause"], f["loader_wait_s"]) for f in _failures(tmp_path)] == [("worker_error", 60.0)] * 3

@@ -179,6 +179,42 @@ def _run_until_steps(config, run_dir, gcs_address, steps_seen: int) -> subproces
     return proc
 
 
+def test_a_killed_gcs_ends_the_job_failed_at_once_with_its_end_written(tiny_spec_dict, tmp_path):
+    """Issue 48, L21: the GCS of the run's own embedded Ray (its own, not the shared
+    ``ray_local``: it is killed) is SIGKILLed mid-run. Training goes on without it (gloo),
+    but the next drain poll waited for it until Ray ended the driver 60 s later, exit 1,
+    without ``job_end`` or ``summary.json``. Now the job fails within a poll, one line naming
+    the GCS, its end and summary written, and the CLI exits by itself, before Ray would."""
+    import psutil
+
+    config = _write_spec(tmp_path, dict(tiny_spec_dict, elastic=dict(tiny_spec_dict["elastic"], max_dp=1)))
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jobs.cli", "run", config, "--run-dir", str(run_dir), "--set", "train.steps=100000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    events = run_dir / "events.jsonl"
+    deadline = time.monotonic() + 200  # an embedded Ray under load
+    while not (events.exists() and events.read_text().count('"kind": "step"') >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=60)
+        time.sleep(0.05)
+    (gcs,) = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.name() == "gcs_server"]
+    killed_at = time.time()
+    gcs.kill()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err[-2000:]
+    assert "Traceback" not in err and "Failed to connect to GCS" not in err, err[-3000:]  # not Ray's own end
+    failed = [line for line in err.splitlines() if line.startswith("job failed: ")]
+    assert len(failed) == 1 and "the Ray GCS at " in failed[0] and "is gone" in failed[0], err[-2000:]
+    (end,) = [e for e in read_events(str(run_dir)) if e["kind"] == "job_end"]
+    assert end["status"] == "failed" and failed[0] == f"job failed: {end['reason']}"
+    assert end["ts"] - killed_at < 10, end["ts"] - killed_at  # within a poll, but for the load
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps"] == end["steps"] < 100000
+
+
 @pytest.mark.parametrize("fault", ["file_size_limit", "run_dir_removed"])
 def test_a_run_dir_that_can_no_longer_be_written_ends_the_job_failed_naming_why(
     ray_local, tiny_spec_dict, tmp_path, fault

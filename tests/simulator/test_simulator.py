@@ -217,6 +217,15 @@ def test_cli_auto_interval_says_so(capsys):
         (["--strategy", "pray"], "--strategy"),
         (["--gpus", "64"], "--gpus"),
         (["--tp", "16"], "--tp"),
+        # absurd inputs (issue 48, L15): refused with their bound, before anything is simulated
+        (["--days", "1e6"], "--days: at most 3650"),
+        (["--days", "0.0001"], "--days: 0.0001 days (8.64 s) hold fewer than 100 steps"),
+        (["--failure-rate", "1e5"], "--failure-rate: at most 1000 failures"),
+        (["--step-s", "1e9"], "--step-s: 1e+09 s: a step must take 0.001 to 3600 s"),
+        (["--step-s", "1e-9"], "--step-s: 1e-09 s: a step must take 0.001 to 3600 s"),
+        (["--global-batch", "100000000"], "--global-batch: 100000000 sequences make a step of 3.04e+05 s"),
+        (["--gpus", "1024", "--global-batch", "1"], "--global-batch: 1 sequence(s) cannot be split over dp=8"),
+        (["--ckpt-interval-s", "1e12"], "--ckpt-interval-s: at most the simulated time (--days 30 = 2.592e+06 s)"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line_naming_the_flag(argv, flag, capsys):
@@ -226,6 +235,26 @@ def test_cli_bad_input_exits_2_with_one_line_naming_the_flag(argv, flag, capsys)
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and flag in err, err
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_extreme_but_legal_inputs_account_every_second_and_none_negative(seed):
+    """A small job without spares on a cluster where every node fails once a day, with hour
+    steps: capacity comes back (a repair) while a failure is still being detected (an SDC's
+    detection waits for the next check, 50 h here). That wait was charged as a negative
+    ``wait_capacity`` (downtime -173 h at seed 2) and the wall clock did not add up."""
+    job = model.Job(gpus=256, spares=1)
+    sc = model.Scenario(failure_rate=1000, days=30, seed=seed)
+    costs = model.strategy_costs("inplace", job, 3600.0)
+    res = model.simulate(job, sc, costs, "inplace", 7200)
+    assert min(res.breakdown_s.values()) >= 0 and res.downtime_s >= 0, res.breakdown_s
+    assert accounted(res, sc.days * model.DAY) == pytest.approx(sc.days * model.DAY, rel=1e-9)
+
+
+def test_a_run_that_lost_nothing_says_so(capsys):
+    assert cli.standalone(["--gpus", "1024", "--days", "0.01", "--strategy", "restart", "--failure-rate", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "restart: nothing of the wall clock was lost" in out and "0% of" not in out
 
 
 def test_figures_are_written(tmp_path, monkeypatch):

@@ -45,6 +45,7 @@ from elastic.control.callbacks import Callback, checked
 from elastic.control.controller.states import Failed, Finished, Growing, Recovering, Resizing, Running, Starting, State
 from elastic.control.drain import DrainWatch, shrink_intent
 from elastic.control.gc_pauses import collector_paused
+from elastic.control.gcs_watch import GcsWatch
 from elastic.control.health import CommitGate, HealthMonitor, Rollback, gate_commits
 from elastic.control.outages import Outages
 from elastic.control.recovery_plan import Holdings, RestoreChoice, complete_replicas, plan_recovery
@@ -64,7 +65,7 @@ from elastic.control.stop import CHECKPOINT_TIMEOUT_S, StopSignals, checked_stop
 from elastic.control.timing import PhaseTimer
 from elastic.control.worker_group import WorkerGroup
 from elastic.control.worker_group.api import Member, WorkerGroupFactory
-from elastic.errors import JobFailed, WorkerFailure, failure_fields
+from elastic.errors import LOADER_RETRIES, JobFailed, LoaderStalled, WorkerFailure, failure_fields
 from elastic.events import EventLog, Recovery, RunResult
 from elastic.messages import AnomalyReport, EvalReport, SdcReport, StepReport, StepRows, UploadReport, WorkerReport
 from elastic.models.config import token_shape
@@ -77,10 +78,12 @@ logger = logging.getLogger(__name__)
 
 # How long a grow-back waits, from its start, for a storage upload in flight (_upload_in_flight).
 GROW_WAITS_FOR_UPLOAD_S = 120.0
+GCS_LOST = "Ray can no longer place, start or stop this job's workers"
 
 
 class Controller:
     worker_group_cls: WorkerGroupFactory = WorkerGroup
+    gcs_watch_cls: type[GcsWatch] = GcsWatch  # test seam: a scripted GCS loss
     clock = staticmethod(time.monotonic)  # the driver's clock for recovery figures (test seam)
 
     def __init__(
@@ -99,6 +102,7 @@ class Controller:
         self.events = events
         self.callbacks = checked(callbacks or [])
         self.group = self.worker_group_cls(spec, corpus_uri, step_hook=step_hook, storage_uri=storage_uri)
+        self.gcs = self.gcs_watch_cls.of_this_driver()
         committer = CheckpointCommitter(spec, storage_uri, events) if storage_uri else None
         self.committer = gate_commits(committer, spec)  # with SDC checks: verified steps only
         self.resume = resume  # the storage checkpoint step to start from, or None
@@ -113,6 +117,7 @@ class Controller:
         self.outages = Outages()
         self._pending: dict[int, StepTally] = {}  # step -> its reports so far
         self._recovered_at_step = 0
+        self._loader_stalls: list[float] = []  # the waits of the loader stalls since a step was last trained
         self._evaluated = 0  # the newest step whose eval event was written
         self._last_grow_check = 0.0
         self._growing: Growing | None = None  # a grow-back's new workers, starting while the job trains
@@ -146,7 +151,10 @@ class Controller:
         finally:
             if self.stop_signals is not None:
                 self.stop_signals.job_over()  # a signal now would break the shutdown, not stop sooner
-            self.group.shutdown()
+            if (gone := self.gcs.lost()) is None:
+                self.group.shutdown()
+            else:  # its calls would wait for the GCS until Ray ends this process (gcs_watch.py)
+                logger.warning("%s: the workers are left to Ray", gone)
             if self.committer is not None:
                 self.committer.cut_off(self._base_step, self.step, "its uploads were cut off by the job's end")
                 self.committer.close()
@@ -341,6 +349,8 @@ class Controller:
             return self._stop_job(signals)
         if not self._drain_watch.due(time.monotonic()):
             return state
+        if (gone := self.gcs.lost()) is not None:  # asked first: the drain poll would wait for it
+            return Failed(f"{gone}: {GCS_LOST}")
         try:
             notices = self.group.draining_nodes()
         except Exception as exc:  # noqa: BLE001 - the GCS is busy: look again at the next poll
@@ -482,8 +492,12 @@ class Controller:
         self.outages.failed(f.cause, state.failed_at, state.detected_at)
         self.events.emit("failure", **failure_fields(f))
         logger.warning("failure: %s ranks=%s (%s)", f.cause, f.ranks, f.detail)
+        if (gone := self.gcs.lost()) is not None:  # no worker could be placed or started
+            return Failed(f"{gone}: {GCS_LOST} (last failure: {f.cause})")
         if not f.retryable:  # a re-formation would meet it again: spend no budget on retries
             return Failed(f"{f.cause} that a retry would repeat: {f.detail}")
+        if isinstance(f, LoaderStalled) and (stalled := self._loader_hung(f)) is not None:
+            return Failed(stalled)
         if self._budget_spent():
             return Failed(
                 f"failure budget exhausted: {self.failures} failures > "
@@ -683,6 +697,7 @@ class Controller:
             self.committer.join()  # the last step: its checkpoint must be committed before job_end
         if step > self._recovered_at_step:
             self.outages.first_step(self.clock())
+        self._loader_stalls = []  # a step trained: the loaders delivered
         for cb in self.callbacks:
             cb.after_step(step, self.group)
         return evict
@@ -735,6 +750,18 @@ class Controller:
         if not self.tokens_per_s or self.tokens_per_s[-1] <= 0:
             return 1.0
         return self.spec.train.global_batch * token_shape(self.spec.model)[0] / self.tokens_per_s[-1]
+
+    def _loader_hung(self, f: LoaderStalled) -> str | None:
+        """A data loader that stalled again with no step trained since its last stall: the
+        reason the job ends (one bound for it, ``LOADER_RETRIES``), or None to re-form once more."""
+        waits = self._loader_stalls
+        waits.append(f.waited_s)
+        if len(waits) <= LOADER_RETRIES:
+            return None
+        return (
+            f"the data loader hung: {len(waits)} stalls in a row after step {self.step}, no step trained between, "
+            f"{sum(waits):g}s waited in all; the last: {f.detail}"
+        )
 
     def _budget_spent(self) -> bool:
         decision = policies.failure_decision(self.failures, self.spec.elastic.max_failures)
