@@ -17,8 +17,9 @@ still a dependency of the module), and a type-only one under ``if TYPE_CHECKING:
 never runs, but a reader following the types goes round the same circle: a type two
 modules share lives below both). An import names a module: ``from a.b import c`` depends
 on ``a.b.c`` when that is a module, else on ``a.b``; the package ``__init__`` files that
-Python runs on the way are not counted as dependencies, or every package would be a
-circle with its own modules.
+Python runs on the way count for an importer outside that package (for one inside it, the
+package is being initialised already; counting them there would make every package a
+circle with its own modules).
 """
 
 from __future__ import annotations
@@ -93,8 +94,25 @@ def _import_graph(root: pathlib.Path, packages: tuple[str, ...]) -> dict[str, se
                     deps.add(module)
             if not names and module in files:
                 deps.add(module)
-        graph[name] = deps - {name}
+        graph[name] = (deps | _inits_on_the_way(name, deps, files)) - {name}
     return graph
+
+
+def _inits_on_the_way(importer: str, deps: set[str], files: dict[str, pathlib.Path]) -> set[str]:
+    """The packages whose ``__init__`` Python runs to import ``deps`` and that ``importer``
+    is not inside: ``elastic.control.stop`` importing ``elastic.control.controller.states``
+    runs ``elastic/control/controller/__init__.py`` first, and a circle through it fails at
+    import time as any other does (one did: ``stop`` -> ``controller/__init__`` ->
+    ``controller.controller`` -> ``stop``). A module inside the package finds it being
+    initialised already, so its own package's ``__init__`` is no dependency of it."""
+    out = set()
+    for dep in deps:
+        parts = dep.split(".")
+        for i in range(1, len(parts)):
+            package = ".".join(parts[:i])
+            if package in files and files[package].name == "__init__.py" and not importer.startswith(package + "."):
+                out.add(package)
+    return out
 
 
 def _circles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -24,10 +24,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
-
-from elastic.control.controller.states import State
 
 log = logging.getLogger(__name__)
 
@@ -58,16 +55,6 @@ def stop_now_in(exc: BaseException) -> StopNow | None:
         cur = cur.__cause__ or cur.__context__
         seen += 1
     return None
-
-
-@dataclass
-class Stopped(State):
-    """The job was stopped on a signal; ``fields`` go into ``job_end`` and ``summary.json``."""
-
-    name = "stopped"
-    is_terminal = True
-    status = "stopped"
-    fields: dict[str, Any] = field(default_factory=dict)
 
 
 class StopSignals:
@@ -161,13 +148,6 @@ class StopSignals:
 
 
 # --------------------------------------------------------------------------- controller side
-
-
-def stopped_state(signals: StopSignals, step: int, checkpoint_step: int | None, reason: str) -> Stopped:
-    fields = {"signal": signals.signal_name, "checkpoint_step": checkpoint_step, "stop_reason": reason}
-    if checkpoint_step is None:
-        print(f"stopped without a checkpoint of step {step}: {reason}", file=sys.stderr, flush=True)
-    return Stopped(fields=fields)
 
 
 def checked_stop_checkpoint(committer: Any, step: int) -> tuple[int | None, str]:

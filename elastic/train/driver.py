@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -45,7 +43,7 @@ from elastic.control.timing import PhaseTimer
 from elastic.events import Recovery
 from elastic.report.metrics import start_metrics
 from elastic.train import checkpoints as ckpts
-from elastic.train.callbacks import LoopCallbacks
+from elastic.train.loop_record import Job, LoopFailed, Worker, died_starting, exception_of, worker_exceptions
 from elastic.train.rank import Entry, LoopRank, Place, Restore, pickle_loop
 from elastic.train.run_files import LoopRunFiles
 from elastic.worker.process_group import RendezvousStore
@@ -57,56 +55,6 @@ PING_TIMEOUT_S = 1.5  # a live rank's control thread answers in milliseconds, wh
 START_TIMEOUT_S = float(os.environ.get("ELASTIC_TRAIN_START_TIMEOUT_S", "120"))
 SETTLE_TIMEOUT_S = 30.0  # survivors reaching a wait or an end after an abort
 UPLOAD_WAIT_S = 300.0
-
-
-class LoopFailed(RuntimeError):
-    """The run ended without finishing: ``error`` is the cause (the loop's own exception when
-    it raised one on every rank)."""
-
-    def __init__(self, message: str, error: BaseException | None = None):
-        super().__init__(message)
-        self.error = error
-
-
-@dataclass
-class Worker:
-    actor: Any
-    info_ref: Any
-    node_id: str = ""
-    ip: str = ""
-    pid: int = 0
-    run_ref: Any = None
-    poll_ref: Any = None
-    outcome: dict[str, Any] | None = None
-    waiting: bool = False
-    rss: list[int] = field(default_factory=list)  # resident bytes at each poll
-    generation: int = 0  # the generation it was last placed in
-    entries: int = 0
-    heard: float = 0.0  # the driver's clock at its last poll answer
-    start_error: dict[str, Any] | None = None  # why it could not start the loop (``error_outcome``), if so
-    resolved: bool = False  # its start answered: up (``node_id``) or failed
-
-
-@dataclass
-class Job:
-    fn: Any
-    config: dict[str, Any] | None
-    min_workers: int
-    max_workers: int
-    resources: dict[str, float]
-    use_gpu: bool
-    placement_strategy: str
-    max_failures: int
-    num_to_keep: int | None
-    score_attribute: str | None
-    score_order: str
-    name: str
-    trial_name: str | None
-    storage_dir: str
-    run_dir: str
-    datasets: dict[str, tuple[list[tuple[Any, int]], bool]]
-    collective_timeout_s: float = 60.0
-    callbacks: LoopCallbacks = field(default_factory=LoopCallbacks)
 
 
 class LoopDriver:
@@ -288,7 +236,7 @@ class LoopDriver:
                 try:
                     info = ray.get(w.info_ref)
                 except Exception as exc:  # noqa: BLE001 - it died starting: dropped
-                    w.info_ref, w.start_error = None, _died_starting(exc)
+                    w.info_ref, w.start_error = None, died_starting(exc)
                     continue
                 if info.get("load_error") is not None:  # up, but the loop does not load there
                     w.info_ref, w.start_error = None, {**info["load_error"], "node_id": info["node_id"]}
@@ -599,7 +547,7 @@ class LoopDriver:
                     pass
         lost, survivors = self._census()
         errors = [w.outcome for w in survivors if w.outcome and w.outcome["kind"] in ("error", "collective")]
-        self.job.callbacks.exception(_worker_exceptions(old, lost, cause))
+        self.job.callbacks.exception(worker_exceptions(old, lost, cause))
         if not lost and errors and len(errors) == len(self.members):
             first = errors[0]
             if all((e["type"], e["error"]) == (first["type"], first["error"]) for e in errors):
@@ -624,7 +572,7 @@ class LoopDriver:
             raise LoopFailed(
                 f"{cause} (FailureConfig.max_failures={self.job.max_failures}: {self.files.failures} failures)"
                 f"\n{trace}".rstrip(),
-                _exception_of(errors),
+                exception_of(errors),
             )
         for w in lost:
             _kill(w)
@@ -786,29 +734,3 @@ def _kill(w: Worker) -> None:
         ray.kill(w.actor, no_restart=True)
     except Exception:  # noqa: BLE001 - already gone
         pass
-
-
-def _died_starting(exc: BaseException) -> dict[str, Any] | None:
-    """Why a worker died starting, when its own start raised (``actor_init_failed``: the
-    same would happen again); None when it was lost (its node, its process)."""
-    if not getattr(exc, "actor_init_failed", False):
-        return None
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # Ray colours the task's name
-    return {"kind": "error", "error": f"{type(exc).__name__}: {text}", "type": type(exc).__name__, "traceback": ""}
-
-
-def _exception_of(errors: list[dict[str, Any]]) -> BaseException | None:
-    return errors[0].get("exception") if errors else None
-
-
-def _worker_exceptions(members: list[Worker], lost: list[Worker], cause: str) -> dict[int, BaseException]:
-    """World rank -> what that worker raised (its loop's exception, or why it is lost), as
-    Ray Train's ``UserCallback.after_exception`` receives it."""
-    out: dict[int, BaseException] = {}
-    for rank, w in enumerate(members):
-        o = w.outcome or {}
-        if w in lost:
-            out[rank] = RuntimeError(f"worker lost: {o.get('error') or cause}")
-        elif o.get("kind") in ("error", "collective"):
-            out[rank] = o.get("exception") or RuntimeError(o.get("error", o["kind"]))
-    return out

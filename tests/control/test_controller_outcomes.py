@@ -14,7 +14,8 @@ from ray.exceptions import RayTaskError
 
 from elastic.checkpoint.committer import CheckpointCommitter
 from elastic.control.controller import Controller, Failed, Finished, Recovering, Running, Starting
-from elastic.control.stop import StopSignals, exit_code_of, stopped_state
+from elastic.control.controller.states import stopped_state
+from elastic.control.stop import StopSignals, exit_code_of
 from elastic.control.worker_group.api import Observation
 from elastic.control.worker_group.configure import root_cause
 from elastic.errors import JobFailed, NodeLost, NotRetryable, RendezvousFailed, WorkerError

@@ -42,7 +42,17 @@ from elastic.agent.rows import COLUMNS
 from elastic.checkpoint.committer import CheckpointCommitter
 from elastic.control import policies
 from elastic.control.callbacks import Callback, checked
-from elastic.control.controller.states import Failed, Finished, Growing, Recovering, Resizing, Running, Starting, State
+from elastic.control.controller.states import (
+    Failed,
+    Finished,
+    Growing,
+    Recovering,
+    Resizing,
+    Running,
+    Starting,
+    State,
+    stopped_state,
+)
 from elastic.control.drain import DrainWatch, shrink_intent
 from elastic.control.gc_pauses import collector_paused
 from elastic.control.gcs_watch import GcsWatch
@@ -61,7 +71,7 @@ from elastic.control.reform import (
 )
 from elastic.control.regroup import hsdp_order
 from elastic.control.step_events import StepTally, memory_checkpoint_fields, step_fields
-from elastic.control.stop import CHECKPOINT_TIMEOUT_S, StopSignals, checked_stop_checkpoint, stop_now_in, stopped_state
+from elastic.control.stop import CHECKPOINT_TIMEOUT_S, StopSignals, checked_stop_checkpoint, stop_now_in
 from elastic.control.timing import PhaseTimer
 from elastic.control.worker_group import WorkerGroup
 from elastic.control.worker_group.api import Member, WorkerGroupFactory

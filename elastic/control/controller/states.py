@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic.errors import WorkerFailure
+
+if TYPE_CHECKING:
+    from elastic.control.stop import StopSignals
 
 # --------------------------------------------------------------------------- states
 
@@ -80,3 +84,23 @@ class Failed(State):
     name = "failed"
     reason: str
     is_terminal = True
+
+
+@dataclass
+class Stopped(State):
+    """The job was stopped on a signal (``elastic/control/stop.py``); ``fields`` go into
+    ``job_end`` and ``summary.json``."""
+
+    name = "stopped"
+    is_terminal = True
+    status = "stopped"
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+def stopped_state(signals: StopSignals, step: int, checkpoint_step: int | None, reason: str) -> Stopped:
+    """How a stop on ``signals`` ended at ``step`` (``checkpoint_step``: the stop checkpoint
+    committed, None: none, ``reason`` says why), said on stderr when nothing was saved."""
+    fields = {"signal": signals.signal_name, "checkpoint_step": checkpoint_step, "stop_reason": reason}
+    if checkpoint_step is None:
+        print(f"stopped without a checkpoint of step {step}: {reason}", file=sys.stderr, flush=True)
+    return Stopped(fields=fields)

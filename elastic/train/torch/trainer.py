@@ -83,7 +83,8 @@ class TorchTrainer:
     # ------------------------------------------------------------------ fit
     def fit(self) -> Result:
         from elastic.train.callbacks import LoopCallbacks, RunContext, check_callbacks
-        from elastic.train.driver import Job, LoopDriver
+        from elastic.train.driver import LoopDriver
+        from elastic.train.loop_record import Job
 
         run = self.run_config
         check_callbacks(run.callbacks or [])
