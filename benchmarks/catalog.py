@@ -288,7 +288,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "--json",
         ("--trial-steps", "3", "--sweeps", "1"),
         smoke=("--smoke", "--trial-steps", "3", "--sweeps", "1", "--json", "{out}"),
-        smoke_timeout_s=600,
+        smoke_timeout_s=900,
     ),
     Benchmark(
         "engine_vs_torchtitan",

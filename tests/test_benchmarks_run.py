@@ -166,6 +166,21 @@ def _bytes_accounted(doc: dict) -> None:
             assert row["bytes_read_total"] > 0 and row["unattributed_bytes"] == 0, (run["hosts"], version, row)
 
 
+def _sweep_and_grid_ran(doc: dict) -> None:
+    assert doc["grid"]["trials"] >= 1 and all(s["trials"] >= 1 for s in doc["sweeps"]), doc["grid"]
+    assert all(_finite_positive(r["best_ratio"]) for r in doc["ratios"]), doc["ratios"]
+    assert doc["memory_errors"] and all(math.isfinite(x) for x in doc["memory_errors"]), doc["memory_errors"]
+
+
+def _ingest_parts(doc: dict) -> None:
+    assert {"storage_burst", "data_wait", "prepare_throughput", "duplicate_reads"} <= set(doc), sorted(doc)
+    for name, row in doc["storage_burst"].items():  # the staggered reads keep their bound at the server
+        assert row["startup_peak_gets"] <= row["bound_startup"], (name, row)
+        assert row["after_node_loss_peak_gets"] <= row["bound_after_loss"], (name, row)
+    assert all("failed" not in row for row in doc["data_wait"].values()), doc["data_wait"]
+    assert _finite_positive(doc["duplicate_reads"]["ratio_tp2_over_tp1"]), doc["duplicate_reads"]
+
+
 # What a smoke run's results must hold, beyond being JSON (a benchmark that ran but measured
 # nothing fails here).
 RESULT_CHECKS = {
@@ -182,6 +197,8 @@ RESULT_CHECKS = {
     "recovery_vs_raytrain": (_recovery_side_by_side,),
     "overhead": (_overhead_same_losses,),
     "data_bytes_per_host": (_bytes_accounted,),
+    "sweep_vs_grid": (_sweep_and_grid_ran,),
+    "data_ingest": (_ingest_parts,),
 }
 
 
