@@ -5,6 +5,8 @@ Policies and the controller switch on these types, never on message text.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class ElasticError(Exception):
     """Base of every error raised on purpose by this project."""
@@ -125,7 +127,7 @@ def failure_fields(f: WorkerFailure) -> dict:
     """A ``failure`` event's fields; ``node_fault: true`` only where the node is to blame
     although the cause alone would not say so; ``store_denied`` only where the rendezvous
     store refused outsiders meanwhile (``WorkerFailure.note_store_denials``)."""
-    fields = {"cause": f.cause, "ranks": f.ranks, "nodes": f.nodes, "detail": f.detail}
+    fields: dict[str, Any] = {"cause": f.cause, "ranks": f.ranks, "nodes": f.nodes, "detail": f.detail}
     if f.store_denied:
         fields["store_denied"] = f.store_denied
     return {**fields, "node_fault": True} if f.node_fault else fields

@@ -6,9 +6,10 @@ once. Most private torch calls the elastic runtime needs are made here; all are 
 ``elastic/worker/private_torch.py``, which ``tests/worker/test_torch_private_api.py`` checks.
 
 Rendezvous. The job has one long-lived ``TCPStore``, served by the driver
-(:class:`RendezvousStore`) on the interface the workers use only, and sealed with a per-job
-secret that reaches the workers through Ray (``elastic/worker/job_store.py``: without the
-secret no key of the job can be named, read or forged). Each generation's ranks meet under
+(:class:`RendezvousStore`) on its loopback, reached only through relays that admit a
+connection once it proves a per-job secret, which reaches the workers through Ray
+(``elastic/worker/store_relay.py``), and sealed with that secret
+(``elastic/worker/job_store.py``: no key of the job can be named, read or forged). Each generation's ranks meet under
 their own key prefix (``PrefixStore("gen<N>/", store)``). Nothing is keyed by port: keys a generation left
 behind are never read by the next one, so survivors can never pair with a stale peer, and
 there is no free-port race to lose. When a member is lost in the middle of a rendezvous,

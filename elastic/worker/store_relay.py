@@ -324,6 +324,8 @@ class _Relay:
             up = self._admit(conn, peer, time.monotonic() + HANDSHAKE_TIMEOUT_S)
         except OSError as exc:
             logger.debug("relay %d: admitting %s: %s", self.port, peer, exc)
+        except Exception:  # never leave a slot counted as pending: the connection is dropped
+            logger.exception("relay %d: admitting %s", self.port, peer)
         with self._lock:
             self._pending -= 1
             self._live.discard(conn)

@@ -78,8 +78,10 @@ def test_a_client_through_its_relay_reads_writes_and_deletes(store):
         client.set("k", b"v")
         assert client.get("k") == b"v" and store._store.get("k") == b"v"  # the same store, behind the gate
         assert client.add("n", 2) == 2
+        twin = client.clone()  # what c10d does from C++ for NCCL: a second connection, through the relay
+        assert twin.get("n") == b"2"
         assert client.delete_key("k") and not store._store.check(["k"])
-        assert relay.connections == 1 and store._gate.connections == 1
+        assert relay.connections == 2 and store._gate.connections == 2
         assert store.take_denials() is None and relay.denials.take() is None
     finally:
         relay.close()
@@ -208,3 +210,31 @@ def test_a_failure_says_the_store_refused_outsiders_meanwhile(store):
     plain = RendezvousFailed("configure failed: DistStoreError: Socket Timeout")
     plain.note_store_denials(store.take_denials())  # nothing refused since
     assert "store_denied" not in failure_fields(plain)
+
+
+def test_a_connection_made_before_the_store_was_locked_is_found():
+    """``RendezvousStore`` locks its loopback listener only after the store's own client has
+    connected; whoever connected before is found (``foreign_clients``: not this process's
+    socket) and the store is built again. Here a listener left unlocked, with a connection of
+    this process's and one from another process."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        port = listener.getsockname()[1]
+        mine = socket.create_connection(("127.0.0.1", port), timeout=2)
+        other = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                f"import socket, sys; s = socket.create_connection(('127.0.0.1', {port})); sys.stdin.read()",
+            ],
+            stdin=subprocess.PIPE,
+        )
+        try:
+            deadline = time.monotonic() + 20
+            while not (found := store_relay.foreign_clients(port)) and time.monotonic() < deadline:
+                time.sleep(0.05)  # the other process is starting
+            assert len(found) == 1 and found[0] != mine.getsockname()
+        finally:
+            other.communicate(b"", timeout=10)
+            mine.close()
