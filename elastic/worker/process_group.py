@@ -145,7 +145,12 @@ class RendezvousStore:
         return (self.host, self.port)
 
     def take_denials(self) -> dict | None:
-        """The connections the gate refused since the last call (``Denials.take``)."""
+        """The connections the gate refused since the last call (``Denials.take``). Where the
+        loopback port is not signed, the connections to it now that are not the driver's own
+        (anyone on this host could have deleted keys) are named among them too."""
+        if not self.signed_loopback:
+            for local in foreign_clients(self.loopback_port) or []:
+                self._gate.denials.add(f"{local[0]}:{local[1]}", "connected to the store's unsigned loopback port")
         return self._gate.denials.take()
 
     def close(self) -> None:

@@ -238,3 +238,29 @@ def test_a_connection_made_before_the_store_was_locked_is_found():
         finally:
             other.communicate(b"", timeout=10)
             mine.close()
+
+
+def test_where_the_loopback_port_is_not_signed_its_outside_clients_are_named(monkeypatch):
+    """A kernel without TCP-MD5: the store's loopback port is open to the host, so the
+    clients on it that are not the driver's own are reported with the gate's refusals
+    (keys they delete would fail a re-formation)."""
+    monkeypatch.setattr("elastic.worker.process_group.require_signed_loopback", lambda listener, key: False)
+    server = RendezvousStore("127.0.0.1", 10)
+    try:
+        assert not server.signed_loopback
+        code = (
+            "import socket, sys\n"
+            f"s = socket.create_connection(('127.0.0.1', {server.loopback_port}))\n"
+            "print('connected', flush=True)\n"
+            "sys.stdin.read()\n"
+        )
+        other = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        try:
+            assert other.stdout is not None and other.stdout.readline() == b"connected\n"
+            denied = server.take_denials()
+            assert denied is not None
+            assert denied["reasons"] == {"connected to the store's unsigned loopback port": 1}
+        finally:
+            other.communicate(b"", timeout=10)
+    finally:
+        server.close()
