@@ -70,7 +70,6 @@ _PROC_TCP = ("/proc/net/tcp", "/proc/net/tcp6")
 _TCP_MD5SIG = 14  # linux/tcp.h
 _TCP_MD5SIG_EXT = 32
 _TCP_MD5SIG_FLAG_PREFIX = 1
-_TCP_STATE_ESTABLISHED = "01"
 _TCP_STATE_LISTEN = "0A"
 _TCP_STATES_GONE = {"06", "07"}  # TIME_WAIT, CLOSE
 
@@ -266,7 +265,7 @@ class _Relay:
     """A listener whose every connection is first admitted (``_admit`` returns its upstream,
     or None to drop it), then spliced to that upstream."""
 
-    keepalive_down = False  # the client side crosses hosts (the gate's)
+    keepalive_down = False  # True where the client side crosses hosts (the gate)
 
     def __init__(self, bind: tuple[str, int], max_connections: int = MAX_CONNECTIONS):
         self.denials = Denials()
