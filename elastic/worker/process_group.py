@@ -326,6 +326,14 @@ class ReconfigurableProcessGroup:
             except Exception as exc:  # a broken group may fail to tear down; it is gone either way
                 logger.debug("destroy_process_group: %s", exc)
 
+    def close(self) -> None:
+        """Leave the group and close this process's relay to the store (its threads end)."""
+        self.leave()
+        with self._lock:
+            relay, self._relay, self._client, self._client_address = self._relay, None, None, None
+        if relay is not None:
+            relay.close()
+
     def settled(self) -> None:
         """This rank's part in forming its generation is over (it joined, or it failed)."""
         with self._lock:
