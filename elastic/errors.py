@@ -5,6 +5,8 @@ Policies and the controller switch on these types, never on message text.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class ElasticError(Exception):
     """Base of every error raised on purpose by this project."""
@@ -74,7 +76,24 @@ class WorkerFailure(ElasticError):
         self.ranks = sorted(ranks or [])
         self.nodes = sorted(nodes or [])
         self.unanswered: list[int] = []  # a configure's ranks that never answered it (maybe stuck in it)
+        self.store_denied: dict | None = None  # connections the rendezvous store refused meanwhile
         super().__init__(detail)
+
+    def note_store_denials(self, denials: dict | None) -> None:
+        """The rendezvous store refused connections without the job's secret while this
+        failure happened (``RendezvousStore.take_denials``): outside interference, named in
+        the ``failure`` event (``store_denied``) and its detail. It still counts against
+        ``elastic.max_failures`` (a job that retried for free could be kept re-forming for
+        ever), but never silently."""
+        if not denials:
+            return
+        self.store_denied = denials
+        peers = ", ".join(denials["peers"])
+        self.detail += (
+            f" (meanwhile the rendezvous store refused {denials['connections']} connection(s) from outside the "
+            f"job, from {peers}: {', '.join(sorted(denials['reasons']))}; counted against elastic.max_failures)"
+        )
+        self.args = (self.detail,)
 
 
 class ActorDied(WorkerFailure):
@@ -133,10 +152,14 @@ LOADER_RETRIES = 1  # re-formations after a loader stall before the job ends, if
 
 def failure_fields(f: WorkerFailure) -> dict:
     """A ``failure`` event's fields; ``node_fault: true`` only where the node is to blame
-    although the cause alone would not say so; ``loader_wait_s`` for a loader that hung."""
-    fields: dict = {"cause": f.cause, "ranks": f.ranks, "nodes": f.nodes, "detail": f.detail}
+    although the cause alone would not say so; ``loader_wait_s`` for a loader that hung;
+    ``store_denied`` only where the rendezvous store refused outsiders meanwhile
+    (``WorkerFailure.note_store_denials``)."""
+    fields: dict[str, Any] = {"cause": f.cause, "ranks": f.ranks, "nodes": f.nodes, "detail": f.detail}
     if isinstance(f, LoaderStalled):
         fields["loader_wait_s"] = round(f.waited_s, 3)
+    if f.store_denied:
+        fields["store_denied"] = f.store_denied
     return {**fields, "node_fault": True} if f.node_fault else fields
 
 

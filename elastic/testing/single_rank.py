@@ -80,7 +80,7 @@ class SingleRank:
         self.group.leave()
 
     def close(self) -> None:
-        self.leave()
+        self.group.close()
         self.store.close()
 
 

@@ -2,10 +2,11 @@
 
 Runs in every worker process (``ReconfigurableProcessGroup`` wraps its ``TCPStore`` client
 in a ``JobStore``); the driver only serves the store (``RendezvousStore``) and makes the
-secret. A ``TCPStore`` has no authentication: anyone who reaches its port can list, read,
-write and delete keys (``list_keys`` included). So nothing the job puts there is readable
-or forgeable without the job's secret, which reaches the workers through Ray (the
-``ConfigureRequest``), never through the store:
+secret. A ``TCPStore`` has no authentication, so nobody reaches it without the job's
+secret: it listens on the driver's loopback only, behind relays that admit a connection
+only once it proves the secret (``elastic/worker/store_relay.py``). Behind them, nothing the
+job puts there is readable or forgeable without the secret either, which reaches the
+workers through Ray (the ``ConfigureRequest``), never through the store:
 
 * key names are ``HMAC(secret, key)``: a listing shows opaque names, and no key of the job
   can be named, let alone read, without the secret;
@@ -13,11 +14,6 @@ or forgeable without the job's secret, which reaches the workers through Ray (th
   nonce per write) and authenticated (``HMAC`` over the name, nonce and ciphertext): a
   value written or replaced by anyone else fails with :class:`StoreTampered` instead of
   pointing a rank at a forged peer.
-
-What an outsider who reaches the port can still do is deny service (delete or overwrite
-keys, add to counters): the rendezvous then fails and the generation is re-formed, as for
-a lost member. The store listens only on the interface the workers use (docs/architecture.md,
-"The network the rendezvous assumes").
 
 Every operation is counted (``ops``): the store operations per rank per re-formation that
 ``benchmarks/recovery_scaling.py`` reports.

@@ -6,9 +6,10 @@ once. Most private torch calls the elastic runtime needs are made here; all are 
 ``elastic/worker/private_torch.py``, which ``tests/worker/test_torch_private_api.py`` checks.
 
 Rendezvous. The job has one long-lived ``TCPStore``, served by the driver
-(:class:`RendezvousStore`) on the interface the workers use only, and sealed with a per-job
-secret that reaches the workers through Ray (``elastic/worker/job_store.py``: without the
-secret no key of the job can be named, read or forged). Each generation's ranks meet under
+(:class:`RendezvousStore`) on its loopback, reached only through relays that admit a
+connection once it proves a per-job secret, which reaches the workers through Ray
+(``elastic/worker/store_relay.py``), and sealed with that secret
+(``elastic/worker/job_store.py``: no key of the job can be named, read or forged). Each generation's ranks meet under
 their own key prefix (``PrefixStore("gen<N>/", store)``). Nothing is keyed by port: keys a generation left
 behind are never read by the next one, so survivors can never pair with a stale peer, and
 there is no free-port race to lose. When a member is lost in the middle of a rendezvous,
@@ -66,46 +67,98 @@ import torch.distributed as dist
 from elastic.messages import Connection
 from elastic.parallel.sockets import GroupSockets
 from elastic.worker.job_store import JobStore
+from elastic.worker.store_relay import (
+    LOOPBACK,
+    MAX_CONNECTIONS,
+    LocalRelay,
+    StoreGate,
+    derived_key,
+    foreign_clients,
+    require_signed_loopback,
+)
 
 logger = logging.getLogger(__name__)
 
 RENDEZVOUS_TIMEOUT_S = 10.0  # joining a generation, unless collective_timeout_s is shorter
 GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
+_PROBE_KEY = "probe"  # checked once by a new store client (a name no JobStore key has: theirs begin "j/")
 
 
 class RendezvousStore:
     """The job's ``TCPStore`` server, hosted by the driver (the controller's process).
 
-    It listens on ``host`` only (the driver's address on the network the workers use, not
-    every interface: ``TCPStore`` itself would bind them all), on an OS-chosen port kept for
-    the whole job, so no port is ever handed from one process to another and reused.
-    ``secret`` seals the job's keys and values (``JobStore``); it goes to the workers with
-    their ``ConfigureRequest``.
+    The store itself listens on loopback only (127.0.0.1, TCP-MD5 signed: no other user of
+    the host can connect to it), and a :class:`~elastic.worker.store_relay.StoreGate` listens
+    on ``host`` (the driver's address on the network the workers use, not every
+    interface), on an OS-chosen port kept for the whole job, so no port is ever handed from
+    one process to another and reused. A connection to the gate that does not prove
+    ``secret`` is closed before any byte of it reaches the store
+    (``elastic/worker/store_relay.py``). ``secret`` also seals the job's keys and values
+    (``JobStore``); it goes to the workers with their ``ConfigureRequest``.
     """
 
-    def __init__(self, host: str, timeout_s: float):
+    BUILD_TRIES = 3  # a store someone connected to before its listener was locked is built again
+
+    def __init__(self, host: str, timeout_s: float, max_connections: int = MAX_CONNECTIONS):
         self.host = host
         self.secret = secrets.token_hex(32)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
-        self._listener.bind((host, 0))
+        self._timeout = timedelta(seconds=timeout_s)
+        self.signed_loopback = False
+        for _ in range(self.BUILD_TRIES):
+            self._build_store(derived_key(self.secret, b"loopback"))
+            intruders = foreign_clients(self.loopback_port) if self.signed_loopback else []
+            if not intruders:
+                break
+            logger.warning("rendezvous store: %s connected before it was locked; building it again", intruders)
+            self._close_store()
+        else:
+            raise RuntimeError(f"the rendezvous store was connected to by others {self.BUILD_TRIES} times in a row")
+        if not self.signed_loopback:
+            logger.warning(
+                "rendezvous store: this kernel does not offer TCP_MD5SIG; its loopback port %d is open to "
+                "every user of this host (the address the workers use is authenticated still)",
+                self.loopback_port,
+            )
+        self._gate = StoreGate((host, 0), self.loopback_port, self.secret, max_connections)
+        self.port = self._gate.port
+
+    def _build_store(self, loopback_key: bytes) -> None:
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.bind((LOOPBACK, 0))
         self._listener.listen(1024)
         self._store: Any = dist.TCPStore(
-            host,
+            LOOPBACK,
             self._listener.getsockname()[1],
             is_master=True,
             wait_for_workers=False,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=self._timeout,
             master_listen_fd=os.dup(self._listener.fileno()),  # the store server owns (and closes) the duplicate
         )
-        self.port = self._store.port
+        self.loopback_port = self._store.port
+        # Locked after the store's own client (unsigned, made by its constructor) connected;
+        # whoever connected before that is found by ``foreign_clients``.
+        self.signed_loopback = require_signed_loopback(self._listener, loopback_key)
 
     @property
     def address(self) -> tuple[str, int]:
+        """Where the workers connect: the gate."""
         return (self.host, self.port)
+
+    def take_denials(self) -> dict | None:
+        """The connections the gate refused since the last call (``Denials.take``). Where the
+        loopback port is not signed, the connections to it now that are not the driver's own
+        (anyone on this host could have deleted keys) are named among them too."""
+        if not self.signed_loopback:
+            for local in foreign_clients(self.loopback_port) or []:
+                self._gate.denials.add(f"{local[0]}:{local[1]}", "connected to the store's unsigned loopback port")
+        return self._gate.denials.take()
 
     def close(self) -> None:
         """Stop serving: clients blocked on a key fail within milliseconds."""
+        self._gate.close()
+        self._close_store()
+
+    def _close_store(self) -> None:
         self._store = None
         gc.collect()
         self._listener.close()
@@ -123,6 +176,7 @@ class ReconfigurableProcessGroup:
         self.generation = 0
         self._client: Any = None  # a JobStore over this process's TCPStore client
         self._client_address: tuple[tuple[str, int], str] | None = None  # (address, secret)
+        self._relay: LocalRelay | None = None  # this process's way to the store (store_relay.py)
         self._client_sockets = GroupSockets()  # the store connection, shut down to abandon a rendezvous
         self._abandoned: set[int] = set()
         self._ops_at_join = 0
@@ -272,6 +326,14 @@ class ReconfigurableProcessGroup:
             except Exception as exc:  # a broken group may fail to tear down; it is gone either way
                 logger.debug("destroy_process_group: %s", exc)
 
+    def close(self) -> None:
+        """Leave the group and close this process's relay to the store (its threads end)."""
+        self.leave()
+        with self._lock:
+            relay, self._relay, self._client, self._client_address = self._relay, None, None, None
+        if relay is not None:
+            relay.close()
+
     def settled(self) -> None:
         """This rank's part in forming its generation is over (it joined, or it failed)."""
         with self._lock:
@@ -309,12 +371,23 @@ class ReconfigurableProcessGroup:
         return dist.PrefixStore(f"gen{generation}/", client)
 
     def _store_client(self, address: tuple[str, int], secret: str) -> JobStore:
-        if self._client is None or self._client_address != ((address[0], int(address[1])), secret):
+        """This process's client of the job's store, through its local relay to the gate
+        (``elastic/worker/store_relay.py``); made again when the store or the secret changes."""
+        key = ((address[0], int(address[1])), secret)
+        if self._client is None or self._client_address != key:
+            if self._relay is None or self._client_address != key:
+                if self._relay is not None:
+                    self._relay.close()
+                # Its listener exists before ``before_init``: it is never among the sockets cut.
+                self._relay = LocalRelay(key[0], secret, self.rendezvous_timeout.total_seconds())
             self._client_sockets.before_init()
-            tcp = dist.TCPStore(address[0], address[1], is_master=False, timeout=self.rendezvous_timeout)
+            tcp = dist.TCPStore(LOOPBACK, self._relay.port, is_master=False, timeout=self.rendezvous_timeout)
+            # One round trip: the relay's sockets for this client (accepted, and to the gate)
+            # exist before the capture, never among a group's (which ``leave`` cuts).
+            tcp.check([_PROBE_KEY])
             self._client = JobStore(tcp, secret)
             self._client_sockets.capture()
-            self._client_address = ((address[0], int(address[1])), secret)
+            self._client_address = key
         return self._client
 
 

@@ -1,8 +1,9 @@
-"""The job's rendezvous store answers nobody without the job's secret (issue 25, security).
+"""The job's rendezvous store answers nobody without the job's secret (issues 25 and 48, security).
 
-Real parts: the driver's ``RendezvousStore`` (a ``TCPStore`` server), worker processes
-joining a real gloo group through ``ReconfigurableProcessGroup``, and an outsider that
-reaches the port with its own ``TCPStore`` client, as anyone on the network could.
+Real parts: the driver's ``RendezvousStore`` (a ``TCPStore`` server behind its gate), worker
+processes joining a real gloo group through ``ReconfigurableProcessGroup`` and their local
+relays, and an outsider that reaches the ports with its own ``TCPStore`` client, as anyone
+on the network or the host could. The relay itself: ``tests/worker/test_store_relay.py``.
 """
 
 from __future__ import annotations
@@ -82,39 +83,36 @@ def test_a_clone_made_from_cpp_is_sealed_and_counted_the_same():
 
 @pytest.mark.cluster
 def test_store_answers_nobody_without_the_jobs_secret(tmp_path):
+    """Two worker processes form a real gloo group through their relays and the gate; an
+    outsider's own ``TCPStore`` client on the gate's port, on the store's loopback port, or
+    behind a relay with the wrong secret, reads, writes and deletes nothing: the job's keys
+    are all there afterwards, with their values."""
     host = _non_loopback_ip() or "127.0.0.1"
     server = RendezvousStore(host, 30)
     try:
         results = run_ranks(2, _join, (server.address, server.secret), tmp_path)
         assert [r["sum"] for r in results] == [2.0, 2.0]
         assert all(r["ops"] > 0 for r in results)
+        keys = server._store.list_keys()  # the store's own view (the driver's client)
+        assert keys and all(k.startswith("j/") for k in keys)
+        before = {k: server._store.get(k) for k in keys}
+        server.take_denials()
 
-        # An outsider reaches the port: it can list the keys, but no name and no value
-        # means anything without the secret.
-        outsider = dist.TCPStore(host, server.port, is_master=False, timeout=datetime.timedelta(seconds=2))
-        keys = outsider.list_keys()
-        assert keys and all(k.startswith("j/") and "gen" not in k for k in keys)
-        assert not outsider.check(["gen1/0", "gen1/1", "0", "1"])
-        guess = JobStore(outsider, "0" * 64)  # the wrong secret
-        assert not guess.check(["gen1/0"])
-        for key in keys:
-            value = outsider.get(key)
-            if len(value) > 32:  # a sealed value (counters are plain integers)
-                with pytest.raises(StoreTampered):
-                    guess.unseal(key, value)
-        # What it writes is refused by the job instead of being believed.
-        job = JobStore(outsider, server.secret)
-        sealed = [k for k in keys if len(outsider.get(k)) > 32]
-        assert sealed
-        for key in sealed:
-            outsider.set(key, b"x" * 64)
-        with pytest.raises(StoreTampered):
-            job.unseal(sealed[0], outsider.get(sealed[0]))
-
-        if host != "127.0.0.1":  # bound to the workers' interface only: loopback is not served
+        with pytest.raises(dist.DistNetworkError):  # dropped before its first request is answered
+            dist.TCPStore(host, server.port, is_master=False, timeout=datetime.timedelta(seconds=1))
+        with socket.socket() as s:  # loopback: the kernel drops an unsigned connection
+            s.settimeout(1)
+            with pytest.raises(OSError):
+                s.connect(("127.0.0.1", server.loopback_port))
+        assert server.signed_loopback
+        if host != "127.0.0.1":  # the gate is bound to the workers' interface only
             with socket.socket() as s:
                 s.settimeout(2)
                 assert s.connect_ex(("127.0.0.1", server.port)) != 0
+
+        assert {k: server._store.get(k) for k in server._store.list_keys()} == before
+        denied = server.take_denials()
+        assert denied is not None and denied["reasons"].keys() == {"no proof of the job's secret"}
     finally:
         server.close()
 

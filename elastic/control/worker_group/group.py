@@ -34,7 +34,7 @@ from elastic.control.worker_group.configure import RPC_TIMEOUT_S, build_requests
 from elastic.control.worker_group.poll import Gather, GroupPoll
 from elastic.control.worker_group.state import GroupState, by_node, wids_by_node
 from elastic.control.worker_group.worker import Member
-from elastic.errors import ActorDied
+from elastic.errors import ActorDied, WorkerFailure
 from elastic.ingest.host_readers import HostReaders
 from elastic.messages import (
     AbortStep,
@@ -248,16 +248,21 @@ class WorkerGroup:
             read_plans=self.readers.plans([m.node_id for m in members], self._generation),  # docs/data.md
             store_secret=self._store.secret,
         )
-        with self.poll.configuring():
-            result = reconfigure_ranks(
-                self.poll,
-                members,
-                requests,
-                self._generation,
-                self.spec.elastic.collective_timeout_s,
-                self._lost_failure,
-                self.configure_sent_at,
-            )
+        self._store.take_denials()  # refusals before this generation are not its
+        try:
+            with self.poll.configuring():
+                result = reconfigure_ranks(
+                    self.poll,
+                    members,
+                    requests,
+                    self._generation,
+                    self.spec.elastic.collective_timeout_s,
+                    self._lost_failure,
+                    self.configure_sent_at,
+                )
+        except WorkerFailure as failure:  # outsiders refused meanwhile: the failure says so
+            failure.note_store_denials(self._store.take_denials())
+            raise
         self.dp = plan.dp
         now = time.monotonic()
         for m in members:
