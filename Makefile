@@ -27,7 +27,7 @@ demo: install
 	$(BIN)/elastic demo
 
 test: install
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=30 tests
+	$(BIN)/python -m pytest -q --durations=30 tests
 
 # ruff, then mypy on elastic/ and storage/ (the packages named in pyproject's [tool.mypy]).
 lint: install

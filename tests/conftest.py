@@ -63,10 +63,9 @@ def pytest_collection_modifyitems(config, items):
     once and repaired between them (``ray_cluster``), not made again each time a test on a
     single-node Ray ran in between. Otherwise the files' order (the sort is stable).
 
-    Under ``pytest -n 2 --dist loadgroup`` (``make test``) they are one ``xdist_group``: one
-    worker runs all of them, in that order, on its one cluster, while the other worker takes
-    the rest. The suite waits on Ray far more than it computes (one core busy on average on
-    2 cores), so the second worker uses the idle core."""
+    Under ``pytest -n 2 --dist loadgroup`` (pytest-xdist; ``make test`` runs serially) they
+    are one ``xdist_group``: one worker runs all of them, in that order, on its one cluster,
+    while the other worker takes the rest."""
     items.sort(key=lambda item: "ray_cluster" in getattr(item, "fixturenames", ()))
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()):

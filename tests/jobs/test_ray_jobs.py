@@ -17,6 +17,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -54,7 +55,9 @@ def _wait(condition, timeout: float, what: str, every: float = 0.5):
 
 @contextlib.contextmanager
 def _head(tmp_path_factory, **extra_env):
-    temp = str(tmp_path_factory.mktemp("rayhead"))
+    # Directly under /tmp: Ray's socket paths live below it and must stay under 108 bytes
+    # (under xdist, tmp_path_factory's ``.../popen-gw1/rayhead0/session_...`` did not).
+    temp = tempfile.mkdtemp(prefix="rayhead-", dir="/tmp")
     env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", RAY_USAGE_STATS_ENABLED="0", **extra_env)
     # `ray job stop` waits this long between SIGTERM and SIGKILL (Ray's default: 3 s), read by
     # the head's job supervisor: time for the stop checkpoint (docs/stopping.md).
