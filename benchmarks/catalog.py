@@ -266,7 +266,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "--out",
         ("--only", "1"),
         smoke=("--smoke", "--out", "{out}"),
-        smoke_timeout_s=600,
+        smoke_timeout_s=1200,
     ),
     Benchmark(
         "data_bytes_per_host",
