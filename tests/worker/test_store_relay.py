@@ -147,7 +147,12 @@ def test_connections_over_the_bound_are_closed_at_once():
             first.recv(len(MAGIC) + NONCE_BYTES)
             with socket.create_connection(server.address, timeout=2) as second:
                 assert _recv_all(second, 2) == b""  # not even the hello
-        assert server.take_denials()["reasons"] == {"over the connection limit": 1}
+        reasons = server.take_denials()["reasons"]
+        # The first connection may also have run out its handshake time meanwhile (a loaded machine).
+        assert reasons.get("over the connection limit") == 1 and set(reasons) <= {
+            "over the connection limit",
+            "no proof of the job's secret",
+        }, reasons
     finally:
         server.close()
 
@@ -187,8 +192,8 @@ def test_close_frees_a_blocked_client_and_ends_every_relay_thread():
     time.sleep(0.2)  # the wait is on the server
     t0 = time.monotonic()
     server.close()
-    waiter.join(5)
-    assert not waiter.is_alive() and errors and time.monotonic() - t0 < 5
+    waiter.join(30)  # seconds on an idle machine; the bound tells freed from blocked for ever under load
+    assert not waiter.is_alive() and errors and time.monotonic() - t0 < 30
     relay.close()
     names = [t.name for t in threading.enumerate()]
     assert not [n for n in names if n.startswith(("relay-", "StoreGate-", "LocalRelay-"))], names
