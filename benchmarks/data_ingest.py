@@ -58,7 +58,17 @@ class Scale:
 
 
 FULL = Scale()
-SMOKE = Scale(("json",), (4,), 8, 3, False, 8, (2, 32, 257), 1, 4)
+SMOKE = Scale(
+    packages=("json",),
+    burst_waves=(4,),
+    burst_steps=8,
+    burst_kill_step=3,
+    wait_warm_job=False,
+    wait_steps=8,
+    wait_model=(2, 32, 257),
+    prepare_repeats=1,
+    dup_steps=4,
+)
 
 
 def make_text(tmp: str, packages) -> str:

@@ -61,12 +61,17 @@ SMOKE_MODEL = {"n_layers": 1, "d_model": 32, "n_heads": 2, "vocab_size": 128, "s
 SMOKE_SPACE = {"tp": [1], "pp": [1], "zero": [0, 1], "micro_batch": [4], "activation_checkpointing": [False]}
 
 
+def spec_and_space(smoke: bool) -> tuple[dict, dict]:
+    """The job and the space a run searches (``--smoke``: the suite's)."""
+    return ({**SPEC, "model": {**SPEC["model"], **SMOKE_MODEL}}, SMOKE_SPACE) if smoke else (SPEC, SPACE)
+
+
 def run_side(exhaustive: bool, trial_steps: int, out: str, smoke: bool = False) -> dict:
     from elastic.tune.api import run_sweep
     from jobs.spec import JobSpec
 
-    spec = {**SPEC, "model": {**SPEC["model"], **SMOKE_MODEL}} if smoke else SPEC
-    run_sweep(JobSpec.from_dict(spec), SMOKE_SPACE if smoke else SPACE, trial_steps=trial_steps,
+    spec, space = spec_and_space(smoke)
+    run_sweep(JobSpec.from_dict(spec), space, trial_steps=trial_steps,
               exhaustive=exhaustive, out=out, progress=True, address="local")  # fmt: skip
     return read_side(out, exhaustive)
 
@@ -159,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         f"memory model vs measured peak: {inside}/{len(mem)} trials within +-15%, worst {worst * 100:+.1f}%, "
         f"median |error| {statistics.median([abs(x) for x in mem]) * 100:.1f}%"
     )
+    searched = spec_and_space(args.smoke)
     record = {
         "date_utc": utc_stamp(),
         "host": platform.node(),
@@ -168,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_at_end": list(os.getloadavg()),
         "trial_steps": args.trial_steps,
         "smoke": args.smoke,
-        "spec": {**SPEC, "model": {**SPEC["model"], **SMOKE_MODEL}} if args.smoke else SPEC,
-        "space": SMOKE_SPACE if args.smoke else SPACE,
+        "spec": searched[0],
+        "space": searched[1],
         "feasible": grid["feasible"],
         "grid": {k: v for k, v in grid.items() if k != "entries"},
         "sweeps": [{k: v for k, v in s.items() if k != "entries"} for s in sweeps],
