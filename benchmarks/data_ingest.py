@@ -3,9 +3,12 @@
 1. **Storage burst**: a 4-node ``ray.cluster_utils.Cluster`` (a CPU-less head and four 1-CPU
    nodes) trains from ``s3://`` on a real S3 server (moto) on loopback, through a counting
    proxy that sees every GET at the server side. A node is killed at step 8. Peak GETs in
-   flight at start-up (until the first step) and after the node loss (until the first step
-   after it), with ``data.waves: 4`` against ``data.waves: 1``; the bound is
-   ``ceil(hosts / waves) * max_reads_per_host``.
+   flight at start-up (to the job's start) and after the node loss (from the driver's
+   quiesce of the survivors' readers to the new layout's first windows: the windows of
+   ``elastic.testing.read_windows``), with ``data.waves: 4`` against ``data.waves: 1``; the
+   bound is ``ceil(hosts / waves) * max_reads_per_host``. The gap from the loss's detection
+   to the quiesce, where the paused readers finish the GETs they had begun, is reported
+   beside them.
 2. **Data wait**: the quickstart model from ``s3://`` at dp 4; steady state (steps after the
    first 5): sum of ``data_wait_s`` over sum of ``step_time_s``, ray_data (the default) and
    feeder against the native reader; and each one's start-up (job start to first step).
@@ -109,20 +112,11 @@ def events(run_dir):
     return read_events(run_dir)
 
 
-def peak_until_step(proxy, evs, t0):
-    """Peak GETs in flight from ``t0`` to the first step after the next restore (after a
-    failure) or the first step (at start-up). Steps the survivors finished before the
-    failure may be committed after it: they do not end the window."""
-    restored = [e["ts"] for e in evs if e["kind"] == "restore" and e["ts"] > t0]
-    after = restored[0] if restored and t0 > 0 and any(e["kind"] == "failure" for e in evs) else t0
-    t1 = next(e["ts"] for e in evs if e["kind"] == "step" and e["ts"] > after)
-    return proxy.peak(t0, t1)
-
-
 # --------------------------------------------------------------------------- 1. burst
 def storage_burst(moto, corpus, tmp, scale: Scale = FULL):
     from elastic import ElasticTrainer
     from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault
+    from elastic.testing.read_windows import QuiesceClock, recovery_window, startup_window
     from elastic.testing.s3proxy import CountingProxy
 
     out = {}
@@ -135,15 +129,19 @@ def storage_burst(moto, corpus, tmp, scale: Scale = FULL):
                 inj = FaultInjector([Fault("kill_node", at_step=scale.burst_kill_step, node_index=2)], cluster=c)
                 slow = [worker_fault("slow", step=1, rank=r, seconds=0.1) for r in range(4)]
                 run_dir = os.path.join(tmp, f"burst-w{waves}")
-                ElasticTrainer(s, run_dir=run_dir, callbacks=[inj], step_hook=WorkerFaults(slow)).fit()
+                with QuiesceClock() as quiesces:
+                    ElasticTrainer(s, run_dir=run_dir, callbacks=[inj], step_hook=WorkerFaults(slow)).fit()
         finally:
             proxy.close()
         evs = events(run_dir)
         t_fail = next(e["ts"] for e in evs if e["kind"] == "failure")
+        startup, recovery = startup_window(evs, t_start), recovery_window(evs, quiesces.spans)
         per_host = s.data.max_reads_per_host
         out[f"waves_{waves}"] = {
-            "startup_peak_gets": peak_until_step(proxy, evs, t_start),
-            "after_node_loss_peak_gets": peak_until_step(proxy, evs, t_fail),
+            "startup_peak_gets": proxy.peak(*startup),
+            "after_node_loss_peak_gets": proxy.peak(*recovery),
+            "detection_to_quiesce_s": recovery[0] - t_fail,
+            "detection_to_quiesce_peak_gets": proxy.peak(t_fail, recovery[0]),
             "whole_run_peak_gets": proxy.peak(),
             "get_latency_s": GET_LATENCY_S,
             "bound_startup": math.ceil(4 / waves) * per_host,

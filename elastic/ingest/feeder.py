@@ -205,13 +205,17 @@ class _HostFeeder:
         reads = self._gets_inflight_ray() if self.engine == "ray_data" else self._gets_inflight
         return reads + self._index_reading
 
-    def quiesce(self, timeout_s: float) -> int:
+    def quiesce(self, timeout_s: float, layout: str | None = None) -> int:
         """Start no read until the next stream begins, and return once none is in flight (or
         after ``timeout_s``): the GETs still in flight. The driver quiesces every reader
         before a new layout's streams begin, so the old layout's reads are over before the
-        new one's waves (``HostReaders.plans``)."""
+        new one's waves (``HostReaders.plans``), and pauses them (``timeout_s`` 0) when a
+        layout ends (``HostReaders.pause``). With ``layout``, only a stream of that layout
+        is paused: a later one begun meanwhile reads on."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
+            if layout is not None and not (self._epoch or "").startswith(f"{layout}-"):
+                return self._gets_in_flight()
             self._paused = True
             self._lock.notify_all()
             while (left := self._gets_in_flight()) and time.monotonic() < deadline:

@@ -82,6 +82,7 @@ class HostReaders:
         self.readers: dict[str, Any] = {}
         self.gate = None
         self._pinned = False
+        self._layout: str | None = None  # the epoch of the last plans: the streams a pause ends
 
     def plans(self, node_ids: list[str], generation: int) -> list[dict[str, Any] | None]:
         """Per rank (in rank order): its read plan as a dict (with its host's reader and the
@@ -94,7 +95,7 @@ class HostReaders:
         loader = resolve_loader(self.spec.data, self.uri)
         if loader not in ("feeder", "ray_data"):
             return [None] * len(node_ids)
-        epoch = f"{generation}-{uuid.uuid4().hex[:8]}"
+        epoch = self._layout = f"{generation}-{uuid.uuid4().hex[:8]}"
         base = plans(node_ids, self.spec.parallel.replica_size, epoch)
         hosts = {p.feeder_node for p in base}
         alive = self._alive(list(self.readers))
@@ -124,6 +125,18 @@ class HostReaders:
         if d.waves > 1 and len(hosts) > 1:
             self.gate = make_gate(f"elastic-gate-{epoch}", len(hosts), d.waves)
         return [dict(p.as_dict(), engine=engine, reader=self.readers[p.feeder_node], gate=self.gate) for p in base]
+
+    def pause(self) -> None:
+        """The layout is over (a peer was lost): every reader starts no further read until
+        its next stream begins. Fire and forget: the GETs it already started go on, and the
+        next ``plans`` waits for them (``_quiesce``). Without this, the survivors' readers
+        would go on filling their windows, side by side, until the new layout's plans, a
+        second or more after the loss's detection on a busy driver."""
+        for reader in self.readers.values():
+            try:
+                reader.quiesce.remote(0.0, self._layout)
+            except Exception as exc:  # noqa: BLE001 - gone with its node: dropped by the next plans
+                log.debug("pause of a data reader failed: %s", exc)
 
     def _alive(self, nodes: list[str]) -> set[str]:
         refs = {self.readers[n].ping.remote(): n for n in nodes}

@@ -4,7 +4,8 @@ behind the counting proxy, each GET held ``LATENCY_S``), never exceed its cap
 reads the index, not when a stream jumps while reads of the old position are in flight
 (engine ``ray_data``: its old executor's permitted reads are drained before a new one reads),
 and a quiesced feeder (``HostFeeder.quiesce``, what the driver does before every new layout)
-returns with none in flight and starts none until its next stream."""
+returns with none in flight and starts none until its next stream; a pause that names an
+older layout (``HostReaders.pause``) leaves a later stream reading."""
 
 from __future__ import annotations
 
@@ -67,8 +68,11 @@ def test_gets_in_flight_stay_within_the_cap_across_jumps_and_stop_when_quiesced(
         gets = proxy.counts()[0]
         time.sleep(2 * LATENCY_S)  # a while in which nothing may happen
         assert proxy.counts()[0] == gets and proxy.inflight == 0  # and none started since
-        _begin(feeder, "e5", 20)  # the next stream reads again
-        ray.get(feeder.ready.remote("e5", 120.0), timeout=150)
+        _begin(feeder, "L5-0", 20)  # the next stream reads again
+        # A pause of an older layout's streams (``HostReaders.pause`` at a failure, arriving
+        # late) leaves this one reading: its first window comes.
+        assert ray.get(feeder.quiesce.remote(0.0, "L4"), timeout=60) >= 0
+        ray.get(feeder.ready.remote("L5-0", 120.0), timeout=150)
         stats = ray.get(feeder.get_stats.remote(), timeout=30)
         assert stats["gets"] == 1 + 2 * stats["footers"]  # the index once; two GETs per read of row groups
         assert proxy.peak() <= reads, proxy.at_peak()

@@ -4,8 +4,11 @@ training from ``s3://`` on a 4-node cluster, with a node lost mid-run.
 A counting proxy between the job and the server measures the GETs in flight at the
 server side: with ``data.waves: 4`` and ``data.max_reads_per_host: 2`` there are at most
 ``ceil(4 / 4) * 2 = 2`` from the driver's check of the corpus (its index, footers and first
-rows, before anything starts) to the job's start, and from the node loss's detection to
-the new layout's first windows (docs/data.md, "Staggered reads").
+rows, before anything starts) to the job's start, and from the driver's quiesce of the
+survivors' readers to the new layout's first windows (docs/data.md, "Staggered reads";
+the windows: ``elastic.testing.read_windows``). Each GET is held ``LATENCY_S`` at the proxy,
+like an object store's time to first byte: on loopback a GET takes about a millisecond,
+and reads that break the bound would seldom overlap.
 
 The fault-free reference is the same spec trained by one rank in the test's process, without
 Ray (``single_rank_metrics``), reading the same ``s3://`` corpus with the native reader
@@ -27,6 +30,7 @@ import elastic.api
 from elastic import ElasticTrainer
 from elastic.events import read_events
 from elastic.faults import Fault, FaultInjector, WorkerFaults, worker_fault
+from elastic.testing.read_windows import QuiesceClock, recovery_window, startup_window
 from elastic.testing.s3proxy import CountingProxy
 from elastic.testing.texts import stdlib_texts, write_jsonl
 from jobs import JobSpec
@@ -36,6 +40,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(400)]
 
 STEPS, FAULT_STEP = 16, 6
 READS = 2  # data.max_reads_per_host
+LATENCY_S = 0.05  # each data GET's time to first byte at the proxy
 
 
 def _spec(source: str, options: dict, waves: int) -> JobSpec:
@@ -59,22 +64,6 @@ def _upload_text(moto_s3, bucket: str, local: str) -> None:
         client.upload_file(os.path.join(local, name), bucket, f"text/{name}")
 
 
-def _startup_window(events: list[dict], t0: float) -> tuple[float, float]:
-    """From ``t0`` (before the driver's corpus check) to the job's start: the first configure
-    returns once every host has read its first window, in waves. From there on the hosts
-    read side by side, as training consumes (the first step's own prefetch included)."""
-    return t0, next(e["ts"] for e in events if e["kind"] == "job_start" and e["ts"] > t0)
-
-
-def _recovery_window(events: list[dict]) -> tuple[float, float]:
-    """From the node loss's detection to the new layout's first windows (read when the
-    configure returns: the restore event). The driver stops the survivors' readers and waits
-    for their GETs in flight before the new layout's streams begin (``HostReaders.plans``);
-    the reads of the old layout's last steps, before the detection, are steady state."""
-    failure = next(e["ts"] for e in events if e["kind"] == "failure")
-    return failure, next(e["ts"] for e in events if e["kind"] == "restore" and e["ts"] > failure)
-
-
 def test_s3_text_prepared_then_trained_with_a_node_loss(ray_cluster, moto_s3, s3_bucket, tmp_path, monkeypatch):
     write_jsonl(str(tmp_path / "text"), stdlib_texts(("json", "email")))
     _upload_text(moto_s3, s3_bucket, str(tmp_path / "text"))
@@ -89,7 +78,7 @@ def test_s3_text_prepared_then_trained_with_a_node_loss(ray_cluster, moto_s3, s3
     corpus = f"s3://{s3_bucket}/corpus"
     rc = cli_main(["prepare", f"s3://{s3_bucket}/text", corpus, "--seq-len", "16", "--rows-per-shard", "200"])
     assert rc == 0
-    proxy = CountingProxy(moto_s3.endpoint, prefix=f"/{s3_bucket}/corpus")
+    proxy = CountingProxy(moto_s3.endpoint, prefix=f"/{s3_bucket}/corpus", get_latency_s=LATENCY_S)
     checked: list[tuple[float, float]] = []  # the driver's corpus checks: (start, end)
 
     def timed_check(*args, **kwargs):
@@ -107,7 +96,8 @@ def test_s3_text_prepared_then_trained_with_a_node_loss(ray_cluster, moto_s3, s3
         slow = [worker_fault("slow", step=1, rank=r, seconds=0.1) for r in range(4)]
         run_dir = str(tmp_path / "run")
         t_fit = time.time()
-        result = ElasticTrainer(spec, run_dir=run_dir, callbacks=[injector], step_hook=WorkerFaults(slow)).fit()
+        with QuiesceClock() as quiesces:
+            result = ElasticTrainer(spec, run_dir=run_dir, callbacks=[injector], step_hook=WorkerFaults(slow)).fit()
         # Reads of a job that has ended must stop (none in flight, none begun for a second).
         wait_until(lambda: proxy.idle_s() > 1.0, 30, "the run's reads to stop", 0.1)
     finally:
@@ -129,11 +119,16 @@ def test_s3_text_prepared_then_trained_with_a_node_loss(ray_cluster, moto_s3, s3
         assert e["grad_norm"] == pytest.approx(want_norm, rel=REL_SAME_ORDER), e["step"]
     bound = math.ceil(4 / 4) * READS
     assert len(checked) == 1  # the driver checked the corpus once, before the run
-    startup, recovery = _startup_window(events, t_fit), _recovery_window(events)
+    startup, recovery = startup_window(events, t_fit), recovery_window(events, quiesces.spans)
     startup_peak, recovery_peak = proxy.peak(*startup), proxy.peak(*recovery)
-    print(f"GETs in flight: start-up {startup_peak}; after the node loss {recovery_peak}; bound {bound}")
+    # From the detection to the quiesce: the survivors' readers were paused at the detection
+    # and only finish the GETs they had started, each host within its cap.
+    failure = next(e["ts"] for e in events if e["kind"] == "failure")
+    gap_peak = proxy.peak(failure, recovery[0])
+    print(f"GETs in flight: start-up {startup_peak}; detection to quiesce {gap_peak}; after it {recovery_peak}")
     assert startup_peak <= bound, proxy.at_peak(*startup)
     assert recovery_peak <= bound, proxy.at_peak(*recovery)
+    assert gap_peak <= 3 * READS, proxy.at_peak(failure, recovery[0])
     assert proxy.peak(*checked[0]) == 1  # the check reads one object at a time, and it reads
     assert proxy.gets > 0
     # The driver checked the corpus on S3 itself (its index and footers), not left it to the

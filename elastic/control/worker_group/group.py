@@ -373,6 +373,7 @@ class WorkerGroup:
         up with the runs' ends and ``snapshot_holdings`` finds them in, instead of asking
         after every run has ended (a round trip of the tree: at 16k ranks, tenths of a
         second of the recovery's decision)."""
+        self.readers.pause()  # the old layout's reads stop here, not at the next layout's plans
         by_node = wids_by_node(members)
         links = links_to(c for m in lost for c in m.connections)
         self.tree.send(dict.fromkeys(by_node, Signal(AbortStep(self._generation, links))))
@@ -402,6 +403,7 @@ class WorkerGroup:
         """NCCL: every member shrinks the group without the ``excluded`` ranks, at once
         (its control thread; the collectives its train thread is blocked in are aborted).
         Fire and forget: each member's ``run()`` then returns, as after any peer error."""
+        self.readers.pause()  # as in abort_steps
         for m in members:
             m.actor.shrink_group.remote(tuple(excluded))
 
