@@ -43,7 +43,7 @@ class QuiesceClock:
             finally:
                 spans.append((t, time.time()))
 
-        HostReaders._quiesce = timed  # type: ignore[method-assign]
+        HostReaders._quiesce = timed  # type: ignore[method-assign,assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:
