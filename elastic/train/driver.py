@@ -13,7 +13,7 @@ The life of a run:
    report index every rank of the generation has reached; a checkpoint is committed in
    storage once each part of it is uploaded.
 4. A lost worker (its actor gone, or a survivor's collective failed and the lost one does
-   not answer): the survivors are pulled out of their collectives (``abort``), then either
+   not answer): the survivors are pulled out of their collectives (``abort_step``), then either
    re-formed in place, inside their running loop (every survivor is waiting in a held step:
    ``elastic/train/step_guard.py``), or their loop is entered again at the new size from
    the newest checkpoint, which a rank or its peer holds in memory (storage last).
@@ -30,6 +30,7 @@ loop's own error: the run ends with it at once, spending no retry.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -43,8 +44,9 @@ from elastic.control.timing import PhaseTimer
 from elastic.events import Recovery
 from elastic.report.metrics import start_metrics
 from elastic.train import checkpoints as ckpts
+from elastic.train.loop_messages import Entry, EntryOutcome, LoopInfo, LoopPoll, LoopReport, Place, Restore, Upload
 from elastic.train.loop_record import Job, LoopFailed, Worker, died_starting, exception_of, worker_exceptions
-from elastic.train.rank import Entry, LoopRank, Place, Restore, pickle_loop
+from elastic.train.rank import LoopRank, pickle_loop
 from elastic.train.run_files import LoopRunFiles
 from elastic.worker.process_group import RendezvousStore
 
@@ -74,7 +76,7 @@ class LoopDriver:
         self.members: list[Worker] = []
         self.spares: list[Worker] = []
         self.store: RendezvousStore | None = None
-        self.reports: dict[int, dict[int, dict[str, Any]]] = defaultdict(dict)
+        self.reports: dict[int, dict[int, LoopReport]] = defaultdict(dict)
         self.steps = 0  # the newest index every rank reached
         self.metrics: list[dict[str, Any]] = []  # rank 0's, one per step
         self.parts: dict[int, set[int]] = {}  # index -> ranks that reported checkpoint files
@@ -124,6 +126,7 @@ class LoopDriver:
             "steps": self.steps,
             "recoveries": self.recoveries,
             "rss": {i: w.rss for i, w in enumerate(self.members)},
+            "held": {i: w.held for i, w in enumerate(self.members)},  # checkpoint parts in memory, per poll
             "ledger": self.ledger,
         }
 
@@ -207,7 +210,7 @@ class LoopDriver:
                 "%d worker(s) could not start the training loop (the run goes on with %d): %s",
                 len(errors),
                 len(ready),
-                errors[0].start_error["error"],  # type: ignore[index]
+                errors[0].start_error.error,  # type: ignore[union-attr]
             )
 
     def _start_failed(self, pending: list[Worker], errors: list[Worker]) -> LoopFailed:
@@ -217,13 +220,12 @@ class LoopDriver:
         first = errors[0].start_error
         assert first is not None
         now = time.monotonic()
-        detail = f"{first['error']} (raised starting the training loop on {len(errors)} worker(s))"
-        if first.get("type") == "ModuleNotFoundError":
+        detail = f"{first.error} (raised starting the training loop on {len(errors)} worker(s))"
+        if first.type == "ModuleNotFoundError":
             detail += ": a worker imports the loop from its module, which every node must have (Ray's runtime_env)"
-        nodes = sorted({e.node_id or e.start_error.get("node_id", "") for e in errors} - {""})  # type: ignore[union-attr]
+        nodes = sorted({e.node_id or e.start_error.node_id for e in errors} - {""})  # type: ignore[union-attr]
         self.files.failure("worker_error", sorted(pending.index(w) for w in errors), nodes, detail, now, now)
-        trace = first.get("traceback") or ""
-        return LoopFailed(f"{detail}\n{trace}".rstrip(), first.get("exception"))
+        return LoopFailed(f"{detail}\n{first.traceback}".rstrip(), first.exception)
 
     def _adopt_ready(self, pending: list[Worker]) -> None:
         refs = [w.info_ref for w in pending if not w.resolved and w.info_ref is not None]
@@ -234,15 +236,15 @@ class LoopDriver:
             if w.info_ref in done:
                 w.resolved = True
                 try:
-                    info = ray.get(w.info_ref)
+                    info: LoopInfo = ray.get(w.info_ref)
                 except Exception as exc:  # noqa: BLE001 - it died starting: dropped
                     w.info_ref, w.start_error = None, died_starting(exc)
                     continue
-                if info.get("load_error") is not None:  # up, but the loop does not load there
-                    w.info_ref, w.start_error = None, {**info["load_error"], "node_id": info["node_id"]}
+                if info.load_error is not None:  # up, but the loop does not load there
+                    w.info_ref, w.start_error = None, dataclasses.replace(info.load_error, node_id=info.node_id)
                     _kill(w)
                     continue
-                w.node_id, w.ip, w.pid = info["node_id"], info["ip"], info["pid"]
+                w.node_id, w.ip, w.pid = info.node_id, info.ip, info.pid
                 w.heard = time.monotonic()
                 if w not in self.spares:
                     self.spares.append(w)
@@ -254,7 +256,7 @@ class LoopDriver:
         for w in [w for w in self.spares if w.resolved and not w.node_id]:
             self.spares.remove(w)
             if w.start_error is not None and self._cannot_grow is None:
-                self._cannot_grow = w.start_error["error"]
+                self._cannot_grow = w.start_error.error
                 logger.warning("a new worker could not start the training loop: %s", self._cannot_grow)
         ready = [w for w in self.spares if w.node_id]
         if check and ready:
@@ -362,10 +364,10 @@ class LoopDriver:
                 continue
             outcomes = [w.outcome for w in self.members]
             if all(o is not None for o in outcomes):
-                kinds = {o["kind"] for o in outcomes}  # type: ignore[index]
+                kinds = {o.kind for o in outcomes if o is not None}
                 if kinds == {"finished"}:
                     self._drain()
-                    return [o["value"] for o in outcomes]  # type: ignore[index]
+                    return [o.value for o in outcomes if o is not None]
                 if kinds == {"exited"}:
                     self._drain()
                     self._grow()
@@ -381,25 +383,26 @@ class LoopDriver:
                     try:
                         w.outcome = ray.get(w.run_ref)
                     except Exception as exc:  # noqa: BLE001 - the actor is gone
-                        w.outcome = {"kind": "lost", "error": f"{type(exc).__name__}: {exc}"}
+                        w.outcome = EntryOutcome.lost(f"{type(exc).__name__}: {exc}")
             if w.poll_ref is None:
                 w.poll_ref = w.actor.poll.remote()
             done, _ = ray.wait([w.poll_ref], timeout=0)
             if done:
                 ref, w.poll_ref = w.poll_ref, None
                 try:
-                    reply = ray.get(ref)
+                    reply: LoopPoll = ray.get(ref)
                 except Exception:  # noqa: BLE001 - the actor is gone: its run says so
                     continue
-                w.waiting = reply["waiting"] and reply["generation"] == w.generation  # not a stale answer
+                w.waiting = reply.waiting and reply.generation == w.generation  # not a stale answer
                 w.heard = time.monotonic()
-                w.rss.append(reply["rss"])
+                w.rss.append(reply.rss)
+                w.held.append(reply.held)
                 self._absorb(w, reply)
 
     def _drain(self, timeout_s: float = 10.0) -> None:
         """Every report the live members made is in (their runs returned)."""
         for w in self.members:
-            if w.outcome is not None and w.outcome.get("kind") == "lost":
+            if w.outcome is not None and w.outcome.kind == "lost":
                 continue
             try:
                 if w.poll_ref is not None:
@@ -411,18 +414,21 @@ class LoopDriver:
             except Exception:  # noqa: BLE001 - lost meanwhile
                 w.poll_ref = None
 
-    def _absorb(self, w: Worker, reply: dict[str, Any]) -> None:
-        for rep in reply["reports"]:
-            index, rank = rep["index"], rep["rank"]
+    def _absorb(self, w: Worker, reply: LoopPoll) -> None:
+        for rep in reply.reports:
+            index, rank = rep.index, rep.rank
             self.reports[index][rank] = rep
-            self.ledger.append({k: rep[k] for k in ("index", "rank", "generation", "world", "rows", "ts")})
-            if rep["checkpoint"]:
+            self.ledger.append(
+                {"index": index, "rank": rank, "generation": rep.generation, "world": rep.world, "rows": rep.rows,
+                 "ts": rep.ts}
+            )  # fmt: skip
+            if rep.checkpoint:
                 self.parts.setdefault(index, set()).add(rank)
                 peer = self._peer_of(rank)
                 self.holders[(index, rank)] = [w.actor] + ([peer] if peer is not None else [])
-            if len(self.reports[index]) == rep["world"]:
-                self._step_done(index, rep["world"])
-        for up in reply["uploads"]:
+            if len(self.reports[index]) == rep.world:
+                self._step_done(index, rep.world)
+        for up in reply.uploads:
             self._uploaded(up)
 
     def _peer_of(self, rank: int) -> Any:
@@ -440,33 +446,48 @@ class LoopDriver:
         for older in sorted(i for i in self.reports if i < index):
             # some rank's report of it was lost with that rank, but the group went on past it
             # (it was applied everywhere): it is a step too
-            self._step_done(older, next(iter(self.reports[older].values()))["world"])
+            self._step_done(older, next(iter(self.reports[older].values())).world)
         reps = self.reports.pop(index)
         if index <= self.steps and not self.files.recovering():
             return
         self.steps = max(self.steps, index)
-        metrics = reps[0]["metrics"] if 0 in reps else {}
+        metrics = reps[0].metrics if 0 in reps else {}
         self.metrics.append({**metrics, "_step": index, "_world": world})
         self.files.step(index, world, reps, peer=len({w.node_id for w in self.members}) > 1)
         newest = self._newest_before
         if newest is not None and self.files.first_step(world, newest - (index - 1)) is not None:
             self._newest_before = None  # it resumed after step index - 1
-        self.job.callbacks.reported(index, [reps[r]["metrics"] for r in sorted(reps)], index in self.parts)
+        self.job.callbacks.reported(index, [reps[r].metrics for r in sorted(reps)], index in self.parts)
         if index in self.parts:
-            self.positions[index] = reps[min(self.parts[index])]["positions"]
-            if self.parts[index] and all(r in self.parts[index] for r in self.parts[index]):
-                self.newest_ckpt = max(self.newest_ckpt, index)
+            self.positions[index] = reps[min(self.parts[index])].positions
+            if index > self.newest_ckpt:
+                # every rank reported it (the step is done) and each part is in its rank's
+                # memory and on a peer: older checkpoints are not restored from memory again
+                self.newest_ckpt = index
+                self._forget_before(index)
             self._try_commit(index)
 
-    def _uploaded(self, up: dict[str, Any]) -> None:
-        index = up["index"]
-        if "error" in up:
+    def _forget_before(self, index: int) -> None:
+        """The members drop the checkpoint files they hold of reports before ``index``
+        (their own and their peers' copies): a rank's memory holds one checkpoint, not all."""
+        for i, r in [k for k in self.holders if k[0] < index]:
+            del self.holders[(i, r)]
+        for w in self.members:
+            if w.outcome is None or w.outcome.kind != "lost":
+                try:
+                    w.actor.forget_before.remote(index)
+                except Exception:  # noqa: BLE001 - gone: it holds nothing any more
+                    pass
+
+    def _uploaded(self, up: Upload) -> None:
+        index = up.index
+        if up.error is not None or up.manifest is None:
             if index not in self.settled:
                 self.settled.add(index)
-                self.files.not_committed(index, up["error"])
+                self.files.not_committed(index, up.error or "no manifest")
                 self.job.callbacks.checkpoint_settled(index, None)
             return
-        self.manifests[index][up["rank"]] = up["manifest"]
+        self.manifests[index][up.rank] = up.manifest
         self._try_commit(index)
 
     def _try_commit(self, index: int) -> None:
@@ -511,16 +532,16 @@ class LoopDriver:
         deadline = time.monotonic() + UPLOAD_WAIT_S
         while time.monotonic() < deadline:
             missing = [i for i in self.parts if i in self.positions and i not in self.settled]
-            alive = [w for w in self.members if not (w.outcome and w.outcome.get("kind") == "lost")]
+            alive = [w for w in self.members if not (w.outcome and w.outcome.kind == "lost")]
             if not missing or not alive:
                 return
             for w in alive:
                 try:
-                    reply = ray.get(w.actor.poll.remote(), timeout=PING_TIMEOUT_S * 5)
-                except Exception:  # noqa: BLE001 - lost: its parts cannot come
-                    w.outcome = {"kind": "lost"}
+                    reply: LoopPoll = ray.get(w.actor.poll.remote(), timeout=PING_TIMEOUT_S * 5)
+                except Exception as exc:  # noqa: BLE001 - lost: its parts cannot come
+                    w.outcome = EntryOutcome.lost(f"{type(exc).__name__}: {exc}")
                     continue
-                for up in reply["uploads"]:
+                for up in reply.uploads:
                     self._uploaded(up)
             time.sleep(0.05)
 
@@ -529,8 +550,8 @@ class LoopDriver:
         """A cause when a member is lost, a survivor's collective failed, or a loop raised."""
         for w in self.members:
             o = w.outcome
-            if o is not None and o["kind"] in ("lost", "collective", "error"):
-                return o.get("error", o["kind"])
+            if o is not None and o.failed:
+                return o.error
             if w.waiting:
                 return "a collective failed"
         return None
@@ -540,24 +561,26 @@ class LoopDriver:
         newest = max([self.steps] + [i for i in self.reports])
         old = list(self.members)
         for w in self.members:
-            if w.outcome is None or w.outcome["kind"] not in ("lost",):
+            if w.outcome is None or w.outcome.kind != "lost":
                 try:
-                    w.actor.abort.remote()
+                    w.actor.abort_step.remote(w.generation)  # every link: a loop may use any pair
                 except Exception:  # noqa: BLE001 - gone
                     pass
         lost, survivors = self._census()
-        errors = [w.outcome for w in survivors if w.outcome and w.outcome["kind"] in ("error", "collective")]
+        errors = [o for w in survivors if (o := w.outcome) is not None and o.kind in ("error", "collective")]
         self.job.callbacks.exception(worker_exceptions(old, lost, cause))
         if not lost and errors and len(errors) == len(self.members):
-            first = errors[0]
-            if all((e["type"], e["error"]) == (first["type"], first["error"]) for e in errors):
+            first = errors[0].failure
+            assert first is not None
+            if all(e.failure is not None and (e.failure.type, e.failure.error) == (first.type, first.error)
+                   for e in errors):  # fmt: skip
                 # the loop's own error: retrying would raise it again
-                detail = f"{first['error']} (raised by the training loop on every rank: not retried)"
+                detail = f"{first.error} (raised by the training loop on every rank: not retried)"
                 ranks, nodes = list(range(len(old))), sorted({w.node_id for w in old})
                 self.files.failure("worker_error", ranks, nodes, detail, detected, detected)
                 raise LoopFailed(
-                    f"the training loop raised {first['error']} on every rank\n{first.get('traceback', '')}".rstrip(),
-                    first.get("exception"),
+                    f"the training loop raised {first.error} on every rank\n{first.traceback}".rstrip(),
+                    first.exception,
                 )
         heard = [w.heard for w in lost if w.heard]
         failed_at = min(detected, max(heard)) if heard else detected
@@ -568,7 +591,8 @@ class LoopDriver:
         self.files.failure(kind, ranks, nodes, detail, failed_at, detected)
         self._newest_before = max(newest, self._newest_before or 0)
         if self.job.max_failures != -1 and self.files.failures > self.job.max_failures:
-            trace = errors[0].get("traceback", "") if errors else ""  # a loop's error: where it was raised
+            failure = errors[0].failure if errors else None
+            trace = failure.traceback if failure is not None else ""  # a loop's error: where it was raised
             raise LoopFailed(
                 f"{cause} (FailureConfig.max_failures={self.job.max_failures}: {self.files.failures} failures)"
                 f"\n{trace}".rstrip(),
@@ -602,7 +626,7 @@ class LoopDriver:
             kept = {old.index(w) for w in survivors}
             for index in sorted(self.reports):
                 if index in self.reports and kept <= set(self.reports[index]):
-                    self._step_done(index, next(iter(self.reports[index].values()))["world"])
+                    self._step_done(index, next(iter(self.reports[index].values())).world)
             places = self._places(survivors)
             self.members = survivors
             for w, place in zip(survivors, places, strict=True):
@@ -641,16 +665,16 @@ class LoopDriver:
             gone = self.raylets.dead(candidates, wait_s=NODE_PROBE_S) if candidates else set()
             kind = "node_lost" if gone else "actor_died"
             return kind, sorted(old.index(w) for w in lost), sorted(nodes)
-        raised = [w for w in survivors if w.outcome and w.outcome["kind"] == "error"]
+        raised = [w for w in survivors if w.outcome and w.outcome.kind == "error"]
         if raised:
             return "worker_error", sorted(old.index(w) for w in raised), sorted({w.node_id for w in raised})
-        failed = [w for w in survivors if w.waiting or (w.outcome and w.outcome["kind"] == "collective")]
+        failed = [w for w in survivors if w.waiting or (w.outcome and w.outcome.kind == "collective")]
         return "collective_timeout", sorted(old.index(w) for w in failed), sorted({w.node_id for w in failed})
 
     def _census(self) -> tuple[list[Worker], list[Worker]]:
         """Who is lost: a run gone with its actor, or no answer to a ping; the survivors are
         waited for until each is waiting in a held step or its run has returned."""
-        pings = {id(w): w.actor.ping.remote() for w in self.members if not (w.outcome and w.outcome["kind"] == "lost")}
+        pings = {id(w): w.actor.ping.remote() for w in self.members if not (w.outcome and w.outcome.kind == "lost")}
         deadline = time.monotonic() + PING_TIMEOUT_S
         lost, alive = [], []
         for w in self.members:
@@ -672,7 +696,7 @@ class LoopDriver:
         stuck = [w for w in alive if w.outcome is None and not w.waiting]
         for w in stuck:
             logger.warning("worker pid %d neither left its step nor returned: treated as lost", w.pid)
-        return lost + stuck, [w for w in alive if w not in stuck and not (w.outcome and w.outcome["kind"] == "lost")]
+        return lost + stuck, [w for w in alive if w not in stuck and not (w.outcome and w.outcome.kind == "lost")]
 
     def _wait_runs(self, workers: list[Worker]) -> None:
         deadline = time.monotonic() + SETTLE_TIMEOUT_S
@@ -682,7 +706,7 @@ class LoopDriver:
             try:
                 w.outcome = ray.get(w.run_ref, timeout=max(0.1, deadline - time.monotonic()))
             except Exception as exc:  # noqa: BLE001
-                w.outcome = {"kind": "lost", "error": str(exc)}
+                w.outcome = EntryOutcome.lost(f"{type(exc).__name__}: {exc}")
 
     # ------------------------------------------------------------------ growth
     def _maybe_ask_growth(self) -> None:
@@ -692,7 +716,7 @@ class LoopDriver:
             self.spares.extend(self._spawn(self.job.max_workers - len(self.members)))
         if self._ready_spares():
             for w in self.members:
-                w.actor.request_exit.remote()
+                w.actor.request_stop.remote()
             self._growth_asked = True
 
     def _grow(self) -> None:

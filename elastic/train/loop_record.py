@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic.train.callbacks import LoopCallbacks
+from elastic.train.loop_messages import EntryOutcome, LoopError
 
 
 class LoopFailed(RuntimeError):
@@ -31,13 +32,14 @@ class Worker:
     pid: int = 0
     run_ref: Any = None
     poll_ref: Any = None
-    outcome: dict[str, Any] | None = None
+    outcome: EntryOutcome | None = None  # how its entry in progress ended (None: it runs)
     waiting: bool = False
     rss: list[int] = field(default_factory=list)  # resident bytes at each poll
+    held: list[int] = field(default_factory=list)  # checkpoint parts in its memory at each poll
     generation: int = 0  # the generation it was last placed in
     entries: int = 0
     heard: float = 0.0  # the driver's clock at its last poll answer
-    start_error: dict[str, Any] | None = None  # why it could not start the loop (``error_outcome``), if so
+    start_error: LoopError | None = None  # why it could not start the loop, if so
     resolved: bool = False  # its start answered: up (``node_id``) or failed
 
 
@@ -63,17 +65,18 @@ class Job:
     callbacks: LoopCallbacks = field(default_factory=LoopCallbacks)
 
 
-def died_starting(exc: BaseException) -> dict[str, Any] | None:
+def died_starting(exc: BaseException) -> LoopError | None:
     """Why a worker died starting, when its own start raised (``actor_init_failed``: the
     same would happen again); None when it was lost (its node, its process)."""
     if not getattr(exc, "actor_init_failed", False):
         return None
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # Ray colours the task's name
-    return {"kind": "error", "error": f"{type(exc).__name__}: {text}", "type": type(exc).__name__, "traceback": ""}
+    return LoopError("error", f"{type(exc).__name__}: {text}", type(exc).__name__)
 
 
-def exception_of(errors: list[dict[str, Any]]) -> BaseException | None:
-    return errors[0].get("exception") if errors else None
+def exception_of(errors: list[EntryOutcome]) -> BaseException | None:
+    first = errors[0].failure if errors else None
+    return first.exception if first is not None else None
 
 
 def worker_exceptions(members: list[Worker], lost: list[Worker], cause: str) -> dict[int, BaseException]:
@@ -81,9 +84,9 @@ def worker_exceptions(members: list[Worker], lost: list[Worker], cause: str) -> 
     Ray Train's ``UserCallback.after_exception`` receives it."""
     out: dict[int, BaseException] = {}
     for rank, w in enumerate(members):
-        o = w.outcome or {}
+        o = w.outcome
         if w in lost:
-            out[rank] = RuntimeError(f"worker lost: {o.get('error') or cause}")
-        elif o.get("kind") in ("error", "collective"):
-            out[rank] = o.get("exception") or RuntimeError(o.get("error", o["kind"]))
+            out[rank] = RuntimeError(f"worker lost: {o.error if o is not None and o.failure else cause}")
+        elif o is not None and o.failure is not None and o.kind in ("error", "collective"):
+            out[rank] = o.failure.exception or RuntimeError(o.error)
     return out

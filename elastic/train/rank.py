@@ -16,8 +16,11 @@ repeated entries.
 
 Two concurrency groups, as the built-in rank's (``elastic/worker/actor.py``): ``train``
 runs ``run`` (the loop, and any join of a process group), ``control`` answers the driver
-while the loop runs: ``poll``, ``abort``, ``request_exit``, ``reform`` and the checkpoint
-copies a peer keeps (``hold``/``fetch``).
+while the loop runs: ``poll``, ``abort_step``, ``request_stop``, ``reform`` and the
+checkpoint copies a peer keeps (``store_replica``, ``fetch``, ``forget_before``). Every
+message of either direction is typed (``elastic/train/loop_messages.py``); the names the
+built-in rank also answers (``info``, ``poll``, ``abort_step``, ``request_stop``,
+``store_replica``, ``run``) mean the same there (``RankPayload``, ``elastic/worker/runtime.py``).
 
 A report (``report(metrics, checkpoint)`` in the loop) is agreed by every rank (one
 two-int all-reduce: did any rank report a checkpoint, has the driver asked the group to
@@ -38,9 +41,7 @@ import shutil
 import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -49,6 +50,18 @@ import torch.distributed as dist
 
 from elastic.train.checkpoint import Checkpoint, read_files, write_files
 from elastic.train.data import Position
+from elastic.train.loop_messages import (
+    Entry,
+    EntryOutcome,
+    LoopError,
+    LoopInfo,
+    LoopPoll,
+    LoopReport,
+    Place,
+    Restore,
+    Restored,
+    Upload,
+)
 from elastic.train.session import LoopExit, Session, TrainContext, set_session
 from elastic.worker.process_group import is_collective_error
 from elastic.worker.runtime import RankRuntime, rss_bytes
@@ -60,45 +73,6 @@ FETCH_TIMEOUT_S = 120.0
 REFORM_WAIT_S = 300.0  # a rank waiting in its step for the driver's new group
 
 
-@dataclass
-class Place:
-    """A rank's place in one generation of the group."""
-
-    generation: int
-    rank: int
-    world: int
-    local_rank: int
-    local_world: int
-    node_rank: int
-    store: tuple[str, int]
-    secret: str
-    peer: Any = None  # the actor that keeps a copy of this rank's checkpoints (another node's), or None
-
-
-@dataclass
-class Restore:
-    """The checkpoint an entry starts from: report ``index``, whose files are in ``parts``
-    (each part: the rank that reported them and the actors holding a copy), else in
-    ``storage_dir`` (committed)."""
-
-    index: int
-    parts: list[tuple[int, list[Any]]]
-    storage_dir: str | None
-    positions: list[dict[str, Any]] = field(default_factory=list)
-
-
-@dataclass
-class Entry:
-    place: Place
-    index: int  # the report this entry continues after
-    restore: Restore | None
-    experiment_name: str
-    trial_name: str | None
-    storage_dir: str  # where this run's checkpoints are uploaded
-    run_id: str
-    datasets: dict[str, tuple[list[tuple[Any, int]], bool]] = field(default_factory=dict)  # name -> (blocks, split)
-
-
 class LoopRank:
     """One rank of a user's loop (the body of the Ray actor ``TorchTrainer`` starts)."""
 
@@ -108,69 +82,65 @@ class LoopRank:
         # error ``info`` reports with its own traceback, not an actor that died starting
         self.fn: Callable[..., Any] | None = None
         self.config: dict[str, Any] | None = None
-        self.load_error: dict[str, Any] | None = None
+        self.load_error: LoopError | None = None
         try:
             self.fn, self.config = ray.cloudpickle.loads(loop)
         except BaseException as exc:  # noqa: BLE001 - the driver fails the run with it
-            self.load_error = error_outcome(exc)
+            self.load_error = LoopError.of(exc, __file__)
         self.device_type = device_type
         self.runtime = RankRuntime(device_type, timeout_s, connect_world_at_once=True)  # a loop may use any pair
+        # stack dumps on SIGUSR1, the control threads above the loop's, the start-up heap frozen
+        # (torch's threads: Ray's OMP_NUM_THREADS; freed memory: glibc's defaults, the loop's own)
+        self.runtime.settle_process()
         self.place: Place | None = None
         self.index = 0
         self.session: Session | None = None
         self.held: dict[tuple[int, int], dict[str, bytes]] = {}  # (index, rank) -> files: own and peers'
         self._lock = threading.Lock()
-        self._reports: list[dict[str, Any]] = []
-        self._uploads: list[dict[str, Any]] = []
-        self._exit_requested = False
+        self._reports: list[LoopReport] = []
+        self._uploads: list[Upload] = []
+        self._stop_requested = False
         self._reform: queue.Queue[Place | None] = queue.Queue()
         self.waiting = False  # in a step, waiting for the driver's new group
         self.entries = 0
         self._threads: list[threading.Thread] = []
-        self._restored: dict[str, Any] | None = None  # this entry's restore: {source, duration_s}
+        self._restored: Restored | None = None  # this entry's restore
         self._restored_from = "memory"
 
     # ------------------------------------------------------------------ control group
     @ray.method(concurrency_group="control")
-    def info(self) -> dict[str, Any]:
+    def info(self) -> LoopInfo:
         w = self.runtime.where()
-        return {
-            "node_id": w.node_id,
-            "ip": w.ip,
-            "pid": w.pid,
-            "gpus": self.runtime.gpus(),
-            "load_error": self.load_error,
-        }
+        return LoopInfo(w.node_id, w.ip, w.pid, tuple(self.runtime.gpus()), self.load_error)
 
     @ray.method(concurrency_group="control")
-    def poll(self) -> dict[str, Any]:
+    def poll(self) -> LoopPoll:
         with self._lock:
             reports, self._reports = self._reports, []
             uploads, self._uploads = self._uploads, []
         generation = self.place.generation if self.place is not None else 0
-        return {
-            "reports": reports,
-            "uploads": uploads,
-            "waiting": self.waiting,
-            "generation": generation,
-            "rss": rss_bytes(),
-        }
+        return LoopPoll(reports, uploads, self.waiting, generation, rss_bytes(), len(self.held))
 
     @ray.method(concurrency_group="control")
-    def abort(self) -> int:
-        """A peer was lost: leave the collective this rank may be blocked in (its sockets are
-        shut down: the collective fails here at once), and any report takes the loop back."""
+    def abort_step(self, generation: int = 0, links: frozenset | None = None) -> int:
+        """A peer was lost: leave the step in flight. This rank's ``links`` (to the lost ranks;
+        None: every one) are shut down, so a collective blocked on one fails here at once, and
+        any report takes the loop back. Returns how many were cut; a late notice (of a
+        ``generation`` older than this rank's): nothing."""
+        if generation and self.place is not None and generation < self.place.generation:
+            return 0  # (a newer one: its place is on the way to this rank, which must not join it)
         session = self.session
         if session is not None:
             session.exit.set()
         if self.waiting or not self.runtime.connected():
             return 0  # already out of the group
-        return self.runtime.cut()
+        return self.runtime.cut(links)
 
     @ray.method(concurrency_group="control")
-    def request_exit(self) -> None:
-        """Leave the loop at the next report that carries a checkpoint (the group grows there)."""
-        self._exit_requested = True
+    def request_stop(self) -> None:
+        """Leave the loop at the next boundary it can be continued from: a report that carries
+        a checkpoint (the group grows there)."""
+        self._stop_requested = True
 
     @ray.method(concurrency_group="control")
     def reform(self, place: Place | None) -> None:
@@ -178,13 +148,15 @@ class LoopRank:
         self._reform.put(place)
 
     @ray.method(concurrency_group="control")
-    def hold(self, index: int, rank: int, files: dict[str, bytes]) -> bool:
+    def store_replica(self, index: int, rank: int, files: dict[str, bytes]) -> bool:
+        """Keep a copy of ``rank``'s checkpoint files of report ``index`` (this rank is its peer)."""
         with self._lock:
             self.held[(index, rank)] = files
         return True
 
     @ray.method(concurrency_group="control")
     def fetch(self, index: int, rank: int) -> dict[str, bytes] | None:
+        """``rank``'s checkpoint files of report ``index``, where this rank holds them."""
         return self.held.get((index, rank))
 
     @ray.method(concurrency_group="control")
@@ -199,18 +171,19 @@ class LoopRank:
         return os.getpid()
 
     # ------------------------------------------------------------------ train group
-    def run(self, entry: Entry) -> dict[str, Any]:
+    def run(self, entry: Entry) -> EntryOutcome:
         """Join ``entry``'s generation and run the loop once; what became of it."""
         self.runtime.enter("train")
         self.entries += 1
-        self._exit_requested = False
+        self._stop_requested = False
         self._drain_reform()
         t0 = time.perf_counter()
         try:
             self._join(entry.place)
         except Exception as exc:  # noqa: BLE001 - a peer lost while joining: the driver re-forms
             self.runtime.leave()
-            return {"kind": "collective", "error": f"{type(exc).__name__}: {exc}", "index": self.index}
+            error = LoopError("collective", f"{type(exc).__name__}: {exc}", type(exc).__name__)
+            return EntryOutcome.raised(error, self.index)
         join_s = time.perf_counter() - t0
         self.index = entry.index
         ckpt_dir = None
@@ -221,18 +194,19 @@ class LoopRank:
                 ckpt_dir = tempfile.mkdtemp(prefix=f"elastic-{entry.run_id}-restore-")
                 t_restore = time.perf_counter()
                 checkpoint, positions = self._materialize(entry.restore, ckpt_dir), entry.restore.positions
-                self._restored = {"source": self._restored_from, "duration_s": time.perf_counter() - t_restore}
+                self._restored = Restored(self._restored_from, time.perf_counter() - t_restore)
             self.session = self._session(entry, checkpoint, positions)
             set_session(self.session)
             if self.fn is None:
-                return {"index": self.index, "join_s": join_s, **(self.load_error or {"kind": "error"})}
+                assert self.load_error is not None
+                return EntryOutcome.raised(self.load_error, self.index, join_s)
             with self.runtime.running():
                 result = _call(self.fn, self.config)
-            return {"kind": "finished", "index": self.index, "join_s": join_s, "value": _plain(result)}
+            return EntryOutcome("finished", self.index, join_s, _plain(result))
         except LoopExit:
-            return {"kind": "exited", "index": self.index, "join_s": join_s}
+            return EntryOutcome("exited", self.index, join_s)
         except BaseException as exc:  # noqa: BLE001 - the loop's own error or a lost peer's
-            return {"index": self.index, "join_s": join_s, **error_outcome(exc)}
+            return EntryOutcome.raised(LoopError.of(exc, __file__), self.index, join_s)
         finally:
             set_session(None)
             self.session = None
@@ -329,7 +303,7 @@ class LoopRank:
         rank, world = session.context.world_rank, session.context.world_size
         recovered = False
         try:
-            any_ckpt, leave = self._agree(checkpoint is not None, self._exit_requested)
+            any_ckpt, leave = self._agree(checkpoint is not None, self._stop_requested)
         except Exception as exc:
             if guard is None or not guard.active or not is_collective_error(exc):
                 raise
@@ -352,25 +326,23 @@ class LoopRank:
             rows_served = sum(lo.rows_served for lo in session.state["loaders"])
             for lo in session.state["loaders"]:
                 lo.rows_served = 0
+        report = LoopReport(
+            index=index,
+            rank=rank,
+            generation=generation,
+            world=world,
+            metrics=_plain(metrics),
+            ts=time.time(),
+            checkpoint=files is not None,
+            positions=positions,
+            rows=ledger,
+            rows_served=rows_served,
+            blocking_s=time.perf_counter() - t_report,
+            bytes=sum(len(v) for v in files.values()) if files is not None else 0,
+            restored=self._restored,
+        )
         with self._lock:
-            self._reports.append(
-                {
-                    "index": index,
-                    "rank": rank,
-                    "generation": generation,
-                    "world": world,
-                    "metrics": _plain(metrics),
-                    "checkpoint": files is not None,
-                    "positions": positions,
-                    "rows": ledger,
-                    "rows_served": rows_served,
-                    "ts": time.time(),
-                    # run files (elastic/train/run_events.py): the report's hold, its files' size, the entry's restore
-                    "blocking_s": time.perf_counter() - t_report,
-                    "bytes": sum(len(v) for v in files.values()) if files is not None else 0,
-                    "restored": self._restored,
-                }
-            )
+            self._reports.append(report)
         self.index = index
         if any_ckpt and leave:
             session.exit.set()
@@ -400,7 +372,7 @@ class LoopRank:
         import ray
 
         try:
-            ray.get(place.peer.hold.remote(index, rank, files), timeout=PEER_COPY_TIMEOUT_S)
+            ray.get(place.peer.store_replica.remote(index, rank, files), timeout=PEER_COPY_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - a lost peer: storage keeps the copy
             logger.warning("checkpoint %d: no copy on the peer (%s)", index, exc)
 
@@ -409,10 +381,9 @@ class LoopRank:
             from elastic.train.checkpoints import upload_part
 
             try:
-                manifest = upload_part(storage_dir, index, files)
-                outcome: dict[str, Any] = {"index": index, "rank": rank, "manifest": manifest}
+                outcome = Upload(index, rank, manifest=upload_part(storage_dir, index, files))
             except Exception as exc:  # noqa: BLE001 - reported: the driver records the failure
-                outcome = {"index": index, "rank": rank, "error": f"{type(exc).__name__}: {exc}"}
+                outcome = Upload(index, rank, error=f"{type(exc).__name__}: {exc}")
             with self._lock:
                 self._uploads.append(outcome)
 
@@ -456,19 +427,6 @@ def pickle_loop(fn: Callable[..., Any], config: dict[str, Any] | None) -> bytes:
     return ray.cloudpickle.dumps((fn, config))
 
 
-def error_outcome(exc: BaseException) -> dict[str, Any]:
-    """What the driver hears of an exception: ``kind`` (``collective`` when it is a failed
-    collective, else ``error``), ``error`` (type and message), ``type``, the traceback from
-    the loop's own frames on, and the exception itself when it pickles."""
-    return {
-        "kind": "collective" if is_collective_error(exc) else "error",
-        "error": f"{type(exc).__name__}: {exc}",
-        "type": type(exc).__name__,
-        "traceback": _loop_traceback(exc),
-        "exception": _picklable(exc),
-    }
-
-
 def _call(fn: Callable[..., Any], config: dict[str, Any] | None) -> Any:
     params = [
         p
@@ -494,22 +452,4 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _loop_traceback(exc: BaseException) -> str:
-    """The exception's traceback from the loop's own frame on (the runtime's frames left out)."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb))
-
-
-def _picklable(exc: BaseException) -> BaseException | None:
-    import pickle
-
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc.with_traceback(None)
-    except Exception:  # noqa: BLE001 - the driver rebuilds it from type and message
-        return None
-
-
-__all__ = ["Entry", "LoopRank", "Place", "Restore", "error_outcome", "pickle_loop"]
+__all__ = ["LoopRank", "pickle_loop"]

@@ -50,10 +50,13 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic.control.outages import Outages
 from elastic.events import EventLog, Recovery, RunResult, write_summary
+
+if TYPE_CHECKING:
+    from elastic.train.loop_messages import LoopReport
 
 TP = PP = GRAD_ACCUM = 1
 
@@ -120,20 +123,20 @@ class LoopRunFiles:
             self.events.emit("resize", ts=ts, **fields)
 
     # ------------------------------------------------------------------ steps
-    def step(self, index: int, world: int, reps: dict[int, dict[str, Any]], peer: bool = False) -> dict[str, Any]:
+    def step(self, index: int, world: int, reps: dict[int, LoopReport], peer: bool = False) -> dict[str, Any]:
         """A report index every rank reached: its ``step`` event (after a ``restore`` when
         it is the first of a group that restored, and before the memory checkpoint's);
         ``peer``: the group spans nodes, so each checkpoint part has a copy on another."""
         self._flush_resize(world)
-        ts = max(r["ts"] for r in reps.values())
-        generation = max(r.get("generation", 0) for r in reps.values())
+        ts = max(r.ts for r in reps.values())
+        generation = max(r.generation for r in reps.values())
         started, restore_index = self._generation_start.get(generation, (ts, None))
         if self._last_step is not None and self._last_step[0] == generation:
             since = self._last_step[1]
         else:
             since = started
             self._restored(restore_index, reps, started)
-        metrics = reps[min(reps)]["metrics"] if reps else {}
+        metrics = reps[min(reps)].metrics if reps else {}
         fields: dict[str, Any] = {
             "step": index,
             "dp": world,
@@ -143,7 +146,7 @@ class LoopRunFiles:
             "world_size": world,
             "step_time_s": max(0.0, ts - since),
         }
-        served = [int(r["rows_served"]) for r in reps.values() if r.get("rows_served") is not None]
+        served = [r.rows_served for r in reps.values() if r.rows_served is not None]
         if sum(served) > 0 and ts > since:
             fields["rows_per_s"] = sum(served) / (ts - since)
             self.rows_per_s.append(fields["rows_per_s"])
@@ -155,26 +158,26 @@ class LoopRunFiles:
         event = self.events.emit("step", ts=ts, **fields)
         self._last_step = (generation, ts)
         self._step_ts[index] = ts
-        holders = [r for r in reps.values() if r.get("checkpoint")]
+        holders = [r for r in reps.values() if r.checkpoint]
         if holders:
             self.events.emit(
                 "checkpoint",
                 ts=ts,
                 step=index,
                 tier="memory",
-                blocking_s=max(float(r.get("blocking_s", 0.0)) for r in holders),
-                duration_s=max(float(r.get("blocking_s", 0.0)) for r in holders),
-                bytes=sum(int(r.get("bytes", 0)) for r in holders),
+                blocking_s=max(r.blocking_s for r in holders),
+                duration_s=max(r.blocking_s for r in holders),
+                bytes=sum(r.bytes for r in holders),
                 peer=peer,
             )
         return event
 
-    def _restored(self, restore_index: int | None, reps: dict[int, dict[str, Any]], started: float) -> None:
-        done = [r["restored"] for r in reps.values() if r.get("restored")]
+    def _restored(self, restore_index: int | None, reps: dict[int, LoopReport], started: float) -> None:
+        done = [r.restored for r in reps.values() if r.restored is not None]
         if restore_index is None or not done:
             return
-        source = "storage" if any(d["source"] == "storage" for d in done) else "memory"
-        duration = max(float(d["duration_s"]) for d in done)
+        source = "storage" if any(d.source == "storage" for d in done) else "memory"
+        duration = max(d.duration_s for d in done)
         self.events.emit("restore", ts=started + duration, step=restore_index, source=source, duration_s=duration)
 
     # ------------------------------------------------------------------ checkpoints in storage

@@ -5,7 +5,7 @@
 How. The DDP model's gradients are averaged by a communication hook of ours (the same
 all-reduce as DDP's default, over the current group). When a peer is lost during a step,
 that all-reduce fails on the survivors (their sockets to the lost rank close, or the driver
-cuts them: ``LoopRank.abort``); the hook swallows the failure and marks the step failed.
+cuts them: ``LoopRank.abort_step``); the hook swallows the failure and marks the step failed.
 The optimizer's ``step`` then does not apply it: it waits for the driver's new group and
 joins it in place (``LoopRank.await_reform``), the survivors agree on the newest step all
 of them applied (a rank that had applied one more rolls back to its snapshot), the loaders

@@ -27,15 +27,12 @@ its process group, which frees peers blocked in a collective with it within mill
 
 from __future__ import annotations
 
-import faulthandler
 import logging
-import signal
 import threading
 import time
 from typing import Any
 
 import ray
-import torch
 
 from elastic.checkpoint.memory_tier import MemoryTier, Snapshot
 from elastic.checkpoint.peer_fetch import layout_of, needed_owners
@@ -52,11 +49,8 @@ from elastic.messages import (
 )
 from elastic.parallel.dims import ParallelDims
 from elastic.parallel.live import LiveState, held_in_cycles
-from elastic.priority import control_priority
 from elastic.worker.abort import classify
-from elastic.worker.allocator import keep_freed_memory
 from elastic.worker.device_peak import peak_flops
-from elastic.worker.heap import settle_heap
 from elastic.worker.hooks import StepHook
 from elastic.worker.outbox import ReportQueue, peer_sender
 from elastic.worker.runtime import RankRuntime
@@ -90,20 +84,9 @@ class Rank:
         self.hook = step_hook
         if step_hook is not None:
             step_hook.attach(self._stop, self.runtime.touch)
-        # `kill -USR1 <pid>` dumps every thread's stack to the worker's log (where a hung rank is
-        # stuck); a fatal signal (a crash in gloo or NCCL) prints every Python thread's stack too.
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
-        faulthandler.enable(all_threads=True)
-        # Ray sizes the actor's CPU share; torch would otherwise use every core per worker.
-        torch.set_num_threads(max(1, int(spec.resources.cpus_per_worker)))
-        # The control threads at -5 where allowed, else 0 (the import left Ray's niceness, 15);
-        # the training thread goes to 0 with its first call (elastic/priority.py).
-        control_priority()
-        # Everything alive now (torch, Ray, imported modules, and pandas, which pyarrow would
-        # import at the first read) lives as long as the process: frozen, so that the full
-        # collection of a re-formation does not scan it again (elastic/worker/heap.py).
-        settle_heap()
-        keep_freed_memory(self.device.type)  # a CPU worker keeps the blocks it frees (worker/allocator.py)
+        # Ray sizes the actor's CPU share; torch would otherwise use every core per worker. A CPU
+        # worker keeps the blocks it frees: a re-formation frees and allocates the state's size.
+        self.runtime.settle_process(int(spec.resources.cpus_per_worker), keep_freed=True)
 
     # ------------------------------------------------------------------ control group
     def info(self) -> WorkerInfo:

@@ -22,11 +22,25 @@ What the runtime holds, the same under both:
   (``training``), at the training thread's priority (``elastic/priority.py``);
 * the device a rank trains on (``device``), where it runs (``where``, ``gpus``) and its
   resident memory (``rss_bytes``);
+* the process's set-up when the actor starts (``settle_process``): ``kill -USR1 <pid>`` dumps
+  every thread's stack to the worker's log (where a hung rank is stuck) and a fatal signal
+  prints them too; the control threads at a higher priority than the training thread, so a
+  rank answers its driver's pings under any load; what is alive at start frozen out of the
+  garbage collector's scans (``elastic/worker/heap.py``); and, where asked, torch's threads
+  and glibc's handling of freed memory (``elastic/worker/allocator.py``);
 * the exit path (``close``).
 
 What each payload keeps for itself: what it trains and how, the state it snapshots (the
 memory tier, or a loop's reported files), its restore, its stop at a boundary, and the
-messages it answers with.
+messages it answers with (typed: ``elastic/messages.py`` for the built-in trainer,
+``elastic/train/loop_messages.py`` for a loop).
+
+What each payload answers its driver, under the same names (``RankPayload``): ``info``
+(where it runs), ``poll`` (its reports since the last poll), ``abort_step`` (leave the step
+in flight, this rank's links to the lost peers cut), ``request_stop`` (stop at the next
+boundary the job can continue from: a step for the built-in trainer, a report with a
+checkpoint for a loop), ``store_replica`` (keep a peer's copy of its state) and ``run``
+(train; how it ended).
 
 Runs in the rank's process; imports nothing of the control package.
 """
@@ -34,18 +48,22 @@ Runs in the rank's process; imports nothing of the control package.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
+import signal
 import threading
 import time
 from collections.abc import Collection, Iterator
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import ray
 import torch
 
 from elastic.messages import Connection, WorkerInfo
-from elastic.priority import training_thread
+from elastic.priority import control_priority, training_thread
 from elastic.worker.abort import leave_process, report_if_stuck
+from elastic.worker.allocator import keep_freed_memory
+from elastic.worker.heap import settle_heap
 from elastic.worker.process_group import ReconfigurableProcessGroup
 
 
@@ -64,6 +82,26 @@ class RankRuntime:
         self.idle = threading.Event()  # no run in progress
         self.idle.set()
         self.aborted = threading.Event()  # the driver abandoned the step in flight
+
+    # ------------------------------------------------------------------ the process
+    def settle_process(self, threads: int | None = None, keep_freed: bool = False) -> None:
+        """Set the rank's process up once, when its actor starts (the module docstring):
+        ``threads``, torch's intra-op threads (None: as Ray's ``OMP_NUM_THREADS`` left
+        them); ``keep_freed``, a CPU process keeps the memory it frees for its next
+        allocations (the built-in trainer's re-formations; a loop's memory is its own)."""
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        faulthandler.enable(all_threads=True)
+        if threads is not None:
+            torch.set_num_threads(max(1, threads))
+        # The control threads at -5 where allowed, else 0 (the import left Ray's niceness, 15);
+        # the training thread goes to 0 with its first call (elastic/priority.py).
+        control_priority()
+        # Everything alive now (torch, Ray, imported modules, and pandas, which pyarrow would
+        # import at the first read) lives as long as the process: frozen, so that the full
+        # collection of a re-formation does not scan it again (elastic/worker/heap.py).
+        settle_heap()
+        if keep_freed:
+            keep_freed_memory(self.device_type)
 
     # ------------------------------------------------------------------ where it runs
     def where(self) -> WorkerInfo:
@@ -170,6 +208,24 @@ class RankRuntime:
         self.group.leave()
 
 
+@runtime_checkable
+class RankPayload(Protocol):
+    """What a payload on the runtime answers its driver (the module docstring); each takes
+    its own messages, so only the names and their meaning are shared."""
+
+    def info(self) -> WorkerInfo: ...
+
+    def poll(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def abort_step(self, generation: int = 0, links: Any = ...) -> Any: ...
+
+    def request_stop(self) -> None: ...
+
+    def store_replica(self, *args: Any) -> bool: ...
+
+    def run(self, *args: Any) -> Any: ...
+
+
 def rss_bytes() -> int:
     """This process's resident memory in bytes (0 where ``/proc`` is not there)."""
     try:
@@ -179,4 +235,4 @@ def rss_bytes() -> int:
         return 0
 
 
-__all__ = ["RankRuntime", "rss_bytes"]
+__all__ = ["RankPayload", "RankRuntime", "rss_bytes"]

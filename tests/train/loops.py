@@ -108,6 +108,17 @@ def reporting_loop(config: dict[str, Any]) -> None:
             train.report(metrics)
 
 
+def checkpointing_loop(config: dict[str, Any]) -> None:
+    """``config["reports"]`` reports ``pace_s`` apart, each with a checkpoint (one file per rank)."""
+    rank = train.get_context().get_world_rank()
+    for i in range(1, config["reports"] + 1):
+        time.sleep(config.get("pace_s", 0.0))
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, f"part{rank}.txt"), "w") as f:
+                f.write(str(i))
+            train.report({"i": i}, checkpoint=train.Checkpoint.from_directory(d))
+
+
 def lineage(ledger: list[dict[str, Any]], full: bool = False) -> dict[int, Any]:
     """Each step's reports from the newest generation that reported it: rank -> rows of its
     first loader (``full``: rank -> the whole ledger entry)."""

@@ -218,6 +218,23 @@ def test_a_node_loss_enters_the_loop_again_then_it_grows_back(ray_cluster, tmp_p
         assert resizes[1]["reason"] == "capacity returned"
 
 
+def test_a_rank_holds_the_newest_checkpoints_not_all_of_them(ray_cluster, tmp_path):
+    """A checkpoint at every one of 40 reports: each rank's memory (its own part, its copy of
+    its peer's) drops a checkpoint once a newer one is complete (the driver's ``forget_before``),
+    so it holds a few, whatever the run's length, where it held all 40 (the driver forgets
+    with a lag of a poll or two: up to 10 is allowed for a loaded machine)."""
+    trainer = TorchTrainer(
+        loops.checkpointing_loop,
+        train_loop_config={"reports": 40, "pace_s": 0.05},
+        scaling_config=train.ScalingConfig(num_workers=2),
+        run_config=train.RunConfig(name="held", storage_path=str(tmp_path / "runs")),
+    )
+    result = trainer.fit()
+    assert result.metrics["i"] == 40 and result.checkpoint.path.endswith("checkpoint_000040")
+    held = trainer.last_run["held"]
+    assert all(h and 1 <= max(h) <= 10 for h in held.values()), held
+
+
 def test_an_error_the_loop_raises_on_every_rank_ends_the_run_at_once(ray_cluster, tmp_path):
     trainer = _trainer(tmp_path, "bug", 2, fail_at=3)
     with pytest.raises(train.TrainingFailedError) as info:

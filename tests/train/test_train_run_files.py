@@ -8,11 +8,12 @@ import json
 import pytest
 
 from elastic.events import read_events
+from elastic.train.loop_messages import LoopReport
 from elastic.train.run_files import LoopRunFiles
 
 
-def _rep(ts: float, rows: int | None, loss: float = 1.0) -> dict:
-    return {"ts": ts, "generation": 1, "metrics": {"loss": loss}, "rows_served": rows, "checkpoint": False}
+def _rep(ts: float, rows: int | None, loss: float = 1.0) -> LoopReport:
+    return LoopReport(index=1, rank=0, generation=1, world=2, metrics={"loss": loss}, ts=ts, rows_served=rows)
 
 
 def test_rows_per_s_is_what_the_loaders_served_over_the_step_time(tmp_path):

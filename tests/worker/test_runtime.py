@@ -95,3 +95,24 @@ def test_both_rank_actors_are_payloads_on_one_runtime():
     assert makers == ["elastic/worker/runtime.py"]
     for actor in ("elastic/worker/actor.py", "elastic/train/rank.py"):
         assert "RankRuntime" in _constructed(ROOT / actor), actor
+
+
+def test_both_payloads_answer_the_same_rpc_names():
+    """The built-in rank (its actor shell and its body) and a loop's rank answer the names of
+    ``RankPayload``, and an abort takes the same arguments on both (the generation it is of,
+    the links to cut)."""
+    import inspect
+
+    from elastic.train.rank import LoopRank
+    from elastic.worker.actor import Rank
+    from elastic.worker.remote import TrainWorker
+    from elastic.worker.runtime import RankPayload
+
+    names = [n for n in vars(RankPayload) if not n.startswith("_") and callable(getattr(RankPayload, n))]
+    assert sorted(names) == ["abort_step", "info", "poll", "request_stop", "run", "store_replica"]
+    shell = TrainWorker.__ray_actor_class__  # the class behind Ray's handle
+    for cls in (Rank, shell, LoopRank):
+        missing = [n for n in names if not callable(getattr(cls, n, None))]
+        assert not missing, (cls, missing)
+        params = list(inspect.signature(cls.abort_step).parameters)
+        assert params[1:3] == ["generation", "links"], (cls, params)
