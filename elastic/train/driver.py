@@ -672,21 +672,35 @@ class LoopDriver:
         return "collective_timeout", sorted(old.index(w) for w in failed), sorted({w.node_id for w in failed})
 
     def _census(self) -> tuple[list[Worker], list[Worker]]:
-        """Who is lost: a run gone with its actor, or no answer to a ping; the survivors are
-        waited for until each is waiting in a held step or its run has returned."""
-        pings = {id(w): w.actor.ping.remote() for w in self.members if not (w.outcome and w.outcome.kind == "lost")}
+        """Who is lost: a run gone with its actor, no answer to a ping, or a node whose raylet
+        refuses connections (proof it is gone, at once: Ray's own word on the actor comes
+        with its health checks, about a second later); the survivors are waited for until
+        each is waiting in a held step or its run has returned."""
+        members = [w for w in self.members if not (w.outcome and w.outcome.kind == "lost")]
+        pending = {w.actor.ping.remote(): w for w in members}
         deadline = time.monotonic() + PING_TIMEOUT_S
-        lost, alive = [], []
-        for w in self.members:
-            ref = pings.get(id(w))
-            if ref is None:
+        lost = [w for w in self.members if w not in members]
+        alive: list[Worker] = []
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=TICK_S)
+            for ref in done:
+                w = pending.pop(ref)
+                try:
+                    ray.get(ref)
+                    alive.append(w)
+                except Exception:  # noqa: BLE001 - its actor is gone
+                    lost.append(w)
+            if not pending:
+                break
+            if time.monotonic() >= deadline:  # silent: treated as lost
+                lost.extend(pending.values())
+                break
+            gone = self.raylets.dead({w.node_id for w in pending.values() if w.node_id}, 0.0, refused_only=True)
+            for ref, w in [(r, w) for r, w in pending.items() if w.node_id in gone]:
+                del pending[ref]
                 lost.append(w)
-                continue
-            try:
-                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
-                alive.append(w)
-            except Exception:  # noqa: BLE001 - dead or silent
-                lost.append(w)
+        lost.sort(key=self.members.index)
+        alive.sort(key=self.members.index)
         settle = time.monotonic() + SETTLE_TIMEOUT_S
         while time.monotonic() < settle:
             self._poll(alive)
