@@ -170,6 +170,15 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         smoke=("--steps", "8", "--warmup", "2", "--reps", "1", "--json", "{out}"),
     ),
     Benchmark(
+        "held_step_cost",
+        "a held loop's step (prepare_optimizer: model and optimizer snapshot after every step) vs the same "
+        "optimizer not held, the same model and data (one process, one torch thread)",
+        "held_step_cost.json",
+        "--json",
+        ("--steps", "10", "--reps", "1"),
+        smoke=("--width", "256", "--depth", "2", "--steps", "5", "--warmup", "1", "--reps", "1", "--json", "{out}"),
+    ),
+    Benchmark(
         "rank_start",
         "a new rank's start beside busy nice-0 processes: its arguments opened at 0 vs at Ray's worker niceness (15)",
         "rank_start.json",

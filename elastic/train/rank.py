@@ -132,6 +132,7 @@ class LoopRank:
         session = self.session
         if session is not None:
             session.exit.set()
+        self.runtime.tier.yield_copy()  # a held step's snapshot copy gives way to the recovery
         if self.waiting or not self.runtime.connected():
             return 0  # already out of the group
         return self.runtime.cut(links)
@@ -301,19 +302,19 @@ class LoopRank:
         # the place this step was trained at (a recovery below re-forms the group under it)
         generation = self.place.generation if self.place is not None else 0
         rank, world = session.context.world_rank, session.context.world_size
-        recovered = False
-        try:
+        files = read_files(checkpoint.path) if checkpoint is not None else None
+        try:  # the report's collectives: a held step's lost peer is recovered here too
             any_ckpt, leave = self._agree(checkpoint is not None, self._stop_requested)
+            if any_ckpt and world > 1:
+                files = self._own_files(files, rank)
         except Exception as exc:
             if guard is None or not guard.active or not is_collective_error(exc):
                 raise
             if not guard.recover():
                 return  # this rank's step was rolled back: the report goes with it
-            any_ckpt, leave, recovered = checkpoint is not None, False, True
+            any_ckpt, leave = checkpoint is not None, False
+            files = read_files(checkpoint.path) if checkpoint is not None else None  # all of it: no merge
         index = self.index + 1
-        files = read_files(checkpoint.path) if checkpoint is not None else None
-        if any_ckpt and world > 1 and not recovered:
-            files = self._own_files(files, rank)
         positions = [lo.position.as_dict() for lo in session.state["loaders"]]
         if files is not None:
             with self._lock:
@@ -345,7 +346,7 @@ class LoopRank:
             self._reports.append(report)
         self.index = index
         if any_ckpt and leave:
-            session.exit.set()
+            session.leave = True  # every rank leaves at this report (the group grows here)
 
     def _own_files(self, files: dict[str, bytes] | None, rank: int) -> dict[str, bytes] | None:
         """The files this rank contributes to the merged checkpoint: a name two ranks report
@@ -369,10 +370,19 @@ class LoopRank:
         place = self.place
         if place is None or place.peer is None:
             return
-        import ray
-
+        ref = place.peer.store_replica.remote(index, rank, files)
+        deadline = time.monotonic() + PEER_COPY_TIMEOUT_S
+        session = self.session
         try:
-            ray.get(place.peer.store_replica.remote(index, rank, files), timeout=PEER_COPY_TIMEOUT_S)
+            while not ray.wait([ref], timeout=0.05)[0]:
+                if session is not None and session.exit.is_set():
+                    # a peer was lost (maybe this one, which Ray takes a second or more to fail):
+                    # the recovery does not wait; a live peer still stores it, storage has it
+                    logger.info("checkpoint %d: the copy to the peer goes on without this report", index)
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no answer in {PEER_COPY_TIMEOUT_S:.0f} s")
+            ray.get(ref)
         except Exception as exc:  # noqa: BLE001 - a lost peer: storage keeps the copy
             logger.warning("checkpoint %d: no copy on the peer (%s)", index, exc)
 

@@ -1,10 +1,12 @@
 """The running loop's view of its rank: ``report``, ``get_checkpoint``, ``get_context``,
 ``get_dataset_shard``, as Ray Train's, served by the rank runtime that entered the loop
-(``elastic/worker/loop.py``), which sets this process's ``Session`` for each entry.
+(``LoopRank``, ``elastic/train/rank.py``), which sets this process's ``Session`` for each entry.
 
 ``report`` is where the platform may take the loop back: when the driver asked the rank
 to leave this entry (a peer was lost, or the group grows at this boundary), ``report``
-raises ``LoopExit`` after it has kept the report. ``LoopExit`` is a ``BaseException``, so
+raises ``LoopExit`` after it has kept the report. A loop whose state the platform holds
+(``prepare_optimizer``) does not leave for a lost peer: its next collective fails and the
+step guard re-forms the group in place (``elastic/train/step_guard.py``). ``LoopExit`` is a ``BaseException``, so
 a loop's ``except Exception`` does not swallow it.
 """
 
@@ -69,8 +71,15 @@ class Session:
     on_report: Callable[[dict[str, Any], Checkpoint | None], None]
     shards: dict[str, Any] = field(default_factory=dict)
     device: Any = None
-    exit: threading.Event = field(default_factory=threading.Event)
+    exit: threading.Event = field(default_factory=threading.Event)  # a peer was lost (the driver's abort)
+    leave: bool = False  # the group agreed to leave at the last report (it grows there)
     state: dict[str, Any] = field(default_factory=dict)  # what prepare_* registered (elastic/train/torch)
+
+    def holds_step(self) -> bool:
+        """The platform holds this loop's state (``prepare_optimizer``): a lost peer is
+        recovered in its next collective, in place, not by leaving the loop."""
+        guard = self.state.get("guard")
+        return guard is not None and guard.active
 
 
 _current: Session | None = None
@@ -95,7 +104,7 @@ def report(metrics: dict[str, Any], checkpoint: Checkpoint | None = None, **_: A
         raise ValueError(f"report: checkpoint must be a Checkpoint, got {type(checkpoint).__name__}")
     session = current()
     session.on_report(metrics, checkpoint)
-    if session.exit.is_set():
+    if session.leave or (session.exit.is_set() and not session.holds_step()):
         raise LoopExit("the group is re-formed: the loop is entered again")
 
 

@@ -17,7 +17,19 @@ without a closure), so a loop that counts its own steps (to end its epoch, say) 
 the held one out: ``if optimizer.step() is False: continue`` (on Ray Train, never False).
 
 The snapshots are the model's and optimizer's state in CPU memory after each applied step,
-two deep (a survivor is at most one step ahead of another).
+kept in the rank runtime's memory tier (``elastic/checkpoint/memory_tier.py``, the built-in
+trainer's): copied into preallocated buffers, reused step after step and entry after entry
+(nothing allocated per step once the shapes are known), on a background thread (on CUDA a
+side stream) that overlaps the loop's next forward and backward; the optimizer's next
+``step`` waits for it before it changes the state. The two newest are kept (a survivor is at
+most one step ahead of another); the state before an entry's first step, whose optimizer has
+no state yet, is copied once by the guard itself. What a forward may change (the model's buffers: batch
+norm's running statistics, DDP's buffer broadcast) is cloned before the copy starts; the
+parameters and the optimizer's state are copied as they are, so a loop must change them
+only in ``optimizer.step()`` (docs/train_api.md). No peer keeps a copy: under DDP every
+survivor holds the whole state, the rule the built-in trainer applies
+(``recovery_plan.replica_peers``: a state with an identical replica on another node needs
+none).
 
 What is not held: a collective the loop makes itself (``dist.all_reduce`` of a metric, a
 DDP of its own) fails out of the loop, and the loop is entered again from the newest
@@ -26,13 +38,14 @@ checkpoint instead (docs/train_api.md says what a loop must do).
 
 from __future__ import annotations
 
-import copy
 import logging
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from elastic.checkpoint.memory_tier import MemoryTier, Snapshot, unflatten_state
+from elastic.checkpoint.snapshot import copy_plain, flatten_state
 from elastic.train.data import Position
 from elastic.worker.process_group import is_collective_error
 
@@ -50,8 +63,11 @@ class StepGuard:
         self.applied = 0
         self.failed = False
         self._discard = False
-        self._snaps: dict[int, dict[str, Any]] = {}
+        self.tier: MemoryTier = rank.runtime.tier
+        self._taken_as: dict[int, int] = {}  # step -> the rank its snapshot was taken as
+        self._initial: Snapshot | None = None  # the state before the entry's first step (kept here)
         self.recoveries = 0
+        clear_snapshots(self.tier)  # an earlier entry's: their buffers are reused
 
     @property
     def active(self) -> bool:
@@ -70,6 +86,7 @@ class StepGuard:
                 self._failed_step()
                 return False  # held back: a loop that counts its own steps does not count this one
             self._discard = False  # a held step's report, if the loop made none, is not the next one
+            self.tier.wait()  # the last snapshot's copy is done before the state changes
             out = original(*args, **kwargs)
             self.applied += 1
             self._snapshot()
@@ -122,9 +139,15 @@ class StepGuard:
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
             agreed = int(t.item())
         kept = agreed == self.applied
-        if agreed not in self._snaps:
-            raise RuntimeError(f"no snapshot of step {agreed} (this rank applied {self.applied})")
-        self._load(self._snaps[agreed])
+        self.tier.wait()  # the copy of this rank's newest step is done before the state is loaded over
+        try:
+            snap = self._initial if agreed == 0 else self.tier.get(self._taken_as[agreed], agreed)
+            if snap is None:
+                raise KeyError(agreed)
+        except KeyError:
+            raise RuntimeError(f"no snapshot of step {agreed} (this rank applied {self.applied})") from None
+        self._load(snap)
+        self.tier.discard_after(agreed)  # a step rolled back is not one to go back to
         self.applied = agreed
         self.recoveries += 1
         return kept
@@ -133,23 +156,52 @@ class StepGuard:
         return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
 
     def _snapshot(self) -> None:
-        snap = {
-            "models": [{k: v.detach().to("cpu", copy=True) for k, v in m.state_dict().items()} for m in self.models],
-            "optimizers": [_to_cpu(copy.deepcopy(o.state_dict())) for o in self.optimizers],
-            "positions": [lo.position.as_dict() for lo in self.session.state["loaders"]],
-        }
-        self._snaps[self.applied] = snap
-        for old in [k for k in self._snaps if k < self.applied - 1]:
-            del self._snaps[old]
+        """Start the copy of the state after step ``applied`` (the module docstring)."""
+        state: dict[str, Any] = {}
+        for i, model in enumerate(self.models):
+            buffers = {name for name, _ in model.named_buffers()}
+            state[f"model{i}"] = {
+                k: v.detach().clone() if k in buffers else v.detach() for k, v in model.state_dict().items()
+            }
+        for i, opt in enumerate(self.optimizers):
+            sd = opt.state_dict()
+            per_param = {str(k): v for k, v in sd["state"].items()}
+            state[f"optimizer{i}"] = {"state": per_param, "groups": sd["param_groups"]}
+        state["positions"] = [lo.position.as_dict() for lo in self.session.state["loaders"]]
+        rank, world = self.session.context.world_rank, self.session.context.world_size
+        if self.applied == 0:  # the optimizer has no state yet: another structure than every later step's
+            tensors, objects = flatten_state(state)
+            copies = {k: v.to("cpu", copy=True) for k, v in tensors.items()}
+            self._initial = Snapshot(0, rank, copies, copy_plain(objects))
+            return
+        self.tier.snapshot_async(self.applied, rank, state, {"world": world})
+        self._taken_as[self.applied] = rank
+        for old in [k for k in self._taken_as if k < self.applied - 2]:
+            del self._taken_as[old]
+        if self.applied >= 2:
+            self._initial = None  # every peer applied step 1 (none is more than a step behind)
 
-    def _load(self, snap: dict[str, Any]) -> None:
-        for model, state in zip(self.models, snap["models"], strict=True):
-            model.load_state_dict(state)
-        for opt, state in zip(self.optimizers, snap["optimizers"], strict=True):
-            opt.load_state_dict(state)
+    def _load(self, snap: Snapshot) -> None:
+        state = unflatten_state({**snap.tensors, **snap.objects})
+        for i, model in enumerate(self.models):
+            model.load_state_dict(state[f"model{i}"])  # copied into the parameters
+        for i, opt in enumerate(self.optimizers):
+            saved = state[f"optimizer{i}"]
+            # the optimizer keeps the tensors it is given (on the CPU): its own copies, not the tier's buffers
+            per_param = {int(k): _clone(v) for k, v in saved.get("state", {}).items()}
+            opt.load_state_dict({"state": per_param, "param_groups": saved["groups"]})
             opt.zero_grad(set_to_none=True)
-        for loader, pos in zip(self.session.state["loaders"], snap["positions"], strict=False):
+        for loader, pos in zip(self.session.state["loaders"], state["positions"], strict=False):
             loader.restore(Position.from_dict(pos))
+
+
+def clear_snapshots(tier: MemoryTier) -> None:
+    """Forget the own snapshots ``tier`` holds (an earlier entry's), keeping their buffers."""
+    try:
+        tier.wait()
+    except RuntimeError as exc:  # that copy's failure is the earlier entry's
+        logger.info("an earlier entry's snapshot copy failed: %s", exc)
+    tier.discard_after(-1)
 
 
 def _done(buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -158,11 +210,11 @@ def _done(buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     return fut
 
 
-def _to_cpu(obj: Any) -> Any:
+def _clone(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return obj.clone()
     if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
+        return {k: _clone(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_to_cpu(v) for v in obj]
+        return [_clone(v) for v in obj]
     return obj

@@ -34,7 +34,7 @@ from typing import Any
 
 import ray
 
-from elastic.checkpoint.memory_tier import MemoryTier, Snapshot
+from elastic.checkpoint.memory_tier import Snapshot
 from elastic.checkpoint.peer_fetch import layout_of, needed_owners
 from elastic.checkpoint.snapshot_stream import offer, receive_all
 from elastic.ingest.corpus import ParquetCorpus
@@ -76,7 +76,7 @@ class Rank:
         device_type = "cuda" if spec.resources.device == "cuda" else "cpu"
         self.runtime = RankRuntime(device_type, spec.elastic.collective_timeout_s)
         self.device = self.runtime.device()
-        self.tier = MemoryTier(self.device.type)
+        self.tier = self.runtime.tier
         self._reports = ReportQueue()
         self._runs = 0  # run() calls started: the node agent matches an outcome to its run
         self._outcome: RunOutcome | None = None  # how the last run() ended

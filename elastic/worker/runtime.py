@@ -20,6 +20,11 @@ What the runtime holds, the same under both:
   is in progress (``idle``, an event the abort watch waits on);
 * the training thread: each call of the actor's ``train`` concurrency group enters it
   (``training``), at the training thread's priority (``elastic/priority.py``);
+* the snapshots: the memory tier (``elastic/checkpoint/memory_tier.py``), CPU buffers
+  reused step after step, filled by a background copy that overlaps the next step, the two
+  newest kept, and the peers' copies this rank keeps; a copy gives way to a recovery
+  (``MemoryTier.yield_copy``, at an abort). The built-in trainer snapshots its whole state
+  after every step; a loop's step guard its model and optimizer (``elastic/train/step_guard.py``);
 * the device a rank trains on (``device``), where it runs (``where``, ``gpus``) and its
   resident memory (``rss_bytes``);
 * the process's set-up when the actor starts (``settle_process``): ``kill -USR1 <pid>`` dumps
@@ -30,8 +35,8 @@ What the runtime holds, the same under both:
   and glibc's handling of freed memory (``elastic/worker/allocator.py``);
 * the exit path (``close``).
 
-What each payload keeps for itself: what it trains and how, the state it snapshots (the
-memory tier, or a loop's reported files), its restore, its stop at a boundary, and the
+What each payload keeps for itself: what it trains and how, what goes into the snapshots
+and when, the checkpoints a loop reports (files, in the rank's memory), its restore, its stop at a boundary, and the
 messages it answers with (typed: ``elastic/messages.py`` for the built-in trainer,
 ``elastic/train/loop_messages.py`` for a loop).
 
@@ -59,6 +64,7 @@ from typing import Any, Protocol, runtime_checkable
 import ray
 import torch
 
+from elastic.checkpoint.memory_tier import MemoryTier
 from elastic.messages import Connection, WorkerInfo
 from elastic.priority import control_priority, training_thread
 from elastic.worker.abort import leave_process, report_if_stuck
@@ -82,6 +88,7 @@ class RankRuntime:
         self.idle = threading.Event()  # no run in progress
         self.idle.set()
         self.aborted = threading.Event()  # the driver abandoned the step in flight
+        self.tier = MemoryTier(device_type)  # the snapshots: what goes in it is the payload's
 
     # ------------------------------------------------------------------ the process
     def settle_process(self, threads: int | None = None, keep_freed: bool = False) -> None:
