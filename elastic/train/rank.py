@@ -302,18 +302,18 @@ class LoopRank:
         # the place this step was trained at (a recovery below re-forms the group under it)
         generation = self.place.generation if self.place is not None else 0
         rank, world = session.context.world_rank, session.context.world_size
-        files = read_files(checkpoint.path) if checkpoint is not None else None
+        reported = files = read_files(checkpoint.path) if checkpoint is not None else None
         try:  # the report's collectives: a held step's lost peer is recovered here too
             any_ckpt, leave = self._agree(checkpoint is not None, self._stop_requested)
             if any_ckpt and world > 1:
-                files = self._own_files(files, rank)
+                files = self._own_files(reported, rank)
         except Exception as exc:
             if guard is None or not guard.active or not is_collective_error(exc):
                 raise
             if not guard.recover():
                 return  # this rank's step was rolled back: the report goes with it
             any_ckpt, leave = checkpoint is not None, False
-            files = read_files(checkpoint.path) if checkpoint is not None else None  # all of it: no merge
+            files = reported  # all of it: no merge
         index = self.index + 1
         positions = [lo.position.as_dict() for lo in session.state["loaders"]]
         if files is not None:
